@@ -1,0 +1,115 @@
+"""Public digest API: 128-bit digest v1 of tensors, on the tensor's own device.
+
+CUDA tensors go through the Triton kernels (:mod:`refit_verify.kernels`), CPU tensors through the
+vectorised torch path; both are bit-identical to :mod:`refit_verify.reference`.
+
+Source: ``docs/digest-spec.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from refit_verify import reference as _ref
+
+__all__ = ["dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch"]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the spec's dtype name: torch's name without ``torch.`` (``"bfloat16"``, ``"bool"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def logical_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t``'s bytes in logical row-major element order as a 1-D uint8 tensor.
+
+    A contiguous tensor (any storage offset) is viewed without a copy; a non-contiguous view is
+    copied once with ``contiguous()``.
+
+    Args:
+        t: any dense tensor, any dtype, 0-dim and 0-element included.
+
+    Returns:
+        torch.Tensor: uint8, shape ``[t.numel() * t.element_size()]``, on ``t.device``.
+    """
+    if t.is_sparse or t.layout is not torch.strided:
+        raise TypeError(f"only dense strided tensors can be digested, got layout {t.layout}")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    flat = t.reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.uint8)
+
+
+class DigestBatch:
+    """Accumulates digests of many tensors with no per-tensor synchronisation.
+
+    ``add`` launches (or, on CPU, computes) the digest of one tensor on its device; results stay
+    on the device until :meth:`hexdigests`, which synchronises once per device.
+    """
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._cpu: dict[str, str] = {}
+        self._cuda: dict[torch.device, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it)."""
+        u8 = logical_bytes(t)
+        meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
+        if name not in self._cpu and all(name != n for n in self._names):
+            self._names.append(name)
+        if u8.is_cuda:
+            seeds = _ref.seed(*meta)
+            self._cuda.setdefault(u8.device, []).append((name, u8, seeds))
+        else:
+            from refit_verify import _torch_digest
+
+            self._cpu[name] = _torch_digest.digest_u8(u8, meta[0], meta[1])
+
+    def hexdigests(self) -> dict[str, str]:
+        """Return ``{name: 32-hex digest}`` in insertion order (one synchronisation per device)."""
+        out = dict(self._cpu)
+        if self._cuda:
+            from refit_verify.kernels import digest as kd
+
+            for items in self._cuda.values():
+                words = kd.digest_views([u for _, u, _ in items], [s for _, _, s in items])
+                for (name, _, _), hx in zip(items, kd.to_hex(words)):
+                    out[name] = hx
+            self._cuda.clear()
+        self._cpu = out
+        return {n: out[n] for n in self._names}
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """Return the 128-bit digest v1 of ``t`` as 32 lowercase hex characters.
+
+    The digest covers the dtype name, the shape, the byte length and every byte in logical
+    row-major order, so a strided view and its contiguous copy agree, while the same bytes under
+    another dtype or shape differ.
+
+    Args:
+        t: a dense tensor on CPU or CUDA, any dtype (complex as its real pairs), any shape.
+
+    Returns:
+        str: 32 lowercase hex characters (channel 0 then channel 1, each big-endian).
+
+    Raises:
+        TypeError: ``t`` is sparse or not strided.
+    """
+    b = DigestBatch()
+    b.add("t", t)
+    return b.hexdigests()["t"]
+
+
+def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Return ``{name: tensor_digest(t)}`` for many tensors, with one synchronisation per device."""
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    b = DigestBatch()
+    for name, t in items:
+        b.add(name, t)
+    return b.hexdigests()
