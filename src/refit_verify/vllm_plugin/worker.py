@@ -1,0 +1,63 @@
+"""Methods added to vLLM's ``WorkerBase`` by :func:`refit_verify.vllm_plugin.register`.
+
+Each runs inside a vLLM worker, reached through ``LLM.collective_rpc(name, args=...)``. Arguments and
+return values are plain strings, numbers, lists and dicts (msgpack-safe), never tensors.
+The ``refit_verify_`` prefix keeps them clear of every method vLLM's workers define.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+METHODS = ("refit_verify_receive", "refit_verify_param_digests")
+
+
+def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Receive one refit over the refit-verify transport and load it with ``model.load_weights``.
+
+    Args:
+        endpoint: the sender's ZMQ endpoint; ``{rank}`` is replaced by this worker's rank.
+        options: keyword options of :class:`refit_verify.RefitConfig` (``mode`` is taken from the
+            sender's handshake; timeouts and buffer sizes from here).
+
+    Returns:
+        dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` or None when not verifying),
+        ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds).
+
+    Raises:
+        RefitTimeoutError: the sender went silent for longer than ``timeout_s``.
+        RefitProtocolError: the sender broke the protocol.
+    """
+    from refit_verify.config import RefitConfig
+    from refit_verify.transport import RefitReceiver
+
+    cfg = RefitConfig.build(**(options or {}))
+    model = self.get_model()
+    receiver = RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device)
+    try:
+        res = receiver.receive(load=lambda batch: model.load_weights(batch))
+    finally:
+        receiver.close()
+    return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s}
+
+
+def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str, str]:
+    """Return ``{vLLM parameter name: 32-hex digest}`` of the engine's current parameters.
+
+    Reads back what the engine holds after loading (fused and sharded as vLLM stores them), for
+    checks beyond the transport boundary.
+
+    Args:
+        names: parameter names as in ``model.named_parameters()``; None means all.
+
+    Raises:
+        KeyError: a requested name is not a parameter of the model.
+    """
+    from refit_verify.digest import digest_tensors
+
+    params = dict(self.get_model().named_parameters())
+    wanted = list(params) if names is None else list(names)
+    missing = [n for n in wanted if n not in params]
+    if missing:
+        raise KeyError(f"not parameters of the model: {missing}")
+    return digest_tensors((n, params[n].detach()) for n in wanted)
