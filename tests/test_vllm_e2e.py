@@ -21,15 +21,21 @@ TARGET = "model.layers.0.self_attn.o_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def device():
+    """Staging device of this module's engine; tests/gpu/test_gpu_e2e.py overrides it with cuda."""
     if torch.cuda.is_available():
         pytest.skip("CPU engine test; the GPU variant lives in tests/gpu/")
+    return "cpu"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, device):
     d = tmp_path_factory.mktemp("tiny-llama")
     (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
     env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    llm = start_engine(d, "cpu")
+    llm = start_engine(d, device)
     yield llm, models.load_config(d)
     del llm
     for k, v in old.items():
@@ -43,10 +49,10 @@ def _cfg(mode):
     return RefitConfig.build(mode=mode, buffer_bytes=64 << 10, timeout_s=60.0)
 
 
-def test_clean_refit_enforce_verifies_and_loads(engine):
+def test_clean_refit_enforce_verifies_and_loads(engine, device):
     llm, cfg = engine
-    weights = models.random_state_dict(cfg, seed=7)
-    with RefitSender(config=_cfg("enforce"), device="cpu") as s:
+    weights = models.random_state_dict(cfg, seed=7, device=device)
+    with RefitSender(config=_cfg("enforce"), device=device) as s:
         report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
     assert not isinstance(report, BaseException), report
     assert report.ok and report.verified == len(weights) == 21
@@ -56,10 +62,10 @@ def test_clean_refit_enforce_verifies_and_loads(engine):
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
 
 
-def test_flipped_byte_named_exactly(engine):
+def test_flipped_byte_named_exactly(engine, device):
     llm, cfg = engine
-    weights = models.random_state_dict(cfg, seed=8)
-    with OneByteFlipSender(config=_cfg("enforce"), device="cpu", target=TARGET, byte_index=1000) as s:
+    weights = models.random_state_dict(cfg, seed=8, device=device)
+    with OneByteFlipSender(config=_cfg("enforce"), device=device, target=TARGET, byte_index=1000) as s:
         report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
     assert s.flipped
     assert isinstance(report, RefitVerificationError)
@@ -67,26 +73,26 @@ def test_flipped_byte_named_exactly(engine):
     assert TARGET in str(report)
 
 
-def test_log_mode_logs_and_continues(engine, caplog):
+def test_log_mode_logs_and_continues(engine, device, caplog):
     llm, cfg = engine
-    weights = models.random_state_dict(cfg, seed=9)
+    weights = models.random_state_dict(cfg, seed=9, device=device)
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        with OneByteFlipSender(config=_cfg("log"), device="cpu", target=TARGET, byte_index=3) as s:
+        with OneByteFlipSender(config=_cfg("log"), device=device, target=TARGET, byte_index=3) as s:
             report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
     assert not isinstance(report, BaseException), report
     assert not report.ok and list(report.mismatched) == [TARGET]
     assert any(TARGET in r.getMessage() for r in caplog.records)
 
 
-def test_off_mode_computes_no_digests(engine, monkeypatch):
+def test_off_mode_computes_no_digests(engine, device, monkeypatch):
     llm, cfg = engine
     import refit_verify.digest as dg
 
     calls = []
     orig = dg.DigestBatch.add
     monkeypatch.setattr(dg.DigestBatch, "add", lambda self, *a, **k: (calls.append(a[0]), orig(self, *a, **k)))
-    weights = models.random_state_dict(cfg, seed=10)
-    with RefitSender(config=_cfg("off"), device="cpu") as s:
+    weights = models.random_state_dict(cfg, seed=10, device=device)
+    with RefitSender(config=_cfg("off"), device=device) as s:
         report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
     assert report is None and calls == []
     assert workers[0]["manifest"] is None and workers[0]["digest_s"] == 0

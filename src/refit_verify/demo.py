@@ -42,6 +42,8 @@ class OneByteFlipSender(RefitSender):
                 if e.name == self.target and e.nbytes > self.byte_index:
                     staging[e.offset + self.byte_index] ^= 0x01
                     self.flipped = True
+            if staging.is_cuda:
+                torch.cuda.synchronize(staging.device)
         return super()._exchange(msg, staging)
 
 
