@@ -66,9 +66,12 @@ class DigestBatch:
             seeds = _ref.seed(*meta)
             self._cuda.setdefault(u8.device, []).append((name, u8, seeds))
         else:
-            from refit_verify import _torch_digest
+            try:
+                from refit_verify import _numba_digest as _cpu_digest
+            except Exception:  # numba missing or unusable: the vectorised torch path
+                from refit_verify import _torch_digest as _cpu_digest
 
-            self._cpu[name] = _torch_digest.digest_u8(u8, meta[0], meta[1])
+            self._cpu[name] = _cpu_digest.digest_u8(u8, meta[0], meta[1])
 
     def hexdigests(self) -> dict[str, str]:
         """Return ``{name: 32-hex digest}`` in insertion order (one synchronisation per device)."""

@@ -1,0 +1,202 @@
+"""The numba CPU path of digest v1 (``_numba_digest``) is bit-identical to the reference and to
+the torch CPU path, for every size class of the tree, odd offsets and every dtype."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from refit_verify import _torch_digest, digest, reference, tensor_digest
+
+nd = pytest.importorskip("refit_verify._numba_digest")
+
+CHUNK = reference.CHUNK_LANES
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _numba(u8: torch.Tensor, name: str = "uint8", shape: tuple[int, ...] | None = None) -> str:
+    return nd.digest_u8(u8, name, (u8.numel(),) if shape is None else shape)
+
+
+def _torch(u8: torch.Tensor, name: str = "uint8", shape: tuple[int, ...] | None = None) -> str:
+    return _torch_digest.digest_u8(u8, name, (u8.numel(),) if shape is None else shape)
+
+
+def _ref(u8: torch.Tensor, name: str = "uint8", shape: tuple[int, ...] | None = None) -> str:
+    return reference.digest_bytes(u8.numpy().tobytes(), name, (u8.numel(),) if shape is None else shape)
+
+
+# Lane counts around every boundary of the tree: one lane, a group (16), a stride (256),
+# a level-0 block (4096), a level-1 block / fused unit (65536).
+SMALL_LANES = [0, 1, 2, 7, 8, 9, 15, 16, 17, 127, 128, 129, 255, 256, 257, 4095, 4096, 4097]
+BIG_LANES = [65535, 65536, 65537]
+
+
+@pytest.mark.parametrize("lanes", SMALL_LANES)
+@pytest.mark.parametrize("extra", [0, -1, -7])
+def test_small_vs_reference(lanes: int, extra: int) -> None:
+    n = max(0, lanes * 8 + extra)
+    u8 = _bytes(n, seed=lanes)
+    want = _ref(u8)
+    assert _numba(u8) == want
+    assert _torch(u8) == want
+
+
+@pytest.mark.parametrize("nbytes", [1, 2, 3, 4, 5, 6, 7, 8, 13, 8 * 4096 + 3])
+def test_partial_tail_vs_reference(nbytes: int) -> None:
+    u8 = _bytes(nbytes, seed=nbytes)
+    assert _numba(u8) == _ref(u8)
+
+
+@pytest.mark.parametrize("lanes", BIG_LANES)
+def test_level1_boundaries_vs_reference(lanes: int) -> None:
+    u8 = _bytes(lanes * 8 - (lanes % 3), seed=lanes)  # 65535: whole lanes; others: a partial tail
+    assert _numba(u8) == _ref(u8)
+
+
+@pytest.mark.parametrize(
+    "nbytes",
+    [
+        (CHUNK - 1) * 8,
+        CHUNK * 8 - 3,  # the tail lane completes the first chunk
+        CHUNK * 8,
+        (CHUNK + 1) * 8,
+        CHUNK * 8 + 5,  # second chunk is only the tail lane
+        2 * CHUNK * 8,
+        (2 * CHUNK + 4097) * 8 + 1,  # two full chunks + a partial one with a tail
+    ],
+)
+def test_chunk_boundaries_vs_torch(nbytes: int) -> None:
+    u8 = _bytes(nbytes, seed=nbytes % 1000)
+    assert _numba(u8) == _torch(u8)
+
+
+def test_one_full_chunk_vs_reference() -> None:
+    """One reference run over a whole chunk (the only check of the fused unit path vs the spec)."""
+    u8 = _bytes(CHUNK * 8, seed=7)
+    assert _numba(u8) == _ref(u8)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3, 4, 5, 7, 8, 16])
+@pytest.mark.parametrize("lanes", [0, 1, 9, 257, 4097])
+def test_storage_offsets(offset: int, lanes: int) -> None:
+    for extra in (0, -3):
+        n = max(0, lanes * 8 + extra)
+        big = _bytes(n + offset + 8, seed=offset)
+        u8 = big[offset : offset + n]
+        assert u8.storage_offset() == offset
+        assert _numba(u8) == _ref(u8)
+
+
+def test_misaligned_multi_chunk_vs_torch() -> None:
+    n = (CHUNK + 70000) * 8 + 3
+    big = _bytes(n + 3, seed=3)
+    u8 = big[3:]
+    assert u8.data_ptr() % 8 != 0
+    assert _numba(u8) == _torch(u8)
+
+
+def test_parallel_equals_serial() -> None:
+    lanes = _bytes((2 * CHUNK + 3 * 65536 + 4100) * 8, seed=11).numpy().view(np.uint64)
+    s0, s1 = np.uint64(0x0123456789ABCDEF), np.uint64(0xFEDCBA9876543210)
+    for has_tail in (False, True):
+        tail = np.uint64(0xA5)
+        assert nd.digest_lanes(lanes, has_tail, tail, s0, s1, True) == nd.digest_lanes(
+            lanes, has_tail, tail, s0, s1, False
+        )
+
+
+def test_serial_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    u8 = _bytes(CHUNK * 8 + 9, seed=5)
+    want = _numba(u8)
+    monkeypatch.setattr(nd, "PARALLEL_MIN_LANES", 1 << 62)
+    assert _numba(u8) == want
+    monkeypatch.setattr(nd, "PARALLEL_MIN_LANES", 0)
+    assert _numba(_bytes(8 * 300, seed=1)) == _ref(_bytes(8 * 300, seed=1))
+
+
+def test_metadata_enters_digest() -> None:
+    u8 = _bytes(64)
+    assert _numba(u8, "uint8", (64,)) == _ref(u8, "uint8", (64,))
+    assert _numba(u8, "float32", (4, 4)) == _ref(u8, "float32", (4, 4))
+    assert _numba(u8, "float32", (4, 4)) != _numba(u8, "float32", (16,))
+
+
+DTYPES = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+]  # fmt: skip
+
+
+def _make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (5, 7), (33, 65), (2, 3, 129)])
+def test_all_dtypes_via_tensor_digest(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = _make(dtype, shape, seed=len(shape) * 31 + sum(shape))
+    u8 = digest.logical_bytes(t)
+    name = digest.dtype_name(dtype)
+    want = reference.digest_bytes(u8.numpy().tobytes(), name, tuple(t.shape))
+    assert tensor_digest(t) == want
+    assert _torch_digest.digest_u8(u8, name, tuple(t.shape)) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.complex64], ids=str)
+def test_views(dtype: torch.dtype) -> None:
+    base = _make(dtype, (37, 41), seed=2)
+    for v in (base[1:], base[:, 3:], base.t(), base[5:9, 7:30:3], base[3, 5]):
+        assert tensor_digest(v) == tensor_digest(v.contiguous().clone())
+        u8 = digest.logical_bytes(v)
+        want = reference.digest_bytes(u8.numpy().tobytes(), digest.dtype_name(dtype), tuple(v.shape))
+        assert tensor_digest(v) == want
+
+
+def test_digest_batch_uses_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = nd.digest_u8
+
+    def spy(*a):
+        calls.append(a[1:])
+        return real(*a)
+
+    monkeypatch.setattr(nd, "digest_u8", spy)
+    t = torch.arange(10, dtype=torch.float32)
+    tensor_digest(t)
+    assert calls == [("float32", (10,))]
+
+
+def test_digest_batch_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _make(torch.bfloat16, (9, 11), seed=4)
+    want = tensor_digest(t)
+    monkeypatch.setitem(sys.modules, "refit_verify._numba_digest", None)  # import now fails
+    monkeypatch.delattr("refit_verify._numba_digest", raising=False)
+    calls = []
+    real = _torch_digest.digest_u8
+
+    def spy(*a):
+        calls.append(a[1:])
+        return real(*a)
+
+    monkeypatch.setattr(_torch_digest, "digest_u8", spy)
+    assert tensor_digest(t) == want
+    assert calls == [("bfloat16", (9, 11))]
