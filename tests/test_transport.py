@@ -1,0 +1,475 @@
+"""Transport: sender in this process, receiver in a spawned process (CPU shared memory), plus
+in-process (thread) receivers for protocol edge cases."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import stat
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+import refit_verify.digest as digest_mod
+from refit_verify import RefitConfig, logical_bytes
+from refit_verify.digest import dtype_name
+from refit_verify.errors import RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.transport import RefitReceiver, RefitSender
+from refit_verify.wire import Buffer, Hello, Reject, decode_reply, encode
+
+SPAWN = mp.get_context("spawn")
+PROC_TIMEOUT_S = 60
+
+
+# ---------------------------------------------------------------- receiver process (spawned)
+
+
+def _count_digest_calls() -> dict:
+    """Wrap DigestBatch.add / hexdigests with counters (in the calling process)."""
+    counts = {"add": 0, "hexdigests": 0}
+    add, hexd = digest_mod.DigestBatch.add, digest_mod.DigestBatch.hexdigests
+
+    def counted_add(self, name, t):
+        counts["add"] += 1
+        return add(self, name, t)
+
+    def counted_hex(self):
+        counts["hexdigests"] += 1
+        return hexd(self)
+
+    digest_mod.DigestBatch.add = counted_add
+    digest_mod.DigestBatch.hexdigests = counted_hex
+    return counts
+
+
+def _receiver_main(endpoint: str, cfg: dict, n_refits: int, q, device: str | None = None) -> None:
+    """Run ``n_refits`` receives; put one ``("ok", info)`` or ``("error", text)`` per refit."""
+    counts = _count_digest_calls()
+    try:
+        with RefitReceiver(endpoint, config=RefitConfig.build(**cfg), device=device) as rx:
+            for _ in range(n_refits):
+                counts.update(add=0, hexdigests=0)
+                got: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
+
+                def load(batch):
+                    for name, t in batch:
+                        assert device is None or t.device == torch.device(device), (name, t.device)
+                        got[name] = (dtype_name(t.dtype), tuple(t.shape), logical_bytes(t).cpu().numpy().tobytes())
+
+                res = rx.receive(load)
+                q.put(("ok", {"result": {k: getattr(res, k) for k in ("manifest", "tensors", "bytes", "buffers", "error", "refit_id")},
+                              "got": got, "counts": dict(counts)}))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+class ReceiverProcess:
+    def __init__(self, endpoint: str, n_refits: int = 1, device: str | None = None, **cfg) -> None:
+        cfg.setdefault("timeout_s", 30.0)
+        cfg.setdefault("connect_timeout_s", 30.0)
+        self.q = SPAWN.Queue()
+        self.proc = SPAWN.Process(target=_receiver_main, args=(endpoint, cfg, n_refits, self.q, device), daemon=True)
+        self.proc.start()
+
+    def result(self) -> dict:
+        try:
+            kind, info = self.q.get(timeout=PROC_TIMEOUT_S)
+        except queue.Empty:
+            raise AssertionError(f"receiver process produced nothing (alive={self.proc.is_alive()}, exitcode={self.proc.exitcode})") from None
+        assert kind == "ok", info
+        return info
+
+    def close(self) -> None:
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def assert_received(got: dict, tensors: list[tuple[str, torch.Tensor]], *, except_name: str | None = None) -> None:
+    assert list(got) == [n for n, _ in tensors]
+    for name, t in tensors:
+        dt, shape, data = got[name]
+        assert (dt, shape) == (dtype_name(t.dtype), tuple(t.shape)), name
+        same = torch.equal(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8),
+                           logical_bytes(t).cpu())
+        assert same is (name != except_name), name
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def mixed_tensors(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """bf16/fp16/fp32/int8/bool/fp8/int64, two oversized (one non-contiguous), 0-element, 0-dim,
+    transposed, storage-offset (also odd bf16 offset), and 40 small ones (~30 KiB in all), on
+    ``device`` (views are taken there)."""
+    g = torch.Generator().manual_seed(0)
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device)
+
+    base = on(torch.randn(100, generator=g))
+    bf_base = on(torch.randn(64, generator=g).to(torch.bfloat16))
+    ts = [
+        ("w.bf16", on(torch.randn(16, 40, generator=g).to(torch.bfloat16))),
+        ("w.fp16", on(torch.randn(7, 13, generator=g).to(torch.float16))),
+        ("w.fp32", on(torch.randn(3, 5, 7, generator=g))),
+        ("w.int8", on(torch.randint(-128, 128, (77,), generator=g, dtype=torch.int8))),
+        ("w.bool", on(torch.rand(50, generator=g) > 0.5)),
+        ("w.fp8", on(torch.randn(33, generator=g).to(torch.float8_e4m3fn))),
+        ("w.int64", on(torch.randint(-(2**62), 2**62, (5,), generator=g))),
+        ("oversized", on(torch.randn(3000, generator=g))),  # 12000 B > half of 16 KiB
+        ("empty", on(torch.empty(3, 0))),
+        ("scalar", on(torch.tensor(2.5))),
+        ("scalar.bf16", on(torch.tensor(-1.25, dtype=torch.bfloat16))),
+        ("transposed", on(torch.randn(9, 17, generator=g)).t()),
+        ("offset", base[13:57]),
+        ("offset.bf16.odd", bf_base[3:20]),
+    ]
+    ts += [(f"layers.{i}.small", on(torch.randn(25 + 37 * i, generator=g))) for i in range(40)]
+    ts.append(("tail.oversized.bf16", on(torch.randn(80, 80, generator=g).to(torch.bfloat16)).t()))  # 12800 B, non-contiguous
+    return ts
+
+
+SMALL_BUDGET = dict(buffer_bytes=16384)
+
+
+# ---------------------------------------------------------------- two-process tests
+
+
+def test_two_process_round_trip_enforce():
+    tensors = mixed_tensors()
+    assert not tensors[11][1].is_contiguous() and tensors[12][1].storage_offset() == 13
+    cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, **SMALL_BUDGET)
+    with RefitSender(config=cfg) as tx:
+        rx = ReceiverProcess(tx.endpoint, n_refits=2, **SMALL_BUDGET)
+        try:
+            for _ in range(2):  # the channel is reusable
+                report = tx.send(tensors)
+                info = rx.result()
+                assert report is not None and report.ok, report.describe()
+                assert report.verified == len(tensors)
+                assert_received(info["got"], tensors)
+                st = tx.last_stats
+                assert st["tensors"] == len(tensors) == info["result"]["tensors"]
+                assert st["bytes"] == sum(logical_bytes(t).numel() for _, t in tensors) == info["result"]["bytes"]
+                assert st["buffers"] == info["result"]["buffers"] >= 6  # several switches + 2 dedicated
+                assert st["digest_s"] > 0 and st["wall_s"] >= st["digest_s"] and st["receiver_digest_s"] > 0
+                assert info["result"]["error"] is None and info["result"]["refit_id"] == st["refit_id"]
+                assert set(info["result"]["manifest"]) == {n for n, _ in tensors}
+                assert info["counts"]["add"] == len(tensors)
+        finally:
+            rx.close()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("rv_")]
+
+
+def test_two_process_mode_off_computes_no_digest(monkeypatch):
+    counts = {"n": 0}
+
+    def forbidden(*a, **k):
+        counts["n"] += 1
+        raise AssertionError("digest code ran in off mode")
+
+    for attr in ("__init__", "add", "hexdigests"):
+        monkeypatch.setattr(digest_mod.DigestBatch, attr, forbidden)
+    tensors = mixed_tensors()
+    cfg = RefitConfig.build(mode="off", timeout_s=30.0, **SMALL_BUDGET)
+    with RefitSender(config=cfg) as tx:
+        # The receiver's own config says enforce: it must follow the sender's Hello.
+        rx = ReceiverProcess(tx.endpoint, mode="enforce", **SMALL_BUDGET)
+        try:
+            assert tx.send(tensors) is None
+            info = rx.result()
+        finally:
+            rx.close()
+    assert counts["n"] == 0
+    assert tx.last_stats["digest_s"] == 0.0 and tx.last_stats["receiver_digest_s"] == 0.0
+    assert info["result"]["manifest"] is None and info["result"]["error"] is None
+    assert info["counts"] == {"add": 0, "hexdigests": 0}
+    assert_received(info["got"], tensors)
+
+
+class CorruptingSender(RefitSender):
+    """Flips one byte in the staging slot of ``target`` after packing, before the message leaves."""
+
+    target = "layers.17.small"
+
+    def _exchange(self, msg, staging=None):
+        if isinstance(msg, Buffer):
+            for e in msg.entries:
+                if e.name == self.target:
+                    i = e.offset + e.nbytes // 2
+                    staging[i] = staging[i] ^ 0x10
+        return super()._exchange(msg, staging)
+
+
+def test_two_process_corrupted_staging_enforce_and_log(caplog):
+    tensors = mixed_tensors()
+    target = CorruptingSender.target
+    enforce = RefitConfig.build(mode="enforce", timeout_s=30.0, **SMALL_BUDGET)
+    log = RefitConfig.build(mode="log", timeout_s=30.0, **SMALL_BUDGET)
+    with CorruptingSender(config=enforce) as tx:
+        rx = ReceiverProcess(tx.endpoint, n_refits=2, **SMALL_BUDGET)
+        try:
+            with pytest.raises(RefitVerificationError) as ei:
+                tx.send(tensors)
+            assert ei.value.mismatched == [target] and not ei.value.missing and not ei.value.unexpected
+            assert target in str(ei.value)
+            info = rx.result()
+            assert_received(info["got"], tensors, except_name=target)  # the receiver did get the bad bytes
+
+            tx.config = log
+            with caplog.at_level(logging.WARNING, logger="refit_verify"):
+                report = tx.send(tensors)
+            assert not report.ok and report.mismatched == (target,) and report.verified == len(tensors) - 1
+            assert any(target in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+            rx.result()
+        finally:
+            rx.close()
+
+
+# ---------------------------------------------------------------- timeouts
+
+
+def test_sender_times_out_when_receiver_never_connects():
+    cfg = RefitConfig.build(mode="enforce", timeout_s=1.0)
+    with RefitSender(config=cfg) as tx:
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeoutError) as ei:
+            tx.send([("a", torch.randn(4))])
+        elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 3.0
+    p = ei.value.progress
+    assert p["reason"] == "receiver went silent" and p["buffers_acked"] == 0 and p["tensors_sent"] == 0
+    assert "receiver went silent" in str(ei.value)
+
+
+def _thread_receiver(endpoint: str, load, cfg: RefitConfig, out: dict) -> threading.Thread:
+    def run():
+        try:
+            with RefitReceiver(endpoint, config=cfg) as rx:
+                out["result"] = rx.receive(load)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_sender_times_out_when_receiver_goes_silent_mid_refit():
+    cfg = RefitConfig.build(mode="enforce", timeout_s=1.0, connect_timeout_s=5.0, buffer_bytes=4096)
+    out: dict = {}
+    with RefitSender(config=cfg) as tx:
+        th = _thread_receiver(tx.endpoint, lambda batch: time.sleep(2.0), cfg, out)
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeoutError) as ei:
+            tx.send([(f"t{i}", torch.randn(200)) for i in range(8)])
+        assert time.monotonic() - t0 < 4.0
+        th.join(timeout=10)
+    p = ei.value.progress
+    assert p["buffers_sent"] >= 1 and p["buffers_acked"] < p["buffers_sent"] and p["last_name"].startswith("t")
+    assert p["waiting_for"].startswith("Ack")
+    assert isinstance(out.get("error"), RefitTimeoutError)  # the receiver then sees the sender go silent
+    assert out["error"].progress["reason"] == "sender went silent"
+
+
+def test_receiver_times_out_without_hello(tmp_path):
+    cfg = RefitConfig.build(connect_timeout_s=0.3)
+    with RefitReceiver(f"ipc://{tmp_path}/nobody.sock", config=cfg) as rx:
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeoutError) as ei:
+            rx.receive(lambda b: None)
+        assert time.monotonic() - t0 < 2.0
+    assert ei.value.progress["stage"] == "waiting for Hello"
+
+
+# ---------------------------------------------------------------- protocol edge cases (threads)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
+        b"garbage",
+        encode(Reject(reason="a reply is not a request")),
+        encode(msgspec.structs.replace(Hello(protocol=1, refit_id="x", mode="off"), mode="ON")),
+        encode(Hello(protocol=999, refit_id="x", mode="off")),
+    ],
+    ids=["pickle", "garbage", "reply-as-request", "bad-mode", "bad-version"],
+)
+def test_receiver_rejects_bad_first_message(tmp_path, payload):
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.setsockopt(zmq.RCVTIMEO, 5000)
+    req.bind(endpoint)
+    out: dict = {}
+    try:
+        th = _thread_receiver(endpoint, lambda b: None, RefitConfig.build(connect_timeout_s=5.0), out)
+        req.send(payload)
+        reply = decode_reply(req.recv())
+        th.join(timeout=5)
+    finally:
+        req.close()
+        ctx.term()
+    assert isinstance(reply, Reject)
+    assert isinstance(out.get("error"), RefitProtocolError)
+
+
+class RewritingSender(RefitSender):
+    """Applies ``rewrite(msg) -> msg`` to every request."""
+
+    rewrite = staticmethod(lambda msg: msg)
+
+    def _exchange(self, msg, staging=None):
+        return super()._exchange(self.rewrite(msg), staging)
+
+
+def _run_pair(sender: RefitSender, tensors, load=lambda b: None, **cfg):
+    out: dict = {}
+    th = _thread_receiver(sender.endpoint, load, RefitConfig.build(connect_timeout_s=5.0, timeout_s=5.0, **cfg), out)
+    try:
+        return sender.send(tensors), out
+    finally:
+        th.join(timeout=10)
+
+
+def test_protocol_version_mismatch_is_rejected():
+    tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0))
+    tx.rewrite = lambda m: msgspec.structs.replace(m, protocol=2) if isinstance(m, Hello) else m
+    with tx, pytest.raises(RefitProtocolError, match="protocol 2"):
+        _run_pair(tx, [("a", torch.randn(3))])
+
+
+@pytest.mark.parametrize("field", ["used_bytes", "offset", "nbytes", "dtype"])
+def test_layout_tampering_is_reported_and_acked(field):
+    def tamper(m):
+        if not isinstance(m, Buffer) or m.seq != 1:
+            return m
+        if field == "used_bytes":
+            return msgspec.structs.replace(m, used_bytes=m.used_bytes + 512)
+        e = m.entries[-1]
+        changed = {"offset": e.offset + 512, "nbytes": e.nbytes + 4, "dtype": "float16"}[field]
+        e = msgspec.structs.replace(e, **{field: changed})
+        return msgspec.structs.replace(m, entries=[*m.entries[:-1], e])
+
+    loaded: list[str] = []
+    tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0, buffer_bytes=4096))
+    tx.rewrite = tamper
+    tensors = [(f"t{i}", torch.randn(100)) for i in range(12)]
+    with tx, pytest.raises(RefitProtocolError, match="receiver reported: buffer 1") as ei:
+        _run_pair(tx, tensors, load=lambda b: loaded.extend(n for n, _ in b), buffer_bytes=4096)
+    # every other buffer was still loaded and acknowledged; buffer 1 was not loaded at all
+    assert "t0" in loaded and "t11" in loaded and len(loaded) < len(tensors)
+    assert tx.last_stats["tensors"] == len(tensors)
+    assert {"used_bytes": "used_bytes", "offset": "offset", "nbytes": "nbytes", "dtype": "float16"}[field] in str(ei.value)
+
+
+def test_same_size_dtype_relabel_is_caught_by_digest():
+    """A relabel that keeps the byte count (float32 → int32) passes every layout check; the
+    digest, which covers the dtype each side believes, names the tensor."""
+    tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0))
+    tx.rewrite = lambda m: msgspec.structs.replace(
+        m, entries=[msgspec.structs.replace(e, dtype="int32") if e.name == "b" else e for e in m.entries]) if isinstance(m, Buffer) else m
+    with tx, pytest.raises(RefitVerificationError) as ei:
+        _run_pair(tx, [("a", torch.randn(5)), ("b", torch.randn(6)), ("c", torch.randn(7))])
+    assert ei.value.mismatched == ["b"]
+
+
+def test_load_error_is_deferred_to_done():
+    def load(batch):
+        if any(n == "bad" for n, _ in batch):
+            raise RuntimeError("cannot load bad")
+
+    with RefitSender(config=RefitConfig.build(mode="log", timeout_s=5.0)) as tx:
+        with pytest.raises(RefitProtocolError, match="cannot load bad"):
+            _run_pair(tx, [("good", torch.ones(3)), ("bad", torch.zeros(2))], load=load)
+
+
+def test_private_directory_and_cleanup():
+    tx = RefitSender(config=RefitConfig.build(mode="off"))
+    path = tx.endpoint.removeprefix("ipc://")
+    d = os.path.dirname(path)
+    assert path.endswith("/refit.sock") and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    with tx:
+        report, out = _run_pair(tx, [])
+    assert report is None and out["result"].tensors == 0 and out["result"].buffers == 0
+    assert not os.path.exists(d)
+    tx.close()  # idempotent
+
+
+def test_demo_one_byte_flip_sender_is_caught():
+    """The demo's fault injector (an ``_exchange`` override) works against this transport."""
+    demo = pytest.importorskip("refit_verify.demo")
+    tensors = [(f"p{i}", torch.randn(64)) for i in range(6)]
+    with demo.OneByteFlipSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0, buffer_bytes=1024), target="p3", byte_index=5) as tx:
+        with pytest.raises(RefitVerificationError) as ei:
+            _run_pair(tx, tensors, buffer_bytes=1024)
+    assert tx.flipped and ei.value.mismatched == ["p3"]
+
+
+# ---------------------------------------------------------------- CUDA IPC (skipped without a GPU)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["enforce", "off"])
+def test_two_process_round_trip_cuda_ipc(mode):
+    tensors = mixed_tensors("cuda:0")
+    cfg = RefitConfig.build(mode=mode, timeout_s=60.0, **SMALL_BUDGET)
+    with RefitSender(config=cfg, device="cuda:0") as tx:
+        rx = ReceiverProcess(tx.endpoint, n_refits=2, device="cuda:0", timeout_s=60.0, connect_timeout_s=60.0, **SMALL_BUDGET)
+        try:
+            for _ in range(2):
+                report = tx.send(tensors)
+                info = rx.result()
+                assert (report is None) if mode == "off" else report.ok, report
+                assert_received(info["got"], tensors)
+                assert info["result"]["error"] is None
+                assert tx.last_stats["buffers"] == info["result"]["buffers"] >= 6
+        finally:
+            rx.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_two_process_corrupted_cuda_staging_named():
+    tensors = mixed_tensors("cuda:0")
+    with CorruptingSender(config=RefitConfig.build(mode="enforce", timeout_s=60.0, **SMALL_BUDGET), device="cuda:0") as tx:
+        rx = ReceiverProcess(tx.endpoint, device="cuda:0", timeout_s=60.0, connect_timeout_s=60.0, **SMALL_BUDGET)
+        try:
+            with pytest.raises(RefitVerificationError) as ei:
+                tx.send(tensors)
+            assert ei.value.mismatched == [CorruptingSender.target]
+            rx.result()
+        finally:
+            rx.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_same_process_cuda_receiver():
+    """Receiver thread in the sender's process: buffers exported here are used directly."""
+    tensors = mixed_tensors("cuda:0")
+    got: dict = {}
+
+    def load(batch):
+        for n, t in batch:
+            got[n] = (dtype_name(t.dtype), tuple(t.shape), logical_bytes(t).cpu().numpy().tobytes())
+
+    with RefitSender(config=RefitConfig.build(mode="off", timeout_s=30.0, **SMALL_BUDGET), device="cuda:0") as tx:
+        for _ in range(2):
+            got.clear()
+            report, out = _run_pair(tx, tensors, load=load, **SMALL_BUDGET)
+            assert report is None and out["result"].error is None, out
+            assert_received(got, tensors)
