@@ -47,6 +47,11 @@ class OneByteFlipSender(RefitSender):
         return super()._exchange(msg, staging)
 
 
+def readback_names(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Names vLLM stores unfused and unrepacked on every backend: embeddings, norms, lm_head."""
+    return [n for n in weights if "embed_tokens" in n or n.endswith("norm.weight") or n.startswith("lm_head")]
+
+
 def _env_defaults(device: str) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -118,7 +123,7 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
             stats = getattr(sender, "last_stats", {}) or {}
         clean_ok = not isinstance(report, BaseException) and report is not None and report.ok
 
-        readback = [n for n in weights if not any(k in n for k in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
+        readback = readback_names(weights)
         engine_digests = llm.collective_rpc("refit_verify_param_digests", args=(readback,))[0]
         expected = digest_tensors((n, weights[n]) for n in readback)
         readback_ok = engine_digests == expected

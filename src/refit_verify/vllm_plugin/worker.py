@@ -33,11 +33,23 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
 
     cfg = RefitConfig.build(**(options or {}))
     model = self.get_model()
+    start, finish = _layerwise_reload()
     receiver = RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device)
+
+    def load(batch):
+        # Layerwise reload defers a layer's processing until all its weights arrived and keeps
+        # references to what it was handed: give it owned copies, never views of a staging slot
+        # that the sender refills after our Ack (the staged-slot reuse race).
+        model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
+
+    if start:
+        start(model)
     try:
-        res = receiver.receive(load=lambda batch: model.load_weights(batch))
+        res = receiver.receive(load=load)
     finally:
         receiver.close()
+        if finish:
+            finish(model, self.model_config)
     return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s}
 
 
@@ -61,3 +73,12 @@ def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str
     if missing:
         raise KeyError(f"not parameters of the model: {missing}")
     return digest_tensors((n, params[n].detach()) for n in wanted)
+
+
+def _layerwise_reload():
+    """Return vLLM's (initialize, finalize) layerwise-reload functions, or (None, None) before 0.20."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:  # pragma: no cover - older vLLM: load_weights writes in place
+        return None, None
+    return initialize_layerwise_reload, finalize_layerwise_reload
