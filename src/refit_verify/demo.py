@@ -130,25 +130,23 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
 
         target = "model.layers.1.mlp.down_proj.weight" if "model.layers.1.mlp.down_proj.weight" in weights else next(iter(weights))
         with OneByteFlipSender(config=rcfg, device=device, target=target, byte_index=777) as bad:
-            freport, _, _ = push(llm, bad, weights, options)
+            freport, fworkers, fwall = push(llm, bad, weights, options)
+            fstats = getattr(bad, "last_stats", {}) or {}
         fault_ok = isinstance(freport, RefitVerificationError) and list(freport.mismatched) == [target] and not freport.missing and not freport.unexpected
 
-        t = Table(title=f"refit-verify demo — {device}, {cfg.get('architectures', ['?'])[0]}, REFIT_VERIFY=enforce")
-        for col in ("refit", "tensors", "bytes", "sender digest", "receiver digest", "wall", "verdict"):
-            t.add_column(col)
+        t = Table(title=f"refit-verify demo: {device}, {cfg.get('architectures', ['?'])[0]}, REFIT_VERIFY=enforce")
+        for col in ("refit", "tensors", "MiB", "sender digest", "receiver digest", "wall", "verdict"):
+            t.add_column(col, no_wrap=True)
         w0 = workers[0] if workers else {}
-        t.add_row(
-            "clean",
-            str(len(weights)),
-            f"{nbytes / 2**20:.2f} MiB",
-            f"{stats.get('digest_s', float('nan')) * 1e3:.1f} ms",
-            f"{w0.get('digest_s', float('nan')) * 1e3:.1f} ms",
-            f"{wall:.2f} s",
-            "[green]verified[/]" if clean_ok else f"[red]FAILED: {report}[/]",
-        )
-        t.add_row("1 byte flipped", str(len(weights)), f"{nbytes / 2**20:.2f} MiB", "", "", "",
-                  f"[green]caught: {freport}[/]" if fault_ok else f"[red]NOT caught as expected: {freport!r}[/]")
+        fw0 = fworkers[0] if fworkers else {}
+        ms = lambda d: f"{d.get('digest_s', float('nan')) * 1e3:.1f}ms"  # noqa: E731
+        t.add_row("clean", str(len(weights)), f"{nbytes / 2**20:.2f}", ms(stats), ms(w0), f"{wall:.2f}s",
+                  "[green]verified[/]" if clean_ok else "[red]FAILED[/]")
+        t.add_row("byte flip", str(len(weights)), f"{nbytes / 2**20:.2f}", ms(fstats), ms(fw0), f"{fwall:.2f}s",
+                  "[green]caught[/]" if fault_ok else "[red]NOT caught as expected[/]")
         console.print(t)
+        console.print(f"clean refit: {report.describe() if hasattr(report, 'describe') else report}")
+        console.print(f"faulty refit (byte 777 of {target} flipped in its staged slot): {type(freport).__name__}: {freport}")
         console.print(("[green]" if readback_ok else "[red]") + f"engine read-back: {sum(engine_digests.get(n) == expected[n] for n in readback)} of {len(readback)} unfused parameters hold the new weights")
         ok = clean_ok and readback_ok and fault_ok
         console.print("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]")
