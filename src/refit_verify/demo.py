@@ -102,7 +102,7 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 100))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ["REFIT_VERIFY"] = VerifyMode.ENFORCE.value
