@@ -1,0 +1,155 @@
+"""Triton digest kernels vs the pure-Python reference (and the torch path for huge inputs).
+
+Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before
+triton is imported) on CPU tensors; with CUDA every test runs the compiled kernels on the GPU, and
+the ``gpu`` test adds a > 2**31-lane tensor.
+
+Source: docs/digest-spec.md
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Triton interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from refit_verify import _torch_digest as td  # noqa: E402
+from refit_verify import reference as ref  # noqa: E402
+from refit_verify.kernels import digest as kd  # noqa: E402
+
+# Interpreter: CPU tensors; compiled (a CUDA machine without TRITON_INTERPRET): CUDA tensors.
+DEV = "cpu" if kd._INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    DEV == "cuda" and not torch.cuda.is_available(),
+    reason="triton was imported without TRITON_INTERPRET=1 and there is no CUDA device",
+)
+
+L = 8  # bytes per lane
+# Byte lengths around every structural boundary: lane, block (16*W lanes), W_0 = 256 (4096
+# lanes), the level-1 fusion threshold (61440/61441 lanes), one leaf program (65536 lanes).
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 127, 255, 256, 257, 2047, 2048, 2049]
+SIZES += [n * L for n in (4080, 4081, 4095, 4096, 4097, 61440, 61441, 65535, 65536, 65537)]
+SIZES += [4097 * L + 5, 61441 * L + 1, 65537 * L + 3]
+
+
+def _rand(n: int, seed: int, device: str = DEV) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _expect(u: torch.Tensor) -> str:
+    n = u.numel()
+    return ref.digest_bytes(u.cpu().numpy().tobytes(), "uint8", (n,))
+
+
+def _run(views: list[torch.Tensor]) -> list[str]:
+    seeds = [ref.seed("uint8", (u.numel(),), u.numel()) for u in views]
+    words = kd.digest_views(views, seeds)
+    assert words.dtype == torch.int64 and tuple(words.shape) == (len(views), 2)
+    assert words.device == views[0].device
+    return kd.to_hex(words)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_sizes_match_reference(nbytes: int) -> None:
+    u = _rand(nbytes, nbytes)
+    assert _run([u]) == [_expect(u)]
+
+
+def test_odd_storage_offsets_batched() -> None:
+    buf = _rand(65537 * L + 2048, 7)
+    cases = [(1, 13), (3, 2048 + 3), (8, 4097 * L), (517, 65537 * L + 1), (1, 0), (3, 7), (5, 61441 * L + 4)]
+    views = [buf[o : o + n] for o, n in cases]
+    assert [v.storage_offset() for v in views] == [o for o, _ in cases]
+    assert _run(views) == [_expect(v) for v in views]
+
+
+def test_many_views_one_call() -> None:
+    g = torch.Generator().manual_seed(3)
+    buf = _rand(1 << 16, 11)
+    views = []
+    for i in range(40):
+        off = int(torch.randint(0, 4096, (1,), generator=g))
+        n = int(torch.randint(0, 40000, (1,), generator=g)) if i % 3 else i
+        views.append(buf[off : off + n])
+    views += [views[5], _rand(300, 1), buf[:0]]  # a repeated view, a separate storage, empty
+    assert _run(views) == [_expect(v) for v in views]
+
+
+def test_two_chunks() -> None:
+    """Chain over two chunks; last chunk takes the small-chunk path and has a byte tail."""
+    u = _rand((ref.CHUNK_LANES + 4097) * L + 3, 5)
+    got = _run([u])
+    assert got == [_expect(u)]
+    assert got == [td.digest_u8(u, "uint8", (u.numel(),))]
+
+
+@pytest.mark.slow
+def test_one_lane_last_chunk_unaligned() -> None:
+    buf = _rand((ref.CHUNK_LANES + 1) * L + 16, 9)
+    u = buf[3 : 3 + (ref.CHUNK_LANES + 1) * L]
+    assert _run([u]) == [td.digest_u8(u, "uint8", (u.numel(),))]
+
+
+def test_plan_memo_and_errors() -> None:
+    u = _rand(100, 2)
+    assert _run([u]) == _run([u]) == [_expect(u)]
+    assert tuple(kd.digest_views([], []).shape) == (0, 2)
+    with pytest.raises(ValueError):
+        kd.digest_views([u], [])
+    with pytest.raises(TypeError):
+        kd.digest_views([u.view(torch.int8)], [(1, 2)])
+    with pytest.raises(TypeError):
+        kd.digest_views([u[::2]], [(1, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU (compiled kernels)")
+def test_cuda_matches_reference_and_torch_path() -> None:
+    """Compiled kernels on CUDA: small sizes/offsets vs reference, batched; a > 2**31-lane view
+    (> 16 GiB) vs the torch path on CUDA; tensor_digest CUDA == CPU."""
+    dev = "cuda"
+    buf = _rand(65537 * L + 4096, 13, dev)
+    views = [_rand(n, n, dev) for n in SIZES]
+    views += [buf[o : o + n] for o, n in [(1, 13), (3, 2051), (8, 4097 * L), (517, 65537 * L + 1)]]
+    assert _run(views) == [_expect(v) for v in views]
+
+    from refit_verify.digest import tensor_digest
+
+    t = torch.randn(3072, 1023, dtype=torch.bfloat16, device=dev)
+    assert tensor_digest(t) == tensor_digest(t.cpu())
+    assert tensor_digest(t[:, 1:]) == tensor_digest(t[:, 1:].cpu())
+
+    n = ((1 << 31) + 65536 + 4097) * L  # > 2**31 lanes, aligned length: the torch path won't copy
+    free, _ = torch.cuda.mem_get_info()
+    if free < 4 * n:
+        pytest.skip(f"needs {4 * n / 2**30:.0f} GiB free GPU memory for the >2**31-lane case")
+    big = torch.empty(n, dtype=torch.uint8, device=dev)
+    big.view(torch.int64).random_()
+    got = _run([big, big[5 : 5 + 4097 * L]])
+    expect = td.digest_u8(big, "uint8", (n,))
+    assert got[0] == expect
+    assert got[1] == _expect(big[5 : 5 + 4097 * L])
+
+
+def test_known_answer_vectors_batched() -> None:
+    """docs/digest-spec.md §10 vectors (those up to 512 KiB), all in one call."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "vectors" / "digest_vectors.json"
+    if not path.exists():
+        pytest.skip("tests/vectors/digest_vectors.json not present")
+    vecs = [v for v in json.loads(path.read_text())["vectors"] if v["nbytes"] <= 524296]
+    views, seeds = [], []
+    for v in vecs:
+        b = (torch.arange(v["nbytes"], dtype=torch.int64) * 7 + 3) % 251
+        views.append((b % 2 if v["dtype"] == "bool" else b).to(torch.uint8).to(DEV))
+        seeds.append(ref.seed(v["dtype"], tuple(v["shape"]), v["nbytes"]))
+    assert kd.to_hex(kd.digest_views(views, seeds)) == [v["digest"] for v in vecs]
