@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call of the H200 session (see docs/performance.md). Usage: bash scripts/gpu_session.sh STAGE
+#   stage 1 (carry .gpu-vllm/vllm.tar.xz .gpu-vllm/install.sh .whl): lay vLLM, run the kernel GPU tests and
+#           the digest benchmark;
+#   stage 2 (carry .gpu-vllm/extra .gpu-vllm/install.sh .whl): finish vLLM, run the GPU end-to-end tests,
+#           the demo on CUDA and the refit overhead benchmark.
+# Everything is logged under $OUT.
+set -uo pipefail
+stage=${1:?stage}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+bash .gpu-vllm/install.sh >"$OUT/install-$stage.log" 2>&1; tail -3 "$OUT/install-$stage.log"
+[ -f .gpu-vllm/env.sh ] && . .gpu-vllm/env.sh
+# wheels this image may lack (pytest, rich); install only what is missing
+for m in pytest:pytest rich:rich; do python3 -c "import ${m%%:*}" 2>/dev/null || need=1; done
+[ -n "${need:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -1
+# refit-verify itself, with its entry point (vLLM finds the plugin through it)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip-$stage.log" 2>&1 || tail -5 "$OUT/pip-$stage.log"
+python3 - <<'PY'
+import torch, triton, importlib.metadata as md
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), "|",
+      [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "refit_verify"])
+PY
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
+t0=$(date +%s)
+if [ "$stage" = 1 ]; then
+  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
+  echo "kernel tests: $(( $(date +%s) - t0 )) s"
+  timeout 300 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" --leaf-warps 4,8 2>&1 | tail -60
+else
+  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider 2>&1 | grep -vE "INFO|WARNING" | tail -25 | tee "$OUT/gpu-tests.log"
+  echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  timeout 150 refit-verify demo 2>&1 | grep -vE "INFO|WARNING|FutureWarning" | tail -20 | tee "$OUT/demo-cuda.txt"
+  timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" 2>&1 | grep -vE "INFO|WARNING" | tail -15
+fi
+echo "stage $stage done in $(( $(date +%s) - t0 )) s"
