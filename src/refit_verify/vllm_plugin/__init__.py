@@ -4,7 +4,8 @@ Installed through the ``vllm.general_plugins`` entry point, so vLLM calls :func:
 every process it starts (front end, engine core, each worker). ``register`` validates
 ``REFIT_VERIFY`` (a typo aborts start-up in that process) and adds the ``refit_verify_*`` worker
 methods to vLLM's ``WorkerBase``, so ``llm.collective_rpc("refit_verify_receive", ...)`` works
-without ``worker_extension_cls``. It is idempotent and touches no CUDA.
+without ``worker_extension_cls``. With ``log`` or ``enforce`` it also wraps vLLM's native
+weight-transfer path (:mod:`refit_verify.vllm_plugin.native`). It is idempotent and touches no CUDA.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ def register() -> None:
 
     Raises:
         RefitConfigError: ``REFIT_VERIFY`` holds a value other than ``off``, ``log``, ``enforce``.
-        RuntimeError: the installed vLLM has no ``WorkerBase`` to extend (outside the supported range)
-            while verification is requested.
+        RuntimeError: verification is requested and the installed vLLM has no ``WorkerBase`` to
+            extend or no hookable native weight-transfer path (outside the supported range).
     """
     global _REGISTERED
     from refit_verify.config import mode_from_env
 
     mode = mode_from_env()
     if _REGISTERED:
+        _native_install(mode)
         return
     try:
         from vllm.v1.worker.worker_base import WorkerBase
@@ -33,9 +35,19 @@ def register() -> None:
         if mode.verifies:
             raise RuntimeError(f"refit-verify: REFIT_VERIFY={mode.value} but this vLLM has no v1 WorkerBase ({e})") from e
         return
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.vllm_plugin import native, worker
 
-    for name in worker.METHODS:
-        if not hasattr(WorkerBase, name):
-            setattr(WorkerBase, name, getattr(worker, name))
+    for mod in (worker, native):
+        for name in mod.METHODS:
+            if not hasattr(WorkerBase, name):
+                setattr(WorkerBase, name, getattr(mod, name))
     _REGISTERED = True
+    _native_install(mode)
+
+
+def _native_install(mode) -> None:
+    """Wrap vLLM's native weight-transfer path when ``mode`` verifies (patches nothing when off)."""
+    if mode.verifies:
+        from refit_verify.vllm_plugin import native
+
+        native.install(mode)

