@@ -10,6 +10,7 @@ stage=${1:?stage}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 bash .gpu-vllm/install.sh >"$OUT/install-$stage.log" 2>&1; tail -3 "$OUT/install-$stage.log"
+[ "$stage" = 0 ] && exit 0
 [ -f .gpu-vllm/env.sh ] && . .gpu-vllm/env.sh
 # wheels this image may lack (pytest, rich); install only what is missing
 for m in pytest:pytest rich:rich; do python3 -c "import ${m%%:*}" 2>/dev/null || need=1; done
@@ -28,9 +29,17 @@ if [ "$stage" = 1 ]; then
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   timeout 300 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" --leaf-warps 4,8 2>&1 | tail -60
 else
-  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider 2>&1 | grep -vE "INFO|WARNING" | tail -25 | tee "$OUT/gpu-tests.log"
+  timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; rc=$?; echo "demo rc=$rc"
+  grep -vE " INFO |FutureWarning" "$OUT/demo-cuda.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -40
+  if [ $rc != 0 ]; then  # diagnose: the first error lines of the engine, then a known-good GPU config
+    grep -nE "Error|error|Traceback" "$OUT/demo-cuda.log" | head -30
+    mkdir -p /tmp/gpu-llama && python3 -c "import json; c=json.load(open('src/refit_verify/data/tiny-llama/config.json')); c.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024); json.dump(c, open('/tmp/gpu-llama/config.json','w'))"
+    timeout 150 refit-verify demo --model /tmp/gpu-llama >"$OUT/demo-cuda-256.log" 2>&1; echo "demo (hidden 256) rc=$?"
+    grep -vE " INFO |FutureWarning" "$OUT/demo-cuda-256.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -30
+  fi
+  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  grep -E "passed|failed|^E " "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
-  timeout 150 refit-verify demo 2>&1 | grep -vE "INFO|WARNING|FutureWarning" | tail -20 | tee "$OUT/demo-cuda.txt"
   timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" 2>&1 | grep -vE "INFO|WARNING" | tail -15
 fi
 echo "stage $stage done in $(( $(date +%s) - t0 )) s"
