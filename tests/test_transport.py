@@ -19,7 +19,7 @@ import zmq
 import refit_verify.digest as digest_mod
 from refit_verify import RefitConfig, logical_bytes
 from refit_verify.digest import dtype_name
-from refit_verify.errors import RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import Buffer, Hello, Reject, decode_reply, encode
 
@@ -246,8 +246,9 @@ def test_sender_times_out_when_receiver_never_connects():
         elapsed = time.monotonic() - t0
     assert 0.9 <= elapsed < 3.0
     p = ei.value.progress
-    assert p["reason"] == "receiver went silent" and p["buffers_acked"] == 0 and p["tensors_sent"] == 0
-    assert "receiver went silent" in str(ei.value)
+    assert p["reason"] == "receiver never connected" and p["silent"] == "receiver"
+    assert p["buffers_acked"] == 0 and p["tensors_sent"] == 0
+    assert "receiver never connected" in str(ei.value) and "VLLM_PLUGINS" in str(ei.value)
 
 
 def _thread_receiver(endpoint: str, load, cfg: RefitConfig, out: dict) -> threading.Thread:
@@ -276,8 +277,9 @@ def test_sender_times_out_when_receiver_goes_silent_mid_refit():
     p = ei.value.progress
     assert p["buffers_sent"] >= 1 and p["buffers_acked"] < p["buffers_sent"] and p["last_name"].startswith("t")
     assert p["waiting_for"].startswith("Ack")
-    assert isinstance(out.get("error"), RefitTimeoutError)  # the receiver then sees the sender go silent
-    assert out["error"].progress["reason"] == "sender went silent"
+    # the sender's Abort is waiting when the slow receiver comes back: it stops at once
+    assert isinstance(out.get("error"), RefitAbortedError) and "RefitTimeoutError" in out["error"].reason
+    assert out["error"].progress["reason"] == "sender aborted"
 
 
 def test_receiver_times_out_without_hello(tmp_path):
@@ -299,10 +301,12 @@ def test_receiver_times_out_without_hello(tmp_path):
         b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
         b"garbage",
         encode(Reject(reason="a reply is not a request")),
-        encode(msgspec.structs.replace(Hello(protocol=1, refit_id="x", mode="off"), mode="ON")),
-        encode(Hello(protocol=999, refit_id="x", mode="off")),
+        encode(msgspec.structs.replace(Hello(protocol=2, refit_id="x", mode="off", alignment=512), mode="ON")),
+        encode(Hello(protocol=999, refit_id="x", mode="off", alignment=512)),
+        encode(Hello(protocol=2, refit_id="x", mode="off", alignment=48)),
+        msgspec.msgpack.encode(["hello", 1, "x", "off"]),  # a protocol-1 Hello
     ],
-    ids=["pickle", "garbage", "reply-as-request", "bad-mode", "bad-version"],
+    ids=["pickle", "garbage", "reply-as-request", "bad-mode", "bad-version", "bad-alignment", "v1-hello"],
 )
 def test_receiver_rejects_bad_first_message(tmp_path, payload):
     endpoint = f"ipc://{tmp_path}/s.sock"
@@ -344,13 +348,16 @@ def _run_pair(sender: RefitSender, tensors, load=lambda b: None, **cfg):
 
 def test_protocol_version_mismatch_is_rejected():
     tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0))
-    tx.rewrite = lambda m: msgspec.structs.replace(m, protocol=2) if isinstance(m, Hello) else m
-    with tx, pytest.raises(RefitProtocolError, match="protocol 2"):
+    tx.rewrite = lambda m: msgspec.structs.replace(m, protocol=3) if isinstance(m, Hello) else m
+    with tx, pytest.raises(RefitProtocolError, match="protocol 3"):
         _run_pair(tx, [("a", torch.randn(3))])
 
 
 @pytest.mark.parametrize("field", ["used_bytes", "offset", "nbytes", "dtype"])
-def test_layout_tampering_is_reported_and_acked(field):
+def test_layout_tampering_rejects_exactly_the_bad_entries(field):
+    """A bad entry is refused alone (named in Done.rejected, not loaded); the rest of its buffer and
+    every other buffer load; enforce names exactly the refused entries. A used_bytes past the end of
+    the buffer makes the whole buffer unreadable: all its entries are refused."""
     def tamper(m):
         if not isinstance(m, Buffer) or m.seq != 1:
             return m
@@ -364,13 +371,16 @@ def test_layout_tampering_is_reported_and_acked(field):
     loaded: list[str] = []
     tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0, buffer_bytes=4096))
     tx.rewrite = tamper
-    tensors = [(f"t{i}", torch.randn(100)) for i in range(12)]
-    with tx, pytest.raises(RefitProtocolError, match="receiver reported: buffer 1") as ei:
+    tensors = [(f"t{i}", torch.randn(100)) for i in range(12)]  # 4 per 2 KiB buffer: buffer 1 = t4..t7
+    with tx, pytest.raises(RefitVerificationError) as ei:
         _run_pair(tx, tensors, load=lambda b: loaded.extend(n for n, _ in b), buffer_bytes=4096)
-    # every other buffer was still loaded and acknowledged; buffer 1 was not loaded at all
-    assert "t0" in loaded and "t11" in loaded and len(loaded) < len(tensors)
+    bad = ["t4", "t5", "t6", "t7"] if field == "used_bytes" else ["t7"]
+    assert list(ei.value.affected) == bad and ei.value.missing == bad and not ei.value.mismatched
+    assert set(ei.value.rejected) == set(bad)
+    assert loaded == [n for n, _ in tensors if n not in bad]
     assert tx.last_stats["tensors"] == len(tensors)
-    assert {"used_bytes": "used_bytes", "offset": "offset", "nbytes": "nbytes", "dtype": "float16"}[field] in str(ei.value)
+    needle = {"used_bytes": "buffer size", "offset": "used_bytes", "nbytes": "nbytes", "dtype": "nbytes"}[field]
+    assert needle in ei.value.rejected["t7"] and needle in str(ei.value)
 
 
 def test_same_size_dtype_relabel_is_caught_by_digest():

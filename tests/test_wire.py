@@ -13,6 +13,7 @@ from refit_verify.errors import RefitProtocolError
 from refit_verify.wire import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
+    Abort,
     Ack,
     Buffer,
     Complete,
@@ -22,6 +23,7 @@ from refit_verify.wire import (
     Hello,
     Reject,
     ShmHandle,
+    Welcome,
     decode_reply,
     decode_request,
     encode,
@@ -35,7 +37,7 @@ CUDA_HANDLE = CudaIpcHandle(
 )
 
 REQUESTS = [
-    Hello(protocol=PROTOCOL_VERSION, refit_id="ab" * 16, mode="enforce"),
+    Hello(protocol=PROTOCOL_VERSION, refit_id="ab" * 16, mode="enforce", alignment=512),
     Buffer(seq=0, handle=ShmHandle(name="rv_0123abcd", nbytes=8192), used_bytes=1024, entries=[
         Entry(name="model.embed_tokens.weight", dtype="bfloat16", shape=[16, 8], offset=0, nbytes=256),
         Entry(name="scalar", dtype="float32", shape=[], offset=512, nbytes=4),
@@ -43,12 +45,15 @@ REQUESTS = [
     Buffer(seq=7, handle=CUDA_HANDLE, entries=[Entry(name="e", dtype="float8_e4m3fn", shape=[3, 0], offset=0, nbytes=0)], used_bytes=0),
     Buffer(seq=1, handle=msgspec.structs.replace(CUDA_HANDLE, event_handle=None, event_sync_required=False), entries=[], used_bytes=0),
     Complete(n_tensors=310),
+    Abort(reason="ValueError: bad tensor"),
 ]
 REPLIES = [
-    Ack(seq=-1),
+    Welcome(protocol=PROTOCOL_VERSION, mode="enforce", reason=None),
+    Welcome(protocol=PROTOCOL_VERSION, mode="off", reason="verification is disabled on this receiver"),
+    Ack(seq=-2),
     Ack(seq=12),
-    Done(manifest={"a": "0" * 32, "b.c": "f" * 32}, error=None, tensors=2, bytes=10, digest_s=0.25),
-    Done(manifest=None, error="buffer 3: load failed", tensors=0, bytes=0, digest_s=0.0),
+    Done(manifest={"a": "0" * 32, "b.c": "f" * 32}, error=None, rejected=None, tensors=2, bytes=10, digest_s=0.25),
+    Done(manifest=None, error="buffer 3: load failed", rejected={"x": "sent twice in one refit"}, tensors=0, bytes=0, digest_s=0.0),
     Reject(reason="protocol 2 not supported"),
 ]
 
@@ -78,7 +83,7 @@ class _Boom:
 GARBAGE = {
     "pickle-dict": pickle.dumps({"tag": "hello", "protocol": 1}),
     "pickle-reduce": pickle.dumps(_Boom()),
-    "pickle-struct": pickle.dumps(Hello(protocol=1, refit_id="x", mode="off"), protocol=2),
+    "pickle-struct": pickle.dumps(Hello(protocol=2, refit_id="x", mode="off", alignment=512), protocol=2),
     "empty": b"",
     "nul": b"\x00",
     "ff": b"\xff" * 64,
@@ -88,7 +93,14 @@ GARBAGE = {
     "trailing": encode(Complete(n_tensors=3)) + b"\x00",
     "map-not-array": msgspec.msgpack.encode({"type": "hello", "protocol": 1, "refit_id": "x", "mode": "off"}),
     "missing-field": msgspec.msgpack.encode(["hello", 1, "x"]),
-    "extra-field": msgspec.msgpack.encode(["hello", 1, "x", "off", "extra"]),
+    "extra-field": msgspec.msgpack.encode(["hello", 2, "x", "off", 512, "extra"]),
+    "v1-hello": msgspec.msgpack.encode(["hello", 1, "x", "off"]),
+    "alignment-0": msgspec.msgpack.encode(["hello", 2, "x", "off", 0]),
+    "alignment-huge": msgspec.msgpack.encode(["hello", 2, "x", "off", 1 << 40]),
+    "ack-seq-3": msgspec.msgpack.encode(["ack", -3]),
+    "abort-huge-reason": msgspec.msgpack.encode(["abort", "x" * 70000]),
+    "map32-4G": b"\x93\xa4done\xdf\xff\xff\xff\xff",
+    "bin32-4GiB-handle": b"\x95\xa6buffer\x00\x9d\xa8cuda_ipc\xc6\xff\xff\xff\xff",
     "unknown-tag": msgspec.msgpack.encode(["nope", 1]),
     "negative-count": msgspec.msgpack.encode(["complete", -1]),
     "shm-path": msgspec.msgpack.encode(["buffer", 0, ["shm", "../etc/passwd", 10], [], 0]),

@@ -65,43 +65,91 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
     return VerifyMode.parse(env[ENV_VAR], source=ENV_VAR)
 
 
+_ACCEPTED = {
+    "mode": "one of 'off', 'log', 'enforce'",
+    "buffer_bytes": "an int > 0 (bytes)",
+    "alignment": "a power-of-two int from 16 to 1048576 (bytes)",
+    "timeout_s": "a finite number > 0 and <= 86400 (seconds)",
+    "connect_timeout_s": "a finite number > 0 and <= 86400 (seconds)",
+}
+MAX_TIMEOUT_S = 86400.0
+
+
 class RefitConfig(BaseModel):
-    """Options of one refit channel. Unknown keys and explicit ``None`` values are rejected.
+    """Options of one refit channel, validated strictly wherever they are built.
+
+    Every way of building one (``RefitConfig(...)``, :meth:`build`, :meth:`from_options`) rejects,
+    with a :class:`~refit_verify.errors.RefitConfigError` naming the key and its accepted values:
+    unknown keys, explicit ``None``, empty strings, booleans where a number is expected, ``False``
+    or ``""`` as a mode, non-finite or out-of-range numbers. Nothing is silently defaulted.
 
     Attributes:
-        mode: verification mode; defaults to ``REFIT_VERIFY`` (itself defaulting to ``off``).
+        mode: verification mode; defaults to ``REFIT_VERIFY`` (itself defaulting to ``off``). A
+            receiver follows the mode of each refit's handshake instead.
         buffer_bytes: staging budget in bytes, split into two ping-pong buffers (default 256 MiB).
-        alignment: byte alignment of each tensor's offset in a staging buffer (512).
-        timeout_s: bound on every wait for the peer, in seconds (default 120, as NeMo-RL).
-        connect_timeout_s: bound on the first message of a refit, in seconds (default 120).
+        alignment: byte alignment of each tensor's offset in a staging buffer (512). The sender's
+            value travels in the handshake; a receiver's own value is not used.
+        timeout_s: bound on every wait for the peer during a refit, in seconds (default 120, as
+            NeMo-RL): each reply on the sender, each next message on the receiver.
+        connect_timeout_s: bound on the first message of a refit (the receiver waiting for
+            ``Hello``), in seconds (default 120).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     mode: VerifyMode = Field(default_factory=mode_from_env)
     buffer_bytes: int = Field(default=256 << 20, gt=0)
-    alignment: int = Field(default=512, gt=0)
-    timeout_s: float = Field(default=120.0, gt=0)
-    connect_timeout_s: float = Field(default=120.0, gt=0)
+    alignment: int = Field(default=512, ge=16, le=1 << 20)
+    timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+    connect_timeout_s: float = Field(default=120.0, gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)
+
+    def __init__(self, **options: object) -> None:
+        fields = type(self).model_fields
+        for k, v in options.items():
+            if k not in fields:
+                raise RefitConfigError(f"unknown refit option {k!r}; accepted keys: {', '.join(fields)}")
+            if v is None:
+                raise RefitConfigError(f"refit option {k}=None is not accepted (omit it to use the default); accepted: {_ACCEPTED[k]}")
+            if k != "mode" and isinstance(v, (bool, str)):
+                raise RefitConfigError(f"refit option {k}={v!r} is not accepted; accepted: {_ACCEPTED[k]}")
+        if "mode" in options:
+            options["mode"] = VerifyMode.parse(options["mode"], source="mode")
+        try:
+            super().__init__(**options)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(x) for x in err["loc"]) or "?"
+            value = options.get(key, err.get("input"))
+            raise RefitConfigError(f"refit option {key}={value!r} is not accepted ({err['msg']}); accepted: "
+                                   f"{_ACCEPTED.get(key, 'see RefitConfig')}") from None
+        if self.alignment & (self.alignment - 1):
+            raise RefitConfigError(f"refit option alignment={self.alignment!r} is not accepted; accepted: {_ACCEPTED['alignment']}")
 
     @classmethod
     def build(cls, **options: object) -> RefitConfig:
-        """Validate keyword options into a config.
+        """Validate keyword options into a config (same rules as the constructor).
 
         Raises:
             RefitConfigError: an unknown key, a ``None`` value, or a value of the wrong type or range;
                 the message names the key and the accepted values.
         """
-        if "mode" in options:
-            options["mode"] = VerifyMode.parse(options["mode"], source="mode")
-        for k, v in options.items():
-            if v is None:
-                raise RefitConfigError(f"refit option {k}=None is not accepted; omit it to use the default")
-        try:
-            cfg = cls(**options)
-        except ValidationError as e:
-            fields = ", ".join(cls.model_fields)
-            raise RefitConfigError(f"invalid refit options: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}; accepted keys: {fields}") from None
-        if cfg.alignment & (cfg.alignment - 1) or cfg.alignment < 16:
-            raise RefitConfigError(f"alignment={cfg.alignment} must be a power of two >= 16")
-        return cfg
+        return cls(**options)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object] | None, *, source: str = "options") -> RefitConfig:
+        """Validate an options mapping received from elsewhere (an RPC argument, a parsed config file).
+
+        ``None`` means "no options" (all defaults); anything but a mapping with string keys is rejected.
+
+        Raises:
+            RefitConfigError: ``options`` is not a mapping, has a non-string key, or fails :meth:`build`.
+        """
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise RefitConfigError(f"{source} must be a mapping of refit options or None, got {type(options).__name__}; "
+                                   f"accepted keys: {', '.join(cls.model_fields)}")
+        bad = [k for k in options if not isinstance(k, str)]
+        if bad:
+            raise RefitConfigError(f"{source}: option keys must be strings, got {bad[0]!r}; accepted keys: {', '.join(cls.model_fields)}")
+        return cls(**dict(options))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import stat
 import weakref
 from multiprocessing import shared_memory
 
@@ -221,14 +222,29 @@ def _open_shm(h: ShmHandle) -> torch.Tensor:
     if "/" in h.name or h.name in (".", ".."):
         raise RefitProtocolError(f"bad shared-memory name {h.name!r}")
     path = os.path.join(SHM_DIR, h.name)
-    # from_file(shared=True) would create (and grow) the file: check it exists and is big enough.
+    # Open without following links and check what was opened (not the path, which another process
+    # could swap): a regular file owned by this user (or root), no group/other access, at least
+    # ``nbytes`` long. from_file(shared=True) on a path would create (and grow) a missing file, so
+    # the mapping goes through this very descriptor.
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise RefitProtocolError(f"shared-memory object {h.name!r} does not exist") from None
-    if st.st_size < h.nbytes:
-        raise RefitProtocolError(f"shared-memory object {h.name!r} has {st.st_size} bytes, handle says {h.nbytes}")
-    return torch.from_file(path, shared=True, size=h.nbytes, dtype=torch.uint8)
+    except OSError as e:
+        raise RefitProtocolError(f"shared-memory object {h.name!r} cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RefitProtocolError(f"shared-memory object {h.name!r} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o077:
+            raise RefitProtocolError(f"shared-memory object {h.name!r} is owned by uid {st.st_uid} with mode "
+                                     f"{stat.S_IMODE(st.st_mode):o}; only a private (0600) object of uid {os.geteuid()} is accepted")
+        if st.st_size < h.nbytes:
+            raise RefitProtocolError(f"shared-memory object {h.name!r} has {st.st_size} bytes, handle says {h.nbytes}")
+        via = f"/proc/self/fd/{fd}"
+        return torch.from_file(via if os.path.exists(via) else path, shared=True, size=h.nbytes, dtype=torch.uint8)
+    finally:
+        os.close(fd)
 
 
 def _open_cuda(h: CudaIpcHandle, device: str | torch.device | int | None) -> torch.Tensor:

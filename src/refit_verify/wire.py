@@ -1,8 +1,9 @@
 """Typed, versioned wire messages of the refit protocol (msgpack through msgspec).
 
 Every message is a tagged, array-like :class:`msgspec.Struct`; the first array element is the tag
-(``"hello"``, ``"buffer"``, ``"complete"``, ``"ack"``, ``"done"``, ``"reject"``). Requests travel
-sender → receiver (:data:`Request`), replies receiver → sender (:data:`Reply`). Bytes read from a
+(``"hello"``, ``"buffer"``, ``"complete"``, ``"abort"``, ``"welcome"``, ``"ack"``, ``"done"``,
+``"reject"``). Requests travel sender → receiver (:data:`Request`), replies receiver → sender
+(:data:`Reply`). Bytes read from a
 socket are only ever decoded by :func:`decode_request` / :func:`decode_reply`, which accept exactly
 one message of the expected union and nothing else: nothing is ever unpickled.
 
@@ -27,6 +28,8 @@ __all__ = [
     "Hello",
     "Buffer",
     "Complete",
+    "Abort",
+    "Welcome",
     "Ack",
     "Done",
     "Reject",
@@ -38,8 +41,19 @@ __all__ = [
     "torch_dtype",
 ]
 
-PROTOCOL_VERSION = 1
-"""Version carried by :class:`Hello`; a receiver rejects any other value."""
+PROTOCOL_VERSION = 2
+"""Version carried by :class:`Hello`; a receiver rejects any other value.
+
+History: 1 — ``Hello(protocol, refit_id, mode)`` answered by ``Ack(-1)``. 2 — ``Hello`` also carries
+the alignment and is answered by :class:`Welcome` (mode agreement); :class:`Abort`; ``Done.rejected``.
+A version-1 receiver cannot decode a version-2 ``Hello`` and answers ``Reject``, which the sender
+turns into an error naming both versions."""
+
+ABORT_SEQ = -2
+"""``Ack.seq`` of the reply to :class:`Abort`."""
+
+MIN_ALIGNMENT = 16
+MAX_ALIGNMENT = 1 << 20
 
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest encoded message accepted by the decoders, in bytes (64 MiB).
@@ -122,18 +136,35 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", **_OPTS):
 
 
 class Hello(msgspec.Struct, tag="hello", **_OPTS):
-    """First request of every refit. Reply: ``Ack(seq=-1)`` or ``Reject``.
+    """First request of every refit. Reply: :class:`Welcome` or ``Reject``.
 
     Attributes:
         protocol: :data:`PROTOCOL_VERSION` of the sender.
         refit_id: random id of this refit (32 hex characters from the sender).
-        mode: the sender's :class:`~refit_verify.config.VerifyMode` value; the receiver digests iff
-            it is not ``"off"``.
+        mode: the sender's requested :class:`~refit_verify.config.VerifyMode` value.
+        alignment: byte alignment of every entry offset (a power of two, 16..2**20); the receiver
+            validates offsets against it (no receiver-side setting to keep in sync).
     """
 
     protocol: int
     refit_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     mode: Annotated[str, msgspec.Meta(max_length=16)]
+    alignment: Annotated[int, msgspec.Meta(ge=MIN_ALIGNMENT, le=MAX_ALIGNMENT)]
+
+
+class Welcome(msgspec.Struct, tag="welcome", **_OPTS):
+    """Reply to ``Hello``: the mode agreement.
+
+    Attributes:
+        protocol: the receiver's :data:`PROTOCOL_VERSION`.
+        mode: the mode the receiver will run this refit in: the requested one, or ``"off"`` when it
+            cannot verify (then ``reason`` says why). Never a verifying mode when ``"off"`` was requested.
+        reason: why ``mode`` differs from the request, else ``None``.
+    """
+
+    protocol: int
+    mode: Annotated[str, msgspec.Meta(max_length=16)]
+    reason: Annotated[str, msgspec.Meta(max_length=4096)] | None
 
 
 class Buffer(msgspec.Struct, tag="buffer", **_OPTS):
@@ -158,11 +189,19 @@ class Complete(msgspec.Struct, tag="complete", **_OPTS):
     n_tensors: _NonNeg
 
 
+class Abort(msgspec.Struct, tag="abort", **_OPTS):
+    """The sender gives up on the current refit (an exception on its side, a failed mode agreement).
+    Reply: ``Ack(seq=ABORT_SEQ)``; the receiver then raises
+    :class:`~refit_verify.errors.RefitAbortedError` at once instead of waiting for its timeout."""
+
+    reason: _Text
+
+
 class Ack(msgspec.Struct, tag="ack", **_OPTS):
     """Reply to ``Buffer(seq)`` (all receiver work reading that buffer is finished) or, with
-    ``seq=-1``, to ``Hello``."""
+    ``seq=ABORT_SEQ`` (-2), to ``Abort``."""
 
-    seq: Annotated[int, msgspec.Meta(ge=-1)]
+    seq: Annotated[int, msgspec.Meta(ge=ABORT_SEQ)]
 
 
 class Done(msgspec.Struct, tag="done", **_OPTS):
@@ -171,13 +210,17 @@ class Done(msgspec.Struct, tag="done", **_OPTS):
     Attributes:
         manifest: ``{name: 32-hex digest}`` of every staged slice the receiver saw, or ``None``
             when the refit's mode is ``off``.
-        error: receiver-side errors of this refit (layout, load, count), or ``None``.
-        tensors: entries received. bytes: their exact bytes (padding excluded).
+        error: receiver-side errors of this refit that name no entry (``load`` raised, a count
+            mismatch in ``off`` mode), or ``None``.
+        rejected: ``{name: reason}`` of entries the receiver refused (bad layout, name sent twice,
+            past ``used_bytes``, unreadable buffer): not loaded, not in ``manifest``; ``None`` if none.
+        tensors: entries accepted. bytes: their exact bytes (padding excluded).
         digest_s: seconds the receiver spent in digest code.
     """
 
     manifest: dict[_Name, Annotated[str, msgspec.Meta(max_length=128)]] | None
     error: _Text | None
+    rejected: dict[_Name, Annotated[str, msgspec.Meta(max_length=1024)]] | None
     tensors: _NonNeg
     bytes: _NonNeg
     digest_s: float
@@ -189,8 +232,8 @@ class Reject(msgspec.Struct, tag="reject", **_OPTS):
     reason: _Text
 
 
-Request = Union[Hello, Buffer, Complete]
-Reply = Union[Ack, Done, Reject]
+Request = Union[Hello, Buffer, Complete, Abort]
+Reply = Union[Welcome, Ack, Done, Reject]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
@@ -214,7 +257,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | bytearray | memoryvi
 
 
 def decode_request(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Request:
-    """Decode one request (``Hello | Buffer | Complete``).
+    """Decode one request (``Hello | Buffer | Complete | Abort``).
 
     Raises:
         RefitProtocolError: ``data`` is longer than ``max_bytes``, or is not exactly one valid
@@ -224,7 +267,7 @@ def decode_request(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX
 
 
 def decode_reply(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Reply:
-    """Decode one reply (``Ack | Done | Reject``).
+    """Decode one reply (``Welcome | Ack | Done | Reject``).
 
     Raises:
         RefitProtocolError: as :func:`decode_request`.

@@ -22,16 +22,25 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
 
     Returns:
         dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` or None when not verifying),
-        ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds).
+        ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds), ``mode`` (agreed at the
+        handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None).
 
     Raises:
-        RefitTimeoutError: the sender went silent for longer than ``timeout_s``.
+        RefitConfigError: ``options`` is not a mapping or holds an unknown key, ``None``, an empty or
+            out-of-range value (validated here, in the worker process).
+        RefitTimeoutError: the sender went silent for longer than ``timeout_s`` or disconnected.
+        RefitAbortedError: the sender aborted the refit.
         RefitProtocolError: the sender broke the protocol.
+
+    On failure the layerwise reload is still finalized (the engine stays usable for the next refit);
+    an error while finalizing is logged and the original error raised.
     """
+    import logging
+
     from refit_verify.config import RefitConfig
     from refit_verify.transport import RefitReceiver
 
-    cfg = RefitConfig.build(**(options or {}))
+    cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
     model = self.get_model()
     start, finish = _layerwise_reload()
     receiver = RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device)
@@ -44,13 +53,21 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
 
     if start:
         start(model)
+    failed = True
     try:
         res = receiver.receive(load=load)
+        failed = False
     finally:
         receiver.close()
         if finish:
-            finish(model, self.model_config)
-    return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s}
+            try:
+                finish(model, self.model_config)
+            except Exception:
+                if not failed:
+                    raise
+                logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
+    return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
+            "mode": res.mode.value, "rejected": res.rejected, "error": res.error}
 
 
 def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str, str]:
