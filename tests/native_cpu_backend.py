@@ -230,6 +230,29 @@ if TRAINER_API:
             flush()
 
 
+class StaticShmEngine:
+    """vLLM 0.26's trainer-side shape: a static ``trainer_send_weights(iterator, trainer_args)`` that
+    ships one update through ``trainer_args["send_mode"]`` (a callable taking the update info); the
+    caller brackets it with ``LLM.start_weight_update`` / ``LLM.finish_weight_update``."""
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args: dict) -> None:
+        tag = uuid.uuid4().hex[:8]
+        names, dtypes, shapes, paths = [], [], [], []
+        for i, (name, tensor) in enumerate(iterator):
+            flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+            path = os.path.join(trainer_args["directory"], f"s-{tag}-{i}.bin")
+            with open(path, "wb") as f:
+                f.truncate(flat.numel())
+            mapped = _map(path, flat.numel())
+            mapped.copy_(flat)
+            if name == trainer_args.get("flip"):
+                mapped[0] ^= 1
+            names.append(name), dtypes.append(str(tensor.dtype).removeprefix("torch."))
+            shapes.append(list(tensor.shape)), paths.append(path)
+        trainer_args["send_mode"](ShmUpdateInfo(names, dtypes, shapes, paths=paths))
+
+
 class LLMClient:
     """``VLLMWeightSyncClient`` over an in-process ``LLM``: the four calls of vLLM's native API."""
 

@@ -144,6 +144,33 @@ def test_log_mode_warns_and_completes(engine, monkeypatch, caplog):
     assert any(TARGET in r.getMessage() and "rank 0" in r.getMessage() for r in caplog.records)
 
 
+def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
+    """0.26's flow on the real engine: start, a static trainer_send_weights whose send_mode is a lambda
+    over the LLM (found through LLM.update_weights), finish; two sends into one update merge."""
+    from dataclasses import asdict
+
+    llm, cfg, files = engine
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    weights = models.random_state_dict(cfg, seed=60)
+    names = list(weights)
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    llm.start_weight_update()
+    nb.StaticShmEngine.trainer_send_weights(iter((n, weights[n]) for n in names[:10]), args)
+    nb.StaticShmEngine.trainer_send_weights(iter((n, weights[n]) for n in names[10:]), args)
+    llm.finish_weight_update()
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == 21
+    llm.start_weight_update()
+    try:
+        with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
+            nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, "flip": TARGET})
+    finally:
+        llm.finish_weight_update()
+    assert ei.value.mismatched == [TARGET]
+
+
 @needs_trainer_api
 def test_unverifiable_trainer_engine_fails_at_init(engine):
     """enforce: a trainer engine without a WeightSource cannot be verified and says so at construction."""
