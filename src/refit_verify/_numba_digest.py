@@ -35,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 
 from refit_verify import reference as ref
 
-__all__ = ["digest_u8", "digest_lanes", "warmup"]
+__all__ = ["digest_u8", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes", "warmup"]
 
 if sys.byteorder != "little":  # lanes are read as native uint64; the spec says little-endian
     raise ImportError("refit_verify._numba_digest needs a little-endian host")
@@ -370,6 +370,30 @@ def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
     return h0, h1
 
 
+# Not cached on disk (``cache=False``): with numba 0.65 a cached caller compiled in a process that
+# had loaded its callees from the cache crashed when loaded from the cache in a later process (the
+# callees here are shared with ``digest_lanes``). Compiling it costs well under a second per
+# process; its callees still come from the cache.
+@njit(cache=False, nogil=True, fastmath=False)
+def chunk_roots_lanes(lanes, has_tail, tail, par):
+    """Per-chunk roots ``(r0, r1)`` (§6) of the lanes ``lanes`` (+ ``tail`` if ``has_tail``), no chain.
+
+    The roots-only half of :func:`digest_lanes`, for sharded evaluation (``refit_verify.sharded``):
+    two ``uint64`` arrays with one root per chunk of 2**20 lanes, in chunk order.
+    """
+    nav = lanes.shape[0]
+    nfull = nav // _CHUNK
+    rest = nav - nfull * _CHUNK
+    nroots = nfull + (1 if (rest > 0 or has_tail) else 0)
+    r0 = np.empty(nroots, np.uint64)
+    r1 = np.empty(nroots, np.uint64)
+    if nfull > 0:
+        _full_chunk_roots(lanes, nfull, r0, r1, par)
+    if nroots > nfull:
+        r0[nfull], r1[nfull] = _partial_chunk_root(lanes, nfull * _CHUNK, rest, has_tail, tail, par)
+    return r0, r1
+
+
 # ---------------------------------------------------------------------------------------------
 # Python entry point
 
@@ -428,6 +452,36 @@ def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
     if not par:
         h0, h1 = digest_lanes(lanes, has_tail, tail, _U(s0), _U(s1), False)
     return f"{int(h0):016x}{int(h1):016x}"
+
+
+def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
+    """Chunk roots (§6) of a 1-D contiguous CPU uint8 tensor, both channels, in chunk order.
+
+    The bytes are treated as a standalone byte string: lanes from its first byte, the last lane
+    zero-padded, chunks of 2**20 lanes. No seed, chain or finalisation (see
+    ``refit_verify.sharded.combine_chunk_roots``).
+
+    Returns:
+        list[tuple[int, int]]: ``(root_0, root_1)`` per chunk, as Python ints (``[]`` for 0 bytes).
+    """
+    if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous() or u8.device.type != "cpu":
+        raise ValueError("chunk_roots_u8 takes a 1-D contiguous CPU uint8 tensor")
+    lanes, has_tail, tail = _lanes_and_tail(u8.detach())
+    global _parallel_ok
+    par = _parallel_ok and lanes.shape[0] >= PARALLEL_MIN_LANES
+    if par:
+        try:
+            prev = set_parallel_chunksize(PAR_CHUNK)
+            try:
+                r0, r1 = chunk_roots_lanes(lanes, has_tail, tail, True)
+            finally:
+                set_parallel_chunksize(prev)
+        except Exception:
+            _parallel_ok = False
+            par = False
+    if not par:
+        r0, r1 = chunk_roots_lanes(lanes, has_tail, tail, False)
+    return [(int(a), int(b)) for a, b in zip(r0, r1)]
 
 
 def warmup() -> None:

@@ -89,6 +89,24 @@ def lanes_of(u8: torch.Tensor) -> torch.Tensor:
     return u8.view(torch.int64)
 
 
+def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
+    """Chunk roots (§6) of a 1-D contiguous uint8 tensor, both channels, in chunk order.
+
+    The bytes are treated as a standalone byte string (lanes from its first byte, last lane
+    zero-padded); no seed, chain or finalisation (``refit_verify.sharded.combine_chunk_roots``).
+    Only torch ops, so it also runs on a CUDA tensor (on its device; one sync per channel).
+
+    Returns:
+        list[tuple[int, int]]: ``(root_0, root_1)`` per chunk, as Python ints (``[]`` for 0 bytes).
+    """
+    if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous():
+        raise ValueError("chunk_roots_u8 takes a 1-D contiguous uint8 tensor")
+    if u8.numel() == 0:
+        return []
+    lanes = lanes_of(u8)
+    return list(zip(_roots(0, lanes), _roots(1, lanes)))
+
+
 def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
     """Digest of a 1-D contiguous CPU uint8 tensor holding a tensor's logical bytes."""
     lanes = lanes_of(u8)
