@@ -299,7 +299,7 @@ def test_static_sender_of_vllm_026(monkeypatch):
     IPCWeightTransferEngine.trainer_send_weights = native._wrap_static_sender(IPCWeightTransferEngine.__dict__["trainer_send_weights"])
     weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
     clean = _FakeEngine()
-    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": clean.send})
+    IPCWeightTransferEngine.trainer_send_weights(iterator=iter(weights.items()), trainer_args={"send_mode": clean.send})
     (report,) = native.last_reports()
     assert report.ok and report.verified == 3 and report.rank == 3
     bad = _FakeEngine(corrupt="w1")

@@ -770,7 +770,7 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
 
 def _target_of_trainer_args(args: Any) -> Any:
     get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
-    mode = get("send_mode")
+    mode = get("send_mode") or get("mode")  # `mode` in early 0.2x releases
     if mode == "ray":
         return get("llm_handle")
     if mode == "http":
