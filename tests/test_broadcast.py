@@ -88,6 +88,8 @@ def _err(e: BaseException) -> dict:
                  per_rank={r: {"ok": rep.ok, "mismatched": list(rep.mismatched), "verified": rep.verified, "rank": rep.rank}
                            for r, rep in e.reports.items()},
                  affected=e.affected)
+    if getattr(e, "reports", None) is not None and not isinstance(e, BroadcastVerificationError):
+        d["reports_ok"] = {r: rep.ok for r, rep in e.reports.items()}
     return d
 
 
@@ -286,6 +288,7 @@ def test_load_error_reported_with_rank(ranks) -> None:
     err = ranks[SRC]["load_error"]["error"]
     assert err["type"] == "RefitProtocolError" and "rank 2" in err["message"] and "load failed for model.norm.weight" in err["message"]
     assert ranks[1]["load_error"]["ok"] and not ranks[2]["load_error"]["ok"]
+    assert err["reports_ok"] == {1: True, 2: True}  # digests were taken before load: bytes arrived intact
 
 
 def test_sender_error_aborts_receivers(ranks) -> None:

@@ -186,8 +186,8 @@ class BroadcastSender:
         Raises:
             BroadcastVerificationError: ``enforce`` and at least one rank's manifest differs; it
                 carries every rank's report.
-            RefitProtocolError: a receiver reported errors (``load`` raised, entries it refused);
-                in ``log`` mode after the reports were logged.
+            RefitProtocolError: a receiver reported errors (``load`` raised, entries it refused),
+                after the reports were checked; its ``reports`` attribute holds them (when verifying).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
             TypeError / ValueError: a bad name or tensor (receivers are sent ``abort`` first).
         """
@@ -337,7 +337,9 @@ class BroadcastSender:
             if rep.ok:
                 logger.info("%s", rep.describe())
         if errors:
-            raise RefitProtocolError(f"broadcast refit {refit_id}: receivers reported: {err_text}")
+            err = RefitProtocolError(f"broadcast refit {refit_id}: receivers reported: {err_text}")
+            err.reports = reports  # every rank's verification report, as in the return value
+            raise err
         return reports
 
 
