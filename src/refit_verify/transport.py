@@ -480,11 +480,11 @@ class RefitSender:
         try:
             self._sock.send(data, copy=False)
         except zmq.Again:
-            hint = ""
             if isinstance(msg, Hello):
-                hint = ("; no receiver connected — is a RefitReceiver running on this endpoint (in vLLM: is the "
-                        "refit_verify plugin loaded in the workers, VLLM_PLUGINS, and refit_verify_receive called)?")
-            raise self._timeout(f"could not send {type(msg).__name__}{hint}", "receiver never connected" if isinstance(msg, Hello) else "receiver went silent") from None
+                raise self._timeout(f"could not send Hello within {self.config.timeout_s:g} s", "receiver never connected",
+                                    "is a RefitReceiver connected to this endpoint? In vLLM: is the refit_verify plugin loaded "
+                                    "in the workers (VLLM_PLUGINS) and refit_verify_receive called?") from None
+            raise self._timeout(f"could not send {type(msg).__name__} within {self.config.timeout_s:g} s", "receiver went silent") from None
 
     def _take_reply(self, expect: type, seq: int | None = None) -> Welcome | Ack | Done:
         """Wait (at most ``timeout_s``) for the reply to the outstanding request and check it.
@@ -505,14 +505,14 @@ class RefitSender:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._timeout(f"no {p.waiting_for} reply", "receiver went silent")
+                raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent")
             ready = dict(self._poller.poll(_ms(remaining)))
             self._watch.drain()
             if self._sock in ready:
                 break
             if self._watch.disconnects > mark:
                 if not self._watch.live:
-                    raise self._timeout(f"no {p.waiting_for} reply: the receiver's connection closed", "receiver disconnected")
+                    raise self._timeout(f"the receiver's connection closed while waiting for {p.waiting_for}", "receiver disconnected")
                 if expect is Welcome and self._last_hello is not None:
                     logger.info("refit %s: a connection closed while Hello was outstanding; sending Hello again", p.refit_id)
                     mark = self._watch.disconnects
@@ -523,7 +523,7 @@ class RefitSender:
         try:
             data = self._sock.recv(copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # pragma: no cover - readable a moment ago
-            raise self._timeout(f"no {p.waiting_for} reply", "receiver went silent") from None
+            raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent") from None
         reply = decode_reply(data.buffer)
         p.waiting_for = ""
         if isinstance(reply, Reject):
@@ -536,13 +536,13 @@ class RefitSender:
             raise RefitProtocolError(f"expected {expect.__name__}" + (f"(seq={seq})" if seq is not None else "") + f", got {reply!r}"[:500], progress=p.as_dict())
         return reply
 
-    def _timeout(self, what: str, reason: str) -> RefitTimeoutError:
+    def _timeout(self, what: str, reason: str, hint: str = "") -> RefitTimeoutError:
         p = self._progress.as_dict(side="sender", silent="receiver", endpoint=self._endpoint, timeout_s=self.config.timeout_s, reason=reason)
         return RefitTimeoutError(
-            f"refit {p['refit_id']}: {what} within {self.config.timeout_s:g} s on {self._endpoint}; {reason} "
+            f"refit {p['refit_id']} on {self._endpoint}: {what}; {reason} "
             f"(buffers acked {p['buffers_acked']}/{p['buffers_sent']}, tensors acked {p['tensors_acked']} of "
             f"{p['tensors_sent']} sent, last acked {p['last_acked_name']!r}, last packed {p['last_name']!r}); "
-            "staging memory released",
+            "staging memory released" + (f". {hint}" if hint else ""),
             p,
         )
 
@@ -723,6 +723,10 @@ class RefitSender:
                 names.add(name)
                 if device is None:
                     device = t.device if t.is_cuda else torch.device("cpu")
+                if t.numel() == 1 and t.dim() and t.reshape(-1).stride(0) != 1:
+                    # A one-element view with a non-unit stride counts as contiguous, and
+                    # digest.logical_bytes then cannot view it as bytes: give it unit strides.
+                    t = t.clone(memory_format=torch.contiguous_format)
                 p.last_name = name
                 if batch is not None:
                     t0 = time.perf_counter()
@@ -923,7 +927,7 @@ class RefitReceiver:
             if self._sock in ready:
                 break
             if in_refit and self._watch.disconnects > mark and not self._watch.live:
-                raise self._timeout(f"the sender's connection closed while {progress['stage']}", "sender disconnected", progress, timeout_s)
+                raise self._timeout(f"the sender's connection closed while {progress['stage']} (timeout {timeout_s:g} s)", "sender disconnected", progress, timeout_s)
         data = self._sock.recv(copy=False)
         try:
             return decode_request(data.buffer)
