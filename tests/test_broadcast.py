@@ -201,11 +201,23 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+def _warm_numba_cache() -> None:
+    """Compile (or load) the numba digest in this process before spawning: concurrent first
+    compilations of the same cached functions in several processes can leave a cache that
+    segfaults later (numba issue #10128)."""
+    try:
+        from refit_verify import _numba_digest
+    except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
+        return
+    _numba_digest.warmup()
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     import torch.multiprocessing as mp
 
     d = str(tmp_path_factory.mktemp("broadcast"))
+    _warm_numba_cache()
     mp.spawn(_gloo_worker, args=(free_port(), d), nprocs=WORLD, join=True)
     out = []
     for r in range(WORLD):

@@ -370,10 +370,13 @@ def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
     return h0, h1
 
 
-# Not cached on disk (``cache=False``): with numba 0.65 a cached caller compiled in a process that
-# had loaded its callees from the cache crashed when loaded from the cache in a later process (the
-# callees here are shared with ``digest_lanes``). Compiling it costs well under a second per
-# process; its callees still come from the cache.
+# Not cached on disk (``cache=False``), and compiled only after ``digest_lanes`` (see
+# ``_digest_path_first``): with numba 0.65, a cached function compiled in a process that had loaded
+# its callees from the cache (they contain parallel regions) segfaulted when a later process loaded
+# it from the cache (cf. numba issue #10128: symbol names depend on each process's compile order).
+# The callees here are shared with ``digest_lanes``; keeping this entry out of the cache and
+# resolving ``digest_lanes`` first keeps the on-disk cache exactly as ``digest_u8`` alone writes it.
+# Compiling this small function costs about a second per process; its callees come from the cache.
 @njit(cache=False, nogil=True, fastmath=False)
 def chunk_roots_lanes(lanes, has_tail, tail, par):
     """Per-chunk roots ``(r0, r1)`` (§6) of the lanes ``lanes`` (+ ``tail`` if ``has_tail``), no chain.
@@ -454,6 +457,18 @@ def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
     return f"{int(h0):016x}{int(h1):016x}"
 
 
+_digest_path_ready = False
+
+
+def _digest_path_first() -> None:
+    """Resolve ``digest_lanes`` (load it from the cache, or compile it with all its callees) before
+    ``chunk_roots_lanes`` compiles against the same callees in this process."""
+    global _digest_path_ready
+    if not _digest_path_ready:
+        digest_lanes(np.empty(0, np.uint64), False, _U(0), _U(0), _U(0), False)
+        _digest_path_ready = True
+
+
 def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     """Chunk roots (§6) of a 1-D contiguous CPU uint8 tensor, both channels, in chunk order.
 
@@ -466,6 +481,7 @@ def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     """
     if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous() or u8.device.type != "cpu":
         raise ValueError("chunk_roots_u8 takes a 1-D contiguous CPU uint8 tensor")
+    _digest_path_first()
     lanes, has_tail, tail = _lanes_and_tail(u8.detach())
     global _parallel_ok
     par = _parallel_ok and lanes.shape[0] >= PARALLEL_MIN_LANES

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, free_port, run_scenarios
+from tests.test_broadcast import ALL, SRC, _warm_numba_cache, check_clean, check_fault_enforce, free_port, run_scenarios
 
 WORLD = 2
 
@@ -107,6 +107,7 @@ def spawn_two(out_dir: str, backend: str = "nccl") -> list[dict]:
     import torch.multiprocessing as mp
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned children
+    _warm_numba_cache()
     mp.spawn(_worker, args=(free_port(), out_dir, backend), nprocs=WORLD, join=True)
     out = []
     for r in range(WORLD):
