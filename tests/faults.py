@@ -631,8 +631,8 @@ class Case:
         elif cls is DuplicateName:
             src, dst = rng.sample(names, 2)
             fault = DuplicateName(src, dst, rng=rng)
-        elif cls is ShortenUsed:
-            fault = ShortenUsed(pick(lambda n: True), rng=rng)
+        elif cls is ShortenUsed:  # a buffer with bytes in it (one of only empty tensors has used_bytes 0)
+            fault = ShortenUsed(pick(lambda n: nbytes[n] > 0) or add(torch.float32, 16), rng=rng)
         else:  # pragma: no cover
             raise ValueError(cls)
         self.tensors, self.budget, self.fault = tensors, budget, fault

@@ -40,9 +40,9 @@ from tests.faults import (
 
 SEED = int(os.environ.get("REFIT_FAULT_SEED") or secrets.randbelow(1 << 30))
 CI_SEEDS_PER_CLASS = 3
-SLOW_SEEDS_PER_CLASS = 40
+SLOW_SEEDS_PER_CLASS = 200
 CI_CLEAN_REFITS = 50
-SLOW_CLEAN_REFITS = 1200
+SLOW_CLEAN_REFITS = 5000
 
 MISMATCH_CLASSES = {"BitFlip", "LaneSwap", "TensorSwap", "StaleSlot", "DtypeRelabel", "Reshape"}
 

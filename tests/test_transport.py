@@ -147,7 +147,15 @@ def test_two_process_round_trip_enforce():
     tensors = mixed_tensors()
     assert not tensors[11][1].is_contiguous() and tensors[12][1].storage_offset() == 13
     cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, **SMALL_BUDGET)
-    with RefitSender(config=cfg) as tx:
+    sent_names: set[str] = set()
+
+    class Recording(RefitSender):
+        def _exchange(self, msg, staging=None):
+            if isinstance(msg, Buffer):
+                sent_names.add(msg.handle.name)
+            return super()._exchange(msg, staging)
+
+    with Recording(config=cfg) as tx:
         rx = ReceiverProcess(tx.endpoint, n_refits=2, **SMALL_BUDGET)
         try:
             for _ in range(2):  # the channel is reusable
@@ -166,7 +174,7 @@ def test_two_process_round_trip_enforce():
                 assert info["counts"]["add"] == len(tensors)
         finally:
             rx.close()
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("rv_")]
+    assert sent_names and not [f for f in os.listdir("/dev/shm") if f in sent_names]
 
 
 def test_two_process_mode_off_computes_no_digest(monkeypatch):
@@ -483,3 +491,156 @@ def test_same_process_cuda_receiver():
             report, out = _run_pair(tx, tensors, load=load, **SMALL_BUDGET)
             assert report is None and out["result"].error is None, out
             assert_received(got, tensors)
+
+
+# ---------------------------------------------------------------- mode agreement (handshake)
+
+
+def _receiver_thread(endpoint, out, **kw):
+    def run():
+        try:
+            with RefitReceiver(endpoint, config=RefitConfig.build(timeout_s=10.0, connect_timeout_s=10.0), **kw) as rx:
+                out["result"] = rx.receive(lambda b: out.setdefault("loaded", []).extend(n for n, _ in b))
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_enforce_sender_vs_receiver_that_cannot_verify_fails_at_handshake(monkeypatch):
+    """Never a silent unverified refit: the handshake fails, saying why, before any buffer moves
+    or any digest is computed; the receiver is told (Abort) and stops at once."""
+    adds = []
+    monkeypatch.setattr(digest_mod.DigestBatch, "add", lambda self, name, t: adds.append(name))
+    out: dict = {}
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        th = _receiver_thread(tx.endpoint, out, verify=False)
+        with pytest.raises(RefitProtocolError) as ei:
+            tx.send([("a", torch.randn(8)), ("b", torch.randn(8))])
+        th.join(10)
+        assert tx._progress.buffers_sent == 0
+    msg = str(ei.value)
+    assert "mode agreement failed" in msg and "enforce" in msg and "cannot verify" in msg and "verify=False" in msg
+    assert adds == [] and "loaded" not in out
+    assert isinstance(out["error"], RefitAbortedError) and "cannot verify" in out["error"].reason
+
+
+def test_log_sender_vs_receiver_that_cannot_verify_runs_unverified_with_warning(caplog):
+    out: dict = {}
+    tensors = [("a", torch.randn(8)), ("b", torch.randn(8))]
+    with RefitSender(config=RefitConfig.build(mode="log", timeout_s=10.0)) as tx:
+        th = _receiver_thread(tx.endpoint, out, verify=False)
+        with caplog.at_level(logging.WARNING, logger="refit_verify"):
+            report = tx.send(tensors)
+        th.join(10)
+    assert report is None and tx.last_stats["mode"] == "off" and tx.last_stats["digest_s"] == 0.0
+    assert any("UNVERIFIED" in r.getMessage() and "cannot verify" in r.getMessage() for r in caplog.records)
+    assert out["result"].ok and out["result"].mode.value == "off" and out["result"].manifest is None
+    assert out["loaded"] == ["a", "b"]
+
+
+def test_receiver_whose_digest_code_is_unavailable_cannot_verify():
+    """Verification unavailable in the receiver's process (here: the digest import fails) is
+    reported at the handshake with the reason."""
+
+    class Broken(RefitReceiver):
+        def _can_verify(self):
+            return False, "digest code unavailable in this process: ImportError: no numba"
+
+    out: dict = {}
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        def run():
+            try:
+                with Broken(tx.endpoint, config=RefitConfig.build(timeout_s=10.0, connect_timeout_s=10.0)) as rx:
+                    rx.receive(lambda b: None)
+            except BaseException as e:  # noqa: BLE001
+                out["error"] = e
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        with pytest.raises(RefitProtocolError, match="no numba"):
+            tx.send([("a", torch.randn(4))])
+        th.join(10)
+    assert isinstance(out["error"], RefitAbortedError)
+
+
+def test_older_receiver_fails_at_handshake_with_versions_named(tmp_path):
+    """A protocol-1 receiver cannot decode a protocol-2 Hello and answers Reject; the sender's error
+    names both versions instead of timing out or running unverified."""
+    import msgspec as _ms
+
+    class HelloV1(_ms.Struct, tag="hello", array_like=True, forbid_unknown_fields=True):
+        protocol: int
+        refit_id: str
+        mode: str
+
+    class RejectV1(_ms.Struct, tag="reject", array_like=True):
+        reason: str
+
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        ctx = zmq.Context()
+        rep = ctx.socket(zmq.REP)
+        rep.setsockopt(zmq.LINGER, 0)
+        rep.connect(tx.endpoint)
+
+        def old_receiver():
+            data = rep.recv()
+            try:
+                _ms.msgpack.decode(data, type=HelloV1)
+                reason = "?"
+            except _ms.ValidationError as e:
+                reason = f"undecodable request: {e}"
+            rep.send(_ms.msgpack.encode(RejectV1(reason=reason)))
+
+        th = threading.Thread(target=old_receiver, daemon=True)
+        th.start()
+        try:
+            with pytest.raises(RefitProtocolError) as ei:
+                tx.send([("a", torch.randn(4))])
+        finally:
+            th.join(10)
+            rep.close()
+            ctx.term()
+    assert "undecodable request" in str(ei.value) and "protocol 2" in str(ei.value) and "older refit-verify" in str(ei.value)
+
+
+def test_off_sender_with_verifying_receiver_stays_unverified_and_lazy(monkeypatch):
+    """Receiver able to verify, sender off: no digest anywhere, and no extra round trip — the
+    Welcome is collected only after the first group is packed (as the Ack of Hello used to be)."""
+    for attr in ("add", "hexdigests"):
+        monkeypatch.setattr(digest_mod.DigestBatch, attr, lambda *a, **k: (_ for _ in ()).throw(AssertionError("digest in off mode")))
+    order: list[str] = []
+
+    class Watching(RefitSender):
+        def _exchange(self, msg, staging=None):
+            order.append(type(msg).__name__)
+            return super()._exchange(msg, staging)
+
+        def _take_reply(self, expect, seq=None):
+            order.append(f"wait {expect.__name__} (packed {self._progress.tensors_packed})")
+            return super()._take_reply(expect, seq)
+
+    out: dict = {}
+    tensors = [(f"t{i}", torch.randn(100)) for i in range(6)]
+    with Watching(config=RefitConfig.build(mode="off", timeout_s=10.0, buffer_bytes=4096)) as tx:
+        th = _receiver_thread(tx.endpoint, out)  # verify=True: it could verify
+        assert tx.send(tensors) is None
+        th.join(10)
+    assert out["result"].ok and out["result"].mode.value == "off" and out["loaded"] == [n for n, _ in tensors]
+    assert order[0] == "Hello" and order[1].startswith("wait Welcome (packed 4)")
+    assert order.count("Hello") == 1 and sum(o.startswith("wait") for o in order) == 1 + 2 + 1  # Welcome, 2 Acks, Done
+
+
+def test_one_element_strided_views_are_sent():
+    """A one-element view with a non-unit stride (``x[1::2][:1]``) counts as contiguous; the sender
+    sends and digests it like its copy."""
+    base = torch.arange(12, dtype=torch.int32)
+    tensors = [("step1", base[1::2][:1]), ("col", base.reshape(3, 4)[:1, 1:2]), ("bf", base.to(torch.bfloat16)[3::4][:1])]
+    assert all(t.numel() == 1 and t.reshape(-1).stride(0) != 1 for _, t in tensors[:1])
+    got: dict = {}
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        report, out = _run_pair(tx, tensors, load=lambda b: got.update({n: t.clone() for n, t in b}))
+    assert report.ok and report.verified == 3
+    assert all(torch.equal(got[n], t) and got[n].shape == t.shape for n, t in tensors)

@@ -77,7 +77,8 @@ its acknowledgement (none after a timeout or a disconnect: the receiver is gone 
 _MAX_ERROR_CHARS = 8192
 _MAX_REASON_CHARS = 1000
 _IPC_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
-_MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+_MONITOR_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
@@ -204,9 +205,12 @@ class _PeerWatch:
     * Each new connection of an ``ipc://`` socket is checked with ``SO_PEERCRED`` (Linux): a peer
       whose uid is neither this process's effective uid nor root is logged, its connection shut down,
       and recorded in ``strangers``.
-    * Failed ZMTP handshakes (a non-ZMQ client, garbage, a pickle) are logged as rejected connections.
-    * ``live`` holds the fds of accepted connections; ``disconnects`` counts disconnections, so a
-      wait can tell that its peer went away.
+    * Failed ZMTP handshakes (a non-ZMQ client, garbage, a pickle, a foreign mechanism) and
+      connections dropped before their handshake completed (e.g. an oversized first frame, which
+      libzmq refuses against ``MAXMSGSIZE`` without allocating it) are logged as rejected connections.
+    * ``live`` holds the fds of connections; ``disconnects`` counts disconnections of peers that
+      completed their handshake, so a wait can tell that its peer went away. (Handshake results
+      carry no fd; they are matched to connections in arrival order, which only affects logging.)
 
     ZMQ's own ``ZMQ_IPC_FILTER_UID`` is not used: it is deprecated, absent from many libzmq builds, and
     in libzmq 4.3.5 (pyzmq 27) it refused even the allowed uid in our tests.
@@ -221,6 +225,8 @@ class _PeerWatch:
         self.disconnects = 0
         self.strangers: list[tuple[int, int]] = []
         self.rejected_handshakes = 0
+        self._awaiting: list[int] = []  # connections whose ZMTP handshake has not completed
+        self._failed: set[int] = set()
         self.mon = sock.get_monitor_socket(_MONITOR_EVENTS)
 
     def close(self, sock: zmq.Socket) -> None:
@@ -237,22 +243,36 @@ class _PeerWatch:
         while True:
             try:
                 frames = self.mon.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # Again: nothing pending
                 return
             ev = parse_monitor_message(frames)
             kind, value = int(ev["event"]), int(ev["value"])
             if kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 self._on_connection(value)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._awaiting:
+                    self._awaiting.pop(0)
             elif kind == zmq.EVENT_DISCONNECTED:
-                if value in self.live:
+                if value in self._awaiting:  # never completed the ZMTP handshake: never a peer
+                    self._awaiting.remove(value)
+                    self.live.discard(value)
+                    if value in self._failed:
+                        self._failed.discard(value)
+                    else:
+                        self.rejected_handshakes += 1
+                        logger.warning("refit %s on %s rejected a connection: it closed or was dropped before completing the "
+                                       "ZMTP handshake (not a ZMQ peer of this protocol, or an invalid or oversized first frame)",
+                                       self.role, self.endpoint)
+                elif value in self.live:
                     self.live.discard(value)
                     self.disconnects += 1
+                    logger.debug("refit %s on %s: a peer disconnected", self.role, self.endpoint)
             else:  # handshake failed
                 self.rejected_handshakes += 1
+                if self._awaiting:
+                    self._failed.add(self._awaiting[0])
                 logger.warning("refit %s on %s rejected a connection: ZMTP handshake failed (event %d): not a ZMQ peer "
-                               "of this protocol (garbage, a pickle, an oversized frame); connection dropped",
+                               "of this protocol (garbage, a pickle, a foreign mechanism); connection dropped",
                                self.role, self.endpoint, kind)
 
     def _on_connection(self, fd: int) -> None:
@@ -266,6 +286,7 @@ class _PeerWatch:
                 _shutdown_fd(fd)
                 return
         self.live.add(fd)
+        self._awaiting.append(fd)
 
 
 # ------------------------------------------------------------------------------ results

@@ -1,0 +1,452 @@
+"""The refit socket is closed to strangers, and every configuration input is validated strictly.
+
+* The default endpoint lives in a fresh 0700 directory with an unpredictable name; a receiver
+  refuses endpoints a stranger could plant or replace; a sender refuses explicit endpoints in shared
+  directories.
+* A stranger's bytes (a pickle, garbage, a frame announcing a huge length, a foreign handshake)
+  sent to the endpoint from another socket are logged and dropped: no crash, no large allocation,
+  and the channel keeps working.
+* Hostile but well-formed messages (pickles, huge declared lengths, handles to foreign or fake
+  shared memory) get a logged rejection.
+* Peers of another uid are refused (SO_PEERCRED; the real cross-uid test needs root).
+* ``REFIT_VERIFY``, ``RefitConfig`` and the worker RPC's options reject unknown keys, ``None``,
+  empty and false values, naming the key and the accepted values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_env
+from refit_verify import transport as transport_mod
+from refit_verify.errors import RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.transport import RefitReceiver, RefitSender
+from refit_verify.wire import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pair(tx: RefitSender, tensors, **kw):
+    out: dict = {}
+
+    def run():
+        try:
+            with RefitReceiver(tx.endpoint, config=RefitConfig.build(timeout_s=10.0, connect_timeout_s=10.0)) as rx:
+                out["result"] = rx.receive(lambda b: None)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        return tx.send(tensors), out
+    finally:
+        th.join(10)
+
+
+# ------------------------------------------------------------------------------ the endpoint
+
+
+def test_default_endpoint_is_private_and_unpredictable():
+    a, b = RefitSender(config=RefitConfig.build(mode="off")), RefitSender(config=RefitConfig.build(mode="off"))
+    try:
+        dirs = []
+        for tx in (a, b):
+            path = tx.endpoint.removeprefix("ipc://")
+            d = os.path.dirname(path)
+            st = os.stat(d)
+            assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+            name = os.path.basename(d)
+            assert name.startswith("refit-verify-") and len(name.split("-")[2]) == 16  # 64 random bits + mkdtemp suffix
+            sst = os.lstat(path)
+            assert stat.S_ISSOCK(sst.st_mode) and sst.st_uid == os.geteuid()
+            dirs.append(d)
+        assert dirs[0] != dirs[1]
+    finally:
+        a.close()
+        b.close()
+    assert not any(os.path.exists(d) for d in dirs)
+
+
+@pytest.mark.parametrize("case", ["world-writable", "group-writable", "missing", "symlink", "not-a-socket", "tmp"])
+def test_receiver_refuses_endpoints_a_stranger_could_plant(tmp_path, case):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    if case == "world-writable":
+        d = tmp_path / "shared"
+        d.mkdir()
+        d.chmod(0o777)
+        ep = f"ipc://{d}/refit.sock"
+    elif case == "group-writable":
+        d = tmp_path / "group"
+        d.mkdir()
+        d.chmod(0o770)
+        ep = f"ipc://{d}/refit.sock"
+    elif case == "missing":
+        ep = f"ipc://{tmp_path}/nope/refit.sock"
+    elif case == "symlink":
+        (tmp_path / "link").symlink_to(private)
+        ep = f"ipc://{tmp_path}/link/refit.sock"
+    elif case == "not-a-socket":
+        (private / "refit.sock").write_text("x")
+        ep = f"ipc://{private}/refit.sock"
+    else:
+        ep = "ipc:///tmp/refit-verify-predictable.sock"
+    with pytest.raises(RefitConfigError) as ei:
+        RefitReceiver(ep, config=RefitConfig.build(connect_timeout_s=0.1))
+    msg = str(ei.value)
+    assert "receiver" in msg and ({"missing": "does not exist", "symlink": "not a directory", "not-a-socket": "not a socket"}.get(case, "not private") in msg)
+
+
+def test_receiver_accepts_private_endpoint_and_warns_when_others_can_enter(tmp_path, caplog):
+    d = tmp_path / "readable"
+    d.mkdir()
+    d.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        RefitReceiver(f"ipc://{d}/refit.sock", config=RefitConfig.build(connect_timeout_s=0.1)).close()
+    assert any("0700" in r.getMessage() for r in caplog.records)
+    RefitReceiver(f"ipc://{tmp_path}/refit.sock", config=RefitConfig.build(connect_timeout_s=0.1)).close()  # pytest's 0700 dir
+
+
+def test_sender_refuses_explicit_endpoint_in_shared_directory(tmp_path):
+    with pytest.raises(RefitConfigError, match="not private"):
+        RefitSender(endpoint="ipc:///tmp/refit-verify-shared.sock")
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(RefitConfigError, match="not private"):
+        RefitSender(endpoint=f"ipc://{d}/refit.sock")
+    with RefitSender(config=RefitConfig.build(mode="off"), endpoint=f"ipc://{tmp_path}/ok.sock") as tx:
+        assert tx.endpoint == f"ipc://{tmp_path}/ok.sock"
+
+
+# ------------------------------------------------------------------------------ strangers' bytes
+
+
+def _zmtp_greeting(mechanism: bytes = b"NULL") -> bytes:
+    return b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + mechanism.ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+
+
+def _zmtp_ready(socket_type: bytes = b"REP") -> bytes:
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    return bytes([0x04, len(body)]) + body
+
+
+STRANGER_BYTES = {
+    "pickle": pickle.dumps({"tag": "done", "manifest": {"a": "0" * 32}}),
+    "pickle-reduce": b"\x80\x04\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c\x05touch\x94\x85\x94R\x94.",
+    "garbage": os.urandom(4096),
+    "http": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    "huge-length-frame": _zmtp_greeting() + _zmtp_ready() + b"\x02" + struct.pack(">Q", 1 << 40) + b"x" * 64,
+    "huge-length-before-handshake": _zmtp_greeting() + b"\x02" + struct.pack(">Q", (1 << 63) - 1),
+    "foreign-mechanism": _zmtp_greeting(b"CURVE"),
+}
+
+
+def test_stranger_bytes_to_the_endpoint_are_logged_and_dropped(caplog):
+    """Raw connections to the sender's endpoint (another socket, not a ZMQ peer) send a pickle,
+    garbage, a frame announcing 2**40 bytes, a foreign handshake: each is logged as a rejected
+    connection; the process neither crashes nor allocates what was announced; a refit then works."""
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        path = tx.endpoint.removeprefix("ipc://")
+        _pair(tx, [("w", torch.randn(64))])  # warm up (digest code, threads) before measuring
+        rss0 = rss_bytes()
+        for data in STRANGER_BYTES.values():
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(path)
+            try:
+                c.sendall(data)
+            except OSError:  # dropped mid-send: fine
+                pass
+            time.sleep(0.05)
+            c.close()
+        time.sleep(0.3)
+        with caplog.at_level(logging.WARNING, logger="refit_verify"):
+            report, out = _pair(tx, [("w", torch.randn(64))])
+        grown = rss_bytes() - rss0
+    rejected = [r for r in caplog.records if "rejected a connection" in r.getMessage()]
+    assert len(rejected) >= len(STRANGER_BYTES), [r.getMessage() for r in caplog.records]
+    assert report.ok and out["result"].ok
+    assert grown < 64 << 20, grown
+
+
+def _bound_req(endpoint: str):
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.setsockopt(zmq.RCVTIMEO, 5000)
+    req.setsockopt(zmq.REQ_RELAXED, 1)
+    req.bind(endpoint)
+    return ctx, req
+
+
+HOSTILE_MESSAGES = {
+    "pickle": pickle.dumps(Hello(protocol=PROTOCOL_VERSION, refit_id="x", mode="off", alignment=512), protocol=2),
+    "garbage": b"\x00\xff" * 1000,
+    "str32-4GiB": b"\x95\xa5hello\x02\xdb\xff\xff\xff\xff",
+    "array32-4G-entries": b"\x95\xa6buffer\x00\x93\xa3shm\xa2rv\x10\xdd\xff\xff\xff\xff",
+    "map32-4G": b"\xdf\xff\xff\xff\xff",
+    "bin32-4GiB": b"\xc6\xff\xff\xff\xff",
+    "nested-depth": b"\x91" * 100_000,
+    "big-but-allowed": b"\xc4\x00" + b"\x00" * (8 << 20),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_MESSAGES))
+def test_hostile_messages_get_a_logged_rejection(tmp_path, caplog, name):
+    """A local process that speaks ZMQ (here: binding the endpoint the receiver connects to) sends
+    a pickle, garbage, or msgpack announcing a huge length: the receiver logs it, answers Reject,
+    raises RefitProtocolError; nothing is unpickled, nothing large allocated."""
+    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    out: dict = {}
+    try:
+        def run():
+            try:
+                with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=10.0)) as rx:
+                    rx.receive(lambda b: None)
+            except BaseException as e:  # noqa: BLE001
+                out["error"] = e
+
+        rss0 = rss_bytes()
+        with caplog.at_level(logging.ERROR, logger="refit_verify"):
+            th = threading.Thread(target=run, daemon=True)
+            th.start()
+            req.send(HOSTILE_MESSAGES[name])
+            reply = decode_reply(req.recv())
+            th.join(10)
+        grown = rss_bytes() - rss0
+    finally:
+        req.close()
+        ctx.term()
+    assert isinstance(reply, Reject) and isinstance(out.get("error"), RefitProtocolError)
+    assert any("rejects a message" in r.getMessage() for r in caplog.records)
+    assert grown < (48 << 20), grown
+    assert not os.path.exists("touch")
+
+
+def _hello_then(req, *msgs):
+    req.send(encode(Hello(protocol=PROTOCOL_VERSION, refit_id="evil", mode="enforce", alignment=512)))
+    assert isinstance(decode_reply(req.recv()), Welcome)
+    replies = []
+    for m in msgs:
+        req.send(encode(m))
+        replies.append(decode_reply(req.recv()))
+    return replies
+
+
+@pytest.mark.parametrize("case", ["missing", "huge-nbytes", "foreign-mode", "symlink", "path"])
+def test_buffers_naming_foreign_or_fake_shared_memory_are_rejected(tmp_path, case):
+    """A Buffer whose handle names shared memory that does not exist, is smaller than claimed, is
+    readable by others, is a symlink (to a file of ours), or escapes /dev/shm: its entries are
+    refused by name, nothing is mapped, Done still goes out."""
+    shm = f"rv_test_{os.getpid()}_{case}"
+    path = os.path.join("/dev/shm", shm)
+    if case == "huge-nbytes":
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 4096)
+        os.chmod(path, 0o600)
+        handle = ShmHandle(name=shm, nbytes=1 << 50)
+    elif case == "foreign-mode":
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 4096)
+        os.chmod(path, 0o644)
+        handle = ShmHandle(name=shm, nbytes=4096)
+    elif case == "symlink":
+        target = tmp_path / "model.bin"
+        target.write_bytes(b"\x01" * 4096)
+        os.symlink(target, path)
+        handle = ShmHandle(name=shm, nbytes=4096)
+    elif case == "path":
+        handle = ShmHandle(name="..", nbytes=4096)
+    else:
+        handle = ShmHandle(name=shm, nbytes=4096)
+    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    out: dict = {}
+    try:
+        def run():
+            try:
+                with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=10.0)) as rx:
+                    out["result"] = rx.receive(lambda b: out.setdefault("loaded", []).extend(n for n, _ in b))
+            except BaseException as e:  # noqa: BLE001
+                out["error"] = e
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        buf = Buffer(seq=0, handle=handle, entries=[Entry(name="w", dtype="float32", shape=[16], offset=0, nbytes=64)], used_bytes=512)
+        ack, done = _hello_then(req, buf, Complete(n_tensors=1))
+        th.join(10)
+    finally:
+        req.close()
+        ctx.term()
+        if os.path.lexists(path):
+            os.unlink(path)
+    assert ack.seq == 0 and done.manifest == {} and list(done.rejected) == ["w"]
+    assert "loaded" not in out and out["result"].rejected
+    want = {"missing": "does not exist", "huge-nbytes": "handle says", "foreign-mode": "private", "symlink": "cannot be opened",
+            "path": "bad shared-memory name"}[case]
+    assert want in done.rejected["w"], done.rejected
+
+
+# ------------------------------------------------------------------------------ peer uid
+
+
+def test_receiver_refuses_a_peer_of_another_uid(tmp_path, monkeypatch):
+    """SO_PEERCRED says the peer is another user: the receiver cuts it off and raises."""
+    monkeypatch.setattr(transport_mod, "_peer_cred", lambda fd: (4242, os.geteuid() + 1000))
+    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    try:
+        with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=3.0)) as rx:
+            with pytest.raises(RefitProtocolError, match=r"uid \d+, not"):
+                rx.receive(lambda b: None)
+    finally:
+        req.close()
+        ctx.term()
+
+
+def test_peer_cred_reads_our_own_uid(tmp_path):
+    a, b = socket.socketpair(socket.AF_UNIX)
+    try:
+        assert transport_mod._peer_cred(a.fileno()) == (os.getpid(), os.geteuid())
+    finally:
+        a.close()
+        b.close()
+
+
+_STRANGER = """
+import os, sys, time, zmq
+os.setgid(65534); os.setuid(65534)
+ctx = zmq.Context(); rep = ctx.socket(zmq.REP); rep.setsockopt(zmq.LINGER, 0)
+rep.connect(sys.argv[1])
+got = rep.poll(int(float(sys.argv[2]) * 1000))
+print("GOT" if got else "NOTHING", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not hasattr(socket, "SO_PEERCRED"), reason="needs root (to run a peer as another uid) and SO_PEERCRED")
+def test_sender_cuts_off_a_peer_of_another_uid(tmp_path, caplog):
+    """A real process running as uid 65534 connects to a sender whose endpoint it can reach (a
+    0755 directory, a 0777 socket file): SO_PEERCRED identifies it, the sender logs it and shuts
+    the connection; it never sees a request, and the refit times out as if nobody had connected."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="refit-verify-open-", dir="/tmp")  # reachable by other users: /tmp is 1777
+    os.chmod(d, 0o755)
+    old = os.umask(0)
+    try:
+        tx = RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=3.0), endpoint=f"ipc://{d}/refit.sock")
+    finally:
+        os.umask(old)
+        tx_dir = d
+    with tx:
+        proc = subprocess.Popen([sys.executable, "-c", _STRANGER, tx.endpoint, "6"], stdout=subprocess.PIPE, text=True)
+        time.sleep(2.0)  # the stranger starts and connects
+        with caplog.at_level(logging.WARNING, logger="refit_verify"), pytest.raises(RefitTimeoutError):
+            tx.send([("w", torch.randn(4))])
+        out, _ = proc.communicate(timeout=20)
+    shutil.rmtree(tx_dir, ignore_errors=True)
+    assert out.strip() == "NOTHING"
+    assert any("uid 65534" in r.getMessage() and "rejected a connection" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------ config strictness
+
+
+@pytest.mark.parametrize("options, needles", [
+    ({"verfiy": "log"}, ["'verfiy'", "accepted keys", "timeout_s"]),
+    ({"mode": None}, ["mode=None", "'off', 'log', 'enforce'"]),
+    ({"mode": False}, ["mode=False", "'off', 'log', 'enforce'"]),
+    ({"mode": ""}, ["mode=''", "'off', 'log', 'enforce'"]),
+    ({"mode": "ENFORCE"}, ["mode='ENFORCE'"]),
+    ({"timeout_s": None}, ["timeout_s=None", "seconds"]),
+    ({"timeout_s": False}, ["timeout_s=False", "seconds"]),
+    ({"timeout_s": ""}, ["timeout_s=''"]),
+    ({"timeout_s": float("inf")}, ["timeout_s=inf", "finite"]),
+    ({"timeout_s": 0}, ["timeout_s=0", "> 0"]),
+    ({"connect_timeout_s": 1e9}, ["connect_timeout_s", "86400"]),
+    ({"buffer_bytes": True}, ["buffer_bytes=True", "int > 0"]),
+    ({"buffer_bytes": 0}, ["buffer_bytes=0"]),
+    ({"buffer_bytes": 1.5}, ["buffer_bytes=1.5"]),
+    ({"alignment": 100}, ["alignment=100", "power-of-two"]),
+    ({"alignment": 8}, ["alignment=8", "power-of-two"]),
+])
+def test_options_rejected_with_key_and_accepted_values(options, needles):
+    for build in (RefitConfig.build, lambda **o: RefitConfig(**o), lambda **o: RefitConfig.from_options(o)):
+        with pytest.raises(RefitConfigError) as ei:
+            build(**options)
+        assert all(n in str(ei.value) for n in needles), str(ei.value)
+
+
+@pytest.mark.parametrize("bad", [["timeout_s", 1], "timeout_s=1", 3, {1: 2}])
+def test_options_mapping_shape_is_checked(bad):
+    with pytest.raises(RefitConfigError, match="accepted keys"):
+        RefitConfig.from_options(bad)
+
+
+def test_from_options_none_means_defaults(monkeypatch):
+    monkeypatch.setenv("REFIT_VERIFY", "log")
+    assert RefitConfig.from_options(None) == RefitConfig(mode=VerifyMode.LOG)
+    monkeypatch.setenv("REFIT_VERIFY", "")
+    with pytest.raises(RefitConfigError, match="REFIT_VERIFY=''"):
+        RefitConfig.from_options(None)  # the environment is validated here too
+
+
+@pytest.mark.parametrize("options, needle", [({"bogus": 1}, "'bogus'"), ({"timeout_s": None}, "timeout_s=None"), ("timeout_s=3", "mapping"),
+                                            ({"mode": "true"}, "mode='true'")])
+def test_worker_rpc_options_validated_in_the_worker(options, needle):
+    """``refit_verify_receive`` (run in each vLLM worker) validates its options before touching the
+    engine, naming the bad key."""
+    from refit_verify.vllm_plugin.worker import refit_verify_receive
+
+    class NoEngine:
+        rank = 0
+
+        def get_model(self):
+            raise AssertionError("the engine was touched before the options were validated")
+
+    with pytest.raises(RefitConfigError, match=needle):
+        refit_verify_receive(NoEngine(), "ipc:///nonexistent/refit.sock", options)
+
+
+def test_sender_and_receiver_reject_non_config_objects():
+    with pytest.raises(RefitConfigError, match="RefitConfig"):
+        RefitSender(config={"mode": "enforce"})
+    with pytest.raises(RefitConfigError, match="RefitConfig"):
+        RefitReceiver("ipc:///tmp/x.sock", config={"timeout_s": 1})
+    with pytest.raises(RefitConfigError, match="verify"):
+        RefitReceiver("ipc:///tmp/x.sock", verify="yes")
+
+
+@pytest.mark.parametrize("value", ["", "false", "False", "null", "None", "0", "no", " log"])
+def test_refit_verify_env_rejects_empty_false_null(value):
+    with pytest.raises(RefitConfigError) as ei:
+        mode_from_env({"REFIT_VERIFY": value})
+    assert "REFIT_VERIFY" in str(ei.value) and "'off', 'log', 'enforce'" in str(ei.value)
+
+
+def test_refit_verify_env_validated_in_a_fresh_process():
+    """Every process that builds a config validates REFIT_VERIFY (here: a trainer-like process)."""
+    code = "from refit_verify import RefitConfig; RefitConfig()"
+    env = dict(os.environ, REFIT_VERIFY="enforce ")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "REFIT_VERIFY='enforce '" in r.stderr and "'off', 'log', 'enforce'" in r.stderr
