@@ -130,7 +130,10 @@ def _check_private_dir(endpoint: str, role: str) -> None:
     """
     path = _ipc_path(endpoint)
     if path is None:
-        if not endpoint.startswith("ipc://"):
+        if endpoint.startswith("ipc://"):
+            logger.warning("refit %s endpoint %s is an abstract or wildcard ipc:// name: no file-permission protection "
+                           "(peer uids are still checked)", role, endpoint)
+        else:
             logger.warning("refit %s endpoint %s is not an ipc:// path: no file-permission protection, and peer "
                            "credentials cannot be checked", role, endpoint)
         return
@@ -437,6 +440,7 @@ class RefitSender:
         self._finalizer = weakref.finalize(self, _close_zmq, self._sock, self._watch, self._ctx, self._private_dir)
         self._progress = _Progress()
         self._mark = 0
+        self._peer_gave_up = False
         self._last_hello: bytes | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -548,6 +552,7 @@ class RefitSender:
         reply = decode_reply(data.buffer)
         p.waiting_for = ""
         if isinstance(reply, Reject):
+            self._peer_gave_up = True  # a receiver that rejects has stopped: no Abort needed
             hint = ""
             if expect is Welcome:
                 hint = (f" (this sender speaks refit-verify protocol {PROTOCOL_VERSION}; a receiver that cannot decode "
@@ -570,6 +575,8 @@ class RefitSender:
     def _abort(self, exc: BaseException) -> None:
         """Tell the receiver this refit is over (``Abort``), so it stops at once. Bounded, never raises."""
         p = self._progress
+        if self._peer_gave_up:
+            return
         reason = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
         try:
             self._sock.send(encode(Abort(reason=reason)), flags=zmq.NOBLOCK)
@@ -659,6 +666,7 @@ class RefitSender:
         dedicated: _staging.StagingBuffer | None = None
         t_start = time.perf_counter()
         self._watch.drain()
+        self._peer_gave_up = False
 
         # Sequencing state (strict REQ/REP lockstep: at most one request outstanding).
         outstanding: int | None = None  # seq of the unanswered Buffer; None: nothing outstanding
@@ -800,6 +808,7 @@ class RefitSender:
                 if b is not None:
                     b.close()
                     pool[i] = None
+            self._peer_gave_up = True  # after Complete the receiver reads nothing more of this refit
             done = self._exchange(Complete(n_tensors=n_tensors), None)
             if not isinstance(done, Done):  # an override must hand back what super() returned
                 raise RefitProtocolError(f"refit {refit_id}: no Done reply to Complete", progress=p.as_dict())
