@@ -284,7 +284,7 @@ def test_receiver_dies_after_kth_buffer(how):
     assert p["buffers_acked"] == k - 1 and p["buffers_sent"] == k
     assert p["tensors_acked"] == 4 * (k - 1) and p["last_acked_name"] == (f"t{4 * (k - 1) - 1}" if k > 1 else None)
     assert p["waiting_for"] == f"Ack(seq={k - 1})"
-    assert elapsed < (2.0 if how == "die" else timeout + 1.5)
+    assert elapsed < (3.0 if how == "die" else timeout + 2.0)  # die: far below the 10 s timeout
     if how == "hang":
         assert elapsed >= timeout * 0.95
     assert "staging memory released" in str(ei.value)
@@ -353,7 +353,7 @@ def test_sender_process_dies_mid_stream():
     assert p["reason"] == "sender disconnected" and p["silent"] == "sender" and p["side"] == "receiver"
     assert p["buffers"] == k and p["tensors"] == 4 * k and p["last_name"] == f"t{4 * k - 1}"
     assert p["stage"] == f"waiting for Buffer {k} or Complete"
-    assert elapsed < 2.0
+    assert elapsed < 3.0  # far below the 10 s timeout
     assert not mapped_staging()  # the receiver holds no staging memory
     assert len(rx.staging_names) == k
     deadline = time.monotonic() + 10
@@ -402,7 +402,7 @@ def test_receiver_never_connects():
             tx.send(TENSORS)
         elapsed = time.monotonic() - t0
     print(f"\nno receiver: sender raised after {elapsed:.2f} s (timeout 1 s): {ei.value}")
-    assert 0.95 <= elapsed < 2.5
+    assert 0.95 <= elapsed < 3.0
     p = ei.value.progress
     assert p["reason"] == "receiver never connected" and p["silent"] == "receiver" and p["buffers_sent"] == 0
     assert "VLLM_PLUGINS" in str(ei.value)
@@ -439,7 +439,7 @@ def test_complete_never_comes():
         th.join(10)
     p = ei.value.progress
     print(f"\nComplete never came: receiver raised {elapsed:.2f} s after the last buffer (timeout 1 s): {ei.value}")
-    assert 0.95 <= elapsed < 2.5
+    assert 0.95 <= elapsed < 3.0
     assert p["reason"] == "sender went silent" and p["silent"] == "sender"
     assert p["buffers"] == 3 and p["tensors"] == 12 and p["last_name"] == "t11"
     assert p["stage"] == "waiting for Buffer 3 or Complete"
