@@ -1116,6 +1116,7 @@ class RefitReceiver:
                 reject(e.name, f"buffer seq {msg.seq}, expected {state.expected_seq}")
             state.seen.update(e.name for e in msg.entries)
             state.entries_received += len(msg.entries)
+            self._open_and_release(msg)
             return
         # Validate every entry before touching memory. An entry is accepted when its dtype is real,
         # nbytes == numel × itemsize, its offset is aligned and past the slot of the previously
@@ -1155,6 +1156,7 @@ class RefitReceiver:
             layout.append((e.name, dtype, e.shape, e.offset, e.nbytes))
             end = e.offset + slot
         if not layout:
+            self._open_and_release(msg)
             return
         try:
             buf = _staging.open_handle(msg.handle, self.device)
@@ -1185,6 +1187,17 @@ class RefitReceiver:
             _staging.release(buf)  # queued reads of the buffer are finished before the Ack
             views.clear()
             del buf
+
+
+    def _open_and_release(self, msg: Buffer) -> None:
+        """Open and release a buffer none of whose entries is read: a CUDA IPC export carries one
+        slot of torch's IPC reference counter that only an open gives back."""
+        try:
+            buf = _staging.open_handle(msg.handle, self.device)
+        except Exception:  # noqa: BLE001 - nothing to read anyway
+            return
+        _staging.release(buf)
+        del buf
 
 
 @dataclass
