@@ -27,7 +27,8 @@ t0=$(date +%s)
 if [ "$stage" = 1 ]; then
   timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
-  timeout 300 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" --leaf-warps 4,8 2>&1 | tail -60
+  [ -f benchmarks/bench_variants.py ] && timeout 200 python3 benchmarks/bench_variants.py 2>&1 | tee "$OUT/bench_variants.txt" | tail -30
+  timeout 200 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" 2>&1 | tail -25
 else
   timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; rc=$?; echo "demo rc=$rc"
   grep -vE " INFO |FutureWarning" "$OUT/demo-cuda.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -40
@@ -37,7 +38,7 @@ else
     timeout 150 refit-verify demo --model /tmp/gpu-llama >"$OUT/demo-cuda-256.log" 2>&1; echo "demo (hidden 256) rc=$?"
     grep -vE " INFO |FutureWarning" "$OUT/demo-cuda-256.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -30
   fi
-  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  timeout 360 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E " "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
   timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" 2>&1 | grep -vE "INFO|WARNING" | tail -15
