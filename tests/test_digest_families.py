@@ -461,3 +461,10 @@ class TestMetadata:
         assert set(rep.mismatched) == {"layers.0.q_proj.weight", "layers.0.k_proj.weight"}
         assert not rep.missing and not rep.unexpected and rep.verified == 1
         assert "q_proj" in rep.describe() and "k_proj" in rep.describe()
+
+
+def test_one_element_view_with_non_unit_stride():
+    """A one-element view whose stride is not 1 (``x[1::2][:1]``) digests like its value."""
+    x = torch.arange(10.0)
+    assert tensor_digest(x[1::2][:1]) == tensor_digest(torch.tensor([1.0]))
+    assert tensor_digest(x[3::4][:1].view(1, 1)) == tensor_digest(torch.tensor([[3.0]]))

@@ -7,6 +7,7 @@ and the two manifests are compared; every difference is named.
 from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
 from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
 from refit_verify.errors import (
+    RefitAbortedError,
     RefitConfigError,
     RefitProtocolError,
     RefitTimeoutError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DigestBatch",
+    "RefitAbortedError",
     "RefitConfig",
     "RefitConfigError",
     "RefitProtocolError",

@@ -39,6 +39,8 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # a one-element view with a non-unit stride
+        flat = flat.as_strided((1,), (1,))  # same element, no copy
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     return flat.view(torch.uint8)
