@@ -153,3 +153,102 @@ def test_known_answer_vectors_batched() -> None:
         views.append((b % 2 if v["dtype"] == "bool" else b).to(torch.uint8).to(DEV))
         seeds.append(ref.seed(v["dtype"], tuple(v["shape"]), v["nbytes"]))
     assert kd.to_hex(kd.digest_views(views, seeds)) == [v["digest"] for v in vecs]
+
+
+# ---------------------------------------------------------------------------------------------
+# FAST-launch variants (kd.LEAF_VARIANTS): every one must give the default kernel's bits.
+# ---------------------------------------------------------------------------------------------
+_VAR_LANES = 65536 + 4097  # one full superblock + a partial one whose blocks 2..15 are zero values
+
+
+@pytest.fixture(scope="module")
+def variant_case() -> tuple[torch.Tensor, str]:
+    u = _rand(_VAR_LANES * L, 21)
+    return u, _expect(u)
+
+
+_EXTRA_VARIANTS = {  # supported knobs that bench_variants.py does not sweep
+    "f256w8-full-u16": dict(mode="fused", cols=256, warps=8, full=True, unroll=16),
+    "f128w4-u2-ilv": dict(mode="fused", cols=128, warps=4, unroll=2, ilv=True),
+}
+
+
+@pytest.mark.parametrize("name", [n for n in kd.LEAF_VARIANTS if n != "v1"] + list(_EXTRA_VARIANTS))
+def test_leaf_variant_matches_reference(name: str, variant_case, monkeypatch) -> None:
+    """Each variant on a 16-aligned view with a full superblock and a partial one (both FAST
+    programs: ``full`` variants run their unmasked copy on the first, the masked copy on the
+    second). Under the interpreter ``asm`` runs as 0 (inline PTX is GPU-only; see
+    test_ptx_sequences_match_reference)."""
+    u, want = variant_case
+    assert u.data_ptr() % 16 == 0
+    monkeypatch.setattr(kd, "LEAF", kd.LEAF_VARIANTS.get(name) or _EXTRA_VARIANTS[name])
+    assert _run([u]) == [want]
+
+
+def test_plan_fast_classification_align() -> None:
+    """``align=16`` (``vec`` variants) sends views off a 16-byte boundary to the general launch."""
+    sb = 65536 * L
+    sizes = [2 * sb, sb + 4097 * L, 2 * sb, 3 * sb + 5]
+    addrs = [1 << 20, 2 << 20, (3 << 20) + 8, 4 << 20]
+    seeds = [(1, 2)] * 4
+    # programs: 2, 2, 2, 4 (the last one holds the 5-byte tail: never fast); chunks: 1 each
+    assert kd._plan(addrs, sizes, seeds)[1:] == (10, 9, 4)
+    assert kd._plan(addrs, sizes, seeds, align=16)[1:] == (10, 7, 4)
+
+
+def _ptx_eval(ptx: str, args: list[int]) -> int:
+    """Tiny model of the PTX subset used by the ``asm`` variants ($0 = result, $1.. = args)."""
+    m32, m64 = (1 << 32) - 1, (1 << 64) - 1
+    regs: dict[str, int] = {f"${i + 1}": a for i, a in enumerate(args)}
+    carry = 0
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    body = ptx.strip().strip("{}")
+    for ins in (s.strip() for s in body.split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op == "mov.b64" and rest.startswith("{"):  # unpack {lo, hi}, src
+            pair, src = rest.split("},")
+            lo, hi = (t.strip() for t in pair.strip("{ ").split(","))
+            v = val(src.strip())
+            regs[lo], regs[hi] = v & m32, v >> 32
+            continue
+        if op == "mov.b64":  # pack dst, {lo, hi}
+            dst, pair = rest.split(",", 1)
+            lo, hi = (t.strip() for t in pair.strip(" {}").split(","))
+            regs[dst.strip()] = regs[lo] | (regs[hi] << 32)
+            continue
+        ops = [t.strip() for t in rest.split(",")]
+        d, a = ops[0], [val(t) for t in ops[1:]]
+        if op == "mul.wide.u32":
+            regs[d] = (a[0] * a[1]) & m64
+        elif op == "mad.wide.u32":
+            regs[d] = (a[0] * a[1] + a[2]) & m64
+        elif op == "shr.b32":
+            regs[d] = a[0] >> a[1]
+        elif op == "xor.b32":
+            regs[d] = a[0] ^ a[1]
+        elif op == "add.cc.u32":
+            s = a[0] + a[1]
+            regs[d], carry = s & m32, s >> 32
+        elif op == "madc.lo.u32":
+            regs[d] = ((a[0] * a[1]) + a[2] + carry) & m32
+        else:
+            raise AssertionError(f"unmodelled PTX op {op}")
+    return regs["$0"]
+
+
+def test_ptx_sequences_match_reference() -> None:
+    """The inline-PTX pieces of ``asm`` variants equal the spec's xor-shifts and ``m + ror(r, R_c)``."""
+    g = torch.Generator().manual_seed(17)
+    vals = [0, 1, (1 << 64) - 1, 1 << 63, (1 << 32) - 1, 1 << 32]
+    vals += [int(x) & ref.MASK64 for x in torch.randint(-(1 << 63), (1 << 63) - 1, (200,), generator=g, dtype=torch.int64)]
+    for x in vals:
+        for s, ptx in ((27, kd._PTX_XS27), (31, kd._PTX_XS31), (33, kd._PTX_XS33)):
+            assert _ptx_eval(ptx.value, [x]) == x ^ (x >> s)
+    for m, r in zip(vals, reversed(vals)):
+        assert _ptx_eval(kd._PTX_ADDROR23.value, [m, r, 1 << 9]) == (m + ref.ror(r, ref.ROT[0])) & ref.MASK64
+        assert _ptx_eval(kd._PTX_ADDROR41.value, [m, r, 1 << 23]) == (m + ref.ror(r, ref.ROT[1])) & ref.MASK64
