@@ -112,6 +112,9 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     work = Path(tempfile.mkdtemp(prefix="refit-verify-demo-"))
     shutil.copy(src_dir / "config.json", work / "config.json")
     try:
+        t0 = time.perf_counter()
+        digest_tensors({"warm-up": torch.zeros(4096, dtype=torch.bfloat16, device=device)})  # one-off JIT/compile
+        console.print(f"digest kernels ready in {time.perf_counter() - t0:.1f} s (first use compiles; cached after)")
         llm = start_engine(work, device, console)
         weights = models.random_state_dict(cfg, seed=seed, device=device)
         options = {"timeout_s": timeout_s}
