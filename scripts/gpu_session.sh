@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of the H200 session (see docs/performance.md). Usage: bash scripts/gpu_session.sh STAGE
-#   stage 1 (carry .gpu-vllm/vllm.tar.xz .gpu-vllm/install.sh .whl): lay vLLM, run the kernel GPU tests and
+#   stage 1 (carry .gpu-vllm/vllm.tar.xz .gpu-vllm/install.sh .whl/core): lay vLLM, run the kernel GPU tests and
 #           the digest benchmark;
 #   stage 2 (carry .gpu-vllm/extra .gpu-vllm/install.sh .whl): finish vLLM, run the GPU end-to-end tests,
 #           the demo on CUDA and the refit overhead benchmark.
@@ -12,9 +12,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 bash .gpu-vllm/install.sh >"$OUT/install-$stage.log" 2>&1; tail -3 "$OUT/install-$stage.log"
 [ "$stage" = 0 ] && exit 0
 [ -f .gpu-vllm/env.sh ] && . .gpu-vllm/env.sh
-# wheels this image may lack (pytest, rich); install only what is missing
-for m in pytest:pytest rich:rich; do python3 -c "import ${m%%:*}" 2>/dev/null || need=1; done
-[ -n "${need:-}" ] && python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl 2>&1 | tail -1
+# wheels this image may lack (our dependencies, pytest, rich); carried in .whl/core and .whl/ui
+for w in .whl/*/*.whl; do
+  m=$(basename "$w" | cut -d- -f1); m=${m/markdown_it_py/markdown_it}; m=${m/pyzmq/zmq}
+  python3 -c "import $m" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile "$w" 2>&1 | tail -1
+done
 # refit-verify itself, with its entry point (vLLM finds the plugin through it)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip-$stage.log" 2>&1 || tail -5 "$OUT/pip-$stage.log"
 python3 - <<'PY'
