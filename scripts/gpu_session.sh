@@ -27,11 +27,11 @@ PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
 if [ "$stage" = 1 ]; then
-  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
+  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   [ -f benchmarks/bench_variants.py ] && timeout 200 python3 benchmarks/bench_variants.py 2>&1 | tee "$OUT/bench_variants.txt" | tail -30
   timeout 200 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" 2>&1 | tail -25
-else
+elif [ "$stage" = 2 ]; then
   timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; rc=$?; echo "demo rc=$rc"
   grep -vE " INFO |FutureWarning" "$OUT/demo-cuda.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -40
   if [ $rc != 0 ]; then  # diagnose: the first error lines of the engine, then a known-good GPU config
@@ -40,9 +40,11 @@ else
     timeout 150 refit-verify demo --model /tmp/gpu-llama >"$OUT/demo-cuda-256.log" 2>&1; echo "demo (hidden 256) rc=$?"
     grep -vE " INFO |FutureWarning" "$OUT/demo-cuda-256.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -30
   fi
-  timeout 360 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E " "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
-  timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" 2>&1 | grep -vE "INFO|WARNING" | tail -15
+elif [ "$stage" = 3 ]; then
+  timeout 400 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
+  grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -15
 fi
 echo "stage $stage done in $(( $(date +%s) - t0 )) s"
