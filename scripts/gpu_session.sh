@@ -43,6 +43,12 @@ elif [ "$stage" = 2 ]; then
   timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E " "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = 4 ]; then  # end-to-end GPU tests, then the refit bench, in one call
+  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20
+  echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
+  grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -12
 elif [ "$stage" = 3 ]; then
   timeout 400 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -15

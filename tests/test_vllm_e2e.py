@@ -32,7 +32,7 @@ def device():
 def engine(tmp_path_factory, device):
     d = tmp_path_factory.mktemp("tiny-llama")
     (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    env = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     llm = start_engine(d, device)

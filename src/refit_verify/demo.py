@@ -53,6 +53,9 @@ def readback_names(weights: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _env_defaults(device: str) -> None:
+    # The trainer process has usually touched CUDA before vLLM starts (weights, digests), and a
+    # forked engine process cannot re-initialise CUDA: always spawn.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     if device == "cpu":

@@ -53,7 +53,7 @@ def engine(tmp_path_factory):
     for name in ("ray", "requests"):  # appended to the path: an installed package always wins
         if importlib.util.find_spec(name) is None:
             (stubs / f"{name}.py").write_text(_STUB)
-    env = {"REFIT_VERIFY": "enforce", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
+    env = {"REFIT_VERIFY": "enforce", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # IPC rebuild arguments ride collective_rpc pickled
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", ""), str(stubs)) if p)}
     old = {k: os.environ.get(k) for k in env}
