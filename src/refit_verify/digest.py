@@ -8,11 +8,15 @@ Source: ``docs/digest-spec.md``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from refit_verify import reference as _ref
+
+_KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # devices whose tensors go to the Triton kernels
+_seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
 
 __all__ = ["dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch"]
 
@@ -49,45 +53,61 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
 class DigestBatch:
     """Accumulates digests of many tensors with no per-tensor synchronisation.
 
-    ``add`` launches (or, on CPU, computes) the digest of one tensor on its device; results stay
-    on the device until :meth:`hexdigests`, which synchronises once per device.
+    ``add`` queues (CUDA) or computes (CPU) the digest of one tensor on its device; :meth:`launch`
+    starts the kernels of everything queued (one batched call per device, no synchronisation);
+    :meth:`hexdigests` launches what is left and synchronises once per launched group.
     """
 
     def __init__(self) -> None:
-        self._names: list[str] = []
-        self._cpu: dict[str, str] = {}
+        self._order: dict[str, None] = {}  # names in first-insertion order
+        self._done: dict[str, str] = {}
         self._cuda: dict[torch.device, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
+        self._launched: list[tuple[list[str], torch.Tensor]] = []  # (names, device words)
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it)."""
+        """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
+
+        Raises:
+            TypeError: ``t`` is sparse or not strided.
+        """
         u8 = logical_bytes(t)
         meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
-        if name not in self._cpu and all(name != n for n in self._names):
-            self._names.append(name)
-        if u8.is_cuda:
-            seeds = _ref.seed(*meta)
-            self._cuda.setdefault(u8.device, []).append((name, u8, seeds))
+        self._order.setdefault(name, None)
+        if u8.device.type in _KERNEL_DEVICE_TYPES:
+            self._cuda.setdefault(u8.device, []).append((name, u8, _seed(*meta)))
         else:
             try:
                 from refit_verify import _numba_digest as _cpu_digest
             except Exception:  # numba missing or unusable: the vectorised torch path
                 from refit_verify import _torch_digest as _cpu_digest
 
-            self._cpu[name] = _cpu_digest.digest_u8(u8, meta[0], meta[1])
+            self._done[name] = _cpu_digest.digest_u8(u8, meta[0], meta[1])
+
+    def launch(self) -> None:
+        """Start the digest kernels of every queued CUDA tensor now, without synchronising.
+
+        Afterwards the batch holds no reference to the queued tensors: the kernels read them in
+        stream order, so a caller that reuses the memory synchronises (or orders its streams) first.
+        """
+        if not self._cuda:
+            return
+        from refit_verify.kernels import digest as kd
+
+        for items in self._cuda.values():
+            words = kd.digest_views([u for _, u, _ in items], [s for _, _, s in items])
+            self._launched.append(([n for n, _, _ in items], words))
+        self._cuda.clear()
 
     def hexdigests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex digest}`` in insertion order (one synchronisation per device)."""
-        out = dict(self._cpu)
-        if self._cuda:
+        """Return ``{name: 32-hex digest}`` in insertion order (one synchronisation per launched group)."""
+        self.launch()
+        if self._launched:
             from refit_verify.kernels import digest as kd
 
-            for items in self._cuda.values():
-                words = kd.digest_views([u for _, u, _ in items], [s for _, _, s in items])
-                for (name, _, _), hx in zip(items, kd.to_hex(words)):
-                    out[name] = hx
-            self._cuda.clear()
-        self._cpu = out
-        return {n: out[n] for n in self._names}
+            for names, words in self._launched:
+                self._done.update(zip(names, kd.to_hex(words)))
+            self._launched.clear()
+        return {n: self._done[n] for n in self._order}
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -707,7 +707,7 @@ class RefitSender:
             nonlocal digest_s, cuda_digests_pending
             if cuda_digests_pending and batch is not None:
                 t0 = time.perf_counter()
-                batch.hexdigests()
+                batch.launch()  # async; the stream sync before the handle leaves orders it
                 digest_s += time.perf_counter() - t0
             cuda_digests_pending = False
 
@@ -1180,7 +1180,8 @@ class RefitReceiver:
                 for name, v in views:
                     state.batch.add(name, v)
                 if buf.is_cuda:
-                    state.batch.hexdigests()  # finish reading the slices before load can touch them
+                    # queued before load on this stream; release() synchronises before the Ack
+                    state.batch.launch()
                 state.digest_s += time.perf_counter() - t0
             load(views)
         finally:

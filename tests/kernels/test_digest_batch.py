@@ -1,0 +1,66 @@
+"""DigestBatch's kernel path (queue, launch without sync, one hex conversion) against the CPU path.
+
+Without CUDA the Triton kernels run in the interpreter on CPU tensors: the batch is pointed at them
+by adding "cpu" to the kernel device types for these tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from refit_verify import digest as dg  # noqa: E402
+from refit_verify import reference as ref  # noqa: E402
+from refit_verify.kernels import digest as kd  # noqa: E402
+
+DEV = "cpu" if kd._INTERPRETED else "cuda"
+
+
+@pytest.fixture
+def kernel_batch(monkeypatch):
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    return dg.DigestBatch()
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 256, (40000,), dtype=torch.uint8, generator=g)
+    return [
+        ("w", base[:8192].view(torch.bfloat16).view(64, 64)),
+        ("odd", base[3:3 + 999]),
+        ("t", base[:4096].view(torch.float32).view(32, 32).t()),  # non-contiguous
+        ("scalar", torch.tensor(1.5)),
+        ("empty", torch.zeros(0, 3)),
+        ("big", base[:32776].view(torch.int64)),
+    ]
+
+
+def test_launch_then_hex_matches_reference(kernel_batch):
+    ts = [(n, t.to(DEV)) for n, t in _tensors()]
+    for n, t in ts[:3]:
+        kernel_batch.add(n, t)
+    kernel_batch.launch()  # first group in flight; the batch holds no reference to it
+    assert not kernel_batch._cuda and len(kernel_batch._launched) == 1
+    for n, t in ts[3:]:
+        kernel_batch.add(n, t)
+    got = kernel_batch.hexdigests()
+    assert list(got) == [n for n, _ in ts]
+    for n, t in ts:
+        u8 = dg.logical_bytes(t.cpu())
+        assert got[n] == ref.digest_bytes(bytes(u8.numpy()), dg.dtype_name(t.dtype), tuple(t.shape)), n
+
+
+def test_readd_replaces_and_keeps_first_position(kernel_batch):
+    a, b = torch.arange(10, device=DEV), torch.arange(11, device=DEV)
+    kernel_batch.add("x", a)
+    kernel_batch.add("y", b)
+    kernel_batch.launch()
+    kernel_batch.add("x", b)
+    got = kernel_batch.hexdigests()
+    assert list(got) == ["x", "y"] and got["x"] == got["y"] == dg.tensor_digest(b.cpu())
