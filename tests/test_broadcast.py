@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
+
+from tests.dist_utils import spawn_ranks
 
 from refit_verify import RefitConfig, RefitVerificationError
 from refit_verify.broadcast import BroadcastReceiver, BroadcastSender, BroadcastVerificationError
@@ -31,12 +32,6 @@ from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTime
 WORLD = 3
 SRC = 0
 BUFFER = 1 << 20  # buckets of 512 KiB: several buckets and one oversized tensor
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def named_tensors(device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
@@ -201,31 +196,9 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-def _warm_numba_cache() -> None:
-    """Compile (or load) the numba digest in this process before spawning: concurrent first
-    compilations of the same cached functions in several processes can leave a cache that
-    segfaults later (numba issue #10128)."""
-    try:
-        from refit_verify import _numba_digest
-    except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
-        return
-    _numba_digest.warmup()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    d = str(tmp_path_factory.mktemp("broadcast"))
-    _warm_numba_cache()
-    mp.spawn(_gloo_worker, args=(free_port(), d), nprocs=WORLD, join=True)
-    out = []
-    for r in range(WORLD):
-        with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-            got = pickle.load(f)
-        assert "crash" not in got, got.get("crash")
-        out.append(got)
-    return out
+    return spawn_ranks(_gloo_worker, WORLD, str(tmp_path_factory.mktemp("broadcast")))
 
 
 ALL = [n for n, _ in named_tensors()]

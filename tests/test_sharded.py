@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 import zlib
 from datetime import timedelta
 
 import pytest
 import torch
+
+from tests.dist_utils import spawn_ranks
 
 from refit_verify import _torch_digest, reference, tensor_digest
 from refit_verify.sharded import (
@@ -40,12 +41,6 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
     if dtype is torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     return torch.randint(-128, 128, shape, dtype=torch.int64, generator=g).to(dtype)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------- in-process
@@ -184,31 +179,9 @@ def _sharded_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _warm_numba_cache() -> None:
-    """Compile (or load) the numba digest in this process before spawning: concurrent first
-    compilations of the same cached functions in several processes can leave a cache that
-    segfaults later (numba issue #10128)."""
-    try:
-        from refit_verify import _numba_digest
-    except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
-        return
-    _numba_digest.warmup()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    d = str(tmp_path_factory.mktemp("sharded"))
-    _warm_numba_cache()
-    mp.spawn(_sharded_worker, args=(_free_port(), d), nprocs=WORLD, join=True)
-    out = []
-    for r in range(WORLD):
-        with open(os.path.join(d, f"rank{r}.pkl"), "rb") as f:
-            got = pickle.load(f)
-        assert "crash" not in got, got.get("crash")
-        out.append(got)
-    return out
+    return spawn_ranks(_sharded_worker, WORLD, str(tmp_path_factory.mktemp("sharded")))
 
 
 @pytest.mark.parametrize("case", ["int8_3chunks", "int8_long_last", "bf16_tail", "bf16_empty_middle"])

@@ -20,7 +20,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.test_broadcast import ALL, SRC, _warm_numba_cache, check_clean, check_fault_enforce, free_port, run_scenarios
+from tests.dist_utils import spawn_ranks
+from tests.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, run_scenarios
 
 WORLD = 2
 
@@ -104,18 +105,8 @@ def _worker(rank: int, port: int, out_dir: str, backend: str = "nccl") -> None:
 
 
 def spawn_two(out_dir: str, backend: str = "nccl") -> list[dict]:
-    import torch.multiprocessing as mp
-
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned children
-    _warm_numba_cache()
-    mp.spawn(_worker, args=(free_port(), out_dir, backend), nprocs=WORLD, join=True)
-    out = []
-    for r in range(WORLD):
-        with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-            got = pickle.load(f)
-        assert "crash" not in got, got.get("crash")
-        out.append(got)
-    return out
+    return spawn_ranks(_worker, WORLD, out_dir, backend)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,42 @@
+"""Shared helpers of the multi-process (torch.distributed) tests: ports, numba warm-up, spawn."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from collections.abc import Callable
+
+
+def free_port() -> int:
+    """Return a free TCP port on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def warm_numba_cache() -> None:
+    """Compile (or load) the numba digest in this process before spawning: concurrent first
+    compilations of the same cached functions in several processes can leave a cache that
+    segfaults later (numba issue #10128)."""
+    try:
+        from refit_verify import _numba_digest
+    except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
+        return
+    _numba_digest.warmup()
+
+
+def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object) -> list[dict]:
+    """Run ``worker(rank, port, out_dir, *extra)`` on ``world`` spawned processes; return each
+    rank's pickled result dict (``out_dir/rank{r}.pkl``), failing on a recorded crash."""
+    import torch.multiprocessing as mp
+
+    warm_numba_cache()
+    mp.spawn(worker, args=(free_port(), out_dir, *extra), nprocs=world, join=True)
+    out = []
+    for r in range(world):
+        with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
+            got = pickle.load(f)
+        assert "crash" not in got, got.get("crash")
+        out.append(got)
+    return out
