@@ -20,7 +20,7 @@ import torch
 from refit_verify import RefitConfig
 from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire import Buffer, Complete
+from refit_verify.wire import Complete
 from tests.faults import (
     CLASSES,
     SPAWN,

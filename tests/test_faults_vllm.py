@@ -11,17 +11,15 @@ refit that verifies and is read back from the engine.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import pytest
-import torch
 
 vllm = pytest.importorskip("vllm")
 
 from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import readback_names, start_engine  # noqa: E402
+from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from refit_verify.wire import Buffer, Complete  # noqa: E402
@@ -31,23 +29,7 @@ pytestmark = pytest.mark.vllm
 TIMEOUT_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test")
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    llm = start_engine(d, "cpu")
-    yield llm, models.load_config(d)
-    del llm
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+from tests.test_vllm_e2e import device, engine  # noqa: E402,F401  (one CPU engine per module)
 
 
 def cfg(mode: str) -> RefitConfig:

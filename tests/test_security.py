@@ -26,14 +26,13 @@ import sys
 import threading
 import time
 
-import msgspec
 import pytest
 import torch
 import zmq
 
 from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_env
 from refit_verify import transport as transport_mod
-from refit_verify.errors import RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
 
