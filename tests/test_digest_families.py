@@ -468,3 +468,16 @@ def test_one_element_view_with_non_unit_stride():
     x = torch.arange(10.0)
     assert tensor_digest(x[1::2][:1]) == tensor_digest(torch.tensor([1.0]))
     assert tensor_digest(x[3::4][:1].view(1, 1)) == tensor_digest(torch.tensor([[3.0]]))
+
+
+def test_conjugate_and_negative_views_digest_their_values():
+    z = torch.randn(3, dtype=torch.complex64)
+    assert tensor_digest(z.conj()) == tensor_digest(z.conj().resolve_conj())
+    x = torch.randn(4)
+    assert tensor_digest(torch._neg_view(x)) == tensor_digest(-x)
+
+
+@pytest.mark.parametrize("bad, err", [(torch.empty(4, device="meta"), TypeError), (torch.zeros([1] * 300), ValueError)])
+def test_undigestable_inputs_raise_documented_errors(bad, err):
+    with pytest.raises(err):
+        tensor_digest(bad)

@@ -99,3 +99,17 @@ def test_off_mode_computes_no_digests(engine, device, monkeypatch):
     assert report is None and calls == []
     assert workers[0]["manifest"] is None and workers[0]["digest_s"] == 0
     assert workers[0]["tensors"] == len(weights)
+
+
+def test_readme_trainer_pattern_raises_in_the_caller(engine, device):
+    """The README's trainer snippet: the sender runs in a future, so enforce's error reaches the caller."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm, cfg = engine
+    weights = models.random_state_dict(cfg, seed=11, device=device)
+    with OneByteFlipSender(config=_cfg("enforce"), device=device, target=TARGET, byte_index=5) as sender, ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(sender.send, weights.items())
+        llm.collective_rpc("refit_verify_receive", args=(sender.endpoint, {"timeout_s": 60.0}))
+        with pytest.raises(RefitVerificationError) as ei:
+            sent.result(timeout=60)
+    assert ei.value.mismatched == [TARGET]

@@ -106,11 +106,15 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     from rich.table import Table
 
     console = Console(width=max(Console().width, 100))
+    # validate every option before the engine starts (tens of seconds)
+    rcfg = RefitConfig.build(mode="enforce", buffer_bytes=buffer_bytes, timeout_s=timeout_s)
+    src_dir = Path(model) if model else models.packaged_config_dir()
+    if not (src_dir / "config.json").is_file():
+        raise SystemExit(f"refit-verify demo: --model {src_dir}: no config.json there")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ["REFIT_VERIFY"] = VerifyMode.ENFORCE.value
     _env_defaults(device)
-    src_dir = Path(model) if model else models.packaged_config_dir()
     cfg = models.load_config(src_dir)
     work = Path(tempfile.mkdtemp(prefix="refit-verify-demo-"))
     shutil.copy(src_dir / "config.json", work / "config.json")
@@ -121,7 +125,6 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
         llm = start_engine(work, device, console)
         weights = models.random_state_dict(cfg, seed=seed, device=device)
         options = {"timeout_s": timeout_s}
-        rcfg = RefitConfig.build(mode="enforce", buffer_bytes=buffer_bytes, timeout_s=timeout_s)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
 
         with RefitSender(config=rcfg, device=device) as sender:

@@ -38,8 +38,13 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     Returns:
         torch.Tensor: uint8, shape ``[t.numel() * t.element_size()]``, on ``t.device``.
     """
-    if t.is_sparse or t.layout is not torch.strided:
+    if t.is_sparse or t.layout is not torch.strided or t.is_nested:
         raise TypeError(f"only dense strided tensors can be digested, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise TypeError("a meta tensor has no bytes to digest")
+    if t.dim() > 255:
+        raise ValueError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
+    t = t.resolve_conj().resolve_neg()  # conjugate/negative views: digest the values they show
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)
@@ -68,7 +73,8 @@ class DigestBatch:
         """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
 
         Raises:
-            TypeError: ``t`` is sparse or not strided.
+            TypeError: ``t`` is sparse, nested, not strided or on the meta device.
+            ValueError: ``t`` has more than 255 dimensions.
         """
         u8 = logical_bytes(t)
         meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
@@ -124,7 +130,8 @@ def tensor_digest(t: torch.Tensor) -> str:
         str: 32 lowercase hex characters (channel 0 then channel 1, each big-endian).
 
     Raises:
-        TypeError: ``t`` is sparse or not strided.
+        TypeError: ``t`` is sparse, nested, not strided or on the meta device.
+        ValueError: ``t`` has more than 255 dimensions (spec §3 binds ndim in one byte).
     """
     b = DigestBatch()
     b.add("t", t)

@@ -809,6 +809,8 @@ class RefitSender:
                     b.close()
                     pool[i] = None
             self._peer_gave_up = True  # after Complete the receiver reads nothing more of this refit
+            if n_tensors == 0:
+                logger.warning("refit %s carries no tensors (an exhausted iterator?): nothing to verify", refit_id)
             done = self._exchange(Complete(n_tensors=n_tensors), None)
             if not isinstance(done, Done):  # an override must hand back what super() returned
                 raise RefitProtocolError(f"refit {refit_id}: no Done reply to Complete", progress=p.as_dict())
