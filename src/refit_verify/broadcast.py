@@ -58,6 +58,7 @@ except ImportError:  # an errors module without it: the same shape, defined here
             self.reason = reason
             self.progress = dict(progress or {})
 from refit_verify.report import VerificationReport, act_on, compare_manifests
+from refit_verify.transport import checked_item
 
 __all__ = [
     "BROADCAST_PROTOCOL",
@@ -253,14 +254,7 @@ class BroadcastSender:
             bcast_obj({"kind": "hello", "protocol": BROADCAST_PROTOCOL, "refit_id": refit_id, "mode": mode.value,
                        "alignment": align}, "header")
             for item in named_tensors:
-                name, t = item
-                if not isinstance(name, str) or not name:
-                    raise ValueError(f"tensor names must be non-empty str, got {name!r:.100}")
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-                if name in names:
-                    raise ValueError(f"{name}: given twice in one refit (wire names must be unique)")
-                names.add(name)
+                name, t = checked_item(item, names)
                 progress["last_name"] = name
                 if batch is not None:
                     t0 = time.perf_counter()

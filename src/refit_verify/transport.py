@@ -202,6 +202,24 @@ def _shutdown_fd(fd: int) -> None:
         s.close()
 
 
+def checked_item(item: tuple[str, torch.Tensor], seen: set[str]) -> tuple[str, torch.Tensor]:
+    """Validate one ``(name, tensor)`` of a refit stream and record its name in ``seen``.
+
+    Raises:
+        ValueError: the name is not a str of 1..MAX_NAME_BYTES characters, or was given before.
+        TypeError: the tensor is not a ``torch.Tensor``.
+    """
+    name, t = item
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_BYTES:
+        raise ValueError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if name in seen:
+        raise ValueError(f"{name}: given twice in one refit (wire names must be unique)")
+    seen.add(name)
+    return name, t
+
+
 class _PeerWatch:
     """Follows a ZMQ socket's connections through its monitor socket.
 
@@ -742,14 +760,7 @@ class RefitSender:
                 batch = DigestBatch()
             n_tensors = 0
             for item in named_tensors:
-                name, t = item
-                if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_BYTES:
-                    raise ValueError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-                if name in names:
-                    raise ValueError(f"{name}: given twice in one refit (wire names must be unique)")
-                names.add(name)
+                name, t = checked_item(item, names)
                 if device is None:
                     device = t.device if t.is_cuda else torch.device("cpu")
                 if t.numel() == 1 and t.dim() and t.reshape(-1).stride(0) != 1:
