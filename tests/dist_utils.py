@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 
 
 def free_port() -> int:
@@ -40,3 +42,17 @@ def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object) -> l
         assert "crash" not in got, got.get("crash")
         out.append(got)
     return out
+
+
+@contextlib.contextmanager
+def rank_result(out_dir: str, rank: int) -> Iterator[dict]:
+    """Yield a dict a spawned rank fills; on exit pickle it to ``out_dir/rank{rank}.pkl``, with the
+    traceback under ``"crash"`` if the body raised (``spawn_ranks`` fails the test on it)."""
+    out: dict = {}
+    try:
+        yield out
+    except Exception:  # noqa: BLE001 - handed to the parent through the file
+        out["crash"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(out, f)

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.dist_utils import spawn_ranks
+from tests.dist_utils import rank_result, spawn_ranks
 
 from refit_verify import RefitConfig, RefitVerificationError
 from refit_verify.broadcast import BroadcastReceiver, BroadcastSender, BroadcastVerificationError
@@ -183,15 +181,9 @@ def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
-    out: dict = {}
-    try:
-        out = run_scenarios(rank, WORLD, torch.device("cpu"), fault_rank=2)
+    with rank_result(out_dir, rank) as out:
+        out.update(run_scenarios(rank, WORLD, torch.device("cpu"), fault_rank=2))
         dist.barrier()
-    except Exception:  # noqa: BLE001
-        out["crash"] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(out, f)
     # The timed-out subgroup is left as is: destroying it could wait on the broken pair.
     os._exit(0)
 

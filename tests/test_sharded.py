@@ -10,15 +10,13 @@ check what each rank saw.
 from __future__ import annotations
 
 import os
-import pickle
-import traceback
 import zlib
 from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.dist_utils import spawn_ranks
+from tests.dist_utils import rank_result, spawn_ranks
 
 from refit_verify import _torch_digest, reference, tensor_digest
 from refit_verify.sharded import (
@@ -151,31 +149,27 @@ def _sharded_worker(rank: int, port: int, out_dir: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=60))
-    out: dict = {}
     try:
-        for name, (dtype, shape, rows, fallback) in CASES.items():
-            full = _tensor(dtype, shape, zlib.crc32(name.encode()) % 1000)
-            a = sum(rows[:rank])
-            shard = full[a : a + rows[rank]]
+        with rank_result(out_dir, rank) as out:
+            for name, (dtype, shape, rows, fallback) in CASES.items():
+                full = _tensor(dtype, shape, zlib.crc32(name.encode()) % 1000)
+                a = sum(rows[:rank])
+                shard = full[a : a + rows[rank]]
+                try:
+                    res = sharded_digest(shard, shape, dst=1, fallback=fallback)
+                    out[name] = {"digest": res.digest, "path": res.path, "reason": res.reason,
+                                 "want": tensor_digest(full) if rank == 1 else None}
+                except Exception as e:  # noqa: BLE001
+                    out[name] = {"error": type(e).__name__, "message": str(e)}
+            # metadata disagreement: one rank holds other trailing dims
+            bad = torch.zeros((4, 8 if rank != 2 else 9), dtype=torch.int8)
             try:
-                res = sharded_digest(shard, shape, dst=1, fallback=fallback)
-                out[name] = {"digest": res.digest, "path": res.path, "reason": res.reason,
-                             "want": tensor_digest(full) if rank == 1 else None}
+                sharded_digest(bad, (12, 8))
+                out["bad_shape"] = {"error": None}
             except Exception as e:  # noqa: BLE001
-                out[name] = {"error": type(e).__name__, "message": str(e)}
-        # metadata disagreement: one rank holds other trailing dims
-        bad = torch.zeros((4, 8 if rank != 2 else 9), dtype=torch.int8)
-        try:
-            sharded_digest(bad, (12, 8))
-            out["bad_shape"] = {"error": None}
-        except Exception as e:  # noqa: BLE001
-            out["bad_shape"] = {"error": type(e).__name__, "message": str(e)}
-        dist.barrier()
-    except Exception:  # noqa: BLE001
-        out["crash"] = traceback.format_exc()
+                out["bad_shape"] = {"error": type(e).__name__, "message": str(e)}
+            dist.barrier()
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(out, f)
         dist.destroy_process_group()
 
 

@@ -11,16 +11,14 @@ see the timings each rank printed.
 from __future__ import annotations
 
 import os
-import pickle
 import time
-import traceback
 import zlib
 from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.dist_utils import spawn_ranks
+from tests.dist_utils import rank_result, spawn_ranks
 from tests.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, run_scenarios
 
 WORLD = 2
@@ -86,18 +84,14 @@ def _worker(rank: int, port: int, out_dir: str, backend: str = "nccl") -> None:
         device = torch.device("cpu")
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=120))
-    out: dict = {}
     try:
-        t0 = time.perf_counter()
-        out["broadcast"] = run_scenarios(rank, WORLD, device, fault_rank=1, timeout_group=False)
-        out["broadcast_s"] = time.perf_counter() - t0
-        out["sharded"] = _sharded_cases(rank, device)
-        dist.barrier()
-    except Exception:  # noqa: BLE001
-        out["crash"] = traceback.format_exc()
+        with rank_result(out_dir, rank) as out:
+            t0 = time.perf_counter()
+            out["broadcast"] = run_scenarios(rank, WORLD, device, fault_rank=1, timeout_group=False)
+            out["broadcast_s"] = time.perf_counter() - t0
+            out["sharded"] = _sharded_cases(rank, device)
+            dist.barrier()
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(out, f)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
