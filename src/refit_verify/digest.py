@@ -139,9 +139,18 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Return ``{name: tensor_digest(t)}`` for many tensors, with one synchronisation per device."""
+    """Return ``{name: tensor_digest(t)}`` for many tensors, with one synchronisation per device.
+
+    Raises:
+        TypeError: a name is not a str, or a tensor cannot be digested (see :func:`tensor_digest`).
+        ValueError: a name is given twice.
+    """
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     b = DigestBatch()
     for name, t in items:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r:.100}")
+        if name in b._order:
+            raise ValueError(f"{name}: given twice (names must be unique)")
         b.add(name, t)
     return b.hexdigests()

@@ -79,6 +79,17 @@ class VerificationReport:
         return f"refit verification failed{where} ({self.verified} of {len(self.sender)} verified): " + "; ".join(parts)
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_manifest(m: object, side: str) -> None:
+    if not isinstance(m, Mapping):
+        raise TypeError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
+    for k, v in m.items():
+        if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
+            raise ValueError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
+
+
 def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None = None,
                       rejected: Mapping[str, str] | None = None, receiver_error: str | None = None) -> VerificationReport:
     """Compare a sender manifest with a receiver manifest over the union of their names.
@@ -94,6 +105,8 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
         VerificationReport: ``ok`` is True only if both have the same names and equal digests and
         the receiver rejected nothing.
     """
+    _check_manifest(sender, "sender")
+    _check_manifest(receiver, "receiver")
     mismatched = tuple(k for k, v in sender.items() if k in receiver and receiver[k] != v)
     missing = tuple(k for k in sender if k not in receiver)
     unexpected = tuple(k for k in receiver if k not in sender)
