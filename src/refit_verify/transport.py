@@ -402,6 +402,8 @@ class RefitSender:
             directory is created by ``tempfile.mkdtemp`` (mode 0700, a name with 64 random bits plus
             mkdtemp's own suffix) and removed by :meth:`close`. An explicit ``ipc://`` endpoint must
             lie in a directory owned by this user and not writable by group or others.
+        rank: the vLLM worker rank this sender serves (one sender per worker, e.g. per GPU with
+            tensor parallelism); carried into every report so a mismatch names the worker.
 
     Attributes:
         last_stats (RefitStats | None): a dict with the numbers of the last refit that got its
@@ -419,7 +421,9 @@ class RefitSender:
         RefitConfigError: a bad ``config`` or an explicit ``ipc://`` endpoint in a non-private directory.
     """
 
-    def __init__(self, *, config: RefitConfig | None = None, device: str | torch.device | None = None, endpoint: str | None = None) -> None:
+    def __init__(self, *, config: RefitConfig | None = None, device: str | torch.device | None = None, endpoint: str | None = None,
+                 rank: int | None = None) -> None:
+        self.rank = rank
         self.config = config if config is not None else RefitConfig()
         if not isinstance(self.config, RefitConfig):
             raise RefitConfigError(f"config must be a RefitConfig, got {type(self.config).__name__}")
@@ -857,7 +861,7 @@ class RefitSender:
             return None
         if done.manifest is None:
             raise RefitProtocolError(f"refit {rid}: mode is {mode.value} but the receiver returned no manifest", progress=p.as_dict())
-        report = compare_manifests(sender_manifest, done.manifest, rejected=rejected, receiver_error=done.error)
+        report = compare_manifests(sender_manifest, done.manifest, rejected=rejected, receiver_error=done.error, rank=self.rank)
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
         if done.error is not None:
             raise RefitProtocolError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())
