@@ -4,7 +4,6 @@ point (this module never imports or registers it), workers are spawned processes
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E4
 from refit_verify.demo import OneByteFlipSender, push, readback_names, start_engine  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
+from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.0.self_attn.o_proj.weight"
@@ -30,19 +30,11 @@ def device():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, device):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    env = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    llm = start_engine(d, device)
-    yield llm, models.load_config(d)
-    del llm
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    d = tiny_model_dir(tmp_path_factory)
+    with engine_env():
+        llm = start_engine(d, device)
+        yield llm, models.load_config(d)
+        del llm
 
 
 def _cfg(mode):

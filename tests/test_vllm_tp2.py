@@ -19,6 +19,7 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
 from refit_verify.demo import OneByteFlipSender  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
+from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.0.mlp.down_proj.weight"
@@ -28,21 +29,12 @@ TARGET = "model.layers.0.mlp.down_proj.weight"
 def tp2_engine(tmp_path_factory):
     if torch.cuda.is_available() or (os.cpu_count() or 1) < 2:
         pytest.skip("CPU engine with one core per worker")
-    d = tmp_path_factory.mktemp("tiny-llama-tp2")
-    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    env = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    llm = vllm.LLM(model=str(d), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                   dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp")
-    yield llm, models.load_config(d)
-    del llm
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    d = tiny_model_dir(tmp_path_factory, "tiny-llama-tp2")
+    with engine_env(VLLM_CPU_OMP_THREADS_BIND="0|1"):  # one core per CPU worker
+        llm = vllm.LLM(model=str(d), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                       dtype="bfloat16", tensor_parallel_size=2, distributed_executor_backend="mp")
+        yield llm, models.load_config(d)
+        del llm
 
 
 def test_each_rank_verified_and_fault_named_by_rank(tp2_engine, tmp_path):

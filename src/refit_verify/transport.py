@@ -767,10 +767,6 @@ class RefitSender:
                 name, t = checked_item(item, names)
                 if device is None:
                     device = t.device if t.is_cuda else torch.device("cpu")
-                if t.numel() == 1 and t.dim() and t.reshape(-1).stride(0) != 1:
-                    # A one-element view with a non-unit stride counts as contiguous, and
-                    # digest.logical_bytes then cannot view it as bytes: give it unit strides.
-                    t = t.clone(memory_format=torch.contiguous_format)
                 p.last_name = name
                 if batch is not None:
                     t0 = time.perf_counter()

