@@ -71,6 +71,9 @@ Batch = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Batch], None]
 
 ABORT_WAIT_S = 5.0
+# A peer's last message (Done, Complete) can be queued just behind the monitor's disconnect event:
+# before declaring a peer gone, the socket gets this long (seconds) to show it.
+LAST_WORDS_S = 0.25
 """After sending ``Abort``, the sender waits at most ``min(timeout_s, ABORT_WAIT_S)`` seconds for
 its acknowledgement (none after a timeout or a disconnect: the receiver is gone or stuck)."""
 
@@ -559,6 +562,8 @@ class RefitSender:
                 break
             if self._watch.disconnects > mark:
                 if not self._watch.live:
+                    if self._sock.poll(_ms(LAST_WORDS_S)):
+                        break
                     raise self._timeout(f"the receiver's connection closed while waiting for {p.waiting_for}", "receiver disconnected")
                 if expect is Welcome and self._last_hello is not None:
                     logger.info("refit %s: a connection closed while Hello was outstanding; sending Hello again", p.refit_id)
@@ -970,6 +975,8 @@ class RefitReceiver:
             if self._sock in ready:
                 break
             if in_refit and self._watch.disconnects > mark and not self._watch.live:
+                if self._sock.poll(_ms(LAST_WORDS_S)):
+                    break
                 raise self._timeout(f"the sender's connection closed while {progress['stage']} (timeout {timeout_s:g} s)", "sender disconnected", progress, timeout_s)
         data = self._sock.recv(copy=False)
         try:
