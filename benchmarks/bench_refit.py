@@ -1,22 +1,31 @@
 """End-to-end refit overhead: off vs log vs enforce, trainer process → real vLLM engine.
 
-    python benchmarks/bench_refit.py [--model qwen3-0.6b-like|tiny-llama] [--refits 5] [--out FILE]
+    python benchmarks/bench_refit.py [--model qwen3-0.6b-like|tiny-llama] [--refits 5] [--tp 1] [--out FILE]
 
 On a GPU the 310-tensor, 1.11 GiB Qwen3-0.6B-like set (dummy weights) is staged through CUDA IPC;
 on CPU the packaged tiny Llama is used. Prints median wall time per mode, the sender and receiver
 digest seconds, and enforce's added wall time over off.
+
+``--tp N`` runs the engine tensor-parallel over N GPUs (or N CPU workers) with a trainer of N ranks
+(``tests/tp_trainers.py``: one process per rank, NCCL on GPUs), rank r streaming the full state
+dict to worker r; the wall time is the driver's, from the command to the ranks until every rank
+and every worker finished. Digest columns are the slowest rank's / worker's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tp_trainers for --tp
 from refit_verify import RefitConfig, models
 from refit_verify.demo import _env_defaults, push, start_engine
 from refit_verify.transport import RefitSender
@@ -27,6 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--refits", type=int, default=5)
     ap.add_argument("--buffer-mib", type=int, default=1024)
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,27 +45,31 @@ def main() -> None:
     _env_defaults(device)
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(cfg))
-    llm = start_engine(d, device)
-    weights = models.random_state_dict(cfg, seed=0, device=device)
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    llm = start_engine(d, device, tensor_parallel_size=a.tp)
+    if a.tp > 1:
+        from tests.tp_trainers import TrainerRanks
+
+        trainers = TrainerRanks(a.tp, cfg, seed=0, endpoint=f"ipc://{d}/r{{rank}}.sock")
+        ntensors, nbytes = trainers.info[0]["tensors"], trainers.info[0]["bytes"]
+        refit = functools.partial(_refit_tp, llm, trainers, a.buffer_mib << 20)
+    else:
+        weights = models.random_state_dict(cfg, seed=0, device=device)
+        ntensors, nbytes = len(weights), sum(t.numel() * t.element_size() for t in weights.values())
+        refit = functools.partial(_refit_one, llm, device, weights, a.buffer_mib << 20)
     rows = []
     for mode in ("off", "log", "enforce", "off", "log", "enforce"):
-        rc = RefitConfig.build(mode=mode, buffer_bytes=a.buffer_mib << 20, timeout_s=300.0)
         walls, sd, rd = [], [], []
         for _ in range(a.refits):
-            with RefitSender(config=rc, device=device) as s:
-                rep, workers, wall = push(llm, s, weights, {"timeout_s": 300.0})
-                if isinstance(rep, BaseException):
-                    raise rep
-                walls.append(wall)
-                sd.append((s.last_stats or {}).get("digest_s", 0.0))
-                rd.append(workers[0]["digest_s"])
+            wall, s_, r_ = refit(mode)
+            walls.append(wall)
+            sd.append(s_)
+            rd.append(r_)
         rows.append((mode, statistics.median(walls), statistics.median(sd), statistics.median(rd), min(walls)))
     rows = rows[3:]  # the first pass of each mode is warm-up
     off = rows[0][1]
     lines = [
-        f"refit of {len(weights)} tensors, {nbytes / 2**30:.3f} GiB, {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), "
-        f"torch {torch.__version__}, {a.refits} refits per mode (median)",
+        f"refit of {ntensors} tensors, {nbytes / 2**30:.3f} GiB, {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), "
+        f"TP={a.tp}, torch {torch.__version__}, {a.refits} refits per mode (median)",
         "",
         "| mode | wall (ms) | min wall (ms) | sender digest (ms) | receiver digest (ms) | added vs off |",
         "|---|---|---|---|---|---|",
@@ -66,6 +80,31 @@ def main() -> None:
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    if a.tp > 1:
+        trainers.close()
+
+
+def _refit_one(llm, device: str, weights: dict, buffer_bytes: int, mode: str) -> tuple[float, float, float]:
+    """One refit from this process; returns (wall, sender digest, receiver digest) seconds."""
+    rc = RefitConfig.build(mode=mode, buffer_bytes=buffer_bytes, timeout_s=300.0)
+    with RefitSender(config=rc, device=device) as s:
+        rep, workers, wall = push(llm, s, weights, {"timeout_s": 300.0})
+        if isinstance(rep, BaseException):
+            raise rep
+        return wall, (s.last_stats or {}).get("digest_s", 0.0), workers[0]["digest_s"]
+
+
+def _refit_tp(llm, trainers, buffer_bytes: int, mode: str) -> tuple[float, float, float]:
+    """One refit from every trainer rank to its worker; returns the driver's wall and the slowest digests."""
+    t0 = time.perf_counter()
+    trainers.start_send({"mode": mode, "buffer_bytes": buffer_bytes, "timeout_s": 300.0})
+    workers = llm.collective_rpc("refit_verify_receive", args=(trainers.endpoint, {"timeout_s": 300.0}), timeout=330)
+    senders = trainers.results()
+    wall = time.perf_counter() - t0
+    bad = [s for s in senders.values() if s["error"] or (mode != "off" and not s.get("ok", False))] + [w for w in workers if w["error"]]
+    if bad:
+        raise RuntimeError(f"refit failed: {bad}")
+    return wall, max(s["digest_s"] for s in senders.values()), max(w["digest_s"] for w in workers)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,12 @@ def _env_defaults(device: str) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def start_engine(model_dir: str | Path, device: str, console=None):
+def start_engine(model_dir: str | Path, device: str, console=None, tensor_parallel_size: int = 1):
     """Start ``vllm.LLM`` on ``model_dir`` (config.json only) with dummy weights; a spinner shows progress."""
     from vllm import LLM
 
-    kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16", seed=0)
+    kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16", seed=0,
+                  tensor_parallel_size=tensor_parallel_size)
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = 0.3
     if console is None:
