@@ -4,6 +4,11 @@
 #           the digest benchmark;
 #   stage 2 (carry .gpu-vllm/extra .gpu-vllm/install.sh .whl): finish vLLM, run the GPU end-to-end tests,
 #           the demo on CUDA and the refit overhead benchmark.
+#   two-GPU machine (nvidia-h200-x2), three back-to-back calls:
+#   stage x2a (carry as stage 1): lay vLLM, the NCCL broadcast / sharded-digest tests (no vLLM needed);
+#   stage x2b (carry as stage 2): finish vLLM, the vLLM two-GPU tests (TP=2 colocated, native nccl, our
+#           broadcast inside vLLM workers);
+#   stage x2c (carry as stage 2): the one-GPU suite again, then bench_refit with TP=2 and TP=1.
 # Everything is logged under $OUT.
 set -uo pipefail
 stage=${1:?stage}
@@ -26,7 +31,10 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
-if [ "$stage" = 1 ]; then
+if [ "$stage" = x2a ]; then
+  timeout 400 python3 -m pytest -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
+  grep -E "passed|failed|^E |^FAILED|^ERROR|^rank" "$OUT/two-gpu.log" | head -40; echo "two-gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = 1 ]; then
   timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   [ -f benchmarks/bench_variants.py ] && timeout 200 python3 benchmarks/bench_variants.py 2>&1 | tee "$OUT/bench_variants.txt" | tail -30
@@ -49,6 +57,20 @@ elif [ "$stage" = 4 ]; then  # end-to-end GPU tests, then the refit bench, in on
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
   timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -12
+elif [ "$stage" = x2b ]; then
+  for f in tests/test_vllm_tp2.py tests/gpu/test_native_nccl_two_gpu.py tests/test_vllm_broadcast.py; do
+    [ -f "$f" ] || continue; t1=$(date +%s); n=$(basename "$f" .py)
+    timeout 190 python3 -m pytest -q -s -m "gpu or not gpu" "$f" -p no:cacheprovider >"$OUT/$n.log" 2>&1
+    echo "$n rc=$? $(( $(date +%s) - t1 )) s"; grep -E "passed|failed|skipped|^E |^FAILED|^ERROR" "$OUT/$n.log" | head -12
+  done
+elif [ "$stage" = x2c ]; then
+  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py \
+    --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  timeout 180 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-10} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
+  grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -9
+  timeout 150 python3 benchmarks/bench_refit.py --refits ${REFITS:-10} --out "$OUT/bench_refit_tp1.md" >"$OUT/bench_refit_tp1.log" 2>&1; echo "bench_refit tp1 rc=$?"
+  grep -vE " INFO |WARNING" "$OUT/bench_refit_tp1.log" | tail -9
 elif [ "$stage" = 3 ]; then
   timeout 60 python3 -m pytest -q tests/kernels/test_digest_batch.py -p no:cacheprovider 2>&1 | tail -2
   timeout 400 python3 benchmarks/bench_refit.py --refits ${REFITS:-5} --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"

@@ -306,3 +306,78 @@ def test_static_sender_of_vllm_026(monkeypatch):
     with pytest.raises(RefitVerificationError, match="worker rank 3") as ei:
         IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": bad.send})
     assert ei.value.mismatched == ["w1"]
+
+
+class _FakeLLM(_FakeEngine):
+    """An in-process LLM of vLLM 0.26 with the tracking wrappers the plugin installs on ``LLM``."""
+
+    rpcs = 0
+
+    def collective_rpc(self, method):
+        self.rpcs += 1
+        return super().collective_rpc(method)
+
+
+_FakeLLM.start_weight_update = native._wrap_llm_start(lambda self: None)
+_FakeLLM.finish_weight_update = native._wrap_llm_finish(lambda self: None)
+
+
+class _FakeGroup:
+    """Stands in for the trainer's PyNcclCommunicator: 'broadcasts' each tensor to one engine."""
+
+    def __init__(self, engine: _FakeEngine, names: list[str]):
+        self.engine, self.names = engine, iter(names)
+
+    def broadcast(self, tensor, src=0, stream=None):
+        self.engine.send(next(self.names), tensor)
+
+
+class NCCLWeightTransferEngine:
+    """The shape of vLLM 0.26's static NCCL sender: its arguments name a group, not a client."""
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args):
+        for _name, tensor in iterator:
+            trainer_args["group"].broadcast(tensor, src=0)
+
+
+def test_static_nccl_sender_verifies_through_the_open_update(monkeypatch):
+    """0.26's nccl flow: the update went to the LLM (start_weight_update / update_weights in another
+    thread) before trainer_send_weights began; the verifier finds the engine with the open update."""
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setattr(NCCLWeightTransferEngine, "trainer_send_weights",
+                        native._wrap_static_sender(NCCLWeightTransferEngine.__dict__["trainer_send_weights"]), raising=False)
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
+    for corrupt in (None, "w2"):
+        llm = _FakeLLM(corrupt=corrupt)
+        llm.start_weight_update()
+        try:
+            if corrupt is None:
+                NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(llm, list(weights))})
+            else:
+                with pytest.raises(RefitVerificationError, match="worker rank 3") as ei:
+                    NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(llm, list(weights))})
+                assert (ei.value.mismatched, ei.value.missing) == (["w2"], [])
+        finally:
+            llm.finish_weight_update()
+        assert llm.rpcs == 1
+    (report,) = native.last_reports()
+    assert not report.ok and report.rank == 3
+    with pytest.raises(RefitConfigError, match="cannot reach the vLLM workers"):  # finished: no open update left
+        NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(_FakeLLM(), list(weights))})
+
+
+def test_explicit_verifier_is_not_doubled_by_the_static_wrapper(monkeypatch):
+    """A trainer that wraps its iterator itself (NativeSendVerifier.wrap) while the plugin's static
+    wrapper is installed: one digest per tensor and one verification, the trainer's."""
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setattr(NCCLWeightTransferEngine, "trainer_send_weights",
+                        native._wrap_static_sender(NCCLWeightTransferEngine.__dict__["trainer_send_weights"]), raising=False)
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(5)}
+    llm = _FakeLLM(corrupt="w4")
+    v = native.NativeSendVerifier(llm)
+    NCCLWeightTransferEngine.trainer_send_weights(v.wrap(weights.items()), {"group": _FakeGroup(llm, list(weights))})
+    assert llm.rpcs == 0 and v.digests == digest_tensors(weights.items())
+    with pytest.raises(RefitVerificationError) as ei:
+        v.verify()
+    assert llm.rpcs == 1 and ei.value.mismatched == ["w4"]

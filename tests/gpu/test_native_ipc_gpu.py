@@ -16,11 +16,7 @@ then ``send_weights()``. Needs a CUDA GPU and a CUDA vLLM (0.26 on the H200 via
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,52 +30,21 @@ from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
 from refit_verify.vllm_plugin import native  # noqa: E402
 from tests.gpu import native_ipc_faults as faults  # noqa: E402
+from tests.gpu.native_env import native_llm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 TARGET = "model.layers.1.mlp.down_proj.weight"
 BYTE = 1001
 BUFFER = 192 << 10  # packed: ~5 chunks for the tiny model (largest tensor 128 KiB)
 STATIC = "static" in native.detect()["sender"]  # vLLM 0.26: IPCWeightTransferEngine.trainer_send_weights
-ROOT = Path(__file__).resolve().parents[2]
-_STUB = '"""Stand-in: vLLM 0.26\'s ipc_engine imports this at module level but needs it only for its ray/http send modes."""\n' \
-        "def is_initialized():\n    return False\n"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    (model_dir / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    stubs = tmp_path_factory.mktemp("stubs")
-    for name in ("ray", "requests"):  # appended to the path: an installed package always wins
-        if importlib.util.find_spec(name) is None:
-            (stubs / f"{name}.py").write_text(_STUB)
-    env = {"REFIT_VERIFY": "enforce", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # IPC rebuild arguments ride collective_rpc pickled
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", ""), str(stubs)) if p)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    sys.path.append(str(stubs))
-    import vllm.plugins
-
-    if vllm.plugins.plugins_loaded:  # an earlier module loaded plugins in this pytest process
-        from refit_verify.vllm_plugin import register
-
-        register()
-    from vllm import LLM
-    from vllm.config import WeightTransferConfig
-
-    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-              dtype="bfloat16", seed=0, gpu_memory_utilization=0.3, weight_transfer_config=WeightTransferConfig(backend="ipc"))
-    if STATIC:
-        llm.init_weight_transfer_engine({"init_info": {}})
-    yield llm, models.load_config(model_dir)
-    del llm
-    sys.path.remove(str(stubs))
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with native_llm(tmp_path_factory, "ipc") as (llm, cfg):
+        if STATIC:
+            llm.init_weight_transfer_engine({"init_info": {}})
+        yield llm, cfg
 
 
 def _send(llm, weights: dict[str, torch.Tensor], packed: bool, before_update=None) -> None:

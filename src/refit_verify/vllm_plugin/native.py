@@ -14,10 +14,12 @@ is ``log`` or ``enforce``; with ``off`` it patches nothing. What it wraps:
 * **Sender** (trainer process, where the plugin is loaded, e.g. beside an in-process ``LLM``):
   ``TrainerWeightTransferEngine.__init__`` (vLLM >= 0.27 trainer engines): each engine's
   ``send_weights`` iterates a digesting proxy of its ``WeightSource``, then fetches every worker's
-  manifest and compares; and, where it exists (vLLM 0.26), the static
-  ``IPCWeightTransferEngine.trainer_send_weights(iterator, trainer_args)``, whose iterator is
-  wrapped the same way. ``LLM.update_weights`` is wrapped only to note which in-process engine an
-  update went to, for clients that do not expose one.
+  manifest and compares; and, where they exist (vLLM 0.26), the static
+  ``IPCWeightTransferEngine.trainer_send_weights(iterator, trainer_args)`` and
+  ``NCCLWeightTransferEngine.trainer_send_weights``, whose iterators are wrapped the same way.
+  ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update`` are wrapped only to
+  note which in-process engine an update went to (or is open on), for senders whose arguments
+  name no client (``nccl``: a process group only).
 * :class:`NativeSendVerifier` is the same sender logic as an explicit helper, for trainers that
   run where vLLM's plugins are never loaded (a Ray actor) or use a client refit-verify cannot
   reach the workers through.
@@ -25,7 +27,7 @@ is ``log`` or ``enforce``; with ``off`` it patches nothing. What it wraps:
 ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError` naming the parameters and
 the worker rank; ``log`` logs a warning. The mode is read from ``REFIT_VERIFY`` at each send.
 
-Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine}.py (0.26.0 and 0.32.0).
+Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.py (0.26.0 and 0.32.0).
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ _STATE: dict[str, Any] = {"installed": False, "mode": None, "patched": [], "vers
 _ORIGINALS: dict[str, tuple[object, str, object]] = {}  # label -> (owner, attribute, original __dict__ value)
 _ACTIVE: list[NativeSendVerifier] = []  # sends in progress in this process (for engine tracking)
 _LAST: dict[str, Any] = {"reports": [], "key": None, "sender": {}}
+_OPEN: list[weakref.ref] = []  # in-process LLMs between start_weight_update and finish_weight_update
+STATIC_SENDERS = {"vllm.distributed.weight_transfer.ipc_engine": "IPCWeightTransferEngine",
+                  "vllm.distributed.weight_transfer.nccl_engine": "NCCLWeightTransferEngine"}
+"""vLLM 0.26's static ``trainer_send_weights`` entries (module -> engine class) that get wrapped."""
 
 
 # --------------------------------------------------------------------------- detection
@@ -159,7 +165,8 @@ def install(mode: VerifyMode) -> None:
         if "trainer_engine" in info["sender"]:
             _patch(base.TrainerWeightTransferEngine, "__init__", _wrap_trainer_init)
         if "static" in info["sender"]:
-            _when_imported("vllm.distributed.weight_transfer.ipc_engine", _patch_static_ipc_sender)
+            for module_name, cls_name in STATIC_SENDERS.items():
+                _when_imported(module_name, functools.partial(_patch_static_sender, cls_name))
         _when_imported("vllm.entrypoints.llm", _patch_llm_tracking)
         _STATE.update(installed=True, mode=mode.value, version=ver, sender_paths=info["sender"])
 
@@ -456,30 +463,60 @@ class NativeSendVerifier:
         mode: verification mode; default ``REFIT_VERIFY``.
     """
 
+    FLUSH_TENSORS = 64
+    FLUSH_BYTES = 512 << 20
+    """CUDA digests are launched per tensor and collected (one synchronisation) per this many
+    tensors or bytes; the verifier holds references to the tensors of the open group until then."""
+
     def __init__(self, target: Any = None, *, mode: VerifyMode | str | None = None) -> None:
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self.target = target
-        self.digests: dict[str, str] = {}
+        self._digests: dict[str, str] = {}
         self.digest_s = 0.0
         self.engines: list[weakref.ref] = []
+        self._batch: Any = None
+        self._held: list[Any] = []
+        self._held_bytes = 0
 
     # -- digesting
+    @property
+    def digests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` of every tensor added so far (collects launched CUDA digests first)."""
+        self._flush()
+        return self._digests
+
     def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor now (one synchronisation on CUDA)."""
+        """Digest one exported tensor: computed now on CPU; on CUDA its kernel is launched now on the
+        current stream (so it reads the bytes as they are at this point of the stream, before any
+        later in-place change) and collected without a per-tensor synchronisation."""
         from refit_verify.digest import DigestBatch
 
         t0 = time.perf_counter()
-        batch = DigestBatch()
-        batch.add(name, tensor)
-        self.digests.update(batch.hexdigests())
+        if self._batch is None:
+            self._batch = DigestBatch()
+        self._batch.add(name, tensor)
+        self._batch.launch()
+        if getattr(tensor, "is_cuda", False):
+            self._held.append(tensor)  # keep the memory alive (and unreused) until the kernel is collected
+            self._held_bytes += tensor.numel() * tensor.element_size()
+        if len(self._held) >= self.FLUSH_TENSORS or self._held_bytes >= self.FLUSH_BYTES:
+            self._flush()
+        self.digest_s += time.perf_counter() - t0
+
+    def _flush(self) -> None:
+        if self._batch is None:
+            return
+        t0 = time.perf_counter()
+        self._digests.update(self._batch.hexdigests())
+        self._batch, self._held, self._held_bytes = None, [], 0
         self.digest_s += time.perf_counter() - t0
 
     def wrap(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Yield ``pairs`` unchanged, digesting each tensor before it is handed on."""
-        for name, tensor in pairs:
-            if tensor is not None:
-                self.add(name, tensor)
-            yield name, tensor
+        """Yield ``pairs`` unchanged, digesting each tensor before it is handed on.
+
+        A vLLM 0.26 static ``trainer_send_weights`` that is handed this iterator leaves the
+        verification to this verifier (no second digest, no automatic ``verify``)."""
+        return _Wrapped(self, pairs)
 
     # -- engine tracking
     def __enter__(self) -> NativeSendVerifier:
@@ -506,6 +543,10 @@ class NativeSendVerifier:
         fetchers = [f for f in (_fetcher(self.target),) if f is not None]
         if not fetchers:
             fetchers = [_fetcher(llm) for llm in (r() for r in self.engines) if llm is not None]
+        if not fetchers:  # e.g. nccl: the update went out before this send began; use the open updates
+            with _LOCK:
+                open_llms = [llm for llm in (r() for r in _OPEN) if llm is not None]
+            fetchers = [_fetcher(llm) for llm in open_llms]
         if not fetchers:
             raise RefitConfigError(
                 f"refit-verify cannot reach the vLLM workers to fetch their manifests (client: {type(self.target).__name__}). "
@@ -740,11 +781,27 @@ def _digesting_source(inner: Any, verifier: NativeSendVerifier) -> Any:
     return cls(inner, verifier)
 
 
-# -- vLLM 0.26 static IPC sender
+class _Wrapped:
+    """Iterator returned by :meth:`NativeSendVerifier.wrap` (marks iterators already verified)."""
+
+    def __init__(self, verifier: NativeSendVerifier, pairs: Iterable[tuple[str, Any]]) -> None:
+        self.verifier, self._it = verifier, iter(pairs)
+
+    def __iter__(self) -> _Wrapped:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        name, tensor = next(self._it)
+        if tensor is not None:
+            self.verifier.add(name, tensor)
+        return name, tensor
 
 
-def _patch_static_ipc_sender(module: Any) -> None:
-    cls = getattr(module, "IPCWeightTransferEngine", None)
+# -- vLLM 0.26 static senders (ipc, nccl)
+
+
+def _patch_static_sender(cls_name: str, module: Any) -> None:
+    cls = getattr(module, cls_name, None)
     if cls is None or not isinstance(cls.__dict__.get("trainer_send_weights"), staticmethod):
         return
     with _LOCK:
@@ -757,15 +814,25 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
     @functools.wraps(original)
     def trainer_send_weights(iterator, trainer_args):
         mode = mode_from_env()
-        if not mode.verifies or not _is_rank_zero():
+        if not mode.verifies or not _is_rank_zero() or isinstance(iterator, _Wrapped):
             return original(iterator, trainer_args)
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
+        _wait_for_device()
         verifier.verify()
         return out
 
     return staticmethod(trainer_send_weights)
+
+
+def _wait_for_device() -> None:
+    """Let the sends finish before the manifests are asked for: a NCCL broadcast returns once it
+    is queued, and completes only when every worker took part, i.e. is inside its update."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _target_of_trainer_args(args: Any) -> Any:
@@ -775,7 +842,7 @@ def _target_of_trainer_args(args: Any) -> Any:
         return get("llm_handle")
     if mode == "http":
         return get("url")
-    return getattr(mode, "__self__", None) if callable(mode) else None  # a bound method's engine; else tracking
+    return getattr(mode, "__self__", None) if callable(mode) else None  # a bound method's engine; else tracking (nccl)
 
 
 def _is_rank_zero() -> bool:
@@ -789,11 +856,33 @@ def _is_rank_zero() -> bool:
 
 def _patch_llm_tracking(module: Any) -> None:
     llm_cls = getattr(module, "LLM", None)
-    owner = next((k for k in getattr(llm_cls, "__mro__", ()) if "update_weights" in k.__dict__), None)
-    if owner is None:
-        return
-    with _LOCK:
-        _patch(owner, "update_weights", _wrap_llm_update)
+    for attr, make in (("update_weights", _wrap_llm_update), ("start_weight_update", _wrap_llm_start),
+                       ("finish_weight_update", _wrap_llm_finish)):
+        owner = next((k for k in getattr(llm_cls, "__mro__", ()) if attr in k.__dict__), None)
+        if owner is not None:
+            with _LOCK:
+                _patch(owner, attr, make)
+
+
+def _wrap_llm_start(raw: Callable) -> Callable:
+    @functools.wraps(raw)
+    def start_weight_update(self, *args, **kwargs):
+        out = raw(self, *args, **kwargs)
+        with _LOCK:
+            _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self] + [weakref.ref(self)]
+        return out
+
+    return start_weight_update
+
+
+def _wrap_llm_finish(raw: Callable) -> Callable:
+    @functools.wraps(raw)
+    def finish_weight_update(self, *args, **kwargs):
+        with _LOCK:
+            _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
+        return raw(self, *args, **kwargs)
+
+    return finish_weight_update
 
 
 def _wrap_llm_update(raw: Callable) -> Callable:
