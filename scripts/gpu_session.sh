@@ -7,8 +7,8 @@
 #   two-GPU machine (nvidia-h200-x2), three back-to-back calls:
 #   stage x2a (carry as stage 1): lay vLLM, the NCCL broadcast / sharded-digest tests (no vLLM needed);
 #   stage x2b (carry as stage 2): finish vLLM, the vLLM two-GPU tests (TP=2 colocated, native nccl, our
-#           broadcast inside vLLM workers);
-#   stage x2c (carry as stage 2): the one-GPU suite again, then bench_refit with TP=2 and TP=1.
+#           broadcast inside vLLM workers when X2B_MORE=tests/test_vllm_broadcast.py) and bench_refit --tp 2;
+#   stage x2c (carry as stage 2): the one-GPU suite again, then bench_refit with TP=1.
 # Everything is logged under $OUT.
 set -uo pipefail
 stage=${1:?stage}
@@ -58,17 +58,17 @@ elif [ "$stage" = 4 ]; then  # end-to-end GPU tests, then the refit bench, in on
   timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -12
 elif [ "$stage" = x2b ]; then
-  for f in tests/test_vllm_tp2.py tests/gpu/test_native_nccl_two_gpu.py tests/test_vllm_broadcast.py; do
+  for f in tests/test_vllm_tp2.py tests/gpu/test_native_nccl_two_gpu.py ${X2B_MORE:-}; do
     [ -f "$f" ] || continue; t1=$(date +%s); n=$(basename "$f" .py)
     timeout 190 python3 -m pytest -q -s -m "gpu or not gpu" "$f" -p no:cacheprovider >"$OUT/$n.log" 2>&1
     echo "$n rc=$? $(( $(date +%s) - t1 )) s"; grep -E "passed|failed|skipped|^E |^FAILED|^ERROR" "$OUT/$n.log" | head -12
   done
+  timeout 200 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-10} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
+  grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -9
 elif [ "$stage" = x2c ]; then
-  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py \
+  timeout 250 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py \
     --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20; echo "gpu tests: $(( $(date +%s) - t0 )) s"
-  timeout 180 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-10} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
-  grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -9
   timeout 150 python3 benchmarks/bench_refit.py --refits ${REFITS:-10} --out "$OUT/bench_refit_tp1.md" >"$OUT/bench_refit_tp1.log" 2>&1; echo "bench_refit tp1 rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit_tp1.log" | tail -9
 elif [ "$stage" = 3 ]; then

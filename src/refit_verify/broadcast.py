@@ -20,6 +20,13 @@ GPUs, gloo on CPUs). This module is that path, verified end to end:
   ``enforce`` raises :class:`BroadcastVerificationError` (a :class:`RefitVerificationError`)
   carrying **all** ranks' reports, so a clean rank is reported clean next to a failing one.
 
+Ranks are **group-local**: ``src`` and the rank labels in reports are ranks within ``group``
+(``group.rank()``), and every collective addresses them with ``group_src=`` / ``group_dst=``. With
+``group=None`` (the default world) they equal global ranks. So the path also runs on process groups
+that are not registered in torch's global maps, such as the trainer-worker groups made by vLLM's
+``stateless_init_torch_distributed_process_group`` (:func:`refit_verify.vllm_plugin.broadcast_group`);
+see :func:`_collective` for what torch gets wrong on such groups and how it is worked around.
+
 Bounded waits: every wait is a ``torch.distributed`` collective, bounded by the process group's
 ``timeout`` (``init_process_group(..., timeout=timedelta(...))`` or ``new_group(timeout=...)``);
 ``RefitConfig.timeout_s`` cannot shorten it. A gloo timeout or a dropped peer surfaces as
@@ -85,34 +92,79 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _dist():
+def _dist(group=None):
+    """``torch.distributed``, checked: ``group=None`` needs the default group; an explicit group
+    (registered or not) does not, e.g. a trainer process whose only group is a stateless one."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or (group is None and not dist.is_initialized()):
         raise RuntimeError("the broadcast path needs an initialised torch.distributed process group")
     return dist
 
 
+def _group_rank(group) -> int:
+    """This process's rank within ``group`` (``group=None``: the default world)."""
+    return _dist(group).get_rank() if group is None else group.rank()
+
+
+def _group_size(group) -> int:
+    """Number of ranks of ``group`` (``group=None``: the default world)."""
+    return _dist(group).get_world_size() if group is None else group.size()
+
+
 def _comm_device(group) -> torch.device:
     """Device of the bytes a collective of ``group`` moves: the current CUDA device for NCCL, else CPU."""
-    backend = str(_dist().get_backend(group)).lower()
-    if "nccl" in backend:
+    dist = _dist(group)
+    try:
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+    except ValueError:
+        # ``get_backend`` reads torch's global group map, which an unregistered (stateless) group is
+        # not in; ask the group itself which devices its backends serve (torch's object collectives
+        # pick their device the same way, ``_get_object_coll_device``).
+        nccl = any(d.type == "cuda" for d in group._device_types)
+    if nccl:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
+def _masked_by_c10d_logger(e: BaseException) -> bool:
+    """True when ``e`` was raised by torch's c10d exception logger while it described another error."""
+    import traceback
+
+    return e.__context__ is not None and any(
+        f.name == "_get_msg_dict" and f.filename.endswith("c10d_logger.py") for f in traceback.extract_tb(e.__traceback__))
+
+
 def _collective(what: str, progress: dict, fn, *args, **kwargs):
-    """Run one collective; a timeout or a dropped peer becomes :class:`RefitTimeoutError`."""
+    """Run one collective; a timeout or a dropped peer becomes :class:`RefitTimeoutError`.
+
+    Unregistered groups: torch wraps its collectives (``broadcast``, ``broadcast_object_list``,
+    ``gather_object`` and the ``gather`` / ``all_gather`` they call) in ``c10d_logger._exception_logger``.
+    On an error, when the default group is initialised (always, inside a vLLM worker), it describes
+    the failing call with ``dist.get_backend(group)`` and ``dist.get_rank(group)``; both look the
+    group up in torch's global maps and raise ``ValueError("... is not initialized in the world
+    group map ...")`` for a group that is not there (vLLM's stateless groups). That ValueError
+    replaces the real error (a gloo timeout, a reset peer), which survives as its ``__context__``,
+    once per nested wrapper. Such ValueErrors are unwrapped here back to the error the collective
+    raised. (The collectives themselves work: they only use ``group.rank()``, ``group.size()`` and
+    ``group_src`` / ``group_dst``. Also not usable on such groups: ``src=`` / ``dst=`` global ranks,
+    ``dist.get_backend(group)``, and the object collectives under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+    with NCCL built in, which call ``get_backend`` on every object.)
+    """
     try:
         return fn(*args, **kwargs)
-    except RuntimeError as e:  # gloo/NCCL raise DistBackendError (a RuntimeError) on timeouts and resets
-        text = str(e)
-        if any(w in text.lower() for w in _TIMEOUT_WORDS):
+    except (RuntimeError, ValueError) as e:  # gloo/NCCL raise DistBackendError (a RuntimeError) on timeouts and resets
+        real: BaseException = e
+        while isinstance(real, ValueError) and _masked_by_c10d_logger(real):
+            real = real.__context__
+        if isinstance(real, RuntimeError) and any(w in str(real).lower() for w in _TIMEOUT_WORDS):
             raise RefitTimeoutError(
                 f"{progress.get('side', '?')}: {what} did not complete within the process group's timeout or a peer "
                 f"dropped out ({progress.get('buckets', 0)} buckets, {progress.get('tensors', 0)} tensors done, last "
-                f"{progress.get('last_name')!r}): {text[:500]}", dict(progress, waiting_for=what)) from e
-        raise
+                f"{progress.get('last_name')!r}): {str(real)[:500]}", dict(progress, waiting_for=what)) from real
+        if real is e:
+            raise
+        raise real from None  # the collective's own error, not the logger's ValueError
 
 
 class BroadcastVerificationError(RefitVerificationError):
@@ -156,8 +208,10 @@ class BroadcastSender:
     """Sender side of a verified broadcast refit; construct and call :meth:`send` on rank ``src``.
 
     Args:
-        group: the process group holding the sender and every receiving worker (default: world).
-        src: global rank of the sender (this process).
+        group: the process group holding the sender and every receiving worker (default: world). It
+            may be a group outside torch's global maps (vLLM's stateless groups).
+        src: rank of the sender (this process) **within** ``group`` (``group.rank()``; the global
+            rank when ``group`` is None).
         config: ``mode`` (default from ``REFIT_VERIFY``), ``alignment`` of tensor offsets in a
             bucket (512), and ``buffer_bytes``: a bucket holds up to ``buffer_bytes // 2`` bytes
             (same budget as one staging half of the colocated transport). ``timeout_s`` is not
@@ -165,6 +219,7 @@ class BroadcastSender:
         device: device of the buckets; default the current CUDA device for an NCCL group, else CPU.
 
     Every other rank of ``group`` must call :func:`receive_broadcast` for the same refit.
+    Reports are keyed by the receivers' ranks within ``group`` (or the ``rank`` labels they chose).
     """
 
     def __init__(self, group=None, src: int = 0, config: RefitConfig | None = None, *, device: str | torch.device | None = None) -> None:
@@ -181,7 +236,8 @@ class BroadcastSender:
             named_tensors: unique wire names and dense tensors (any dtype, shape, strides, device).
 
         Returns:
-            ``{rank: VerificationReport}`` for every receiving rank (in group order) when the mode
+            ``{rank: VerificationReport}`` for every receiving rank (its rank within ``group`` unless it
+            passed another ``rank`` label; in group order) when the mode
             verifies (``log`` returns failing reports after logging them); ``None`` in ``off`` mode.
 
         Raises:
@@ -191,10 +247,12 @@ class BroadcastSender:
                 after the reports were checked; its ``reports`` attribute holds them (when verifying).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
             TypeError / ValueError: a bad name or tensor (receivers are sent ``abort`` first).
+            RefitProtocolError: this process is not rank ``src`` of ``group`` (raised before any collective).
         """
-        dist = _dist()
-        if dist.get_rank() != self.src:
-            raise RefitProtocolError(f"BroadcastSender.send runs on rank {self.src}, this is rank {dist.get_rank()}")
+        dist = _dist(self.group)
+        me = _group_rank(self.group)
+        if me != self.src:
+            raise RefitProtocolError(f"BroadcastSender.send runs on rank {self.src} of the group, this is rank {me}")
         cfg = self.config
         mode = cfg.mode
         align = cfg.alignment
@@ -218,13 +276,13 @@ class BroadcastSender:
         def bcast_obj(obj: object, what: str) -> None:
             nonlocal in_collective
             in_collective = True
-            _collective(what, progress, dist.broadcast_object_list, [obj], src=self.src, group=self.group)
+            _collective(what, progress, dist.broadcast_object_list, [obj], group_src=self.src, group=self.group)
             in_collective = False
 
         def bcast_bytes(u8: torch.Tensor, what: str) -> None:
             nonlocal in_collective
             in_collective = True
-            _collective(what, progress, dist.broadcast, u8, src=self.src, group=self.group)
+            _collective(what, progress, dist.broadcast, u8, group_src=self.src, group=self.group)
             in_collective = False
 
         def finish_digests() -> None:
@@ -238,6 +296,7 @@ class BroadcastSender:
         def post(ents: list, data: torch.Tensor) -> None:
             finish_digests()
             seq = progress["buckets"]
+            self._sending(ents, data)
             bcast_obj({"kind": "bucket", "seq": seq, "entries": ents, "used": data.numel()}, f"bucket {seq} metadata")
             bcast_bytes(data, f"bucket {seq} bytes")
             progress["buckets"] += 1
@@ -288,9 +347,9 @@ class BroadcastSender:
                 sender_manifest = batch.hexdigests()
                 digest_s += time.perf_counter() - t0
             bcast_obj({"kind": "complete", "n_tensors": n_tensors}, "complete")
-            gathered: list = [None] * dist.get_world_size(self.group)
+            gathered: list = [None] * _group_size(self.group)
             in_collective = True
-            _collective("receiver manifests", progress, dist.gather_object, None, gathered, dst=self.src, group=self.group)
+            _collective("receiver manifests", progress, dist.gather_object, None, gathered, group_dst=self.src, group=self.group)
             in_collective = False
         except BaseException as e:
             if header_sent and not in_collective:
@@ -307,6 +366,12 @@ class BroadcastSender:
             "receiver_digest_s": max((float(g.get("digest_s", 0.0)) for g in results), default=0.0),
         }
         return self._verdict(mode, sender_manifest, results, refit_id)
+
+    def _sending(self, entries: list, data: torch.Tensor) -> None:
+        """Called with a bucket's entries ``[(name, dtype, shape, offset, nbytes)]`` and its uint8
+        bytes right before they are broadcast, after the sender digested them (CUDA digests done).
+        A no-op; a test subclass may alter ``data`` here to simulate a transfer that corrupts the
+        bytes. ``data`` may be an oversized tensor's own bytes (not a copy)."""
 
     def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, results: list[dict],
                  refit_id: str) -> dict[int, VerificationReport] | None:
@@ -370,12 +435,13 @@ class BroadcastReceiver:
     """Receiver side of a verified broadcast refit (every rank of the group but ``src``).
 
     Args:
-        group: the process group (default: world). src: the sender's global rank.
+        group: the process group (default: world); it may be a group outside torch's global maps.
+        src: the sender's rank **within** ``group`` (the global rank when ``group`` is None).
         config: accepted for symmetry with :class:`~refit_verify.transport.RefitReceiver`; the mode
             and alignment come from the sender's header and the timeouts from the group.
         device: where buckets land; default the current CUDA device for NCCL, else CPU.
-        rank: the label of this receiver in reports (default: its global rank; a vLLM worker may
-            pass its TP rank).
+        rank: the label of this receiver in reports (default: its rank within ``group``; a vLLM
+            worker may pass its TP rank).
     """
 
     def __init__(self, group=None, src: int = 0, config: RefitConfig | None = None, *,
@@ -403,16 +469,17 @@ class BroadcastReceiver:
             RefitProtocolError: an unexpected message or protocol version.
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
         """
-        dist = _dist()
-        if dist.get_rank() == self.src:
-            raise RefitProtocolError(f"rank {self.src} is the broadcast sender, not a receiver")
-        label = dist.get_rank() if self.rank is None else self.rank
+        dist = _dist(self.group)
+        me = _group_rank(self.group)
+        if me == self.src:
+            raise RefitProtocolError(f"rank {self.src} of the group is the broadcast sender, not a receiver")
+        label = me if self.rank is None else self.rank
         device = self._device or _comm_device(self.group)
         progress = {"side": f"receiver rank {label}", "refit_id": None, "mode": None, "buckets": 0, "tensors": 0, "last_name": None}
 
         def next_obj(what: str) -> dict:
             box = [None]
-            _collective(what, progress, dist.broadcast_object_list, box, src=self.src, group=self.group)
+            _collective(what, progress, dist.broadcast_object_list, box, group_src=self.src, group=self.group)
             msg = box[0]
             if not isinstance(msg, dict) or "kind" not in msg:
                 raise RefitProtocolError(f"receiver rank {label}: expected a broadcast refit message, got {type(msg).__name__}")
@@ -443,7 +510,7 @@ class BroadcastReceiver:
             if kind != "bucket":
                 raise RefitProtocolError(f"receiver rank {label}: unexpected message {kind!r} in refit {refit_id}")
             data = torch.empty(int(msg["used"]), dtype=torch.uint8, device=device)
-            _collective(f"bucket {msg['seq']} bytes", progress, dist.broadcast, data, src=self.src, group=self.group)
+            _collective(f"bucket {msg['seq']} bytes", progress, dist.broadcast, data, group_src=self.src, group=self.group)
             buckets += 1
             views: Batch = []
             entries_received += len(msg["entries"])
@@ -491,12 +558,15 @@ class BroadcastReceiver:
             digest_s += time.perf_counter() - t0
         error = "; ".join(errors)[:_MAX_ERROR_CHARS] if errors else None
         reply = {"rank": label, "manifest": manifest, "error": error, "tensors": tensors, "bytes": n_bytes, "digest_s": digest_s}
-        _collective("manifest gather", progress, dist.gather_object, reply, None, dst=self.src, group=self.group)
+        _collective("manifest gather", progress, dist.gather_object, reply, None, group_dst=self.src, group=self.group)
         return BroadcastReceiveResult(manifest=manifest, tensors=tensors, bytes=n_bytes, buckets=buckets, digest_s=digest_s,
                                       refit_id=refit_id, mode=mode, rank=label, error=error)
 
 
 def receive_broadcast(group, src: int, load: LoadFn, config: RefitConfig | None = None, *,
                       device: str | torch.device | None = None, rank: int | None = None) -> BroadcastReceiveResult:
-    """Receive one broadcast refit on this rank: ``BroadcastReceiver(group, src, config, ...).receive(load)``."""
+    """Receive one broadcast refit on this rank: ``BroadcastReceiver(group, src, config, ...).receive(load)``.
+
+    ``src`` is the sender's rank within ``group``; raises what :meth:`BroadcastReceiver.receive` raises.
+    """
     return BroadcastReceiver(group, src, config, device=device, rank=rank).receive(load)

@@ -7,9 +7,17 @@ The ``refit_verify_`` prefix keeps them clear of every method vLLM's workers def
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
-METHODS = ("refit_verify_receive", "refit_verify_param_digests")
+from refit_verify.vllm_plugin import DEFAULT_GROUP_TIMEOUT_S
+
+METHODS = ("refit_verify_receive", "refit_verify_param_digests", "refit_verify_broadcast_init",
+           "refit_verify_broadcast_receive", "refit_verify_broadcast_close")
+
+_BCAST_ATTR = "_refit_verify_broadcast"  # the worker's broadcast-group state, set by refit_verify_broadcast_init
 
 
 def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -35,37 +43,16 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     On failure the layerwise reload is still finalized (the engine stays usable for the next refit);
     an error while finalizing is logged and the original error raised.
     """
-    import logging
-
     from refit_verify.config import RefitConfig
     from refit_verify.transport import RefitReceiver
 
     cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
-    model = self.get_model()
-    start, finish = _layerwise_reload()
-    receiver = RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device)
-
-    def load(batch):
-        # Layerwise reload defers a layer's processing until all its weights arrived and keeps
-        # references to what it was handed: give it owned copies, never views of a staging slot
-        # that the sender refills after our Ack (the staged-slot reuse race).
-        model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
-
-    if start:
-        start(model)
-    failed = True
-    try:
-        res = receiver.receive(load=load)
-        failed = False
-    finally:
-        receiver.close()
-        if finish:
+    with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
+        with _reload_session(self) as load:
             try:
-                finish(model, self.model_config)
-            except Exception:
-                if not failed:
-                    raise
-                logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
+                res = receiver.receive(load=load)
+            finally:
+                receiver.close()  # idempotent: closed as soon as the protocol is over, before the reload is finalized
     return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
             "mode": res.mode.value, "rejected": res.rejected, "error": res.error}
 
@@ -90,6 +77,163 @@ def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str
     if missing:
         raise KeyError(f"not parameters of the model: {missing}")
     return digest_tensors((n, params[n].detach()) for n in wanted)
+
+
+def refit_verify_broadcast_init(self, host: str, port: int, world_size: int, rank_offset: int = 1,
+                                backend: str | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> dict[str, Any]:
+    """Join the trainer-worker process group of the broadcast path (non-colocated refits).
+
+    Runs on every worker through ``collective_rpc``, concurrently with the trainer's
+    :func:`refit_verify.vllm_plugin.broadcast_group` (every member blocks until all joined). Worker
+    ``i = dp_index * (TP * PP) + rank`` (as vLLM's ``worker_init_process_group``) joins as rank
+    ``rank_offset + i``. The group is made without touching torch's global state (vLLM's own TP
+    group stays the default group) and is kept on this worker for
+    :func:`refit_verify_broadcast_receive`.
+
+    Args:
+        host, port: rank 0's rendezvous address (the trainer, with ``rank_offset=1``).
+        world_size: members of the group: the trainer ranks plus every worker of every DP replica.
+        rank_offset: group rank of worker 0 (default 1: one trainer rank at 0).
+        backend: ``"nccl"`` (on this worker's CUDA device) or ``"gloo"``; default ``"nccl"`` when
+            the worker's device is CUDA, else ``"gloo"``.
+        timeout_s: seconds bounding the join and every collective on the group (> 0, <= 86400;
+            default :data:`refit_verify.vllm_plugin.DEFAULT_GROUP_TIMEOUT_S`, 600).
+
+    Returns:
+        dict: ``rank`` (this worker's vLLM rank), ``group_rank``, ``world_size``, ``backend``.
+
+    Raises:
+        RefitConfigError: bad arguments, a group rank outside ``world_size``, or this worker already
+            joined a group (call ``refit_verify_broadcast_close`` first).
+        RuntimeError / DistStoreError: the rendezvous failed or timed out.
+    """
+    import torch
+
+    from refit_verify.errors import RefitConfigError
+    from refit_verify.vllm_plugin import broadcast_group
+
+    if getattr(self, _BCAST_ATTR, None) is not None:
+        raise RefitConfigError(f"refit_verify_broadcast_init: worker rank {self.rank} already joined a broadcast group; "
+                               "call refit_verify_broadcast_close first")
+    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+        raise RefitConfigError(f"refit_verify_broadcast_init: rank_offset must be an int >= 0, got {rank_offset!r}")
+    pc = self.parallel_config
+    dp_index = getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0))
+    worker_index = dp_index * pc.world_size + pc.rank
+    rank = rank_offset + worker_index
+    if isinstance(world_size, int) and not isinstance(world_size, bool) and rank >= world_size:
+        raise RefitConfigError(f"refit_verify_broadcast_init: worker {worker_index} would join as rank {rank} "
+                               f"(rank_offset {rank_offset}), not below world_size {world_size}: world_size must count "
+                               "the trainer ranks plus every worker of every data-parallel replica")
+    device = getattr(self, "device", None) or torch.device("cpu")
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if str(backend).lower() != "nccl":
+        device = torch.device("cpu")  # gloo moves CPU tensors
+    with _on_device(device):
+        group = broadcast_group(host, port, rank, world_size, backend, timeout_s)
+    setattr(self, _BCAST_ATTR, {"group": group, "device": device, "backend": str(backend).lower()})
+    return {"rank": self.rank, "group_rank": group.rank(), "world_size": group.size(), "backend": str(backend).lower()}
+
+
+def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Receive one broadcast refit (:mod:`refit_verify.broadcast`) and load it with ``model.load_weights``.
+
+    The trainer runs ``BroadcastSender(group, src, config).send(...)`` at the same time; the mode
+    comes from its header. Loading goes through vLLM's layerwise reload as in
+    :func:`refit_verify_receive`; this worker's manifest goes back to the sender, which compares.
+
+    Args:
+        src: the sender's rank within the group (default 0).
+        options: keyword options of :class:`refit_verify.RefitConfig`, validated here (the mode,
+            alignment and timeouts come from the sender's header and the group).
+
+    Returns:
+        dict: ``rank`` (vLLM rank), ``group_rank``, ``manifest`` (``{wire name: 32-hex}`` or None
+        when not verifying), ``tensors``, ``bytes``, ``buckets``, ``digest_s`` (seconds),
+        ``mode``, ``refit_id``, ``error`` (``load`` errors and refused entries, or None).
+
+    Raises:
+        RefitConfigError: ``refit_verify_broadcast_init`` was not called on this worker (or the group
+            was closed), or ``options`` is invalid.
+        RefitAbortedError: the sender aborted the refit.
+        RefitProtocolError: an unexpected message, or ``src`` is this worker's own group rank.
+        RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
+    """
+    from refit_verify.broadcast import receive_broadcast
+    from refit_verify.config import RefitConfig
+    from refit_verify.errors import RefitConfigError
+
+    state = getattr(self, _BCAST_ATTR, None)
+    if state is None:
+        raise RefitConfigError(f"refit_verify_broadcast_receive: worker rank {self.rank} is in no broadcast group; "
+                               "call collective_rpc('refit_verify_broadcast_init', ...) first (concurrently with the "
+                               "trainer's refit_verify.vllm_plugin.broadcast_group)")
+    cfg = RefitConfig.from_options(options, source="refit_verify_broadcast_receive options")
+    group = state["group"]
+    with _on_device(state["device"]), _reload_session(self) as load:
+        res = receive_broadcast(group, src, load, cfg, device=state["device"])
+    return {"rank": self.rank, "group_rank": group.rank(), "manifest": res.manifest, "tensors": res.tensors,
+            "bytes": res.bytes, "buckets": res.buckets, "digest_s": res.digest_s, "mode": res.mode.value,
+            "refit_id": res.refit_id, "error": res.error}
+
+
+def refit_verify_broadcast_close(self) -> dict[str, Any]:
+    """Leave the broadcast group joined by ``refit_verify_broadcast_init`` (shuts it down here).
+
+    Returns:
+        dict: ``rank`` (vLLM rank) and ``closed`` (False when this worker was in no group).
+    """
+    state = self.__dict__.pop(_BCAST_ATTR, None)
+    if state is None:
+        return {"rank": self.rank, "closed": False}
+    try:
+        state["group"].shutdown()
+    except Exception:  # noqa: BLE001 - the group is dropped either way
+        logging.getLogger("refit_verify").exception("shutting down the broadcast group failed on worker rank %s", self.rank)
+    return {"rank": self.rank, "closed": True}
+
+
+@contextlib.contextmanager
+def _reload_session(worker) -> Iterator[Callable[[list], None]]:
+    """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
+
+    The reload is started before the body and finalized after it, also when the body raises (the
+    engine stays usable for the next refit); an error while finalizing after a failure is logged
+    and the original error raised.
+    """
+    model = worker.get_model()
+    start, finish = _layerwise_reload()
+
+    def load(batch):
+        # Layerwise reload defers a layer's processing until all its weights arrived and keeps
+        # references to what it was handed: give it owned copies, never views of a staging slot
+        # that the sender refills after our Ack (the staged-slot reuse race) or of a broadcast
+        # bucket that is freed and reused after the bucket.
+        model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
+
+    if start:
+        start(model)
+    failed = True
+    try:
+        yield load
+        failed = False
+    finally:
+        if finish:
+            try:
+                finish(model, worker.model_config)
+            except Exception:
+                if not failed:
+                    raise
+                logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
+
+
+def _on_device(device):
+    """``torch.cuda.device(device)`` for a CUDA device (NCCL's object collectives use the current
+    device), else a no-op context."""
+    import torch
+
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
 
 
 def _layerwise_reload():
