@@ -8,8 +8,8 @@ digest seconds, and enforce's added wall time over off.
 
 ``--tp N`` runs the engine tensor-parallel over N GPUs (or N CPU workers) with a trainer of N ranks
 (``tests/tp_trainers.py``: one process per rank, NCCL on GPUs), rank r streaming the full state
-dict to worker r; the wall time is the driver's, from the command to the ranks until every rank
-and every worker finished. Digest columns are the slowest rank's / worker's.
+dict to worker r; the wall time is the driver's, from the ranks' senders being bound until every
+rank and every worker finished. Digest columns are the slowest rank's / worker's.
 """
 
 from __future__ import annotations
@@ -96,14 +96,17 @@ def _refit_one(llm, device: str, weights: dict, buffer_bytes: int, mode: str) ->
 
 def _refit_tp(llm, trainers, buffer_bytes: int, mode: str) -> tuple[float, float, float]:
     """One refit from every trainer rank to its worker; returns the driver's wall and the slowest digests."""
-    t0 = time.perf_counter()
     trainers.start_send({"mode": mode, "buffer_bytes": buffer_bytes, "timeout_s": 300.0})
+    t0 = time.perf_counter()
     workers = llm.collective_rpc("refit_verify_receive", args=(trainers.endpoint, {"timeout_s": 300.0}), timeout=330)
     senders = trainers.results()
     wall = time.perf_counter() - t0
     bad = [s for s in senders.values() if s["error"] or (mode != "off" and not s.get("ok", False))] + [w for w in workers if w["error"]]
     if bad:
         raise RuntimeError(f"refit failed: {bad}")
+    print(f"{mode}: wall {wall * 1e3:.1f} ms; rank send walls {[round(senders[r]['wall_s'] * 1e3, 1) for r in sorted(senders)]} ms; "
+          f"sender digests {[round(senders[r]['digest_s'] * 1e3, 2) for r in sorted(senders)]} ms; "
+          f"worker digests {[round(w['digest_s'] * 1e3, 2) for w in workers]} ms", flush=True)
     return wall, max(s["digest_s"] for s in senders.values()), max(w["digest_s"] for w in workers)
 
 

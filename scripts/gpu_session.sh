@@ -71,6 +71,9 @@ elif [ "$stage" = x2c ]; then
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20; echo "gpu tests: $(( $(date +%s) - t0 )) s"
   timeout 150 python3 benchmarks/bench_refit.py --refits ${REFITS:-10} --out "$OUT/bench_refit_tp1.md" >"$OUT/bench_refit_tp1.log" 2>&1; echo "bench_refit tp1 rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit_tp1.log" | tail -9
+elif [ "$stage" = x2d ]; then  # bench_refit --tp 2 only, per-refit lines
+  timeout 200 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-5} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
+  grep -E "^(off|log|enforce):" "$OUT/bench_refit_tp2.log" | tail -16; grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -7
 elif [ "$stage" = 3 ]; then
   timeout 60 python3 -m pytest -q tests/kernels/test_digest_batch.py -p no:cacheprovider 2>&1 | tail -2
   timeout 400 python3 benchmarks/bench_refit.py --refits ${REFITS:-5} --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"

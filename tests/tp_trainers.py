@@ -78,6 +78,7 @@ def _trainer_main(rank: int, world: int, port: int, backend: str, cfg: dict, see
                                            byte_index=fault["byte_index"])
             else:
                 sender = RefitSender(config=rc, device=device, endpoint=ep, rank=rank)
+            results.put({"rank": rank, "bound": ep})  # the endpoint exists before the workers are asked to connect
             t0 = time.perf_counter()
             try:
                 out: Any = sender.send(weights.items())
@@ -140,10 +141,12 @@ class TrainerRanks:
         return got
 
     def start_send(self, config: dict, fault: dict | None = None) -> None:
-        """Make every rank send once with ``RefitConfig.build(**config)``; ``fault``: ``{"rank", "target",
-        "byte_index"}`` makes that rank a :class:`~refit_verify.demo.OneByteFlipSender`."""
+        """Make every rank send once with ``RefitConfig.build(**config)``; return once every rank's
+        sender bound its endpoint. ``fault``: ``{"rank", "target", "byte_index"}`` makes that rank a
+        :class:`~refit_verify.demo.OneByteFlipSender`."""
         for q in self._commands:
             q.put({"config": config, "fault": fault})
+        self._collect(60.0)  # every rank bound its endpoint
 
     def results(self, timeout_s: float = 300.0) -> dict[int, dict]:
         """Wait for every rank's outcome of the last :meth:`start_send` (see ``_report_dict``)."""

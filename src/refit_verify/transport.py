@@ -71,11 +71,14 @@ Batch = list[tuple[str, torch.Tensor]]
 LoadFn = Callable[[Batch], None]
 
 ABORT_WAIT_S = 5.0
-# A peer's last message (Done, Complete) can be queued just behind the monitor's disconnect event:
-# before declaring a peer gone, the socket gets this long (seconds) to show it.
-LAST_WORDS_S = 0.25
 """After sending ``Abort``, the sender waits at most ``min(timeout_s, ABORT_WAIT_S)`` seconds for
 its acknowledgement (none after a timeout or a disconnect: the receiver is gone or stuck)."""
+LAST_WORDS_S = 0.25
+"""A peer's last message (Done, Complete) can be queued just behind the monitor's disconnect event:
+before declaring a peer gone, the socket gets this long (seconds) to show it."""
+RECONNECT_IVL_MS = 5
+"""The receiver's retry interval (ms) while the sender's endpoint is not bound yet (ZMQ's default,
+100 ms, added up to 100 ms to a refit whose worker connected before the trainer bound)."""
 
 _MAX_ERROR_CHARS = 8192
 _MAX_REASON_CHARS = 1000
@@ -914,6 +917,8 @@ class RefitReceiver:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.SNDTIMEO, _ms(self.config.timeout_s))
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 10 * RECONNECT_IVL_MS)
             self._watch = _PeerWatch(self._sock, endpoint, "receiver")
             self._sock.connect(endpoint)
         except BaseException:
