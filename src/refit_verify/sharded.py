@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from refit_verify import digest as _digest
 from refit_verify import reference as _ref
 from refit_verify.digest import dtype_name, logical_bytes, tensor_digest
 from refit_verify.errors import RefitVerifyError
@@ -57,9 +58,6 @@ logger = logging.getLogger("refit_verify")
 CHUNK_BYTES = _ref.CHUNK_LANES * _ref.LANE_BYTES
 """Bytes per chunk (8 MiB = 2**20 lanes × 8): the granularity of sharded evaluation."""
 
-# Roots of a CUDA shard are computed this many chunks at a time (bounds the torch path's temporaries
-# to about 1.5 × 128 MiB instead of 1.5 × the shard).
-_CUDA_PIECE_CHUNKS = 16
 
 
 class ShardLayoutError(RefitVerifyError, ValueError):
@@ -123,17 +121,10 @@ def _roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     """Chunk roots of a 1-D contiguous uint8 tensor on its own device (a standalone byte string)."""
     if u8.numel() == 0:
         return []
-    if u8.is_cuda:
-        # TODO(kernel): a roots-only entry in refit_verify.kernels.digest (the leaf + upper kernels
-        # without the chain) would run this at memory bandwidth; until then the vectorised torch
-        # path runs on the CUDA tensor, 16 chunks (128 MiB) at a time to bound its temporaries.
-        from refit_verify import _torch_digest
+    if u8.device.type in _digest._KERNEL_DEVICE_TYPES:  # CUDA: the Triton leaf + upper kernels, no chain
+        from refit_verify.kernels import digest as kd
 
-        piece = _CUDA_PIECE_CHUNKS * CHUNK_BYTES
-        out: list[tuple[int, int]] = []
-        for i in range(0, u8.numel(), piece):
-            out.extend(_torch_digest.chunk_roots_u8(u8[i : i + piece]))
-        return out
+        return [(a & _ref.MASK64, b & _ref.MASK64) for a, b in kd.chunk_roots([u8]).cpu().tolist()]
     try:
         from refit_verify import _numba_digest as _cpu
     except Exception:  # numba missing or unusable: the vectorised torch path

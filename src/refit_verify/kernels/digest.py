@@ -894,6 +894,38 @@ def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> tor
         raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
     if not views:
         return torch.empty((0, 2), dtype=torch.int64)
+    return _launch(views, seeds, chain=True)
+
+
+def chunk_roots(views: list[torch.Tensor]) -> torch.Tensor:
+    """Chunk roots (spec §6) of many byte views, both channels: leaf and upper kernels, no chain.
+
+    Each view is a standalone byte string (lanes from its first byte, the last lane zero-padded),
+    cut into chunks of 2^20 lanes (8 MiB); no seed, chain or finalisation — the building block
+    of sharded digests (``refit_verify.sharded``: a shard starting on a chunk boundary of the full
+    tensor has exactly the full tensor's roots for its chunks). <= 3 kernel launches, no host
+    synchronisation.
+
+    Args:
+        views: as for :func:`digest_views`.
+
+    Returns:
+        torch.Tensor: int64 ``[C, 2]`` on the views' device, ``C = sum(ceil(nbytes_i / 8 MiB))``;
+        the chunks of view 0 in order, then those of view 1, ...; row = (root_0, root_1) as 64-bit
+        patterns (value mod 2**64 as int64). Empty views contribute no rows.
+
+    Raises:
+        ValueError / TypeError: as :func:`digest_views`.
+
+    Source: docs/digest-spec.md §6, §7.1
+    """
+    if not views:
+        return torch.empty((0, 2), dtype=torch.int64)
+    return _launch(views, [(0, 0)] * len(views), chain=False)
+
+
+def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool) -> torch.Tensor:
+    """Plan and launch the leaf and upper kernels, then the chain (``chain``) or a copy of the roots."""
     dev = views[0].device
     u8 = torch.uint8
     addrs, sizes = [], []
@@ -910,7 +942,6 @@ def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> tor
     plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, 16 if lf.get("vec") else 8)
     V = len(views)
     work = torch.empty(max(1, 2 * C * (_MID_N + _SCR_N + 1)), dtype=torch.int64, device=dev)
-    out = torch.empty((V, 2), dtype=torch.int64, device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if F:
             _launch_fast(lf, plan, work, V, C, 8 * V, F)
@@ -918,6 +949,10 @@ def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> tor
             _digest_leaf_kernel[(P - F,)](plan, work, V, C, 8 * V + F, FAST=False, num_warps=LEAF_WARPS)
         if C:
             _digest_upper_kernel[(C,)](plan, work, V, C, 8 * V + P, num_warps=4)
+        if not chain:  # roots: channel 0 of every chunk, then channel 1 (see _digest_upper_kernel)
+            roots = work[2 * C * (_MID_N + _SCR_N) : 2 * C * (_MID_N + _SCR_N + 1)]
+            return roots.view(2, C).t().contiguous()
+        out = torch.empty((V, 2), dtype=torch.int64, device=dev)
         _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
     return out
 
