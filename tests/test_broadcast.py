@@ -107,7 +107,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         return RefitConfig(mode=mode, buffer_bytes=BUFFER)
 
     def step(key: str, mode: str, *, flip: dict[int, str] | None = None, load_error: dict[int, str] | None = None,
-             items=None) -> None:
+             items=None, label: int | None = None) -> None:
         cap.records.clear()
         if rank == SRC:
             try:
@@ -127,7 +127,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
                 loaded[name] = v.detach().cpu().clone()
 
         # Receivers are configured "off" on purpose: they follow the sender's mode.
-        recv = FlipReceiver(None, SRC, RefitConfig(mode="off"), flip=(flip or {}).get(rank))
+        recv = FlipReceiver(None, SRC, RefitConfig(mode="off"), flip=(flip or {}).get(rank), rank=label)
         try:
             r = recv.receive(load)
             out[key] = {"ok": r.ok, "mode": r.mode.value, "manifest": None if r.manifest is None else len(r.manifest),
@@ -154,7 +154,31 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
     step("abort", "enforce", items=bad_items() if rank == SRC else None)
     step("after_abort", "enforce")  # the group is still usable
     out["others"] = others
+    if others:  # a load error on one rank and a mismatch on another: both reach the sender's error
+        step("load_error_and_fault", "enforce", load_error={others[0]: "model.norm.weight"},
+             flip={fault_rank: "model.layers.0.mlp.w_int8"})
+        step("shared_labels", "enforce", flip={fault_rank: "model.layers.0.mlp.w_int8"}, label=0)
+        step("after_shared_labels", "enforce")
+    try:  # no collective runs: every rank raises on its own
+        if rank == SRC:
+            BroadcastSender(None, world, cfg("enforce")).send(tensors)
+        else:
+            BroadcastReceiver(None, world).receive(lambda b: None)
+        out["src_out_of_range"] = {"error": None}
+    except Exception as e:  # noqa: BLE001
+        out["src_out_of_range"] = {"error": _err(e)}
 
+    if timeout_group and world >= 3:
+        # membership: rank 2 is not in `pair`; a group of one holds no receiver
+        pair, alone = dist.new_group([SRC, 1]), dist.new_group([SRC])
+        try:
+            if rank == 2:
+                BroadcastReceiver(pair, SRC).receive(lambda b: None)
+            elif rank == SRC:
+                BroadcastSender(alone, SRC, cfg("enforce")).send(tensors)
+            out["membership"] = {"error": None}
+        except Exception as e:  # noqa: BLE001
+            out["membership"] = {"error": _err(e)}
     if timeout_group:
         # A receiver whose sender never sends: the subgroup's 2 s timeout bounds the wait.
         sub = dist.new_group([SRC, fault_rank], timeout=timedelta(seconds=2))
@@ -287,3 +311,44 @@ def test_error_types_are_exported() -> None:
     assert issubclass(BroadcastVerificationError, RefitVerificationError)
     assert issubclass(RefitAbortedError, Exception) and issubclass(RefitProtocolError, Exception)
     assert issubclass(RefitTimeoutError, TimeoutError)
+
+
+def test_load_error_and_fault_on_different_ranks(ranks) -> None:
+    """The verification error carries the other rank's load error too (its report and message)."""
+    err = ranks[SRC]["load_error_and_fault"]["error"]
+    assert err["type"] == "BroadcastVerificationError" and err["failed"] == [2] and err["clean"] == [1]
+    assert err["per_rank"][2]["mismatched"] == ["model.layers.0.mlp.w_int8"]
+    assert "worker rank 1" in err["message"] and "load failed for model.norm.weight" in err["message"]
+
+
+def test_shared_rank_labels_refused(ranks) -> None:
+    """Two receivers labelled 0 would share one report (a failing one hidden by a clean one)."""
+    err = ranks[SRC]["shared_labels"]["error"]
+    assert err["type"] == "RefitProtocolError" and "share rank labels [0]" in err["message"]
+    assert all(ranks[SRC]["after_shared_labels"]["reports"][r]["ok"] for r in (1, 2))
+
+
+def test_src_and_membership_checked_before_any_collective(ranks) -> None:
+    for r in range(WORLD):
+        e = ranks[r]["src_out_of_range"]["error"]
+        assert e["type"] == "RefitConfigError" and "src=3 is not a rank of the group" in e["message"]
+    assert ranks[2]["membership"]["error"]["type"] == "RefitProtocolError"
+    assert "not a member" in ranks[2]["membership"]["error"]["message"]
+    e = ranks[SRC]["membership"]["error"]
+    assert e["type"] == "RefitConfigError" and "holds no receiver" in e["message"]
+    assert ranks[1]["membership"]["error"] is None
+
+
+def test_verification_errors_pickle() -> None:
+    """Raised in a process pool or a Ray task, the errors reach the caller whole."""
+    import pickle
+
+    from refit_verify.report import compare_manifests
+
+    a, b = "0" * 32, "1" * 32
+    bad = compare_manifests({"w": a, "v": a}, {"w": b, "v": a}, rank=2)
+    good = compare_manifests({"w": a}, {"w": a}, rank=1)
+    e = pickle.loads(pickle.dumps(BroadcastVerificationError({1: good, 2: bad})))
+    assert e.failed_ranks == [2] and e.clean_ranks == [1] and e.mismatched == ["w"] and "worker rank 2" in str(e)
+    e2 = pickle.loads(pickle.dumps(RefitVerificationError(bad)))
+    assert e2.mismatched == ["w"] and e2.report.rank == 2 and str(e2) == str(RefitVerificationError(bad))

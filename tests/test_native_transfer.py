@@ -381,3 +381,40 @@ def test_explicit_verifier_is_not_doubled_by_the_static_wrapper(monkeypatch):
     with pytest.raises(RefitVerificationError) as ei:
         v.verify()
     assert llm.rpcs == 1 and ei.value.mismatched == ["w4"]
+
+
+def test_static_nccl_sender_refuses_to_guess_between_engines(monkeypatch):
+    """Two in-process engines with open updates (or a stale one never finished): the send's
+    engine is unknown, so enforce refuses to compare instead of blaming the other engine."""
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setattr(NCCLWeightTransferEngine, "trainer_send_weights",
+                        native._wrap_static_sender(NCCLWeightTransferEngine.__dict__["trainer_send_weights"]), raising=False)
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
+    stale, target = _FakeLLM(), _FakeLLM()
+    stale.start_weight_update()  # never finished
+    target.start_weight_update()
+    try:
+        with pytest.raises(RefitConfigError, match="cannot tell which of 2 in-process vLLM engines"):
+            NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(target, list(weights))})
+        assert stale.rpcs == target.rpcs == 0
+        v = native.NativeSendVerifier(target)  # the explicit target resolves it
+        NCCLWeightTransferEngine.trainer_send_weights(v.wrap(weights.items()), {"group": _FakeGroup(target, list(weights))})
+        (report,) = v.verify()
+        assert report.ok and report.verified == 3 and stale.rpcs == 0
+    finally:
+        stale.finish_weight_update()
+        target.finish_weight_update()
+
+
+def test_static_sender_on_another_rank_warns_once(monkeypatch, caplog):
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setattr(native, "_global_rank", lambda: 1)
+    monkeypatch.setattr(native, "_WARNED", set())
+    sent = []
+    wrapped = native._wrap_static_sender(staticmethod(lambda it, args: sent.extend(n for n, _ in it))).__func__
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        wrapped(iter({"w": torch.zeros(2)}.items()), {})
+        wrapped(iter({"w": torch.zeros(2)}.items()), {})
+    assert sent == ["w", "w"]
+    msgs = [r.getMessage() for r in caplog.records if "global rank 1 is not verified" in r.getMessage()]
+    assert len(msgs) == 1

@@ -51,7 +51,7 @@ import torch
 
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
-from refit_verify.errors import RefitProtocolError, RefitTimeoutError, RefitVerificationError, RefitVerifyError
+from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError, RefitVerificationError, RefitVerifyError
 
 try:
     from refit_verify.errors import RefitAbortedError
@@ -110,6 +110,24 @@ def _group_rank(group) -> int:
 def _group_size(group) -> int:
     """Number of ranks of ``group`` (``group=None``: the default world)."""
     return _dist(group).get_world_size() if group is None else group.size()
+
+
+def _check_membership(group, src: int, side: str) -> int:
+    """Check, before any collective, that this process is in ``group`` and ``src`` is one of its
+    ranks; return the group size.
+
+    Raises:
+        RefitProtocolError: this process is not a member of ``group`` (``new_group`` hands
+            non-members a sentinel instead of a group).
+        RefitConfigError: ``src`` is not an int in ``[0, group size)``.
+    """
+    _dist(group)
+    if group is not None and not callable(getattr(group, "rank", None)):
+        raise RefitProtocolError(f"broadcast {side}: this process is not a member of the process group it was given ({group!r})")
+    size = _group_size(group)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
+        raise RefitConfigError(f"broadcast {side}: src={src!r} is not a rank of the group (ranks 0..{size - 1})")
+    return size
 
 
 def _comm_device(group) -> torch.device:
@@ -185,6 +203,9 @@ class BroadcastVerificationError(RefitVerificationError):
         super().__init__(failing[0])
         self.args = (self.describe(),)
 
+    def __reduce__(self):  # picklable (process pools, Ray): rebuilt from the reports
+        return type(self), (self.reports,)
+
     @property
     def failed_ranks(self) -> list[int]:
         return [r for r, rep in self.reports.items() if not rep.ok]
@@ -247,14 +268,23 @@ class BroadcastSender:
                 after the reports were checked; its ``reports`` attribute holds them (when verifying).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
             TypeError / ValueError: a bad name or tensor (receivers are sent ``abort`` first).
-            RefitProtocolError: this process is not rank ``src`` of ``group`` (raised before any collective).
+            RefitProtocolError: this process is not rank ``src`` of ``group``, or not a member of it;
+                receivers share a ``rank`` label (raised before any collective, resp. at the verdict).
+            RefitConfigError: ``src`` is not a rank of ``group``; or the mode verifies and the group
+                holds no receiver (size 1). Both before any collective.
         """
+        size = _check_membership(self.group, self.src, "sender")
         dist = _dist(self.group)
         me = _group_rank(self.group)
         if me != self.src:
             raise RefitProtocolError(f"BroadcastSender.send runs on rank {self.src} of the group, this is rank {me}")
         cfg = self.config
         mode = cfg.mode
+        if size < 2:
+            if mode.verifies:
+                raise RefitConfigError(f"broadcast sender: REFIT_VERIFY={mode.value} but the group holds no receiver "
+                                       "(size 1): nothing would be verified")
+            logger.warning("broadcast refit into a group of size 1: no receiver")
         align = cfg.alignment
         bucket_bytes = max(cfg.buffer_bytes // 2, align)
         device = self._device or _comm_device(self.group)
@@ -375,6 +405,11 @@ class BroadcastSender:
 
     def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, results: list[dict],
                  refit_id: str) -> dict[int, VerificationReport] | None:
+        labels = [g["rank"] for g in results]
+        dup = sorted({r for r in labels if labels.count(r) > 1}, key=str)
+        if dup:  # a report keyed by a shared label would hide another rank's report
+            raise RefitProtocolError(f"broadcast refit {refit_id}: receivers share rank labels {dup} (labels {labels}); each "
+                                     "receiver needs a unique `rank` label (the default, its rank in the group, is unique)")
         errors = {g["rank"]: g["error"] for g in results if g.get("error")}
         err_text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
         if not mode.verifies:
@@ -383,7 +418,8 @@ class BroadcastSender:
             return None
         reports: dict[int, VerificationReport] = {}
         for g in results:
-            reports[g["rank"]] = compare_manifests(sender_manifest, g.get("manifest") or {}, rank=g["rank"])
+            reports[g["rank"]] = compare_manifests(sender_manifest, g.get("manifest") or {}, rank=g["rank"],
+                                                   receiver_error=g.get("error"))
         failing = False
         for rep in reports.values():
             try:
@@ -440,8 +476,9 @@ class BroadcastReceiver:
         config: accepted for symmetry with :class:`~refit_verify.transport.RefitReceiver`; the mode
             and alignment come from the sender's header and the timeouts from the group.
         device: where buckets land; default the current CUDA device for NCCL, else CPU.
-        rank: the label of this receiver in reports (default: its rank within ``group``; a vLLM
-            worker may pass its TP rank).
+        rank: the label of this receiver in reports (default: its rank within ``group``). Labels
+            must be unique among the receivers of a refit (the sender refuses duplicates): TP ranks
+            repeat across DP replicas, so prefer the default there.
     """
 
     def __init__(self, group=None, src: int = 0, config: RefitConfig | None = None, *,
@@ -466,9 +503,12 @@ class BroadcastReceiver:
 
         Raises:
             RefitAbortedError: the sender broadcast ``abort`` (its exception is in the message).
-            RefitProtocolError: an unexpected message or protocol version.
+            RefitProtocolError: an unexpected message or protocol version; this process is not a
+                member of ``group`` or is its ``src`` (before any collective).
+            RefitConfigError: ``src`` is not a rank of ``group`` (before any collective).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
         """
+        _check_membership(self.group, self.src, "receiver")
         dist = _dist(self.group)
         me = _group_rank(self.group)
         if me == self.src:

@@ -64,10 +64,11 @@ class DigestBatch:
     """
 
     def __init__(self) -> None:
-        self._order: dict[str, None] = {}  # names in first-insertion order
+        self._order: dict[str, int] = {}  # name -> number of its latest add, names in first-insertion order
+        self._adds = 0
         self._done: dict[str, str] = {}
-        self._cuda: dict[torch.device, list[tuple[str, torch.Tensor, tuple[int, int]]]] = {}
-        self._launched: list[tuple[list[str], torch.Tensor]] = []  # (names, device words)
+        self._cuda: dict[torch.device, list[tuple[str, torch.Tensor, tuple[int, int], int]]] = {}
+        self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
@@ -78,9 +79,11 @@ class DigestBatch:
         """
         u8 = logical_bytes(t)
         meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
-        self._order.setdefault(name, None)
+        self._adds += 1
+        self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
+        self._done.pop(name, None)
         if u8.device.type in _KERNEL_DEVICE_TYPES:
-            self._cuda.setdefault(u8.device, []).append((name, u8, _seed(*meta)))
+            self._cuda.setdefault(u8.device, []).append((name, u8, _seed(*meta), self._adds))
         else:
             try:
                 from refit_verify import _numba_digest as _cpu_digest
@@ -100,8 +103,8 @@ class DigestBatch:
         from refit_verify.kernels import digest as kd
 
         for items in self._cuda.values():
-            words = kd.digest_views([u for _, u, _ in items], [s for _, _, s in items])
-            self._launched.append(([n for n, _, _ in items], words))
+            words = kd.digest_views([u for _, u, _, _ in items], [s for _, _, s, _ in items])
+            self._launched.append(([(n, k) for n, _, _, k in items], words))
         self._cuda.clear()
 
     def hexdigests(self) -> dict[str, str]:
@@ -110,8 +113,10 @@ class DigestBatch:
         if self._launched:
             from refit_verify.kernels import digest as kd
 
-            for names, words in self._launched:
-                self._done.update(zip(names, kd.to_hex(words)))
+            for keys, words in self._launched:
+                for (n, k), h in zip(keys, kd.to_hex(words)):
+                    if self._order[n] == k:  # the latest add of n
+                        self._done[n] = h
             self._launched.clear()
         return {n: self._done[n] for n in self._order}
 

@@ -72,6 +72,9 @@ class RefitVerificationError(RefitVerifyError, RuntimeError):
         super().__init__(report.describe())
         self.report = report
 
+    def __reduce__(self):  # picklable (process pools, Ray): rebuilt from the report
+        return type(self), (self.report,)
+
     @property
     def mismatched(self) -> list[str]:
         return list(self.report.mismatched)

@@ -64,3 +64,18 @@ def test_readd_replaces_and_keeps_first_position(kernel_batch):
     kernel_batch.add("x", b)
     got = kernel_batch.hexdigests()
     assert list(got) == ["x", "y"] and got["x"] == got["y"] == dg.tensor_digest(b.cpu())
+
+
+def test_readd_on_the_cpu_path_replaces_a_pending_kernel_digest(kernel_batch, monkeypatch):
+    """The latest add wins even when an earlier add of the name is still queued or in flight on
+    the kernel path and the later one is computed at once on the CPU path."""
+    a, b = torch.arange(10, device=DEV), torch.arange(11, device=DEV)
+    kernel_batch.add("queued", a)
+    kernel_batch.add("launched", a)
+    kernel_batch.launch()  # "launched" is in flight; "queued" was launched with it
+    kernel_batch.add("queued2", a)  # stays queued
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset())  # later adds take the CPU path
+    for n in ("queued", "launched", "queued2"):
+        kernel_batch.add(n, b.cpu())
+    got = kernel_batch.hexdigests()
+    assert got == {n: dg.tensor_digest(b.cpu()) for n in ("queued", "launched", "queued2")}

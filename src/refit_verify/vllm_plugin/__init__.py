@@ -53,8 +53,8 @@ def broadcast_group(host: str, port: int, rank: int, world_size: int, backend: s
         Release it with ``group.shutdown()``.
 
     Raises:
-        RefitConfigError: an argument is out of range, or object collectives cannot run on such a
-            group in this process (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` with NCCL built in).
+        RefitConfigError: an argument is out of range, ``backend`` is not ``nccl``/``gloo`` (or is
+            ``nccl`` without CUDA), or object collectives cannot run on such a group in this process (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` with NCCL built in).
         ImportError: vLLM is not installed.
         RuntimeError / DistStoreError: the rendezvous failed or timed out.
     """
@@ -77,8 +77,10 @@ def broadcast_group(host: str, port: int, rank: int, world_size: int, backend: s
             raise RefitConfigError(f"broadcast_group: {name} must be an int in [{lo}, {hi or 'inf'}], got {v!r}")
     if rank >= world_size:
         raise RefitConfigError(f"broadcast_group: rank {rank} is not below world_size {world_size}")
-    if not isinstance(backend, str) or not backend:
-        raise RefitConfigError(f"broadcast_group: backend must be a non-empty string such as 'nccl' or 'gloo', got {backend!r}")
+    if not isinstance(backend, str) or backend.lower() not in ("nccl", "gloo"):
+        raise RefitConfigError(f"broadcast_group: backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend.lower() == "nccl" and not torch.cuda.is_available():
+        raise RefitConfigError("broadcast_group: backend 'nccl' needs a CUDA device in this process; use 'gloo'")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
             or not 0 < timeout_s <= 86400:
         raise RefitConfigError(f"broadcast_group: timeout_s must be a finite number of seconds in (0, 86400], got {timeout_s!r}")

@@ -538,15 +538,22 @@ class NativeSendVerifier:
         """Return every worker's ``refit_verify_native_manifest`` result.
 
         Raises:
-            RefitConfigError: no way to reach the workers, or a worker lacks the method.
+            RefitConfigError: no way to reach the workers; no target and more than one in-process
+                engine could have received this send; or a worker lacks the method.
         """
         fetchers = [f for f in (_fetcher(self.target),) if f is not None]
         if not fetchers:
-            fetchers = [_fetcher(llm) for llm in (r() for r in self.engines) if llm is not None]
-        if not fetchers:  # e.g. nccl: the update went out before this send began; use the open updates
-            with _LOCK:
-                open_llms = [llm for llm in (r() for r in _OPEN) if llm is not None]
-            fetchers = [_fetcher(llm) for llm in open_llms]
+            seen = [llm for llm in (r() for r in self.engines) if llm is not None]
+            how = "received update_weights during this send"
+            if not seen:  # e.g. nccl: the update went out before this send began; use the open updates
+                with _LOCK:
+                    seen = [llm for llm in (r() for r in _OPEN) if llm is not None]
+                how = "have an open weight update (start_weight_update without finish_weight_update)"
+            if len(seen) > 1:  # which one this send fed is unknown: comparing with all would blame the others
+                raise RefitConfigError(
+                    f"refit-verify cannot tell which of {len(seen)} in-process vLLM engines this send updated (all {how}); "
+                    "pass the engine explicitly: NativeSendVerifier(target=llm) with trainer_send_weights(v.wrap(params), args)")
+            fetchers = [_fetcher(llm) for llm in seen]
         if not fetchers:
             raise RefitConfigError(
                 f"refit-verify cannot reach the vLLM workers to fetch their manifests (client: {type(self.target).__name__}). "
@@ -814,6 +821,9 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
     @functools.wraps(original)
     def trainer_send_weights(iterator, trainer_args):
         mode = mode_from_env()
+        if mode.verifies and not _is_rank_zero() and not isinstance(iterator, _Wrapped):
+            _warn_once("refit-verify: trainer_send_weights on global rank %d is not verified (only global rank 0's sends "
+                       "are; use NativeSendVerifier(target).wrap(...) to verify this one)", _global_rank())
         if not mode.verifies or not _is_rank_zero() or isinstance(iterator, _Wrapped):
             return original(iterator, trainer_args)
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
@@ -845,10 +855,23 @@ def _target_of_trainer_args(args: Any) -> Any:
     return getattr(mode, "__self__", None) if callable(mode) else None  # a bound method's engine; else tracking (nccl)
 
 
-def _is_rank_zero() -> bool:
+def _global_rank() -> int:
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _is_rank_zero() -> bool:
+    return _global_rank() == 0
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logger.warning(msg, *args)
 
 
 # -- in-process engine tracking (LLM.update_weights)

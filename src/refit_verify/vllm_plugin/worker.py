@@ -145,8 +145,10 @@ def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] |
 
     Args:
         src: the sender's rank within the group (default 0).
-        options: keyword options of :class:`refit_verify.RefitConfig`, validated here (the mode,
-            alignment and timeouts come from the sender's header and the group).
+        options: keyword options of :class:`refit_verify.RefitConfig`, validated here for symmetry
+            with ``refit_verify_receive``; none of them changes this receive: the mode and
+            alignment come from the sender's header, and every wait is bounded by the group's
+            timeout (``timeout_s`` of ``refit_verify_broadcast_init``), not by ``options["timeout_s"]``.
 
     Returns:
         dict: ``rank`` (vLLM rank), ``group_rank``, ``manifest`` (``{wire name: 32-hex}`` or None
