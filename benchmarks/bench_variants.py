@@ -232,15 +232,19 @@ def main() -> int:
             s += f" ratio {statistics.median(roof_model) / mm:5.3f}"
         return s + f" | regs {r['regs']:>5} spills {r['spills']:>3} | {r['compile_s']:4.1f} s | {_knob_str(r['lf'])}"
 
+    def run_pass(items: dict, budget_fraction: float) -> None:
+        """Run and print every variant of ``items`` while the time budget's fraction lasts."""
+        for name, lf in items.items():
+            if elapsed() > args.budget_s * budget_fraction and not smoke:
+                print(f"{name:>22} SKIPPED (time budget)")
+                continue
+            run_variant(name, lf)
+            print(line(name) + f"  [{elapsed():.0f} s]", flush=True)
+
     # Pass 1. -----------------------------------------------------------------------------------
     print(f"\npass 1: {len(variants)} variants ({big_name} bf16 and the {len(model)}-tensor model set; "
           "median of do_bench, L2 flushed; check = every output word vs v1):")
-    for name, lf in variants.items():
-        if elapsed() > args.budget_s * 0.7 and not smoke:
-            print(f"{name:>22} SKIPPED (time budget)")
-            continue
-        run_variant(name, lf)
-        print(line(name) + f"  [{elapsed():.0f} s]", flush=True)
+    run_pass(variants, 0.7)
     measure_roofline()
 
     def good(n: str) -> bool:
@@ -292,12 +296,7 @@ def main() -> int:
                 combos[f"combo{len(combos) + 1}"] = lf
         if combos:
             print(f"\npass 2: combinations (single-knob gains over {base}: {helps or 'none'}; best asm: {best_asm}):")
-            for name, lf in combos.items():
-                if elapsed() > args.budget_s * 0.85 and not smoke:
-                    print(f"{name:>22} SKIPPED (time budget)")
-                    continue
-                run_variant(name, lf)
-                print(line(name) + f"  [{elapsed():.0f} s]", flush=True)
+            run_pass(combos, 0.85)
     retime = [n for n in sorted([n for n in res if good(n)], key=t_big)[:5]]
     retime += [n for n in combos if good(n) and n not in retime]
     if good("v1") and "v1" not in retime:

@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import traceback
+from datetime import timedelta
 from collections.abc import Callable, Iterator
 
 
@@ -26,6 +27,32 @@ def warm_numba_cache() -> None:
     except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
         return
     _numba_digest.warmup()
+
+
+def init_rank(rank: int, world: int, port: int, backend: str = "gloo", timeout_s: float = 60.0,
+              one_numba_thread: bool = False):
+    """Join the default ``torch.distributed`` group on loopback as ``rank`` of ``world``; return the
+    rank's device: ``cuda:rank`` (made current) for NCCL, CPU for gloo. ``timeout_s`` bounds every
+    collective; ``one_numba_thread`` keeps several CPU ranks on a small machine from oversubscribing."""
+    import torch
+    import torch.distributed as dist
+
+    if one_numba_thread:
+        try:
+            import numba
+
+            numba.set_num_threads(1)
+        except Exception:  # noqa: BLE001 - no numba: the torch path has no thread pool to limit
+            pass
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    return device
 
 
 def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object) -> list[dict]:

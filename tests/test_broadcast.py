@@ -21,7 +21,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.dist_utils import rank_result, spawn_ranks
+from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
 from refit_verify import RefitConfig, RefitVerificationError
 from refit_verify.broadcast import BroadcastReceiver, BroadcastSender, BroadcastVerificationError
@@ -194,17 +194,9 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
 
 
 def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        import numba
-
-        numba.set_num_threads(1)
-    except Exception:  # noqa: BLE001
-        pass
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    init_rank(rank, WORLD, port, one_numba_thread=True)
     with rank_result(out_dir, rank) as out:
         out.update(run_scenarios(rank, WORLD, torch.device("cpu"), fault_rank=2))
         dist.barrier()

@@ -171,15 +171,21 @@ def test_views(dtype: torch.dtype) -> None:
         assert tensor_digest(v) == want
 
 
-def test_digest_batch_uses_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+def _spy_digest_u8(monkeypatch: pytest.MonkeyPatch, module) -> list:
+    """Record the (dtype name, shape) of every ``module.digest_u8`` call; return the record."""
     calls = []
-    real = nd.digest_u8
+    real = module.digest_u8
 
     def spy(*a):
         calls.append(a[1:])
         return real(*a)
 
-    monkeypatch.setattr(nd, "digest_u8", spy)
+    monkeypatch.setattr(module, "digest_u8", spy)
+    return calls
+
+
+def test_digest_batch_uses_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy_digest_u8(monkeypatch, nd)
     t = torch.arange(10, dtype=torch.float32)
     tensor_digest(t)
     assert calls == [("float32", (10,))]
@@ -190,13 +196,6 @@ def test_digest_batch_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> No
     want = tensor_digest(t)
     monkeypatch.setitem(sys.modules, "refit_verify._numba_digest", None)  # import now fails
     monkeypatch.delattr("refit_verify._numba_digest", raising=False)
-    calls = []
-    real = _torch_digest.digest_u8
-
-    def spy(*a):
-        calls.append(a[1:])
-        return real(*a)
-
-    monkeypatch.setattr(_torch_digest, "digest_u8", spy)
+    calls = _spy_digest_u8(monkeypatch, _torch_digest)
     assert tensor_digest(t) == want
     assert calls == [("bfloat16", (9, 11))]

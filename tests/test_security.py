@@ -45,18 +45,25 @@ def rss_bytes() -> int:
     return 0
 
 
-def _pair(tx: RefitSender, tensors, **kw):
-    out: dict = {}
+def _receive_in_thread(endpoint: str, out: dict, load=lambda b: None, **config) -> threading.Thread:
+    """Start a thread running one ``RefitReceiver(endpoint).receive(load)``; its result or exception
+    lands in ``out["result"]`` / ``out["error"]``."""
 
     def run():
         try:
-            with RefitReceiver(tx.endpoint, config=RefitConfig.build(timeout_s=10.0, connect_timeout_s=10.0)) as rx:
-                out["result"] = rx.receive(lambda b: None)
+            with RefitReceiver(endpoint, config=RefitConfig.build(**{"connect_timeout_s": 10.0, **config})) as rx:
+                out["result"] = rx.receive(load)
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
+    return th
+
+
+def _pair(tx: RefitSender, tensors, **kw):
+    out: dict = {}
+    th = _receive_in_thread(tx.endpoint, out, timeout_s=10.0)
     try:
         return tx.send(tensors), out
     finally:
@@ -219,17 +226,9 @@ def test_hostile_messages_get_a_logged_rejection(tmp_path, caplog, name):
     ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
     out: dict = {}
     try:
-        def run():
-            try:
-                with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=10.0)) as rx:
-                    rx.receive(lambda b: None)
-            except BaseException as e:  # noqa: BLE001
-                out["error"] = e
-
         rss0 = rss_bytes()
         with caplog.at_level(logging.ERROR, logger="refit_verify"):
-            th = threading.Thread(target=run, daemon=True)
-            th.start()
+            th = _receive_in_thread(f"ipc://{tmp_path}/s.sock", out)
             req.send(HOSTILE_MESSAGES[name])
             reply = decode_reply(req.recv())
             th.join(10)
@@ -282,15 +281,7 @@ def test_buffers_naming_foreign_or_fake_shared_memory_are_rejected(tmp_path, cas
     ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
     out: dict = {}
     try:
-        def run():
-            try:
-                with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=10.0)) as rx:
-                    out["result"] = rx.receive(lambda b: out.setdefault("loaded", []).extend(n for n, _ in b))
-            except BaseException as e:  # noqa: BLE001
-                out["error"] = e
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
+        th = _receive_in_thread(f"ipc://{tmp_path}/s.sock", out, lambda b: out.setdefault("loaded", []).extend(n for n, _ in b))
         buf = Buffer(seq=0, handle=handle, entries=[Entry(name="w", dtype="float32", shape=[16], offset=0, nbytes=64)], used_bytes=512)
         ack, done = _hello_then(req, buf, Complete(n_tensors=1))
         th.join(10)

@@ -9,14 +9,12 @@ check what each rank saw.
 
 from __future__ import annotations
 
-import os
 import zlib
-from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.dist_utils import rank_result, spawn_ranks
+from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
 from refit_verify import _torch_digest, reference, tensor_digest
 from refit_verify.sharded import (
@@ -138,17 +136,9 @@ CASES = {
 
 
 def _sharded_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        import numba
-
-        numba.set_num_threads(1)  # three processes on a small machine: no oversubscription
-    except Exception:  # noqa: BLE001
-        pass
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
+    init_rank(rank, WORLD, port, one_numba_thread=True)  # three processes on a small machine: no oversubscription
     try:
         with rank_result(out_dir, rank) as out:
             for name, (dtype, shape, rows, fallback) in CASES.items():

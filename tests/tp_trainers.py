@@ -18,7 +18,6 @@ import os
 import queue
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,16 +45,10 @@ def _trainer_main(rank: int, world: int, port: int, backend: str, cfg: dict, see
     from refit_verify import RefitConfig, models
     from refit_verify.demo import OneByteFlipSender
     from refit_verify.transport import RefitSender
+    from tests.dist_utils import init_rank
 
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            device = torch.device("cpu")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300))
+        device = init_rank(rank, world, port, backend, timeout_s=300.0)
         if rank == 0:
             weights = models.random_state_dict(cfg, seed=seed, device=device)
         else:

@@ -81,7 +81,6 @@ class DigestBatch:
         meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
-        self._done.pop(name, None)
         if u8.device.type in _KERNEL_DEVICE_TYPES:
             self._cuda.setdefault(u8.device, []).append((name, u8, _seed(*meta), self._adds))
         else:

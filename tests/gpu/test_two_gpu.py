@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.dist_utils import rank_result, spawn_ranks
+from tests.dist_utils import init_rank, rank_result, spawn_ranks
 from tests.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, run_scenarios
 
 WORLD = 2
@@ -76,14 +75,7 @@ def _worker(rank: int, port: int, out_dir: str, backend: str = "nccl") -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     import torch.distributed as dist
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:  # a CPU rehearsal of the same code (gloo), for machines without GPUs
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
+    device = init_rank(rank, WORLD, port, backend, timeout_s=120.0)  # gloo: a CPU rehearsal of the same code
     try:
         with rank_result(out_dir, rank) as out:
             t0 = time.perf_counter()
