@@ -418,3 +418,24 @@ def test_static_sender_on_another_rank_warns_once(monkeypatch, caplog):
     assert sent == ["w", "w"]
     msgs = [r.getMessage() for r in caplog.records if "global rank 1 is not verified" in r.getMessage()]
     assert len(msgs) == 1
+
+
+def test_drain_before_fetching_manifests_is_bounded(monkeypatch):
+    """The static sender waits for queued (NCCL) sends before asking the workers; a send no worker
+    takes part in ends in RefitTimeoutError after DRAIN_TIMEOUT_S, not in a hang."""
+    import threading
+
+    from refit_verify import RefitTimeoutError
+
+    stuck = threading.Event()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: stuck.wait(30))
+    monkeypatch.setattr(native, "DRAIN_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(RefitTimeoutError, match="did not complete within 0.2 s"):
+            native._wait_for_device()
+    finally:
+        stuck.set()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    native._wait_for_device()  # drained: returns

@@ -44,8 +44,8 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from refit_verify.config import VerifyMode, mode_from_env
-from refit_verify.errors import RefitConfigError
+from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
+from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport, act_on, compare_manifests
 
 logger = logging.getLogger("refit_verify")
@@ -836,13 +836,40 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
     return staticmethod(trainer_send_weights)
 
 
+DRAIN_TIMEOUT_S = RefitConfig.model_fields["timeout_s"].default
+"""Seconds the static sender wrapper waits for the trainer's queued sends to complete (120)."""
+
+
 def _wait_for_device() -> None:
     """Let the sends finish before the manifests are asked for: a NCCL broadcast returns once it
-    is queued, and completes only when every worker took part, i.e. is inside its update."""
+    is queued, and completes only when every worker took part, i.e. is inside its update.
+
+    Raises:
+        RefitTimeoutError: the device did not drain within ``DRAIN_TIMEOUT_S`` (a worker never joined
+            the broadcast); the synchronising thread is left behind (daemon).
+    """
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    out: dict[str, BaseException | None] = {}
+
+    def drain() -> None:
+        try:
+            torch.cuda.synchronize()
+            out["error"] = None
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = e
+
+    th = threading.Thread(target=drain, name="refit-verify-drain", daemon=True)
+    th.start()
+    th.join(DRAIN_TIMEOUT_S)
+    if "error" not in out:
+        raise RefitTimeoutError(f"refit-verify: the trainer's weight sends did not complete within {DRAIN_TIMEOUT_S} s "
+                                "(a vLLM worker never took part in the broadcast?); the update was not verified",
+                                {"waiting_for": "trainer sends to complete"})
+    if out["error"] is not None:
+        raise out["error"]
 
 
 def _target_of_trainer_args(args: Any) -> Any:
