@@ -1,37 +1,79 @@
-"""refit-verify: prove that a refit (weight sync) into vLLM delivered exactly the trainer's bytes.
+"""refit-verify: prove that a refit (weight sync) into vLLM delivered exactly the trainer's bytes,
+and that the engine holds them.
 
-The sender digests each tensor it exports, each vLLM worker digests each staged slice it loads,
-and the two manifests are compared; every difference is named.
+The trainer digests what it pushes, every vLLM worker digests what its model's ``load_weights``
+receives (the model boundary) and reads its parameters back in the engine's layout; the manifests
+are compared and every difference is named. The names below are imported lazily, so
+``import refit_verify`` stays cheap (no torch, Triton or ZMQ until a name is used).
 """
 
-from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
-from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
-from refit_verify.errors import (
-    RefitAbortedError,
-    RefitConfigError,
-    RefitProtocolError,
-    RefitTimeoutError,
-    RefitVerificationError,
-    RefitVerifyError,
-)
-from refit_verify.report import VerificationReport, compare_manifests
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "DigestBatch",
-    "RefitAbortedError",
-    "RefitConfig",
-    "RefitConfigError",
-    "RefitProtocolError",
-    "RefitTimeoutError",
-    "RefitVerificationError",
-    "RefitVerifyError",
-    "VerificationReport",
-    "VerifyMode",
-    "compare_manifests",
-    "digest_tensors",
-    "logical_bytes",
-    "mode_from_env",
-    "tensor_digest",
-]
+try:
+    __version__ = _metadata.version("refit-verify")
+except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree without installed metadata
+    __version__ = "0+unknown"
+
+_EXPORTS = {
+    "BroadcastReceiver": "refit_verify.broadcast",
+    "BroadcastSender": "refit_verify.broadcast",
+    "BroadcastVerificationError": "refit_verify.errors",
+    "DigestBatch": "refit_verify.digest",
+    "RefitAbortedError": "refit_verify.errors",
+    "RefitCheck": "refit_verify.check",
+    "RefitConfig": "refit_verify.config",
+    "RefitConfigError": "refit_verify.errors",
+    "RefitError": "refit_verify.errors",
+    "RefitProtocolError": "refit_verify.errors",
+    "RefitReceiveError": "refit_verify.errors",
+    "RefitReceiver": "refit_verify.transport",
+    "RefitSender": "refit_verify.transport",
+    "RefitTimeoutError": "refit_verify.errors",
+    "RefitVerificationError": "refit_verify.errors",
+    "RefitVerifyError": "refit_verify.errors",
+    "SessionManifest": "refit_verify.manifest",
+    "ShardLayoutError": "refit_verify.errors",
+    "VerificationReport": "refit_verify.report",
+    "VerifyMode": "refit_verify.config",
+    "compare_manifests": "refit_verify.report",
+    "digest_tensors": "refit_verify.digest",
+    "logical_bytes": "refit_verify.digest",
+    "mode_from_env": "refit_verify.config",
+    "PushResult": "refit_verify.colocated",
+    "push": "refit_verify.colocated",
+    "refit": "refit_verify.check",
+    "tensor_digest": "refit_verify.digest",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'refit_verify' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from refit_verify.broadcast import BroadcastReceiver, BroadcastSender
+    from refit_verify.check import RefitCheck, refit
+    from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
+    from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
+    from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
+                                     RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
+                                     RefitVerifyError, ShardLayoutError)
+    from refit_verify.manifest import SessionManifest
+    from refit_verify.report import VerificationReport, compare_manifests
+    from refit_verify.colocated import PushResult, push
+    from refit_verify.transport import RefitReceiver, RefitSender

@@ -51,20 +51,10 @@ import torch
 
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
-from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError, RefitVerificationError, RefitVerifyError
-
-try:
-    from refit_verify.errors import RefitAbortedError
-except ImportError:  # an errors module without it: the same shape, defined here
-
-    class RefitAbortedError(RefitVerifyError, RuntimeError):  # type: ignore[no-redef]
-        """The sender aborted the refit. ``reason``: its exception; ``progress``: how far it got."""
-
-        def __init__(self, message: str, reason: str = "", progress: dict | None = None) -> None:
-            super().__init__(message)
-            self.reason = reason
-            self.progress = dict(progress or {})
+from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitProtocolError,
+                                 RefitTimeoutError, RefitVerificationError)
 from refit_verify.report import VerificationReport, act_on, compare_manifests
+from refit_verify.manifest import ExternalDigests
 from refit_verify.transport import checked_item
 
 __all__ = [
@@ -183,43 +173,6 @@ def _collective(what: str, progress: dict, fn, *args, **kwargs):
         if real is e:
             raise
         raise real from None  # the collective's own error, not the logger's ValueError
-
-
-class BroadcastVerificationError(RefitVerificationError):
-    """Manifests differ on at least one receiving rank of a broadcast refit (``enforce``).
-
-    Attributes:
-        reports (dict[int, VerificationReport]): every receiving rank's report, failing and clean,
-            keyed by rank, in group order.
-        report (VerificationReport): the first failing rank's report (``RefitVerificationError``'s
-            attribute; ``mismatched``/``missing``/``affected`` read it).
-    """
-
-    def __init__(self, reports: Mapping[int, VerificationReport]) -> None:
-        self.reports = dict(reports)
-        failing = [r for r in self.reports.values() if not r.ok]
-        if not failing:
-            raise ValueError("BroadcastVerificationError needs at least one failing report")
-        super().__init__(failing[0])
-        self.args = (self.describe(),)
-
-    def __reduce__(self):  # picklable (process pools, Ray): rebuilt from the reports
-        return type(self), (self.reports,)
-
-    @property
-    def failed_ranks(self) -> list[int]:
-        return [r for r, rep in self.reports.items() if not rep.ok]
-
-    @property
-    def clean_ranks(self) -> list[int]:
-        return [r for r, rep in self.reports.items() if rep.ok]
-
-    def describe(self) -> str:
-        """One line per receiving rank: the failing ranks' findings, then the clean ranks."""
-        lines = [f"refit verification failed on {len(self.failed_ranks)} of {len(self.reports)} receiving ranks "
-                 f"(failed: {self.failed_ranks}, clean: {self.clean_ranks})"]
-        lines += [f"  {rep.describe()}" for rep in self.reports.values()]
-        return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ sender
@@ -494,12 +447,14 @@ class BroadcastReceiver:
         and loaded. A no-op; a test subclass may alter the views here to simulate a corrupted
         transfer (the digest then sees what ``load`` sees)."""
 
-    def receive(self, load: LoadFn) -> BroadcastReceiveResult:
+    def receive(self, load: LoadFn, *, digests: ExternalDigests | None = None) -> BroadcastReceiveResult:
         """Take part in one broadcast refit: receive, digest, ``load``, send the manifest back.
 
         Args:
             load: called once per bucket with ``[(name, view)]``; the views alias the bucket and
                 must be copied if kept. Exceptions are recorded and sent to the sender.
+            digests: where the digests are taken instead of here (a vLLM worker's model boundary,
+                :class:`refit_verify.boundary.SessionDigests`); default: each bucket's views here.
 
         Raises:
             RefitAbortedError: the sender broadcast ``abort`` (its exception is in the message).
@@ -534,7 +489,18 @@ class BroadcastReceiver:
         mode = VerifyMode.parse(hello["mode"], source="broadcast header mode")
         refit_id = hello["refit_id"]
         progress.update(refit_id=refit_id, mode=mode.value)
-        batch = DigestBatch() if mode.verifies else None
+        external = digests if mode.verifies else None
+        batch = DigestBatch() if mode.verifies and external is None else None
+        if external is not None:
+            external.begin(refit_id, None)
+        try:
+            return self._receive_loop(load, dist, label, device, progress, next_obj, mode, refit_id, batch, external)
+        except BaseException as e:
+            if external is not None:
+                external.fail(f"{type(e).__name__}: {e}")
+            raise
+
+    def _receive_loop(self, load, dist, label, device, progress, next_obj, mode, refit_id, batch, external) -> BroadcastReceiveResult:
         errors: list[str] = []
         seen: set[str] = set()
         tensors = n_bytes = buckets = entries_received = 0
@@ -589,12 +555,13 @@ class BroadcastReceiver:
         if msg.get("n_tensors") != entries_received:
             errors.append(f"sender sent {msg.get('n_tensors')} tensors, rank {label} got {entries_received} entries")
         manifest = None
-        if batch is not None:
+        if batch is not None or external is not None:
             t0 = time.perf_counter()
             try:
-                manifest = batch.hexdigests()
+                manifest = external.finish()[0] if external is not None else batch.hexdigests()
             except Exception as e:  # noqa: BLE001 - the manifest gather must still happen
                 errors.append(f"digest: {type(e).__name__}: {e}")
+                manifest = {}
             digest_s += time.perf_counter() - t0
         error = "; ".join(errors)[:_MAX_ERROR_CHARS] if errors else None
         reply = {"rank": label, "manifest": manifest, "error": error, "tensors": tensors, "bytes": n_bytes, "digest_s": digest_s}
@@ -604,9 +571,10 @@ class BroadcastReceiver:
 
 
 def receive_broadcast(group, src: int, load: LoadFn, config: RefitConfig | None = None, *,
-                      device: str | torch.device | None = None, rank: int | None = None) -> BroadcastReceiveResult:
-    """Receive one broadcast refit on this rank: ``BroadcastReceiver(group, src, config, ...).receive(load)``.
+                      device: str | torch.device | None = None, rank: int | None = None,
+                      digests: ExternalDigests | None = None) -> BroadcastReceiveResult:
+    """Receive one broadcast refit on this rank: ``BroadcastReceiver(group, src, config, ...).receive(load, digests=)``.
 
     ``src`` is the sender's rank within ``group``; raises what :meth:`BroadcastReceiver.receive` raises.
     """
-    return BroadcastReceiver(group, src, config, device=device, rank=rank).receive(load)
+    return BroadcastReceiver(group, src, config, device=device, rank=rank).receive(load, digests=digests)

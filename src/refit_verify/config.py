@@ -8,12 +8,17 @@ worker through the plugin's ``register()``): a value outside ``off | log | enfor
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from refit_verify.errors import RefitConfigError
+from refit_verify.errors import RefitConfigError, RefitVerificationError
+
+if TYPE_CHECKING:
+    from refit_verify.report import VerificationReport
 
 ENV_VAR = "REFIT_VERIFY"
 
@@ -63,6 +68,23 @@ def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
     if ENV_VAR not in env:
         return VerifyMode.OFF
     return VerifyMode.parse(env[ENV_VAR], source=ENV_VAR)
+
+
+def act_on(report: VerificationReport, mode: VerifyMode) -> VerificationReport:
+    """Apply ``mode`` to ``report``: raise in ``enforce``, warn (``logging.WARNING``) in ``log``.
+
+    Returns:
+        VerificationReport: ``report`` itself (ok, ``off``, or ``log``).
+
+    Raises:
+        RefitVerificationError: ``mode`` is ``enforce`` and the report is not ok.
+    """
+    if report.ok or mode is VerifyMode.OFF:
+        return report
+    if mode is VerifyMode.ENFORCE:
+        raise RefitVerificationError(report)
+    logging.getLogger("refit_verify").warning("%s", report.describe())
+    return report
 
 
 _ACCEPTED = {

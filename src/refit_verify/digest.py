@@ -9,6 +9,7 @@ Source: ``docs/digest-spec.md``.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -18,7 +19,7 @@ from refit_verify import reference as _ref
 _KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # devices whose tensors go to the Triton kernels
 _seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
 
-__all__ = ["dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch"]
+__all__ = ["dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch", "StreamDigests"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -158,3 +159,62 @@ def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
             raise ValueError(f"{name}: given twice (names must be unique)")
         b.add(name, t)
     return b.hexdigests()
+
+
+class StreamDigests:
+    """Digests of tensors exported one at a time (a trainer's send), with no per-tensor synchronisation.
+
+    :meth:`add` launches each CUDA tensor's kernel at once on the current stream, so it reads the
+    bytes as they are at that point of the stream (before any later in-place change), and keeps a
+    reference to the tensor until the group is collected: one synchronisation per
+    :data:`FLUSH_TENSORS` tensors or :data:`FLUSH_BYTES` bytes. CPU tensors are digested at once.
+
+    Attributes:
+        digest_s: host seconds spent digesting.
+    """
+
+    FLUSH_TENSORS = 64
+    FLUSH_BYTES = 512 << 20
+
+    def __init__(self) -> None:
+        self._done: dict[str, str] = {}
+        self._batch: DigestBatch | None = None
+        self._held: list[torch.Tensor] = []
+        self._held_bytes = 0
+        self.digest_s = 0.0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
+
+        Raises:
+            TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {name!r:.100}")
+        t0 = time.perf_counter()
+        if self._batch is None:
+            self._batch = DigestBatch()
+        self._batch.add(name, tensor)
+        self._batch.launch()
+        if tensor.is_cuda:
+            self._held.append(tensor)  # keep the memory alive (and unreused) until the kernel is collected
+            self._held_bytes += tensor.numel() * tensor.element_size()
+            if len(self._held) >= self.FLUSH_TENSORS or self._held_bytes >= self.FLUSH_BYTES:
+                self._flush()
+        self.digest_s += time.perf_counter() - t0
+
+    def _flush(self) -> None:
+        if self._batch is None:
+            return
+        t0 = time.perf_counter()
+        self._done.update(self._batch.hexdigests())
+        self._batch, self._held, self._held_bytes = None, [], 0
+        self.digest_s += time.perf_counter() - t0
+
+    def digests(self) -> dict[str, str]:
+        """Return ``{name: 32-hex}`` of everything added so far (collects launched kernels first)."""
+        self._flush()
+        return dict(self._done)
+
+    def __len__(self) -> int:
+        return len(self._done) + (len(self._batch._order) if self._batch is not None else 0)

@@ -1,23 +1,42 @@
-"""Exception tree of refit-verify. Every error subclasses :class:`RefitVerifyError` and the
-nearest builtin, so ``except ValueError`` / ``except TimeoutError`` keep working."""
+"""Exception tree of refit-verify. Every error subclasses :class:`RefitError` and the nearest
+builtin, so ``except ValueError`` / ``except TimeoutError`` keep working.
+
+``RefitError``                       base of everything
+├── ``RefitConfigError``             (ValueError) a setting, option or argument is not accepted
+│   └── ``ShardLayoutError``         a shard layout breaks the shard rule
+├── ``RefitProtocolError``           (RuntimeError) a peer broke the protocol or sent malformed data
+├── ``RefitReceiveError``            (RuntimeError) the receiver failed to load what it received
+├── ``RefitAbortedError``            (RuntimeError) the sender aborted the refit
+├── ``RefitTimeoutError``            (TimeoutError) a bounded wait ran out
+└── ``RefitVerificationError``       (RuntimeError) manifests differ (``enforce``)
+    └── ``BroadcastVerificationError``  ... on a receiving rank of a broadcast
+
+``RefitVerifyError`` is the former name of :class:`RefitError` (kept as an alias; it was too close to
+``RefitVerificationError`` to be caught reliably).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from refit_verify.report import VerificationReport
 
 
-class RefitVerifyError(Exception):
+class RefitError(Exception):
     """Base class of every error raised by refit-verify."""
 
 
-class RefitConfigError(RefitVerifyError, ValueError):
+RefitVerifyError = RefitError
+"""Deprecated alias of :class:`RefitError` (kept for existing ``except`` clauses)."""
+
+
+class RefitConfigError(RefitError, ValueError):
     """A configuration value (``REFIT_VERIFY``, a keyword option, a config key) is not accepted."""
 
 
-class RefitProtocolError(RefitVerifyError, RuntimeError):
+class RefitProtocolError(RefitError, RuntimeError):
     """A peer broke the refit protocol or could not take part: bad message, wrong order, mode
     disagreement at the handshake, a receiver-side error (``load`` raised), a stranger on the socket.
 
@@ -33,7 +52,22 @@ class RefitProtocolError(RefitVerifyError, RuntimeError):
         self.progress = dict(progress or {})
 
 
-class RefitAbortedError(RefitVerifyError, RuntimeError):
+class RefitReceiveError(RefitError, RuntimeError):
+    """The receiving side failed to load what it received (``load`` / ``load_weights`` raised): the
+    bytes arrived, the engine did not take them.
+
+    Attributes:
+        report (VerificationReport | None): the verification report, when one was made (``log``).
+        progress (dict): how far the refit got, when known.
+    """
+
+    def __init__(self, message: str, *, report: VerificationReport | None = None, progress: dict | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+        self.progress = dict(progress or {})
+
+
+class RefitAbortedError(RefitError, RuntimeError):
     """The peer aborted the refit (the sender sent ``Abort`` after an exception on its side).
 
     Attributes:
@@ -47,7 +81,7 @@ class RefitAbortedError(RefitVerifyError, RuntimeError):
         self.progress = dict(progress or {})
 
 
-class RefitTimeoutError(RefitVerifyError, TimeoutError):
+class RefitTimeoutError(RefitError, TimeoutError):
     """A bounded wait ran out, or the peer's socket disconnected while this side waited for it.
 
     ``progress`` says how far the refit got and which side went silent (``progress["silent"]`` is
@@ -60,7 +94,7 @@ class RefitTimeoutError(RefitVerifyError, TimeoutError):
         self.progress = dict(progress or {})
 
 
-class RefitVerificationError(RefitVerifyError, RuntimeError):
+class RefitVerificationError(RefitError, RuntimeError):
     """Sender and receiver manifests differ (``enforce`` mode).
 
     Attributes:
@@ -94,3 +128,45 @@ class RefitVerificationError(RefitVerifyError, RuntimeError):
     @property
     def affected(self) -> list[str]:
         return list(self.report.affected)
+
+
+class BroadcastVerificationError(RefitVerificationError):
+    """Manifests differ on at least one receiving rank of a broadcast refit (``enforce``).
+
+    Attributes:
+        reports (dict[int, VerificationReport]): every receiving rank's report, failing and clean,
+            keyed by rank, in group order.
+        report (VerificationReport): the first failing rank's report (``RefitVerificationError``'s
+            attribute; ``mismatched``/``missing``/``affected`` read it).
+    """
+
+    def __init__(self, reports: Mapping[int, VerificationReport]) -> None:
+        self.reports = dict(reports)
+        failing = [r for r in self.reports.values() if not r.ok]
+        if not failing:
+            raise ValueError("BroadcastVerificationError needs at least one failing report")
+        super().__init__(failing[0])
+        self.args = (self.describe(),)
+
+    def __reduce__(self):  # picklable (process pools, Ray): rebuilt from the reports
+        return type(self), (self.reports,)
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r for r, rep in self.reports.items() if not rep.ok]
+
+    @property
+    def clean_ranks(self) -> list[int]:
+        return [r for r, rep in self.reports.items() if rep.ok]
+
+    def describe(self) -> str:
+        """One line per receiving rank: the failing ranks' findings, then the clean ranks."""
+        lines = [f"refit verification failed on {len(self.failed_ranks)} of {len(self.reports)} receiving ranks "
+                 f"(failed: {self.failed_ranks}, clean: {self.clean_ranks})"]
+        lines += [f"  {rep.describe()}" for rep in self.reports.values()]
+        return "\n".join(lines)
+
+
+class ShardLayoutError(RefitConfigError):
+    """A shard layout breaks the shard rule (a cut between shards is not on an 8 MiB chunk
+    boundary), the shards do not tile the tensor, or their metadata disagree."""

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from refit_verify.config import act_on  # noqa: F401  (mode policy lives with the modes)
+
 logger = logging.getLogger("refit_verify")
 
 Manifest = Mapping[str, str]
@@ -26,6 +28,20 @@ class VerificationReport:
             past ``used_bytes``); such names are not in the receiver manifest, so a rejected name the
             sender sent is also ``missing``.
         receiver_error: receiver-side errors that name no entry (``load`` raised), or ``None``.
+
+    Session checks (the model boundary, :func:`refit_verify.refit`), empty when not run:
+        session: the session id. version: the weight version. worker: the worker's label.
+        unconsumed: delivered names no engine parameter consumed (the model's loader skipped them).
+        unwritten: engine parameters no load of a full refit wrote (or wrote only in part).
+        engine_mismatched: engine parameters whose bytes, read back in the engine's layout, differ
+            from the delivered blocks placed into them.
+        problems: lifecycle and identity failures (a stale version, another session's manifest,
+            loads outside any session, another producer's payload), one sentence each.
+        not_proven: ``{engine parameter: why}`` of parameters read-back could not compare bytewise
+            (quantized, converted, repacked); reported, not a failure.
+        unattributed: delivered names whose consumption could not be attributed (transformed by
+            the loader before writing); reported, not a failure.
+        proven_bytes / unproven_bytes: bytes of engine parameters read-back proved / could not prove.
     """
 
     mismatched: tuple[str, ...]
@@ -36,11 +52,24 @@ class VerificationReport:
     rank: int | None = None
     rejected: Mapping[str, str] = field(default_factory=dict)
     receiver_error: str | None = None
+    session: str | None = None
+    version: int | None = None
+    worker: str | None = None
+    unconsumed: tuple[str, ...] = ()
+    unwritten: tuple[str, ...] = ()
+    engine_mismatched: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
+    not_proven: Mapping[str, str] = field(default_factory=dict)
+    unattributed: tuple[str, ...] = ()
+    proven_bytes: int | None = None
+    unproven_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
-        """True iff both sides have the same names with equal digests and nothing was rejected."""
-        return not (self.mismatched or self.missing or self.unexpected or self.rejected)
+        """True iff both sides have the same names with equal digests, nothing was rejected, and no
+        session check failed (coverage, read-back, identity)."""
+        return not (self.mismatched or self.missing or self.unexpected or self.rejected or self.unconsumed
+                    or self.unwritten or self.engine_mismatched or self.problems)
 
     @property
     def verified(self) -> int:
@@ -50,10 +79,10 @@ class VerificationReport:
     @property
     def affected(self) -> tuple[str, ...]:
         """Every name the report flags, once: sender order first, then receiver-only names."""
-        flagged = set(self.mismatched) | set(self.missing) | set(self.unexpected) | set(self.rejected)
+        flagged = set(self.mismatched) | set(self.missing) | set(self.unexpected) | set(self.rejected) | set(self.unconsumed)
         out = [k for k in self.sender if k in flagged]
         seen = set(out)
-        for k in (*self.unexpected, *self.rejected):
+        for k in (*self.unexpected, *self.rejected, *self.unconsumed, *self.unwritten, *self.engine_mismatched):
             if k not in seen:
                 seen.add(k)
                 out.append(k)
@@ -61,12 +90,22 @@ class VerificationReport:
 
     def describe(self, limit: int = 20) -> str:
         """Return a one-paragraph, human-readable summary naming the affected parameters."""
-        where = f" on worker rank {self.rank}" if self.rank is not None else ""
+        where = f" on {self.worker}" if self.worker else (f" on worker rank {self.rank}" if self.rank is not None else "")
+        tag = "".join([f" session {self.session}" if self.session else "", f" version {self.version}" if self.version is not None else ""])
         if self.ok:
-            text = f"refit verified{where}: {self.verified} tensors, bytes identical"
+            text = f"refit{tag} verified{where}: {self.verified} tensors, bytes identical"
+            if self.proven_bytes is not None:
+                text += f"; engine read-back: {self.proven_bytes} bytes proven in the engine's layout, {self.unproven_bytes or 0} not"
+                if self.not_proven:
+                    text += f" ({len(self.not_proven)} parameters not coverable: " + ", ".join(list(self.not_proven)[:limit]) + ")"
+            if self.unattributed:
+                text += f"; {len(self.unattributed)} delivered tensors transformed by the loader (consumption not attributable)"
             return text + (f"; receiver error: {self.receiver_error}" if self.receiver_error else "")
         parts = []
-        for label, names in (("mismatched", self.mismatched), ("missing", self.missing), ("unexpected", self.unexpected)):
+        for label, names in (("mismatched", self.mismatched), ("missing", self.missing), ("unexpected", self.unexpected),
+                             ("delivered but consumed by no parameter", self.unconsumed),
+                             ("engine parameters not written", self.unwritten),
+                             ("engine parameters holding other bytes than delivered (read-back)", self.engine_mismatched)):
             if names:
                 shown = ", ".join(names[:limit]) + (f", … (+{len(names) - limit})" if len(names) > limit else "")
                 parts.append(f"{len(names)} {label}: {shown}")
@@ -76,7 +115,8 @@ class VerificationReport:
             parts.append(f"{len(items)} rejected by the receiver: {shown}")
         if self.receiver_error:
             parts.append(f"receiver error: {self.receiver_error}")
-        return f"refit verification failed{where} ({self.verified} of {len(self.sender)} verified): " + "; ".join(parts)
+        parts.extend(self.problems)
+        return f"refit{tag} verification failed{where} ({self.verified} of {len(self.sender)} verified): " + "; ".join(parts)
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -112,20 +152,3 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
     unexpected = tuple(k for k in receiver if k not in sender)
     return VerificationReport(mismatched, missing, unexpected, dict(sender), dict(receiver), rank,
                               dict(rejected or {}), receiver_error)
-
-
-def act_on(report: VerificationReport, mode) -> VerificationReport:
-    """Apply ``mode`` to ``report``: raise in ``enforce``, warn in ``log``.
-
-    Raises:
-        RefitVerificationError: ``mode`` is ``enforce`` and the report is not ok.
-    """
-    from refit_verify.config import VerifyMode
-    from refit_verify.errors import RefitVerificationError
-
-    if report.ok or mode is VerifyMode.OFF:
-        return report
-    if mode is VerifyMode.ENFORCE:
-        raise RefitVerificationError(report)
-    logger.warning("%s", report.describe())
-    return report

@@ -39,7 +39,7 @@ import torch
 from refit_verify import digest as _digest
 from refit_verify import reference as _ref
 from refit_verify.digest import dtype_name, logical_bytes, tensor_digest
-from refit_verify.errors import RefitVerifyError
+from refit_verify.errors import ShardLayoutError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -58,11 +58,6 @@ logger = logging.getLogger("refit_verify")
 CHUNK_BYTES = _ref.CHUNK_LANES * _ref.LANE_BYTES
 """Bytes per chunk (8 MiB = 2**20 lanes × 8): the granularity of sharded evaluation."""
 
-
-
-class ShardLayoutError(RefitVerifyError, ValueError):
-    """A shard layout breaks the shard rule (a cut between shards is not on an 8 MiB chunk
-    boundary), the shards do not tile the tensor, or their metadata disagree."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Layout, message sequence and invariants follow NeMo-RL's colocated ZMQ + CUDA-IP
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -36,7 +37,8 @@ import zmq
 from refit_verify import staging as _staging
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
-from refit_verify.errors import RefitAbortedError, RefitConfigError, RefitProtocolError, RefitTimeoutError
+from refit_verify.errors import RefitAbortedError, RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
+from refit_verify.manifest import ExternalDigests, Producer
 from refit_verify.report import VerificationReport, act_on, compare_manifests
 from refit_verify.wire import (
     ABORT_SEQ,
@@ -763,7 +765,8 @@ class RefitSender:
 
         try:
             hello_sent = True
-            self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=requested.value, alignment=align), None)
+            self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=requested.value, alignment=align,
+                                 producer_rank=self.rank, producer_device=None if self.device is None else str(self.device)), None)
             welcome_pending = True
             if requested.verifies:
                 take_welcome()  # agree before any digest work (one round trip)
@@ -861,14 +864,21 @@ class RefitSender:
             if done.error is not None:
                 problems.append(done.error)
             if problems:
-                raise RefitProtocolError(f"refit {rid}: receiver reported: " + "; ".join(problems), progress=p.as_dict())
+                raise RefitReceiveError(f"refit {rid}: receiver reported: " + "; ".join(problems), progress=p.as_dict())
             return None
         if done.manifest is None:
             raise RefitProtocolError(f"refit {rid}: mode is {mode.value} but the receiver returned no manifest", progress=p.as_dict())
-        report = compare_manifests(sender_manifest, done.manifest, rejected=rejected, receiver_error=done.error, rank=self.rank)
+        if done.session is not None:  # digested at the worker's model boundary: coverage, identity, read-back too
+            from refit_verify.check import compare_session
+
+            base = compare_session({"model": sender_manifest or {}}, done.session, session=rid, producer_rank=self.rank)
+            report = dataclasses.replace(base, rejected=rejected, receiver_error=done.error,
+                                         rank=self.rank if self.rank is not None else base.rank)
+        else:
+            report = compare_manifests(sender_manifest, done.manifest, rejected=rejected, receiver_error=done.error, rank=self.rank)
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
         if done.error is not None:
-            raise RefitProtocolError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())
+            raise RefitReceiveError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())
         return report
 
 
@@ -1033,7 +1043,7 @@ class RefitReceiver:
 
     # -- the refit ---------------------------------------------------------------------------
 
-    def receive(self, load: LoadFn) -> ReceiveResult:
+    def receive(self, load: LoadFn, *, digests: ExternalDigests | None = None) -> ReceiveResult:
         """Handle one refit, from ``Hello`` to ``Done``.
 
         Args:
@@ -1042,6 +1052,10 @@ class RefitReceiver:
                 staging device). ``load`` must copy what it keeps: the memory is reused after this
                 call returns. Exceptions from ``load`` are recorded and reported in ``Done`` (the
                 refit continues).
+            digests: where the digests of a verifying refit are taken instead of here: the model
+                boundary of a vLLM worker (:class:`refit_verify.boundary.SessionDigests`), whose
+                ``load`` ends in ``model.load_weights``. Default: this receiver digests each staged
+                slice before ``load``.
 
         Returns:
             ReceiveResult: the manifest (if the refit verifies), counts, rejected entries and
@@ -1068,8 +1082,22 @@ class RefitReceiver:
         mode = self._welcome(hello)
 
         verify = mode.verifies
-        state = _ReceiveState(mode=mode, refit_id=hello.refit_id, alignment=hello.alignment, batch=DigestBatch() if verify else None)
+        external = digests if verify else None
+        state = _ReceiveState(mode=mode, refit_id=hello.refit_id, alignment=hello.alignment,
+                              batch=DigestBatch() if verify and external is None else None, external=external)
         progress.update(refit_id=hello.refit_id, mode=mode.value, stage="waiting for Buffer 0 or Complete")
+        if external is not None:
+            producer = None if hello.producer_rank is None else Producer(rank=hello.producer_rank, device=hello.producer_device or "cpu")
+            external.begin(hello.refit_id, producer)
+        try:
+            return self._receive_loop(state, progress, load)
+        except BaseException as e:
+            if external is not None:
+                external.fail(f"{type(e).__name__}: {e}")
+            raise
+
+    def _receive_loop(self, state: _ReceiveState, progress: dict, load: LoadFn) -> ReceiveResult:
+        cfg = self.config
         while True:
             msg = self._recv(cfg.timeout_s, progress, in_refit=True)
             if isinstance(msg, Buffer):
@@ -1110,17 +1138,24 @@ class RefitReceiver:
             else:
                 state.errors.append(text)
         manifest = None
-        if state.batch is not None:
+        session = None
+        if state.batch is not None or state.external is not None:
             t0 = time.perf_counter()
             try:
-                manifest = {k: v for k, v in state.batch.hexdigests().items() if k not in state.rejected}
+                if state.external is not None:
+                    got, session = state.external.finish()
+                else:
+                    got = state.batch.hexdigests()
+                manifest = {k: v for k, v in got.items() if k not in state.rejected}
             except Exception as e:  # Done must still go out
                 logger.exception("refit %s: finishing digests failed", state.refit_id)
                 state.errors.append(f"digest: {type(e).__name__}: {e}")
+                manifest = manifest if manifest is not None else {}
             state.digest_s += time.perf_counter() - t0
         error = "; ".join(state.errors)[:_MAX_ERROR_CHARS] if state.errors else None
         rejected = dict(state.rejected) or None
-        self._reply(Done(manifest=manifest, error=error, rejected=rejected, tensors=state.tensors, bytes=state.bytes, digest_s=state.digest_s))
+        self._reply(Done(manifest=manifest, error=error, rejected=rejected, tensors=state.tensors, bytes=state.bytes,
+                         digest_s=state.digest_s, session=session))
         if error:
             logger.error("refit %s finished with errors: %s", state.refit_id, error)
         if rejected:
@@ -1232,6 +1267,7 @@ class _ReceiveState:
     refit_id: str
     alignment: int
     batch: DigestBatch | None
+    external: ExternalDigests | None = None
     expected_seq: int = 0
     buffers: int = 0
     tensors: int = 0

@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import SessionManifest
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -144,12 +145,17 @@ class Hello(msgspec.Struct, tag="hello", **_OPTS):
         mode: the sender's requested :class:`~refit_verify.config.VerifyMode` value.
         alignment: byte alignment of every entry offset (a power of two, 16..2**20); the receiver
             validates offsets against it (no receiver-side setting to keep in sync).
+        producer_rank, producer_device: the sender's trainer rank and staging device, when it has
+            one (``RefitSender(rank=)``): the worker records them in its session manifest, so a
+            worker that received another producer's payload is named.
     """
 
     protocol: int
     refit_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     mode: Annotated[str, msgspec.Meta(max_length=16)]
     alignment: Annotated[int, msgspec.Meta(ge=MIN_ALIGNMENT, le=MAX_ALIGNMENT)]
+    producer_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    producer_device: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class Welcome(msgspec.Struct, tag="welcome", **_OPTS):
@@ -216,6 +222,8 @@ class Done(msgspec.Struct, tag="done", **_OPTS):
             past ``used_bytes``, unreadable buffer): not loaded, not in ``manifest``; ``None`` if none.
         tensors: entries accepted. bytes: their exact bytes (padding excluded).
         digest_s: seconds the receiver spent in digest code.
+        session: the worker's model-boundary session manifest, when the receiver loads into a vLLM
+            model (its digests are then ``manifest``; coverage and read-back travel here).
     """
 
     manifest: dict[_Name, Annotated[str, msgspec.Meta(max_length=128)]] | None
@@ -224,6 +232,7 @@ class Done(msgspec.Struct, tag="done", **_OPTS):
     tensors: _NonNeg
     bytes: _NonNeg
     digest_s: float
+    session: SessionManifest | None = None
 
 
 class Reject(msgspec.Struct, tag="reject", **_OPTS):

@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from refit_verify.vllm_plugin import DEFAULT_GROUP_TIMEOUT_S
+from refit_verify.vllm_plugin import sessions, shims
+from refit_verify.vllm_plugin.trainer import DEFAULT_GROUP_TIMEOUT_S
 
 METHODS = ("refit_verify_receive", "refit_verify_param_digests", "refit_verify_broadcast_init",
            "refit_verify_broadcast_receive", "refit_verify_broadcast_close")
@@ -43,14 +44,17 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     On failure the layerwise reload is still finalized (the engine stays usable for the next refit);
     an error while finalizing is logged and the original error raised.
     """
+    from refit_verify.boundary import SessionDigests
     from refit_verify.config import RefitConfig
     from refit_verify.transport import RefitReceiver
 
     cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
+    wb = sessions.boundary_of(self)
+    digests = SessionDigests(wb, "transport") if wb is not None else None
     with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
-        with _reload_session(self) as load:
+        with _reload_session(self, digests) as load:
             try:
-                res = receiver.receive(load=load)
+                res = receiver.receive(load=load, digests=digests)
             finally:
                 receiver.close()  # idempotent: closed as soon as the protocol is over, before the reload is finalized
     return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
@@ -110,7 +114,7 @@ def refit_verify_broadcast_init(self, host: str, port: int, world_size: int, ran
     import torch
 
     from refit_verify.errors import RefitConfigError
-    from refit_verify.vllm_plugin import broadcast_group
+    from refit_verify.vllm_plugin.trainer import broadcast_group
 
     if getattr(self, _BCAST_ATTR, None) is not None:
         raise RefitConfigError(f"refit_verify_broadcast_init: worker rank {self.rank} already joined a broadcast group; "
@@ -162,6 +166,7 @@ def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] |
         RefitProtocolError: an unexpected message, or ``src`` is this worker's own group rank.
         RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
     """
+    from refit_verify.boundary import SessionDigests
     from refit_verify.broadcast import receive_broadcast
     from refit_verify.config import RefitConfig
     from refit_verify.errors import RefitConfigError
@@ -173,8 +178,10 @@ def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] |
                                "trainer's refit_verify.vllm_plugin.broadcast_group)")
     cfg = RefitConfig.from_options(options, source="refit_verify_broadcast_receive options")
     group = state["group"]
-    with _on_device(state["device"]), _reload_session(self) as load:
-        res = receive_broadcast(group, src, load, cfg, device=state["device"])
+    wb = sessions.boundary_of(self)
+    digests = SessionDigests(wb, "broadcast") if wb is not None else None
+    with _on_device(state["device"]), _reload_session(self, digests) as load:
+        res = receive_broadcast(group, src, load, cfg, device=state["device"], digests=digests)
     return {"rank": self.rank, "group_rank": group.rank(), "manifest": res.manifest, "tensors": res.tensors,
             "bytes": res.bytes, "buckets": res.buckets, "digest_s": res.digest_s, "mode": res.mode.value,
             "refit_id": res.refit_id, "error": res.error}
@@ -197,15 +204,23 @@ def refit_verify_broadcast_close(self) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _reload_session(worker) -> Iterator[Callable[[list], None]]:
+def _reload_session(worker, digests=None) -> Iterator[Callable[[list], None]]:
     """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
 
     The reload is started before the body and finalized after it, also when the body raises (the
     engine stays usable for the next refit); an error while finalizing after a failure is logged
-    and the original error raised.
+    and the original error raised. With ``digests`` (a :class:`~refit_verify.boundary.SessionDigests`),
+    the reload is finalized just before its session closes, so the layers vLLM processes at
+    finalize are inside the session (coverage and read-back see them).
     """
     model = worker.get_model()
-    start, finish = _layerwise_reload()
+    start, finish = shims.layerwise_reload()
+    finished = [not start]
+
+    def finalize() -> None:
+        if not finished[0]:
+            finished[0] = True
+            finish(model, worker.model_config)
 
     def load(batch):
         # Layerwise reload defers a layer's processing until all its weights arrived and keeps
@@ -216,18 +231,19 @@ def _reload_session(worker) -> Iterator[Callable[[list], None]]:
 
     if start:
         start(model)
+    if digests is not None:
+        digests.before_close = finalize
     failed = True
     try:
         yield load
         failed = False
     finally:
-        if finish:
-            try:
-                finish(model, worker.model_config)
-            except Exception:
-                if not failed:
-                    raise
-                logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
+        try:
+            finalize()
+        except Exception:
+            if not failed:
+                raise
+            logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
 
 
 def _on_device(device):
@@ -236,12 +252,3 @@ def _on_device(device):
     import torch
 
     return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
-
-
-def _layerwise_reload():
-    """Return vLLM's (initialize, finalize) layerwise-reload functions, or (None, None) before 0.20."""
-    try:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    except ImportError:  # pragma: no cover - older vLLM: load_weights writes in place
-        return None, None
-    return initialize_layerwise_reload, finalize_layerwise_reload

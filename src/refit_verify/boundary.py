@@ -1,0 +1,629 @@
+"""The model boundary: the one place where a vLLM worker digests what it loads.
+
+Whatever moved the bytes (our staged transport, the broadcast path, vLLM's native weight-transfer
+engines, a framework's worker extension, TRL calling ``load_weights`` in its own process), a dense
+refit ends in ``model.load_weights(weights)``. :class:`ModelBoundary` wraps that method on the
+model instance (main model and drafter alike) and every parameter's ``weight_loader``
+(:class:`~refit_verify.placement.LoaderTap`), so that within a **session** a worker records:
+
+* the digest of every delivered ``(name, tensor)``, taken as the loader pulls it (positional or
+  ``weights=`` calls, lists or lazy iterators; no reference is kept after the digest is launched);
+* which delivered tensors some parameter consumed, and which parameters were written (coverage);
+* the placement of each delivered tensor in the engine's parameters (for read-back);
+* for loads that vLLM's layerwise reload defers (it keeps the tensors it is handed and writes a
+  layer once all of it arrived), a second digest at apply time: a delivered tensor whose bytes
+  changed in between (a view of memory refilled after ``load_weights`` returned) is reported as
+  ``changed_after_delivery``, never as verified.
+
+:class:`WorkerBoundary` holds one worker's boundaries, its identity, and the session in progress.
+Sessions are opened explicitly (``refit_verify_session_open`` through ``collective_rpc``) or
+implicitly (vLLM's ``start_weight_update``, our transport's handshake); an implicit open joins an
+explicit session already open. A ``load_weights`` outside any session is recorded and reported
+with the next session (``SessionManifest.unsessioned``).
+
+Nothing here imports vLLM: the plugin builds the boundaries (:mod:`refit_verify.vllm_plugin`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from refit_verify.digest import DigestBatch
+from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.placement import Copy, LoaderTap, Placement, as_view
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["ModelBoundary", "SessionDigests", "WorkerBoundary", "identity_of", "match_any"]
+
+_MARK = "__refit_verify_boundary__"
+MAX_UNSESSIONED_NAMES = 64
+MAX_KEPT_MANIFESTS = 16
+
+
+def match_any(name: str, patterns: Iterable[str]) -> bool:
+    """True iff ``name`` matches one of the ``fnmatch`` patterns (``"lm_head.*"``, ``"*.bias"``)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[start, end)`` of ``t`` within its storage."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    if t.numel() == 0:
+        return start, start
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * size
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
+
+
+class _Delivered:
+    """One delivered tensor of a session (a weak reference only)."""
+
+    __slots__ = ("name", "call", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "__weakref__")
+
+    def __init__(self, name: str, t: torch.Tensor, call: int) -> None:
+        self.name, self.call = name, call
+        try:
+            self.ref = weakref.ref(t)
+        except TypeError:
+            self.ref = lambda: None
+        self.ptr = _storage_ptr(t)
+        self.extent = _extent(t)
+        self.routed = False
+        self.rechecked = False
+        self.nbytes = t.numel() * t.element_size()
+
+
+class _Call:
+    __slots__ = ("id", "names", "unattributed")
+
+    def __init__(self, call_id: int) -> None:
+        self.id = call_id
+        self.names: list[str] = []
+        self.unattributed = 0
+
+
+class _ModuleSession:
+    """What one module received within one session (or, outside sessions, the unsessioned record)."""
+
+    def __init__(self, module: ModelBoundary, sessioned: bool) -> None:
+        self.module = module
+        self.sessioned = sessioned
+        self.batch = DigestBatch()  # delivered digests
+        self.blocks = DigestBatch()  # source blocks of exact placements, for read-back
+        self.recheck = DigestBatch()  # apply-time digests of deferred loads
+        self.delivered: dict[str, _Delivered] = {}
+        self.by_id: dict[int, _Delivered] = {}
+        self.by_ptr: dict[int, list[_Delivered]] = {}
+        self.calls = 0
+        self.tensors = 0
+        self.bytes = 0
+        self.digest_s = 0.0
+        self.current: _Call | None = None
+        self.unconsumed: list[str] = []
+        self.unattributed: list[str] = []
+        self.written: dict[str, dict[tuple, int]] = {}  # pname -> {placement id: numel written}
+        self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
+        self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
+        self.param_numel: dict[str, int] = {}
+        self.n_blocks = 0
+        self.errors: list[str] = []
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    def begin_call(self) -> _Call:
+        self.calls += 1
+        self.current = _Call(self.calls)
+        return self.current
+
+    def end_call(self, call: _Call) -> None:
+        if self.current is call:
+            self.current = None
+        t0 = time.perf_counter()
+        self.batch.launch()
+        self.blocks.launch()
+        self.digest_s += time.perf_counter() - t0
+        for name in call.names:
+            d = self.delivered.get(name)
+            if d is None or d.routed or d.call != call.id:
+                continue
+            (self.unattributed if call.unattributed else self.unconsumed).append(name)
+
+    def deliver(self, name: str, t: torch.Tensor, call: _Call) -> None:
+        """Digest one delivered tensor (launched in stream order now; no reference is kept)."""
+        t0 = time.perf_counter()
+        if not isinstance(name, str):
+            raise RefitProtocolError(f"load_weights was handed a name that is not a str: {name!r:.80}")
+        old = self.delivered.get(name)
+        if old is not None:  # a second delivery of a name: the later one is what lands
+            self.by_id.pop(id(old.ref()), None)
+        self.batch.add(name, t)
+        if t.is_cuda:
+            self.batch.launch()
+        d = _Delivered(name, t, call.id)
+        self.delivered[name] = d
+        self.by_id[id(t)] = d
+        self.by_ptr.setdefault(d.ptr, []).append(d)
+        call.names.append(name)
+        self.tensors += 1
+        self.bytes += d.nbytes
+        self.digest_s += time.perf_counter() - t0
+
+    def match(self, loaded: torch.Tensor) -> _Delivered | None:
+        """The delivered tensor ``loaded`` is, or is a view of (None if it derives from none)."""
+        d = self.by_id.get(id(loaded))
+        if d is not None and d.ref() is loaded:
+            return d
+        cands = self.by_ptr.get(_storage_ptr(loaded))
+        if not cands:
+            return None
+        lo, hi = _extent(loaded)
+        for d in reversed(cands):
+            if d.extent[0] <= lo and hi <= d.extent[1] and d.ref() is not None:
+                return d
+        return None
+
+    # -- loader callbacks -------------------------------------------------------------------
+
+    def on_route(self, pname: str, loaded: torch.Tensor) -> None:
+        d = self.match(loaded)
+        if d is not None:
+            d.routed = True
+        elif self.current is not None:
+            self.current.unattributed += 1
+
+    def on_apply(self, pname: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        d = self.match(loaded)
+        if d is None or d.rechecked or (self.current is not None and self.current.id == d.call):
+            return
+        tensor = d.ref()
+        if tensor is None:
+            return
+        d.rechecked = True  # applied after the load_weights call that delivered it: digest it again now
+        t0 = time.perf_counter()
+        self.recheck.add(d.name, tensor)
+        self.recheck.launch()
+        self.digest_s += time.perf_counter() - t0
+
+    def on_write(self, pname: str, param: torch.Tensor, loaded: torch.Tensor, placement: Placement) -> None:
+        d = self.match(loaded)
+        if d is not None:
+            d.routed = True
+        self.param_numel.setdefault(pname, param.numel())
+        self.written.setdefault(pname, {})[id(placement)] = placement.numel
+        if not placement.exact:
+            self.inexact.setdefault(pname, placement.why or "not a plain copy")
+            return
+        if d is None:
+            self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
+            return
+        t0 = time.perf_counter()
+        for c in placement.copies:
+            if c.fill:
+                self.placed.setdefault(pname, []).append((c, None, d.name))
+                continue
+            self.n_blocks += 1
+            key = f"{pname}#{self.n_blocks}"
+            self.blocks.add(key, as_view(loaded, c.src))
+            self.placed.setdefault(pname, []).append((c, key, d.name))
+        if loaded.is_cuda and self.current is None:
+            self.blocks.launch()  # a deferred apply: read the source now, in stream order
+        self.digest_s += time.perf_counter() - t0
+
+    # -- close --------------------------------------------------------------------------------
+
+    def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
+        t0 = time.perf_counter()
+        digests = self.batch.hexdigests()
+        changed = []
+        if self.recheck._order:
+            for name, h in self.recheck.hexdigests().items():
+                if digests.get(name) != h:
+                    changed.append(name)
+        allow = tuple(allow)
+        unwritten = []
+        written = 0
+        hint = self.module.numel_hint
+        for pname, p in params.items():
+            total = self.param_numel.get(pname) or max(p.numel(), hint.get(pname, 0))
+            got = min(total, sum(self.written.get(pname, {}).values()))
+            if got >= total:
+                written += 1
+            elif not match_any(pname, allow):
+                unwritten.append(pname if got == 0 else f"{pname} ({got} of {total} elements)")
+        self.digest_s += time.perf_counter() - t0
+        return ModuleManifest(
+            digests=digests, params=len(params), written=written,
+            unconsumed=[n for n in self.unconsumed if not match_any(n, allow)],
+            unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
+            calls=self.calls, bytes=self.bytes, digest_s=self.digest_s)
+
+
+class ModelBoundary:
+    """The digest point of one model module of a worker (``"model"`` or ``"drafter"``).
+
+    Args:
+        owner: the worker's :class:`WorkerBoundary`.
+        model: the ``torch.nn.Module`` whose ``load_weights`` refits go through.
+        role: ``"model"`` for the main model, ``"drafter"`` for a draft / MTP module.
+        default_loader: vLLM's ``default_weight_loader`` (for parameters with no ``weight_loader``).
+
+    :meth:`install` is idempotent; the wrappers pass every call through unchanged while the owner
+    does not verify.
+    """
+
+    def __init__(self, owner: WorkerBoundary, model: torch.nn.Module, role: str, default_loader: Callable | None,
+                 extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+        self.owner = owner
+        self.extra_params = extra_params
+        self.model_ref = weakref.ref(model)
+        self.role = role
+        self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route)
+        self.tap.enabled = owner.verifying
+        self.session: _ModuleSession | None = None
+        self.outside = _ModuleSession(self, sessioned=False)
+        self.numel_hint: dict[str, int] = {}
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self.model_ref()
+
+    def install(self) -> None:
+        """Wrap ``model.load_weights`` (instance level) and every parameter's weight loader."""
+        model = self.model
+        if model is None:
+            return
+        current = vars(model).get("load_weights")
+        if getattr(current, _MARK, None) is not self:
+            original = getattr(model, "load_weights")
+            object.__setattr__(model, "load_weights", self._wrap(original))
+        extra = list(self.extra_params(model)) if self.extra_params is not None else []
+        self.tap.install(model, extra)
+        self.numel_hint = {n: t.numel() for n, t in extra}
+
+    def _target(self) -> _ModuleSession:
+        return self.session if self.session is not None else self.outside
+
+    def _on_route(self, pname, loaded) -> None:
+        self._target().on_route(pname, loaded)
+
+    def _on_apply(self, pname, param, loaded) -> None:
+        self._target().on_apply(pname, param, loaded)
+
+    def _on_write(self, pname, param, loaded, placement) -> None:
+        self._target().on_write(pname, param, loaded, placement)
+
+    def _wrap(self, original: Callable) -> Callable:
+        boundary = self
+
+        def load_weights(*args, **kwargs):
+            if not boundary.owner.verifying:
+                return original(*args, **kwargs)
+            if "weights" in kwargs:
+                kwargs["weights"] = boundary._digesting(kwargs["weights"])
+            elif args:
+                args = (boundary._digesting(args[0]), *args[1:])
+            else:
+                return original(*args, **kwargs)
+            target = boundary._target()
+            call = target.begin_call()
+            try:
+                return original(*args, **kwargs)
+            except Exception as e:
+                target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
+                raise
+            finally:
+                target.end_call(call)
+
+        functools.update_wrapper(load_weights, original)
+        setattr(load_weights, _MARK, self)
+        load_weights.__refit_verify_original__ = original
+        return load_weights
+
+    def _digesting(self, weights: Any) -> Any:
+        """Return what to hand the model's ``load_weights`` so that every pair is digested as pulled."""
+        if isinstance(weights, (list, tuple)):
+            return _DigestingList(self, weights)
+        return _DigestingIter(self, weights)
+
+    def _pull(self, name: str, tensor: Any) -> None:
+        target = self._target()
+        if isinstance(tensor, torch.Tensor) and target.current is not None:
+            target.deliver(name, tensor, target.current)
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        self.install()
+        self.session = _ModuleSession(self, sessioned=True)
+
+    def end(self, allow: Iterable[str]) -> tuple[ModuleManifest, _ModuleSession]:
+        s = self.session if self.session is not None else _ModuleSession(self, True)
+        self.session = None
+        model = self.model
+        params = dict(model.named_parameters()) if model is not None else {}
+        return s.manifest(params, allow), s
+
+    def take_unsessioned(self) -> Unsessioned | None:
+        o = self.outside
+        if not o.calls:
+            return None
+        names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
+        rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=self.owner.loading_context or "load_weights")
+        self.outside = _ModuleSession(self, sessioned=False)
+        return rec
+
+
+class _DigestingList(list):
+    """A list handed to ``load_weights``: iterating it digests each pair (lists stay lists)."""
+
+    def __init__(self, boundary: ModelBoundary, items) -> None:
+        super().__init__(items)
+        self._boundary = boundary
+        self._seen = False
+
+    def __iter__(self):
+        if self._seen:  # a loader iterating twice: digest the pairs once
+            return super().__iter__()
+        self._seen = True
+        return _DigestingIter(self._boundary, super().__iter__())
+
+
+class _DigestingIter:
+    """Yields the pairs of ``inner`` unchanged, digesting each tensor as the loader pulls it."""
+
+    def __init__(self, boundary: ModelBoundary, inner: Iterable) -> None:
+        self._boundary = boundary
+        self._it: Iterator = iter(inner)
+
+    def __iter__(self) -> _DigestingIter:
+        return self
+
+    def __next__(self):
+        item = next(self._it)
+        try:
+            name, tensor = item
+        except (TypeError, ValueError):
+            return item
+        self._boundary._pull(name, tensor)
+        return item
+
+
+class _Open:
+    """The session in progress on one worker."""
+
+    def __init__(self, session_id: str, version: int | None, opened_by: str, producer: Producer | None, partial: bool,
+                 allow: tuple[str, ...], readback: bool, explicit: bool) -> None:
+        self.id, self.version, self.opened_by = session_id, version, opened_by
+        self.producer, self.partial, self.allow, self.readback = producer, partial, allow, readback
+        self.explicit = explicit
+        self.depth = 1
+        self.unsessioned: list[Unsessioned] = []
+        self.stale: str | None = None
+        self.errors: list[str] = []
+        self.started = time.monotonic()
+
+
+class WorkerBoundary:
+    """One worker's model boundaries, identity and session.
+
+    Args:
+        identity: the worker's :class:`~refit_verify.manifest.WorkerIdentity`.
+        verifying: whether ``REFIT_VERIFY`` is ``log`` or ``enforce`` in this worker; when False
+            every wrapper passes through and sessions record nothing.
+
+    Thread safety: sessions are opened and closed under a lock; the loads themselves run on the
+    worker's own thread, as vLLM runs them.
+    """
+
+    def __init__(self, identity: WorkerIdentity, verifying: bool = True) -> None:
+        self.identity = identity
+        self.verifying = verifying
+        self.modules: dict[str, ModelBoundary] = {}
+        self.open_session: _Open | None = None
+        self.manifests: dict[str, SessionManifest] = {}
+        self.last: SessionManifest | None = None
+        self.max_version: int | None = None
+        self.loading_context: str | None = None
+        self.readback: Callable[[dict[str, _ModuleSession], dict[str, ModelBoundary]], Any] | None = None
+        self._lock = threading.RLock()
+
+    def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
+               extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> ModelBoundary | None:
+        """Add (or refresh) the boundary of ``model`` under ``role``; idempotent.
+
+        Args:
+            extra_params: ``f(model) -> [(name, tensor)]`` of parameters a reload will swap in (vLLM's
+                layerwise reload restores meta copies recorded at load time); their loaders are wrapped too.
+        """
+        if model is None or not callable(getattr(model, "load_weights", None)):
+            return None
+        with self._lock:
+            b = self.modules.get(role)
+            if b is None or b.model is not model:
+                b = self.modules[role] = ModelBoundary(self, model, role, default_loader, extra_params)
+            b.install()
+            return b
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def open(self, session_id: str | None = None, *, version: int | None = None, opened_by: str = "rpc",
+             producer: Producer | None = None, partial: bool = False, allow: Iterable[str] = (), readback: bool = True,
+             explicit: bool = True) -> str:
+        """Open a session (or join the one open, for an implicit open); return its id.
+
+        Raises:
+            RefitProtocolError: an explicit open while another explicit session is open (close it first),
+                or a bad argument.
+        """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise RefitProtocolError(f"session version must be an int or None, got {version!r}")
+        with self._lock:
+            cur = self.open_session
+            if cur is not None:
+                if session_id is not None and session_id == cur.id:
+                    cur.depth += 1
+                    return cur.id
+                if not explicit or not cur.explicit:
+                    cur.depth += 1
+                    if not explicit:
+                        cur.opened_by = cur.opened_by if opened_by in cur.opened_by else f"{cur.opened_by}+{opened_by}"
+                        if producer is not None and cur.producer is None:
+                            cur.producer = producer
+                        return cur.id
+                    # an explicit open joins an implicit one: it takes the session over
+                    cur.explicit, cur.id = True, session_id or cur.id
+                    cur.version = version if version is not None else cur.version
+                    cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
+                    return cur.id
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
+                                         f"still open; close it before opening {session_id!r}")
+            sid = session_id or uuid.uuid4().hex[:16]
+            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
+            if version is not None and self.max_version is not None and version < self.max_version:
+                s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
+            for b in self.modules.values():
+                rec = b.take_unsessioned()
+                if rec is not None:
+                    s.unsessioned.append(rec)
+                b.begin()
+            self.open_session = s
+            return sid
+
+    def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
+        """Close the session (an implicit close only leaves a joined one); return its manifest.
+
+        Returns None when an implicit close left the session open (it was joined) or none is open.
+
+        Raises:
+            RefitProtocolError: ``session_id`` names another session than the one open.
+        """
+        with self._lock:
+            s = self.open_session
+            if s is None:
+                return None
+            if session_id is not None and session_id != s.id:
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {session_id!r} is not open (open: {s.id!r})")
+            s.depth -= 1
+            if s.depth > 0 and not (explicit and s.explicit):
+                return None
+            if not explicit and s.explicit:
+                return None
+            self.open_session = None
+            modules, sessions = {}, {}
+            for role, b in self.modules.items():
+                m, ms = b.end(s.allow)
+                modules[role], sessions[role] = m, ms
+            errors = list(s.errors) + [e for ms in sessions.values() for e in ms.errors]
+            engine = None
+            if s.readback and self.readback is not None:
+                try:
+                    engine = self.readback(sessions, self.modules)
+                except Exception as e:  # noqa: BLE001 - reported, never silent
+                    logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
+                    errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
+                                  producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
+                                  partial=s.partial, errors=errors)
+            if s.version is not None and (self.max_version is None or s.version > self.max_version):
+                self.max_version = s.version
+            self.manifests[s.id] = man
+            while len(self.manifests) > MAX_KEPT_MANIFESTS:
+                self.manifests.pop(next(iter(self.manifests)))
+            self.last = man
+            return man
+
+    def abandon(self, session_id: str, why: str) -> None:
+        """End an implicit session whose closing call never came (its manifest records ``why``)."""
+        with self._lock:
+            s = self.open_session
+            if s is None or s.id != session_id:
+                return
+            s.errors.append(f"session abandoned: {why}")
+            if s.explicit:
+                s.depth = max(1, s.depth - 1)
+                return
+            s.depth = 1
+            self.close(session_id, explicit=False)
+
+    def note_error(self, message: str) -> None:
+        """Record a worker-side error in the open session (reported in its manifest)."""
+        with self._lock:
+            if self.open_session is not None:
+                self.open_session.errors.append(message[:500])
+
+    def snapshot(self) -> tuple[dict[str, str], int, int, float]:
+        """Digests so far of the open session, without closing it: (digests, calls, tensors, digest seconds)."""
+        with self._lock:
+            digests: dict[str, str] = {}
+            calls = tensors = 0
+            secs = 0.0
+            for b in self.modules.values():
+                ms = b.session
+                if ms is None:
+                    continue
+                digests.update(ms.batch.hexdigests())
+                calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
+            return digests, calls, tensors, secs
+
+    def current_id(self) -> str | None:
+        s = self.open_session
+        return s.id if s is not None else None
+
+
+class SessionDigests(ExternalDigests):
+    """A transport receiver's digests taken at a worker's model boundary (an implicit session).
+
+    :meth:`begin` opens a session named after the refit (joining one the trainer opened
+    explicitly); :meth:`finish` closes it and returns its digests and manifest (the manifest is
+    None when the session was joined: the explicit opener closes it); :meth:`fail` abandons it.
+    """
+
+    def __init__(self, wb: WorkerBoundary, opened_by: str) -> None:
+        self.wb, self.opened_by = wb, opened_by
+        self.sid: str | None = None
+        self.before_close: Callable[[], None] | None = None  # e.g. finalize vLLM's layerwise reload
+
+    def begin(self, refit_id: str, producer: Producer | None) -> None:
+        self.sid = self.wb.open(refit_id, opened_by=self.opened_by, producer=producer, explicit=False)
+
+    def finish(self) -> tuple[dict[str, str], SessionManifest | None]:
+        if self.sid is None:
+            return {}, None
+        if self.before_close is not None:
+            try:
+                self.before_close()
+            except Exception as e:  # recorded in the session; the refit's Done still goes out
+                self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
+        man = self.wb.close(self.sid, explicit=False)
+        if man is None:
+            return self.wb.snapshot()[0], None
+        return man.digests(), man
+
+    def fail(self, why: str) -> None:
+        if self.sid is not None:
+            self.wb.abandon(self.sid, f"{self.opened_by} refit failed: {why}"[:500])
+
+
+def identity_of(rank: int = 0, dp: int = 0, tp: int = 0, pp: int = 0, device: Any = "cpu") -> WorkerIdentity:
+    """Build a :class:`WorkerIdentity` for this process."""
+    return WorkerIdentity(rank=int(rank), dp=int(dp), tp=int(tp), pp=int(pp), device=str(device), pid=os.getpid())

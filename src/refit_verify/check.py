@@ -1,0 +1,296 @@
+"""The trainer API for any transport: say which tensors you are pushing, get every worker checked.
+
+.. code-block:: python
+
+    import refit_verify
+
+    with refit_verify.refit(llm, version=step) as r:      # LLM, engine client, Ray handle, HTTP URL
+        for name, t in export():
+            r.add(name, t)                                 # digested on t's device, no sync
+            push(name, t)                                  # whatever the framework does
+    # on exit: every worker's manifest is fetched and compared; enforce raises, log warns
+
+On enter a session is opened on every worker (``refit_verify_session_open``): every
+``load_weights`` of every model of the engine until exit belongs to it, whatever moved the bytes.
+On exit the sessions are closed, each worker's :class:`~refit_verify.manifest.SessionManifest` is
+compared with the full expected manifest (every worker gets every tensor), and the coverage,
+identity and read-back checks of the session are applied (:func:`compare_session`).
+
+With ``REFIT_VERIFY=off`` (and no ``mode``), :func:`refit` returns a check that does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from refit_verify.config import RefitConfig, VerifyMode, act_on, mode_from_env
+from refit_verify.digest import StreamDigests
+from refit_verify.engines import WorkerChannel, require_channel
+from refit_verify.errors import RefitConfigError, RefitProtocolError
+from refit_verify.manifest import SessionManifest, from_wire
+from refit_verify.report import VerificationReport, compare_manifests
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["RefitCheck", "compare_session", "refit"]
+
+OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_close"
+
+
+def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
+                    version: int | None = None, partial: bool = False, producer_rank: int | None = None) -> VerificationReport:
+    """Compare one worker's session manifest with what the trainer pushed.
+
+    Args:
+        expected: ``{module: {name: 32-hex}}`` the trainer digested (``"model"``, ``"drafter"``).
+        man: the worker's manifest.
+        session: the session id the trainer opened (a manifest of another session is a failure).
+        version: the weight version the trainer pushed (another one in the manifest is a failure).
+        partial: the refit does not write every parameter: unwritten parameters are not failures.
+        producer_rank: for multi-producer transports, the trainer rank that sent this payload.
+
+    Returns:
+        VerificationReport: digests compared per module; coverage, identity and read-back checks in
+        its session fields. ``ok`` only if all pass.
+    """
+    sender: dict[str, str] = {}
+    receiver: dict[str, str] = {}
+    mismatched: list[str] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    unconsumed: list[str] = []
+    unwritten: list[str] = []
+    unattributed: list[str] = []
+    problems: list[str] = []
+    for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
+        exp = dict(expected.get(module, {}))
+        got = man.modules.get(module)
+        digests = dict(got.digests) if got is not None else {}
+        if module != "model" and not exp and not digests:
+            continue
+        tag = (lambda n: n) if module == "model" else (lambda n, m=module: f"{m}:{n}")
+        r = compare_manifests(exp, digests)
+        sender.update({tag(k): v for k, v in exp.items()})
+        receiver.update({tag(k): v for k, v in digests.items()})
+        mismatched += [tag(n) for n in r.mismatched]
+        missing += [tag(n) for n in r.missing]
+        unexpected += [tag(n) for n in r.unexpected]
+        if got is None:
+            continue
+        changed = [tag(n) for n in got.changed_after_delivery if tag(n) not in mismatched]
+        if changed:
+            mismatched += changed
+            problems.append(f"{len(changed)} delivered tensors changed between load_weights and vLLM's deferred apply "
+                            f"(what landed is not what was delivered): {', '.join(changed[:10])}")
+        unconsumed += [tag(n) for n in got.unconsumed]
+        unattributed += [tag(n) for n in got.unattributed]
+        if not (partial or man.partial):
+            unwritten += [tag(n) for n in got.unwritten]
+    if session is not None and man.session != session:
+        problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
+    if version is not None and man.version != version:
+        problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
+    if man.stale:
+        problems.append(f"stale refit: {man.stale}")
+    for u in man.unsessioned:
+        shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
+        problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
+                        f"before this session): {shown}")
+    if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
+        problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
+    engine_bad: list[str] = []
+    not_proven: dict[str, str] = {}
+    proven = unproven = None
+    if man.engine is not None:
+        proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
+        for pname, st in man.engine.params.items():
+            if st.status == "mismatch":
+                engine_bad.append(pname)
+            elif st.status != "verified":
+                not_proven[pname] = st.why or st.status
+    return VerificationReport(
+        tuple(mismatched), tuple(missing), tuple(unexpected), sender, receiver, man.worker.rank, {},
+        "; ".join(man.errors) if man.errors else None, session=man.session, version=man.version,
+        worker=man.worker.label(), unconsumed=tuple(unconsumed), unwritten=tuple(unwritten),
+        engine_mismatched=tuple(engine_bad), problems=tuple(problems), not_proven=not_proven,
+        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven)
+
+
+def _check_version(version: Any) -> int | None:
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) or None, got {version!r}")
+    return version
+
+
+class RefitCheck:
+    """One verified refit of an engine, whatever moves the bytes (returned by :func:`refit`).
+
+    Attributes:
+        reports: one :class:`~refit_verify.report.VerificationReport` per worker, after exit.
+        manifests: the workers' :class:`~refit_verify.manifest.SessionManifest`, after exit.
+        session: the session id.
+    """
+
+    def __init__(self, engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
+                 allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None) -> None:
+        self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
+        self.version = _check_version(version)
+        if not isinstance(partial, bool) or not isinstance(readback, bool):
+            raise RefitConfigError(f"partial and readback must be True or False, got {partial!r}, {readback!r}")
+        self.allow = tuple(allow)
+        if not all(isinstance(p, str) for p in self.allow):
+            raise RefitConfigError(f"allow must be an iterable of fnmatch patterns (str), got {allow!r}")
+        self.timeout_s = RefitConfig.build(timeout_s=timeout_s).timeout_s
+        self.partial, self.readback = partial, readback
+        self.session = session_id or uuid.uuid4().hex[:16]
+        self.reports: list[VerificationReport] = []
+        self.manifests: list[SessionManifest] = []
+        self._streams: dict[str, StreamDigests] = {}
+        self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
+        self._opened = False
+        self._workers = 0
+
+    # -- the trainer's side -----------------------------------------------------------------
+
+    def add(self, name: str, tensor: torch.Tensor, module: str = "model") -> None:
+        """Record one tensor the trainer is pushing (digested on its device now; no sync).
+
+        Args:
+            name: the name the engine's ``load_weights`` receives (HF checkpoint name).
+            tensor: the tensor, as pushed (any device, dtype, layout of dense strided tensors).
+            module: ``"model"`` or ``"drafter"`` (the draft / MTP module the tensor is for).
+
+        Raises:
+            TypeError: a bad name or an undigestable tensor.
+        """
+        if not self.mode.verifies:
+            return
+        self._streams.setdefault(module, StreamDigests()).add(name, tensor)
+
+    def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``named_tensors`` unchanged, recording each tensor as it passes (iterator-style trainers)."""
+        for name, t in named_tensors:
+            self.add(name, t, module)
+            yield name, t
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def __enter__(self) -> RefitCheck:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self._close_quietly()
+            return False
+        self.verify()
+        return False
+
+    def open(self) -> None:
+        """Open the session on every worker (what ``with`` does on enter).
+
+        Raises:
+            RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there)
+                or cannot be reached; in ``log`` this is logged and the refit goes unverified.
+            RefitTimeoutError: the workers did not answer within ``timeout_s``.
+        """
+        if self._channel is None or self._opened:
+            return
+        opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback}
+        results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        idle = [r for r in results if not (isinstance(r, Mapping) and r.get("verifying"))]
+        if idle or not results:
+            r = idle[0] if idle else {}
+            msg = (f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank "
+                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify "
+                   f"({r.get('reason', 'no workers answered') if isinstance(r, Mapping) else r!r}); "
+                   "set REFIT_VERIFY in the vLLM engine's environment too")
+            if self.mode is VerifyMode.ENFORCE:
+                if results:
+                    self._close_quietly(results_known=True)
+                raise RefitConfigError(msg)
+            logger.warning("%s", msg)
+            self._channel = None
+            return
+        self._opened, self._workers = True, len(results)
+
+    def _close_quietly(self, results_known: bool = False) -> None:
+        if self._channel is None or not (self._opened or results_known):
+            return
+        try:
+            self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
+        except Exception:  # noqa: BLE001 - the body's exception is the one to see
+            logger.exception("refit-verify: closing session %s after a failed refit failed", self.session)
+        self._opened = False
+
+    def expected(self) -> dict[str, dict[str, str]]:
+        """``{module: {name: 32-hex}}`` of everything added (collects the trainer's digests)."""
+        return {m: s.digests() for m, s in self._streams.items()}
+
+    def verify(self) -> list[VerificationReport]:
+        """Close the sessions, compare every worker's manifest, act on the mode (what ``with`` does on exit).
+
+        Returns:
+            list[VerificationReport]: one per worker, in worker order (empty when not verifying).
+
+        Raises:
+            RefitVerificationError: ``enforce`` and a worker's report is not ok (the others are logged).
+            RefitProtocolError: a worker's reply is malformed, or it closed no such session.
+        """
+        if self._channel is None or not self._opened:
+            return []
+        results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
+        self._opened = False
+        expected = self.expected()
+        reports = []
+        for r in results:
+            data = r.get("manifest") if isinstance(r, Mapping) else None
+            if data is None:
+                raise RefitProtocolError(f"worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} closed no session "
+                                         f"{self.session!r} (was it restarted?)")
+            man = from_wire(data)
+            self.manifests.append(man)
+            reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial))
+        self.reports = reports
+        failing = [r for r in reports if not r.ok]
+        if not failing:
+            logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
+        elif self.mode is VerifyMode.ENFORCE:
+            for r in failing[1:]:
+                logger.warning("%s", r.describe())
+            act_on(failing[0], self.mode)
+        for r in failing:
+            act_on(r, self.mode)
+        return reports
+
+
+def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
+          allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None) -> RefitCheck:
+    """Return a context manager that verifies one refit of ``engine`` at its model boundary.
+
+    Args:
+        engine: the vLLM engine: an ``LLM``, an object with ``collective_rpc``, a Ray actor handle (or a
+            list, one per replica) whose actor exposes ``collective_rpc``, or the HTTP base URL of a
+            ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1``.
+        version: the weight version (the trainer's step), recorded by every worker; a worker that
+            already closed a newer version reports this refit as stale.
+        mode: ``off`` / ``log`` / ``enforce``; default ``REFIT_VERIFY``.
+        partial: the refit pushes only some parameters (e.g. the trainable ones): parameters no load
+            wrote are not failures.
+        allow: fnmatch patterns of names exempt from the coverage checks (``"*.rotary_emb.*"``).
+        readback: read the engine's parameters back in its own layout at the end (default True).
+        timeout_s: bound, in seconds, on each call to the workers (default 120).
+        session_id: the session id (default: a fresh random one).
+
+    Raises:
+        RefitConfigError: a bad argument, or ``engine`` reaches no workers (only checked when verifying).
+    """
+    return RefitCheck(engine, version=version, mode=mode, partial=partial, allow=allow, readback=readback,
+                      timeout_s=timeout_s, session_id=session_id)

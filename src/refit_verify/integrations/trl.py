@@ -1,0 +1,102 @@
+"""TRL colocate mode: every ``VLLMGeneration.sync_weights`` becomes a verified refit session.
+
+TRL (``vllm_mode="colocate"``) runs vLLM in the trainer's process (``external_launcher``) and pushes
+each parameter with ``model_runner.model.load_weights([(name, param)])``. With ``REFIT_VERIFY`` set
+to ``log`` or ``enforce``, the plugin wraps ``VLLMGeneration.sync_weights`` (patch
+``trl-sync-weights``): each sync runs inside :func:`refit_verify.refit` on ``self.llm``, every
+``(name, param)`` TRL's ``_iter_named_params`` yields is digested as the trainer's side before TRL
+pushes it, and the model boundary digests what ``load_weights`` receives. At the end of the sync
+the manifests are compared: ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError`
+out of ``sync_weights`` (and so out of the training step); ``log`` warns.
+
+The weight version is the trainer's ``state.global_step``: the trainer is the caller of
+``sync_weights`` whose ``vllm_generation`` is this one (or the one given to :func:`attach`); with no
+such trainer, a per-engine sync count. TRL's server mode (``vllm_mode="server"``) pushes through vLLM's native NCCL
+API from TRL's own client: it is not hooked here.
+
+Nothing here imports TRL or vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Any
+
+from refit_verify.config import mode_from_env
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["attach", "patch_module"]
+
+_STEP_ATTR = "_refit_verify_step"
+
+
+def attach(trainer: Any) -> None:
+    """Use ``trainer.state.global_step`` as the weight version of ``trainer.vllm_generation``'s syncs.
+
+    Args:
+        trainer: a TRL trainer with ``vllm_generation`` (``GRPOTrainer``, ``RLOOTrainer``, ...).
+    """
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is not None:
+        setattr(gen, _STEP_ATTR, lambda: int(trainer.state.global_step))
+
+
+def _find_trainer(gen: Any) -> None:
+    """Attach the trainer among the callers of ``sync_weights`` whose ``vllm_generation`` is ``gen``."""
+    f = sys._getframe(3)
+    for _ in range(8):
+        if f is None:
+            return
+        obj = f.f_locals.get("self")
+        if obj is not None and getattr(obj, "vllm_generation", None) is gen and hasattr(obj, "state"):
+            attach(obj)
+            return
+        f = f.f_back
+
+
+def _version(gen: Any) -> int:
+    if getattr(gen, _STEP_ATTR, None) is None:
+        _find_trainer(gen)
+    step = getattr(gen, _STEP_ATTR, None)
+    if callable(step):
+        try:
+            return step()
+        except Exception:  # noqa: BLE001 - a trainer without state yet
+            pass
+    n = getattr(gen, "_refit_verify_syncs", 0) + 1
+    gen._refit_verify_syncs = n
+    return n
+
+
+def _wrap_sync(raw):
+    @functools.wraps(raw)
+    def sync_weights(self, *args, **kwargs):
+        mode = mode_from_env()
+        if not mode.verifies or getattr(self, "mode", None) != "colocate" or getattr(self, "llm", None) is None:
+            return raw(self, *args, **kwargs)
+        from refit_verify.check import refit
+
+        check = refit(self.llm, version=_version(self), mode=mode)
+        inner = self._iter_named_params
+        self._iter_named_params = lambda: check.wrap(inner())
+        try:
+            with check:
+                out = raw(self, *args, **kwargs)
+        finally:
+            vars(self).pop("_iter_named_params", None)
+            self.refit_verify_reports = check.reports
+        return out
+
+    return sync_weights
+
+
+def patch_module(module: Any) -> None:
+    """Wrap ``module.VLLMGeneration.sync_weights`` (``trl.generation.vllm_generation``); idempotent."""
+    from refit_verify.vllm_plugin import shims
+
+    cls = getattr(module, "VLLMGeneration", None)
+    if cls is not None:
+        shims.patch(cls, "sync_weights", _wrap_sync)

@@ -1,0 +1,210 @@
+"""Typed records a vLLM worker returns at the end of a refit session (the worker's manifest).
+
+They travel through ``collective_rpc`` (msgpack inside vLLM, JSON over HTTP, Ray's own
+serialisation) as plain builtins made by :func:`to_wire`, and are rebuilt on the trainer with
+:func:`from_wire`, which validates every field with msgspec: a malformed or hostile reply is a
+:class:`~refit_verify.errors.RefitProtocolError`, never an object built from untrusted types. No
+pickle is involved.
+
+Field units: bytes are bytes, seconds are seconds; digests are 32 lowercase hex characters
+(``refit_verify.tensor_digest``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from refit_verify.errors import RefitProtocolError
+
+__all__ = ["EngineState", "ExternalDigests", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity",
+           "from_wire", "to_wire"]
+
+_OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
+
+
+class WorkerIdentity(msgspec.Struct, **_OPTS):
+    """Which vLLM worker a manifest comes from.
+
+    Attributes:
+        rank: the worker's global rank in its engine (``dp * tp * pp`` numbering of vLLM).
+        dp: data-parallel index of its engine replica. tp: tensor-parallel rank. pp: pipeline rank.
+        device: the worker's device, e.g. ``"cuda:0"`` or ``"cpu"``.
+        pid: the worker's process id.
+    """
+
+    rank: int
+    dp: int = 0
+    tp: int = 0
+    pp: int = 0
+    device: str = "cpu"
+    pid: int = 0
+
+    def label(self) -> str:
+        """Return ``"worker rank R (dp D, tp T, pp P, DEVICE)"``."""
+        return f"worker rank {self.rank} (dp {self.dp}, tp {self.tp}, pp {self.pp}, {self.device})"
+
+
+class Producer(msgspec.Struct, **_OPTS):
+    """The sender of a session's payload, for transports with several producers (one per trainer rank)."""
+
+    rank: int
+    device: str = "cpu"
+
+
+class Unsessioned(msgspec.Struct, **_OPTS):
+    """``load_weights`` calls made while verification was on but outside any session.
+
+    Attributes:
+        module: ``"model"`` or ``"drafter"``. calls: number of such calls. tensors: tensors loaded.
+        names: the first names loaded (at most 64). where: what was running (e.g. ``"reload_weights"``).
+    """
+
+    module: str
+    calls: int
+    tensors: int
+    names: list[str]
+    where: str = "load_weights"
+
+
+class ModuleManifest(msgspec.Struct, **_OPTS):
+    """What one model module of a worker (the main model, a drafter) received in a session.
+
+    Attributes:
+        digests: ``{delivered name: 32-hex}`` of every tensor handed to its ``load_weights``.
+        params: number of its parameters. written: parameters some load wrote (fully).
+        unconsumed: delivered names no parameter consumed (the model's loader skipped them).
+        unattributed: delivered names whose consumption could not be attributed (the model's
+            loader transformed them before writing); neither proven consumed nor skipped.
+        unwritten: parameters no load of this session wrote, or wrote only in part
+            (``"name (12 of 48 elements)"``); meaningful for full refits.
+        changed_after_delivery: delivered names whose bytes changed between ``load_weights`` and
+            the deferred apply of vLLM's layerwise reload (what landed is not what was digested).
+        calls: ``load_weights`` calls. bytes: bytes delivered. digest_s: host seconds digesting.
+    """
+
+    digests: dict[str, str]
+    params: int = 0
+    written: int = 0
+    unconsumed: list[str] = []
+    unattributed: list[str] = []
+    unwritten: list[str] = []
+    changed_after_delivery: list[str] = []
+    calls: int = 0
+    bytes: int = 0
+    digest_s: float = 0.0
+
+
+class ParamState(msgspec.Struct, **_OPTS):
+    """Read-back of one engine parameter against what was placed into it.
+
+    Attributes:
+        status: ``"verified"`` (every written block equals its source block), ``"mismatch"``,
+            ``"not_coverable"`` (quantized, transformed, repacked: cannot be compared bytewise)
+            or ``"unwritten"``.
+        why: the reason for anything but ``"verified"``.
+        bytes: bytes of the parameter that were proven (``verified``) or examined.
+        blocks: ``[(source name, dest description)]`` of the blocks placed into it.
+    """
+
+    status: str
+    why: str | None = None
+    bytes: int = 0
+    blocks: list[tuple[str, str]] = []
+
+
+class EngineState(msgspec.Struct, **_OPTS):
+    """Result of the read-back of a session (what the engine holds, in its own layout).
+
+    Attributes:
+        params: ``{engine parameter name: ParamState}`` of every parameter written in the session
+            and every parameter that could not be covered.
+        proven_bytes: bytes of engine parameters proven equal to delivered bytes.
+        unproven_bytes: bytes of parameters written in the session that could not be proven.
+        digest_s: host seconds spent.
+    """
+
+    params: dict[str, ParamState]
+    proven_bytes: int = 0
+    unproven_bytes: int = 0
+    digest_s: float = 0.0
+
+
+class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
+    """One worker's account of one refit session.
+
+    Attributes:
+        session: the session id (chosen by whoever opened it).
+        version: the weight version (the trainer's step), or None.
+        opened_by: ``"rpc"`` (``refit_verify_session_open``), ``"native"`` (vLLM's
+            ``start_weight_update``), ``"transport"``, ``"broadcast"``, ``"trl"``, ...
+        worker: the worker's identity. producer: the sender, for multi-producer transports.
+        modules: ``{"model" | "drafter": ModuleManifest}``.
+        unsessioned: loads outside any session since the previous session closed.
+        stale: why the version is stale (older than one this worker already closed), or None.
+        engine: the read-back of what the engine holds, when it was run.
+        partial: the session was declared partial (not every parameter is expected to be written).
+        errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
+    """
+
+    session: str
+    version: int | None
+    opened_by: str
+    worker: WorkerIdentity
+    modules: dict[str, ModuleManifest]
+    producer: Producer | None = None
+    unsessioned: list[Unsessioned] = []
+    stale: str | None = None
+    engine: EngineState | None = None
+    partial: bool = False
+    errors: list[str] = []
+
+    def digests(self) -> dict[str, str]:
+        """Return the delivered digests of every module merged (``{name: 32-hex}``)."""
+        out: dict[str, str] = {}
+        for m in self.modules.values():
+            out.update(m.digests)
+        return out
+
+
+def to_wire(obj: msgspec.Struct) -> dict[str, Any]:
+    """Return ``obj`` as msgpack-, JSON- and Ray-safe builtins (dicts, lists, str, int, float, None)."""
+    return msgspec.to_builtins(obj)
+
+
+_MAX_ITEMS = 1 << 22
+
+
+def from_wire(data: Any, cls: type = SessionManifest):
+    """Rebuild a record of type ``cls`` from builtins received from a worker, validating every field.
+
+    Raises:
+        RefitProtocolError: ``data`` is not a well-formed ``cls`` (wrong types, unknown fields,
+            missing fields, a tag of another record), naming the offending path.
+    """
+    if isinstance(data, cls):
+        return data
+    try:
+        return msgspec.convert(data, cls, strict=False)
+    except (msgspec.ValidationError, TypeError, ValueError) as e:
+        raise RefitProtocolError(f"malformed {cls.__name__} from a worker: {e}") from None
+
+
+class ExternalDigests:
+    """Where a receiver's digests are taken when it is not the receiver itself (a typing protocol).
+
+    The transport and broadcast receivers call :meth:`begin` once the refit's mode is agreed,
+    :meth:`finish` at its end (``(digests, session manifest or None)``) and :meth:`fail` when it
+    ends in an error. :class:`refit_verify.boundary.SessionDigests` implements it on a vLLM
+    worker's model boundary.
+    """
+
+    def begin(self, refit_id: str, producer: Producer | None) -> None:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def finish(self) -> tuple[dict[str, str], SessionManifest | None]:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def fail(self, why: str) -> None:  # pragma: no cover - protocol
+        raise NotImplementedError

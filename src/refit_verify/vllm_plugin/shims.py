@@ -1,0 +1,252 @@
+"""Version shims and patch machinery: everything that knows which vLLM is installed.
+
+* :func:`vllm_version`, :func:`detect_native`: what the installed vLLM offers.
+* :func:`patch`: replace a class attribute by a marked wrapper, remembered in :data:`APPLIED`
+  (label -> original) so tests can restore it (:func:`restore_all`); idempotent.
+* :func:`when_imported`: run a callback once a module is imported (post-import hook), for modules
+  vLLM imports after the plugin ran.
+* :func:`layerwise_reload`, :func:`default_weight_loader`, :func:`worker_identity`,
+  :func:`draft_model`: small per-version accessors.
+
+Sources: vllm/{v1/worker/gpu_worker.py, model_executor/model_loader/reload/, distributed/weight_transfer/}
+of 0.24 - 0.33.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger("refit_verify")
+
+MARK = "__refit_verify_patch__"
+LOCK = threading.RLock()
+APPLIED: dict[str, tuple[object, str, object]] = {}
+"""label -> (owner, attribute, original ``__dict__`` value) of every attribute patched in this process."""
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def vllm_version() -> tuple[int, int] | None:
+    """Return the installed vLLM's (major, minor), or None when it cannot be read."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    m = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def detect_native() -> dict[str, Any]:
+    """Return which hookable paths of the native weight-transfer API this vLLM has.
+
+    Returns:
+        dict: ``version`` ((major, minor) or None), ``receiver`` (``create_engine`` present),
+        ``sender`` (tuple of ``"trainer_engine"`` for vLLM >= 0.27 trainer engines and/or
+        ``"static"`` for 0.26's ``WeightTransferEngine.trainer_send_weights``), ``problem`` (why
+        not hookable, or None).
+    """
+    out: dict[str, Any] = {"version": vllm_version(), "receiver": False, "sender": (), "problem": None}
+    try:
+        from vllm.distributed.weight_transfer import base
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as e:
+        out["problem"] = f"vllm.distributed.weight_transfer is missing ({e})"
+        return out
+    out["receiver"] = isinstance(WeightTransferEngineFactory.__dict__.get("create_engine"), classmethod) and hasattr(base, "WeightTransferEngine")
+    sender = []
+    trainer = getattr(base, "TrainerWeightTransferEngine", None)
+    if trainer is not None and "__init__" in trainer.__dict__:
+        sender.append("trainer_engine")
+    if "trainer_send_weights" in getattr(base, "WeightTransferEngine", object).__dict__:
+        sender.append("static")
+    out["sender"] = tuple(sender)
+    if not out["receiver"]:
+        out["problem"] = "WeightTransferEngineFactory.create_engine is missing or not a classmethod"
+    elif not sender:
+        out["problem"] = "neither TrainerWeightTransferEngine nor WeightTransferEngine.trainer_send_weights exists"
+    return out
+
+
+# --------------------------------------------------------------------------- patching
+
+
+def unwrap_descriptor(obj: Any) -> Any:
+    return obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+
+
+def patch(owner: type, attr: str, make: Callable[[Any], Any]) -> bool:
+    """Replace ``owner.__dict__[attr]`` by ``make(original)``, marked and remembered; idempotent.
+
+    Returns False (and patches nothing) when ``owner`` does not define ``attr`` itself.
+    """
+    with LOCK:
+        if attr not in owner.__dict__:
+            return False
+        label = f"{owner.__module__}.{owner.__qualname__}.{attr}"
+        raw = owner.__dict__[attr]
+        if getattr(unwrap_descriptor(raw), MARK, False):
+            return True
+        new = make(raw)
+        setattr(unwrap_descriptor(new), MARK, True)
+        setattr(owner, attr, new)
+        APPLIED[label] = (owner, attr, raw)
+        return True
+
+
+def restore_all() -> None:
+    """Restore every patched attribute (tests only; objects built meanwhile keep their wrappers)."""
+    with LOCK:
+        for owner, attr, raw in APPLIED.values():
+            setattr(owner, attr, raw)
+        APPLIED.clear()
+        _FINDER.pending.clear()
+
+
+# --------------------------------------------------------------------------- post-import hooks
+
+
+class _CallbackLoader(importlib.abc.Loader):
+    """Delegates to the real loader and runs callbacks on the module right after it executed."""
+
+    def __init__(self, inner: Any, fire: Callable[[Any], None]) -> None:
+        self._inner, self._fire = inner, fire
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        self._fire(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, is_package, ...
+        return getattr(self._inner, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs callbacks once a named module is imported (for modules not imported yet at install)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[Any], None]]] = {}
+        self._busy = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending or getattr(self._busy, "on", False):
+            return None
+        self._busy.on = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            self._busy.on = False
+        if spec.loader is None:
+            return spec
+        spec.loader = _CallbackLoader(spec.loader, self._fire)
+        return spec
+
+    def _fire(self, module) -> None:
+        for fn in self.pending.pop(module.__name__, []):
+            fn(module)
+
+
+_FINDER = _PostImportFinder()
+
+
+def when_imported(name: str, fn: Callable[[Any], None]) -> None:
+    """Run ``fn(module)`` now if ``name`` is imported, else right after its import."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        fn(mod)
+        return
+    _FINDER.pending.setdefault(name, []).append(fn)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+# --------------------------------------------------------------------------- accessors
+
+
+def layerwise_reload():
+    """Return vLLM's (initialize, finalize) layerwise-reload functions, or (None, None) without them."""
+    try:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    except ImportError:  # pragma: no cover - a vLLM without layerwise reload: load_weights writes in place
+        return None, None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def layerwise_restore_params(model: Any) -> list[tuple[str, Any]]:
+    """Return ``[(parameter name, meta tensor)]`` that vLLM's layerwise reload will restore into ``model``.
+
+    ``record_metadata_for_reloading`` keeps meta copies of every layer's parameters (their
+    ``weight_loader`` included) and ``initialize_layerwise_reload`` swaps them in: a wrapper of the
+    live parameters' loaders would not be seen during a reload. Empty for a vLLM without it.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:
+        return []
+    out = []
+    for mname, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        meta = getattr(info, "restore_metadata", None)
+        if not meta:
+            continue
+        for pname, t in meta[0].items():
+            out.append((f"{mname}.{pname}" if mname else pname, t))
+    return out
+
+
+def default_weight_loader() -> Callable | None:
+    """Return vLLM's ``default_weight_loader`` (the loader of parameters without one)."""
+    try:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader as f
+    except ImportError:  # pragma: no cover
+        return None
+    return f
+
+
+def _group_rank(getter: str) -> int:
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        return int(getattr(ps, getter)().rank_in_group)
+    except Exception:  # noqa: BLE001 - not initialised (a bare test worker): rank 0
+        return 0
+
+
+def worker_identity(worker: Any):
+    """Return the :class:`~refit_verify.manifest.WorkerIdentity` of a vLLM worker object."""
+    from refit_verify.manifest import WorkerIdentity
+
+    pc = getattr(worker, "parallel_config", None)
+    dp = getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0
+    device = getattr(worker, "device", None)
+    return WorkerIdentity(rank=int(getattr(worker, "rank", 0) or 0), dp=int(dp), tp=_group_rank("get_tp_group"),
+                          pp=_group_rank("get_pp_group"), device=str(device) if device is not None else "cpu", pid=os.getpid())
+
+
+def draft_model(worker: Any) -> Any:
+    """Return the worker's draft / MTP model (speculative decoding), or None."""
+    get = getattr(worker, "get_draft_model", None)  # vLLM >= 0.33
+    if callable(get):
+        try:
+            return get()
+        except Exception:  # noqa: BLE001 - no drafter configured
+            return None
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    model = getattr(drafter, "model", None)
+    return model if callable(getattr(model, "load_weights", None)) else None

@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules (nothing here is a test)."""
