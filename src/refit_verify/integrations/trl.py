@@ -11,7 +11,12 @@ out of ``sync_weights`` (and so out of the training step); ``log`` warns.
 
 The weight version is the trainer's ``state.global_step``: the trainer is the caller of
 ``sync_weights`` whose ``vllm_generation`` is this one (or the one given to :func:`attach`); with no
-such trainer, a per-engine sync count. TRL's server mode (``vllm_mode="server"``) pushes through vLLM's native NCCL
+such trainer, a per-engine sync count.
+
+After each sync, ``VLLMGeneration.refit_verify_reports`` holds that sync's reports (one
+:class:`~refit_verify.report.VerificationReport` per worker) and ``refit_verify_history`` the last
+:data:`MAX_HISTORY` syncs as ``(version, reports)``, oldest first; a failed verification is recorded
+before it is raised. TRL's server mode (``vllm_mode="server"``) pushes through vLLM's native NCCL
 API from TRL's own client: it is not hooked here.
 
 Nothing here imports TRL or vLLM at import time.
@@ -28,9 +33,11 @@ from refit_verify.config import mode_from_env
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["attach", "patch_module"]
+__all__ = ["MAX_HISTORY", "attach", "patch_module"]
 
 _STEP_ATTR = "_refit_verify_step"
+MAX_HISTORY = 64
+"""Syncs kept in ``VLLMGeneration.refit_verify_history`` (the oldest are dropped)."""
 
 
 def attach(trainer: Any) -> None:
@@ -79,7 +86,8 @@ def _wrap_sync(raw):
             return raw(self, *args, **kwargs)
         from refit_verify.check import refit
 
-        check = refit(self.llm, version=_version(self), mode=mode)
+        version = _version(self)
+        check = refit(self.llm, version=version, mode=mode)
         inner = self._iter_named_params
         self._iter_named_params = lambda: check.wrap(inner())
         try:
@@ -88,6 +96,10 @@ def _wrap_sync(raw):
         finally:
             vars(self).pop("_iter_named_params", None)
             self.refit_verify_reports = check.reports
+            if check.reports:
+                history = vars(self).setdefault("refit_verify_history", [])
+                history.append((version, list(check.reports)))
+                del history[:-MAX_HISTORY]
         return out
 
     return sync_weights
