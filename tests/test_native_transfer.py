@@ -196,7 +196,7 @@ meta_path = list(sys.meta_path)
 import vllm.plugins
 vllm.plugins.load_general_plugins()
 import refit_verify.digest as dg
-from refit_verify.vllm_plugin import native
+from refit_verify.vllm_plugin import native, native_worker
 from tests import native_cpu_backend as nb
 digested = []
 _add = dg.DigestBatch.add
@@ -229,7 +229,7 @@ print(json.dumps({
     "engine_overrides": sorted(k for k in vars(eng) if "weight" in k or k.startswith("_refit")),
     "hooked_during_update": hooked, "hooked_after": "load_weights" in vars(model),
     "digested": digested, "loaded": torch.equal(model.got[0][0][1], t), "status": native.status(),
-    "manifest": native.refit_verify_native_manifest(worker).get("manifest")
+    "manifest": native_worker.refit_verify_native_manifest(worker).get("manifest")
 }))
 """
 
@@ -251,22 +251,37 @@ def test_off_mode_leaves_vllm_untouched():
 
 
 def test_enforce_wraps_the_receive_boundary():
-    """enforce: the same engine digests what reaches load_weights during the update, and unhooks after it."""
+    """enforce: the same engine's update is a model-boundary session: what reaches load_weights is digested.
+
+    The boundary stays on the model after the update (outside a session it records unsessioned loads)."""
     r = _probe("enforce")
     assert r["unchanged"] == {"create_engine": False, "trainer_init": False, "llm_update_weights": False}
     assert r["engine_overrides"] == ["_refit_verify_native", "finish_weight_update", "start_weight_update", "update_weights"]
-    assert r["hooked_during_update"] and not r["hooked_after"]
+    assert r["hooked_during_update"] and r["hooked_after"]
     assert r["digested"] == ["w"] and r["loaded"]
     assert r["manifest"] == {"w": tensor_digest(torch.arange(12, dtype=torch.float32).view(3, 4))}
 
 
-def test_unhookable_vllm_fails_at_startup(monkeypatch):
-    """Verification requested on a vLLM without the hookable API: a clear start-up error; off stays silent."""
+def test_vllm_without_native_api_still_installs(monkeypatch):
+    """A vLLM without the native weight-transfer API (0.24, 0.25): no native patches, no error (the model
+    boundary verifies its refits); off stays silent."""
     monkeypatch.setitem(native._STATE, "installed", False)
-    monkeypatch.setattr(native, "detect", lambda: {"version": (0, 15), "receiver": False, "sender": (), "problem": "vllm.distributed.weight_transfer is missing"})
-    with pytest.raises(RuntimeError, match=r"REFIT_VERIFY=enforce but vLLM 0\.15 .*supported: vLLM 0\.26 to 0\.33"):
-        native.install(VerifyMode.ENFORCE)
-    native.install(VerifyMode.OFF)  # no detection, no error
+    monkeypatch.setattr(native, "detect", lambda: {"version": (0, 24), "receiver": False, "sender": (), "problem": "vllm.distributed.weight_transfer is missing"})
+    native.install(VerifyMode.ENFORCE)
+    assert native.status()["installed"] and native.status()["sender_paths"] == () and native.status()["version"] == (0, 24)
+    native.install(VerifyMode.OFF)
+
+
+def test_vllm_without_v1_worker_fails_at_startup(monkeypatch):
+    """Verification requested on a vLLM older than the supported range: a clear start-up error naming it; off is silent."""
+    from refit_verify.vllm_plugin import register
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.worker_base", None)  # import raises ImportError
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    with pytest.raises(RuntimeError, match=r"REFIT_VERIFY=enforce but vLLM .* has no v1 WorkerBase .*supported: vLLM 0\.24 to 0\.33"):
+        register()
+    monkeypatch.setenv("REFIT_VERIFY", "off")
+    register()
 
 
 class _FakeEngine:

@@ -78,9 +78,10 @@ def _direct(rpc: Callable) -> Callable[[str, tuple, float], list]:
         takes_timeout = False
 
     def call(method: str, args: tuple, timeout_s: float) -> list:
+        kw: dict[str, Any] = {"args": args} if args else {}
         if takes_timeout:
-            return list(rpc(method, timeout=timeout_s, args=args))
-        return list(rpc(method, args=args))
+            kw["timeout"] = timeout_s
+        return list(rpc(method, **kw))
 
     return call
 

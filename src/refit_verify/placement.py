@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -208,33 +209,48 @@ class LoaderTap:
         return n
 
     def _wrap(self, pname: str, original: Callable) -> Callable:
-        tap = self
+        """Return the tapped loader. A bound method (``layer.weight_loader``) stays a bound method of
+        the same object, so vLLM's layerwise reload can unbind and rebind it (``sanitize_layer_refs``
+        / ``restore_layer_refs`` swap the layer for a sentinel while it holds meta copies)."""
+        if isinstance(original, types.MethodType):
+            func = original.__func__
+
+            @functools.wraps(func)
+            def tapped_method(owner, *args, **kwargs):
+                return self._call(pname, functools.partial(func, owner), args, kwargs)
+
+            setattr(tapped_method, _TAP_MARK, self)
+            return types.MethodType(tapped_method, original.__self__)
 
         @functools.wraps(original)
-        def weight_loader(*args, **kwargs):
-            if not tap.enabled:
-                return original(*args, **kwargs)
-            param = args[0] if args else kwargs.get("param")
-            loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-            if tap.on_route is not None and isinstance(loaded, torch.Tensor):
-                tap.on_route(pname, loaded)
-            if not isinstance(param, torch.Tensor) or param.is_meta or not isinstance(loaded, torch.Tensor):
-                return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
-            if tap.on_apply is not None:
-                tap.on_apply(pname, param, loaded)
-            rest = args[2:]
-            kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
-            key = (pname, *_key(loaded, rest, kw))
-            placement = tap.placements.get(key)
-            if placement is None:
-                rec = _CopyRecorder(param, loaded)
-                with rec:
-                    out = original(*args, **kwargs)
-                placement = tap.placements[key] = rec.placement()
-            else:
-                out = original(*args, **kwargs)
-            tap.on_write(pname, param, loaded, placement)
-            return out
+        def tapped(*args, **kwargs):
+            return self._call(pname, original, args, kwargs)
 
-        setattr(weight_loader, _TAP_MARK, tap)
-        return weight_loader
+        setattr(tapped, _TAP_MARK, self)
+        return tapped
+
+    def _call(self, pname: str, original: Callable, args: tuple, kwargs: dict):
+        """Run one loader call: route, record the placement (first time), report the write."""
+        if not self.enabled:
+            return original(*args, **kwargs)
+        param = args[0] if args else kwargs.get("param")
+        loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+        if self.on_route is not None and isinstance(loaded, torch.Tensor):
+            self.on_route(pname, loaded)
+        if not isinstance(param, torch.Tensor) or param.is_meta or not isinstance(loaded, torch.Tensor):
+            return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
+        if self.on_apply is not None:
+            self.on_apply(pname, param, loaded)
+        rest = args[2:]
+        kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
+        key = (pname, *_key(loaded, rest, kw))
+        placement = self.placements.get(key)
+        if placement is None:
+            rec = _CopyRecorder(param, loaded)
+            with rec:
+                out = original(*args, **kwargs)
+            placement = self.placements[key] = rec.placement()
+        else:
+            out = original(*args, **kwargs)
+        self.on_write(pname, param, loaded, placement)
+        return out
