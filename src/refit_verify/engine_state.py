@@ -42,7 +42,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
     """
     t0 = time.perf_counter()
     params: dict[str, ParamState] = {}
-    proven = unproven = 0
+    proven = unproven = padding = 0
     for role, ms in sessions.items():
         model = modules[role].model if role in modules else None
         if model is None:
@@ -67,10 +67,13 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
             for copy, key, src in ms.placed.get(pname, []):
                 last[copy.dest] = (copy, key, src)  # a region written twice: the last write is what it holds
             entries = []
+            block_bytes = 0
             try:
                 for copy, key, src in last.values():
                     if copy.fill:
+                        padding += copy.numel() * p.element_size()
                         continue
+                    block_bytes += copy.numel() * p.element_size()
                     view = as_view(p.detach(), copy.dest)
                     dkey = f"{label}@{len(plan)}.{len(entries)}"
                     dest.add(dkey, view)
@@ -85,7 +88,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 unproven += nbytes
                 continue
             plan[label] = [(d, k, s, where) for d, k, s, where in entries]
-            params[label] = ParamState("verified", None, nbytes, [(s, where) for _, _, s, where in entries])
+            params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
         got = dest.hexdigests() if plan else {}
         for label, entries in plan.items():
             bad = [f"{s} -> {where}" for d, k, s, where in entries if got.get(d) != expected.get(k)]
@@ -97,4 +100,5 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 unproven += st.bytes
             else:
                 proven += st.bytes
-    return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, digest_s=time.perf_counter() - t0)
+    return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
+                       digest_s=time.perf_counter() - t0)

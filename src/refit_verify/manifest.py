@@ -104,7 +104,8 @@ class ParamState(msgspec.Struct, **_OPTS):
             ``"not_coverable"`` (quantized, transformed, repacked: cannot be compared bytewise)
             or ``"unwritten"``.
         why: the reason for anything but ``"verified"``.
-        bytes: bytes of the parameter that were proven (``verified``) or examined.
+        bytes: bytes of the blocks written into the parameter (proven when ``verified``), or of
+            the whole parameter when it could not be covered.
         blocks: ``[(source name, dest description)]`` of the blocks placed into it.
     """
 
@@ -122,12 +123,14 @@ class EngineState(msgspec.Struct, **_OPTS):
             and every parameter that could not be covered.
         proven_bytes: bytes of engine parameters proven equal to delivered bytes.
         unproven_bytes: bytes of parameters written in the session that could not be proven.
+        padding_bytes: bytes the loaders filled themselves (vocab padding), not delivered.
         digest_s: host seconds spent.
     """
 
     params: dict[str, ParamState]
     proven_bytes: int = 0
     unproven_bytes: int = 0
+    padding_bytes: int = 0
     digest_s: float = 0.0
 
 

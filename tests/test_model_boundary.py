@@ -1,0 +1,266 @@
+"""The model boundary on a model whose loaders behave like vLLM's (tests/support/toy_model.py).
+
+Every refit of any framework ends in ``model.load_weights``: these tests drive
+:class:`refit_verify.boundary.WorkerBoundary` directly, the way the plugin does inside a worker,
+and compare with :func:`refit_verify.check.compare_session`, the way the trainer API does.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from refit_verify.boundary import SessionDigests, WorkerBoundary, identity_of
+from refit_verify.check import compare_session
+from refit_verify.digest import digest_tensors, tensor_digest
+from refit_verify.engine_state import read_back
+from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import Producer, SessionManifest, from_wire, to_wire
+from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
+
+QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
+EMBED_BYTES = 13 * HIDDEN * 2  # the delivered rows; 3 padding rows are filled by the loader
+NORM_BYTES = HIDDEN * 2
+
+
+def _worker(model: ToyModel | None = None) -> tuple[WorkerBoundary, ToyModel]:
+    model = model or ToyModel()
+    wb = WorkerBoundary(identity_of(rank=3, tp=1, device="cpu"))
+    wb.readback = read_back
+    wb.attach("model", model, default_weight_loader)
+    return wb, model
+
+
+def _refit(wb, model, weights, *, version=1, form="list", skip=(), extra=None) -> SessionManifest:
+    sid = wb.open(f"s{version}", version=version)
+    items = [(n, t) for n, t in weights.items() if n not in skip] + list((extra or {}).items())
+    if form == "list":
+        model.load_weights(items)
+    elif form == "iter":
+        model.load_weights(iter(items))
+    elif form == "keyword":
+        for n, t in items:
+            model.load_weights(weights=[(n, t)])
+    return wb.close(sid)
+
+
+@pytest.mark.parametrize("form", ["list", "iter", "keyword"])
+def test_clean_refit_verified_and_read_back(form):
+    """Each call form: every delivered tensor digested, every parameter written, every block proven."""
+    wb, model = _worker()
+    w = toy_weights(1)
+    man = _refit(wb, model, w, form=form)
+    m = man.modules["model"]
+    assert m.digests == digest_tensors(w.items())
+    assert m.unconsumed == [] and m.unwritten == [] and m.written == 3 and m.params == 3
+    assert m.calls == (5 if form == "keyword" else 1)
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s1", version=1)
+    assert r.ok and r.verified == 5 and r.worker == "worker rank 3 (dp 0, tp 1, pp 0, cpu)"
+    assert man.engine.proven_bytes == QKV_BYTES + EMBED_BYTES + NORM_BYTES and man.engine.unproven_bytes == 0
+    assert man.engine.padding_bytes == 3 * HIDDEN * 2
+    assert {k: v.status for k, v in man.engine.params.items()} == {"qkv_proj": "verified", "embed": "verified", "norm": "verified"}
+    assert [s for s, _ in man.engine.params["qkv_proj"].blocks] == ["q_proj", "k_proj", "v_proj"]
+    assert torch.equal(model.qkv_proj[Q:Q + KV], w["k_proj"])
+
+
+def test_no_reference_kept_after_the_load():
+    """The boundary keeps no reference to a delivered tensor once load_weights returned."""
+    wb, model = _worker()
+    w = toy_weights(2)
+    sid = wb.open("s", version=1)
+    t = w.pop("norm")
+    ref = weakref.ref(t)
+    model.load_weights([("norm", t)])
+    del t
+    gc.collect()
+    assert ref() is None
+    assert wb.close(sid).modules["model"].digests["norm"] == tensor_digest(model.norm)
+
+
+def test_flipped_byte_in_transit_named():
+    """A tensor changed between the trainer's digest and load_weights is the one mismatch."""
+    wb, model = _worker()
+    w = toy_weights(3)
+    expected = digest_tensors(w.items())
+    bad = dict(w, k_proj=w["k_proj"].clone())
+    bad["k_proj"].view(-1).view(torch.uint8)[5] ^= 0x10
+    r = compare_session({"model": expected}, _refit(wb, model, bad), version=1)
+    assert not r.ok and list(r.mismatched) == ["k_proj"] and not r.missing and not r.engine_mismatched
+
+
+def test_skipped_name_unconsumed_and_omitted_param_unwritten():
+    """A name the model skips is delivered-but-unconsumed; a tensor never sent leaves its parameter block unwritten."""
+    wb, model = _worker()
+    w = toy_weights(4)
+    extra = {"layers.0.mlp.down_proj.bias": torch.ones(3, dtype=torch.bfloat16)}
+    man = _refit(wb, model, w, skip=("v_proj", "norm"), extra=extra)
+    sent = {n: t for n, t in w.items() if n not in ("v_proj", "norm")} | extra
+    r = compare_session({"model": digest_tensors(sent.items())}, man, version=1)
+    assert list(r.unconsumed) == ["layers.0.mlp.down_proj.bias"]
+    assert list(r.unwritten) == [f"qkv_proj ({(Q + KV) * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)", "norm"]
+    assert not r.ok and not r.mismatched
+    partial = compare_session({"model": digest_tensors(sent.items())}, man, version=1, partial=True)
+    assert partial.unwritten == () and list(partial.unconsumed) == ["layers.0.mlp.down_proj.bias"]
+
+
+def test_allow_patterns_exempt_names():
+    wb, model = _worker()
+    w = toy_weights(5)
+    sid = wb.open("s", version=1, allow=("*.bias", "norm"))
+    model.load_weights([(n, t) for n, t in w.items() if n != "norm"] + [("x.bias", torch.ones(2))])
+    m = wb.close(sid).modules["model"]
+    assert m.unconsumed == [] and m.unwritten == []
+
+
+def test_stale_version_and_unsessioned_load_reported():
+    """An older version than one already closed is stale; a load outside any session is reported with the next."""
+    wb, model = _worker()
+    w = toy_weights(6)
+    _refit(wb, model, w, version=7)
+    model.load_weights([("norm", w["norm"])])  # outside any session
+    man = _refit(wb, model, w, version=5)
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s5", version=5)
+    assert man.stale == "version 5 is older than version 7 already closed on this worker"
+    assert [(u.module, u.calls, u.tensors, u.names) for u in man.unsessioned] == [("model", 1, 1, ["norm"])]
+    assert not r.ok and len(r.problems) == 2 and r.problems[0].startswith("stale refit: version 5")
+    assert "1 tensors were loaded into model outside any session" in r.problems[1]
+
+
+def test_wrong_session_or_version_in_a_manifest_is_a_failure():
+    wb, model = _worker()
+    w = toy_weights(7)
+    man = _refit(wb, model, w, version=2)
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="other", version=3)
+    assert r.problems == ("the manifest is of session 's2', not 'other'", "the worker recorded version 2, the trainer pushed version 3")
+
+
+def test_implicit_sessions_join_an_explicit_one():
+    """A transport's implicit session inside an explicit one joins it; only the explicit close ends it."""
+    wb, model = _worker()
+    w = toy_weights(8)
+    sid = wb.open("outer", version=4)
+    d = SessionDigests(wb, "transport")
+    d.begin("refit-1", Producer(rank=1, device="cpu"))
+    model.load_weights(list(w.items()))
+    got, man = d.finish()
+    assert man is None and got == digest_tensors(w.items()) and wb.current_id() == "outer"
+    final = wb.close(sid)
+    assert final.opened_by == "rpc+transport" and final.producer == Producer(rank=1, device="cpu") and final.version == 4
+
+
+def test_explicit_open_while_explicit_open_refused():
+    wb, _ = _worker()
+    wb.open("a")
+    with pytest.raises(RefitProtocolError, match="session 'a' .* is still open"):
+        wb.open("b")
+    with pytest.raises(RefitProtocolError, match="session 'x' is not open"):
+        wb.close("x")
+
+
+def test_abandoned_implicit_session_records_why():
+    wb, model = _worker()
+    d = SessionDigests(wb, "transport")
+    d.begin("r1", None)
+    model.load_weights([("norm", torch.ones(HIDDEN, dtype=torch.bfloat16))])
+    d.fail("RefitTimeoutError: sender went silent")
+    assert wb.current_id() is None
+    assert wb.manifests["r1"].errors == ["session abandoned: transport refit failed: RefitTimeoutError: sender went silent"]
+
+
+def test_loader_that_misplaces_blocks_on_a_later_load_named_by_read_back():
+    """Engine-side fault the delivered digests cannot see: from the second refit on the loader swaps
+    k and v. Delivered digests match; read-back names qkv_proj (the first refit is clean)."""
+    wb, model = _worker()
+    model.swap_halves_after = 3  # the 3 qkv loads of refit 1 are right, refit 2's are not
+    w1, w2 = toy_weights(9), toy_weights(10)
+    assert compare_session({"model": digest_tensors(w1.items())}, _refit(wb, model, w1, version=1), version=1).ok
+    r = compare_session({"model": digest_tensors(w2.items())}, _refit(wb, model, w2, version=2), version=2)
+    assert r.verified == 5 and not r.mismatched
+    assert list(r.engine_mismatched) == ["qkv_proj"] and not r.ok
+
+
+class _Deferred(ToyModel):
+    """Buffers every load until ``finalize`` (like vLLM's layerwise reload), keeping the tensors it was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list = []
+
+    def load_weights(self, weights) -> set[str]:
+        self.pending.extend(weights)
+        return set()
+
+    def finalize(self) -> None:
+        items, self.pending = self.pending, []
+        ToyModel.load_weights(self, items)
+
+
+def test_deferred_apply_of_a_refilled_buffer_is_never_verified():
+    """load_weights handed views of one buffer, refilled before the deferred apply: the apply-time
+    digest differs from the delivered one; the report names the tensor (vLLM #51258 class)."""
+    model = _Deferred()
+    wb = WorkerBoundary(identity_of(0))
+    wb.attach("model", model, default_weight_loader)
+    w = toy_weights(11)
+    buf = torch.empty(HIDDEN, dtype=torch.bfloat16)
+    sid = wb.open("s", version=1)
+    buf.copy_(w["norm"])
+    model.load_weights([("norm", buf)])
+    buf.copy_(torch.zeros(HIDDEN, dtype=torch.bfloat16))  # the producer refills the chunk
+    model.finalize()
+    man = wb.close(sid)
+    assert man.modules["model"].changed_after_delivery == ["norm"]
+    r = compare_session({"model": {"norm": tensor_digest(w["norm"])}}, man, version=1)
+    assert not r.ok and list(r.mismatched) == ["norm"] and "changed between load_weights" in r.problems[0]
+
+
+def test_two_modules_report_per_module():
+    """Main model and drafter: an update that feeds only the main model leaves every drafter entry missing."""
+    main, draft = ToyModel(), ToyModel()
+    wb = WorkerBoundary(identity_of(0))
+    wb.attach("model", main, default_weight_loader)
+    wb.attach("drafter", draft, default_weight_loader)
+    w = toy_weights(12)
+    sid = wb.open("s", version=1)
+    main.load_weights(list(w.items()))
+    man = wb.close(sid)
+    r = compare_session({"model": digest_tensors(w.items()), "drafter": digest_tensors(w.items())}, man, version=1)
+    assert list(r.missing) == [f"drafter:{n}" for n in w] and r.verified == 5
+    assert sorted(r.unwritten) == ["drafter:embed", "drafter:norm", "drafter:qkv_proj"]
+
+
+def test_manifest_round_trips_and_hostile_input_is_refused():
+    wb, model = _worker()
+    man = _refit(wb, model, toy_weights(13))
+    assert from_wire(to_wire(man)) == man
+    for bad in ({"session": "x"}, [1, 2, 3], {**to_wire(man), "worker": {"rank": "zero"}}, {**to_wire(man), "evil": 1}, b"\x80\x04"):
+        with pytest.raises(RefitProtocolError, match="malformed SessionManifest"):
+            from_wire(bad)
+
+
+def test_not_verifying_passes_through():
+    """A boundary built with verification off records nothing and changes no call."""
+    model = ToyModel()
+    wb = WorkerBoundary(identity_of(0), verifying=False)
+    wb.attach("model", model, default_weight_loader)
+    w = toy_weights(14)
+    assert model.load_weights(list(w.items())) == {"qkv_proj", "embed", "norm"}
+    sid = wb.open("s")
+    assert wb.close(sid).modules["model"].digests == {}
+
+
+def test_converting_loader_is_not_coverable_never_verified():
+    """A parameter whose loader converts dtype (bf16 delivered into fp32) cannot be proven bytewise:
+    read-back lists it as not coverable with the reason, and proves no byte of it."""
+    model = ToyModel()
+    model.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.float32), requires_grad=False)
+    wb, _ = _worker(model)
+    w = toy_weights(15)
+    man = _refit(wb, model, w)
+    r = compare_session({"model": digest_tensors(w.items())}, man, version=1)
+    assert r.ok and r.not_proven == {"norm": "the loader converts torch.bfloat16 to torch.float32"}
+    assert man.engine.params["norm"].status == "not_coverable" and man.engine.unproven_bytes == HIDDEN * 4
+    assert man.engine.proven_bytes == QKV_BYTES + EMBED_BYTES
