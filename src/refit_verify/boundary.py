@@ -78,10 +78,10 @@ def _storage_ptr(t: torch.Tensor) -> int:
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
-    __slots__ = ("name", "call", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "__weakref__")
+    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "__weakref__")
 
-    def __init__(self, name: str, t: torch.Tensor, call: int) -> None:
-        self.name, self.call = name, call
+    def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0) -> None:
+        self.name, self.call, self.seq = name, call, seq
         try:
             self.ref = weakref.ref(t)
         except TypeError:
@@ -115,6 +115,7 @@ class _ModuleSession:
         self.by_id: dict[int, _Delivered] = {}
         self.by_ptr: dict[int, list[_Delivered]] = {}
         self.calls = 0
+        self.pulls = 0  # tensors pulled so far; a delivered tensor applied after a later pull may have been refilled
         self.tensors = 0
         self.bytes = 0
         self.digest_s = 0.0
@@ -125,6 +126,7 @@ class _ModuleSession:
         self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
         self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
         self.param_numel: dict[str, int] = {}
+        self.replicated: dict[str, bool] = {}  # pname -> written whole from one whole delivered tensor
         self.n_blocks = 0
         self.errors: list[str] = []
 
@@ -159,7 +161,8 @@ class _ModuleSession:
         self.batch.add(name, t)
         if t.is_cuda:
             self.batch.launch()
-        d = _Delivered(name, t, call.id)
+        self.pulls += 1
+        d = _Delivered(name, t, call.id, self.pulls)
         self.delivered[name] = d
         self.by_id[id(t)] = d
         self.by_ptr.setdefault(d.ptr, []).append(d)
@@ -193,8 +196,12 @@ class _ModuleSession:
 
     def on_apply(self, pname: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
         d = self.match(loaded)
-        if d is None or d.rechecked or (self.current is not None and self.current.id == d.call):
+        if d is None or d.rechecked:
             return
+        if self.current is not None and self.current.id == d.call and d.seq == self.pulls:
+            return  # applied right after it was pulled, nothing pulled since: an immediate write
+        # applied after another tensor was pulled (vLLM's layerwise reload deferring a layer, within
+        # the delivering call or after it returned): the source may have been refilled since
         tensor = d.ref()
         if tensor is None:
             return
@@ -216,6 +223,9 @@ class _ModuleSession:
         if d is None:
             self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
             return
+        shape = tuple(loaded.shape)
+        self.replicated[pname] = len(placement.copies) == 1 and placement.copies[0].src is not None \
+            and placement.copies[0].src[0] == 0 and placement.copies[0].src[1] == shape == tuple(param.shape)
         t0 = time.perf_counter()
         for c in placement.copies:
             if c.fill:
@@ -445,6 +455,11 @@ class WorkerBoundary:
         self.max_version: int | None = None
         self.loading_context: str | None = None
         self.readback: Callable[[dict[str, _ModuleSession], dict[str, ModelBoundary]], Any] | None = None
+        self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot, set by the plugin
+        self.auditor: Callable[..., Any] | None = None  # engine_state.audit
+        self.baseline: Any = None  # EngineSnapshot left by the last closed session
+        self.pending_audits: list[Any] = []  # failed automatic audits since the last session
+        self._replicated: dict[str, bool] = {}
         self._lock = threading.RLock()
 
     def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
@@ -459,6 +474,8 @@ class WorkerBoundary:
             return None
         with self._lock:
             b = self.modules.get(role)
+            if b is not None and b.model is not None and b.model is not model and not isinstance(model, torch.nn.Module):
+                return b  # a proxy standing in for the attached model (SkyRL's _LoadWeightsProxy): keep the model's boundary
             if b is None or b.model is not model:
                 b = self.modules[role] = ModelBoundary(self, model, role, default_loader, extra_params)
             b.install()
@@ -541,9 +558,20 @@ class WorkerBoundary:
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            for role, ms in sessions.items():
+                prefix = "" if role == "model" else f"{role}:"
+                self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
+            if self.snapshotter is not None:
+                try:
+                    self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated))
+                except Exception as e:  # noqa: BLE001 - reported, never silent
+                    logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
+                    errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
+                    self.baseline = None
+            audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
-                                  partial=s.partial, errors=errors)
+                                  partial=s.partial, errors=errors, audits=audits)
             if s.version is not None and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
             self.manifests[s.id] = man
@@ -584,6 +612,29 @@ class WorkerBoundary:
                 digests.update(ms.batch.hexdigests())
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
+
+    def state(self) -> Any:
+        """Digest the engine state now (every parameter and persistent buffer, storage pointers)."""
+        last = self.last
+        return self.snapshotter(self.modules, self.identity, last.session if last else None, last.version if last else None,
+                                dict(self._replicated))
+
+    def audit(self, trigger: str = "rpc") -> Any:
+        """Re-digest the engine state and compare with the state the last session left.
+
+        Returns:
+            AuditResult | None: None when no session has closed on this worker yet (nothing to audit
+            against). An automatic audit (``trigger`` other than ``"rpc"``) that fails outside a
+            session is kept and reported with the next session's manifest.
+        """
+        with self._lock:
+            if self.baseline is None or self.snapshotter is None or self.auditor is None:
+                return None
+            res = self.auditor(self.baseline, self.state(), trigger)
+            if trigger != "rpc" and not res.ok and self.open_session is None:
+                logger.warning("refit-verify: %s", res.describe())
+                self.pending_audits.append(res)
+            return res
 
     def current_id(self) -> str | None:
         s = self.open_session

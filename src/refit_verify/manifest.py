@@ -18,7 +18,7 @@ import msgspec
 
 from refit_verify.errors import RefitProtocolError
 
-__all__ = ["EngineState", "ExternalDigests", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity",
+__all__ = ["AuditResult", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity",
            "from_wire", "to_wire"]
 
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
@@ -134,6 +134,83 @@ class EngineState(msgspec.Struct, **_OPTS):
     digest_s: float = 0.0
 
 
+class TensorState(msgspec.Struct, **_OPTS):
+    """One engine tensor as it is now.
+
+    Attributes:
+        digest: 32-hex digest of its bytes (dtype, shape and every byte bound in).
+        ptr: its storage's data pointer (a moved storage changes it even when the bytes are equal).
+        dtype, shape: as stored by the engine (fused, sharded, possibly repacked).
+        replicated: written whole from one whole delivered tensor in the last session, so every
+            tensor-parallel rank must hold the same bytes (norms, replicated KV heads).
+    """
+
+    digest: str
+    ptr: int
+    dtype: str
+    shape: list[int]
+    replicated: bool = False
+
+
+class EngineSnapshot(msgspec.Struct, tag="engine_snapshot", **_OPTS):
+    """Every parameter and persistent buffer of one worker's models, digested (the engine state).
+
+    Taken at the end of every verified session (the baseline audits compare with) and on demand.
+
+    Attributes:
+        worker: whose state. session / version: the last closed session when taken (None if none).
+        params: ``{name: TensorState}``; drafter tensors are prefixed ``"drafter:"``.
+        buffers: the same for persistent buffers.
+        digest_s: host seconds spent.
+    """
+
+    worker: WorkerIdentity
+    session: str | None
+    version: int | None
+    params: dict[str, TensorState]
+    buffers: dict[str, TensorState] = {}
+    digest_s: float = 0.0
+
+
+class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
+    """A re-digest of one worker's engine state against the state left by its last session.
+
+    Attributes:
+        worker: whose. since_session / since_version: the baseline's session and version.
+        changed: tensors whose bytes differ from the baseline. moved: tensors whose storage pointer
+            changed (bytes equal or not). appeared / vanished: tensors added to or removed from the model.
+        trigger: what ran it (``"rpc"``, ``"wake_up"``, ``"reload_weights"``).
+        tensors: tensors compared. digest_s: host seconds.
+    """
+
+    worker: WorkerIdentity
+    since_session: str | None
+    since_version: int | None
+    changed: list[str]
+    moved: list[str]
+    appeared: list[str] = []
+    vanished: list[str] = []
+    trigger: str = "rpc"
+    tensors: int = 0
+    digest_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.changed or self.moved or self.appeared or self.vanished)
+
+    def describe(self, limit: int = 20) -> str:
+        """One sentence naming what changed since the baseline."""
+        since = f"since session {self.since_session} (version {self.since_version})"
+        if self.ok:
+            return f"audit ({self.trigger}) of {self.worker.label()}: {self.tensors} tensors unchanged {since}"
+        parts = []
+        for label, names in (("changed", self.changed), ("storage moved", self.moved), ("appeared", self.appeared),
+                             ("vanished", self.vanished)):
+            if names:
+                parts.append(f"{len(names)} {label}: " + ", ".join(names[:limit]) + (f", … (+{len(names) - limit})" if len(names) > limit else ""))
+        return f"audit ({self.trigger}) of {self.worker.label()} failed {since}: " + "; ".join(parts)
+
+
 class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     """One worker's account of one refit session.
 
@@ -149,6 +226,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         engine: the read-back of what the engine holds, when it was run.
         partial: the session was declared partial (not every parameter is expected to be written).
         errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
+        audits: automatic audits (after ``wake_up`` / ``reload_weights``) that failed since the
+            previous session: the engine's state changed between two refits.
     """
 
     session: str
@@ -162,6 +241,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     engine: EngineState | None = None
     partial: bool = False
     errors: list[str] = []
+    audits: list[AuditResult] = []
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""

@@ -46,6 +46,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("boundary-reload-weights", "vllm.v1.worker.gpu_worker:Worker.reload_weights",
           "a reload from disk outside any session is reported as such (TRL #5312: base weights reloaded over a sync)",
           "never: it is how a reload is told apart from a refit"),
+    Patch("boundary-wake-up", "vllm.v1.worker.{gpu,cpu}_worker:{Worker,CPUWorker}.wake_up",
+          "audit the engine state after a wake from sleep outside a refit (vLLM #29341: weights lost on sleep/wake)",
+          "vLLM verifies restored weights itself"),
     Patch("native-create-engine", "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.create_engine",
           "native updates (start_weight_update .. finish_weight_update) become model-boundary sessions",
           "vLLM's weight-transfer engines report their own per-update manifest"),
@@ -88,6 +91,13 @@ def _boundary(module: Any) -> None:
 
     shims.patch(module.Worker, "load_model", sessions.wrap_load_model)
     shims.patch(module.Worker, "reload_weights", sessions.wrap_reload_weights)
+    shims.patch(module.Worker, "wake_up", sessions.wrap_wake_up)
+
+
+def _boundary_cpu(module: Any) -> None:
+    from refit_verify.vllm_plugin import sessions
+
+    shims.patch(module.CPUWorker, "wake_up", sessions.wrap_wake_up)  # CPUWorker overrides wake_up
 
 
 def _native_worker(module: Any) -> None:
@@ -105,6 +115,7 @@ def _trl(module: Any) -> None:
 _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "worker-methods": lambda mode: _worker_methods(),
     "boundary-load-model": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _boundary),
+    "boundary-wake-up": lambda mode: shims.when_imported("vllm.v1.worker.cpu_worker", _boundary_cpu),
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),
     "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),

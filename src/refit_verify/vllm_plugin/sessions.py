@@ -29,15 +29,18 @@ from refit_verify.vllm_plugin import shims
 
 logger = logging.getLogger("refit_verify")
 
-METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest")
+METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest",
+           "refit_verify_engine_state", "refit_verify_audit")
 _ATTR = "_refit_verify_boundary"
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> WorkerBoundary
 
 
-def _readback_hook():
+def _new_boundary(identity) -> WorkerBoundary:
     from refit_verify import engine_state
 
-    return engine_state.read_back
+    wb = WorkerBoundary(identity, verifying=True)
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    return wb
 
 
 def boundary_of(worker: Any) -> WorkerBoundary | None:
@@ -47,8 +50,7 @@ def boundary_of(worker: Any) -> WorkerBoundary | None:
         return wb
     if not mode_from_env().verifies:
         return None
-    wb = WorkerBoundary(shims.worker_identity(worker), verifying=True)
-    wb.readback = _readback_hook()
+    wb = _new_boundary(shims.worker_identity(worker))
     setattr(worker, _ATTR, wb)
     attach_models(worker, wb)
     return wb
@@ -72,8 +74,7 @@ def boundary_for_model(model: Any) -> WorkerBoundary | None:
     if wb is None and mode_from_env().verifies and callable(getattr(model, "load_weights", None)):
         from refit_verify.boundary import identity_of
 
-        wb = WorkerBoundary(identity_of(0), verifying=True)
-        wb.readback = _readback_hook()
+        wb = _new_boundary(identity_of(0))
         wb.attach("model", model, shims.default_weight_loader(), shims.layerwise_restore_params)
         _BY_MODEL[model] = wb
     return wb
@@ -107,9 +108,24 @@ def wrap_reload_weights(raw):
         finally:
             wb.loading_context = prev
         attach_models(self, wb)
+        wb.audit("reload_weights")
         return out
 
     return reload_weights
+
+
+def wrap_wake_up(raw):
+    """After ``wake_up`` outside a session, audit: weights lost or moved by sleep are named."""
+
+    @functools.wraps(raw)
+    def wake_up(self, *args, **kwargs):
+        out = raw(self, *args, **kwargs)
+        wb = getattr(self, _ATTR, None)
+        if wb is not None and wb.open_session is None:
+            wb.audit("wake_up")
+        return out
+
+    return wake_up
 
 
 # --------------------------------------------------------------------------- worker methods
@@ -200,3 +216,27 @@ def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[s
     man = wb.last if session_id is None else wb.manifests.get(session_id)
     return {"rank": wb.identity.rank, "verifying": True, "manifest": to_wire(man) if man is not None else None,
             "open": wb.current_id()}
+
+
+def refit_verify_engine_state(self) -> dict[str, Any]:
+    """Return this worker's engine state now: an :class:`~refit_verify.manifest.EngineSnapshot` as builtins
+    (every parameter and persistent buffer digested, with storage pointers), under ``state``."""
+    wb = getattr(self, _ATTR, None) or boundary_of(self)
+    if wb is None:
+        return _not_verifying(self)
+    attach_models(self, wb)
+    return {"rank": wb.identity.rank, "verifying": True, "state": to_wire(wb.state())}
+
+
+def refit_verify_audit(self) -> dict[str, Any]:
+    """Audit this worker now: re-digest its engine state and compare with what the last session left.
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``audit`` (an :class:`~refit_verify.manifest.AuditResult` as
+        builtins, or None when no session has closed here yet).
+    """
+    wb = getattr(self, _ATTR, None)
+    if wb is None:
+        return _not_verifying(self)
+    res = wb.audit("rpc")
+    return {"rank": wb.identity.rank, "verifying": True, "audit": to_wire(res) if res is not None else None}
