@@ -19,6 +19,11 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree witho
     __version__ = "0+unknown"
 
 _EXPORTS = {
+    "AuditError": "refit_verify.errors",
+    "ReplicaDisagreement": "refit_verify.errors",
+    "audit": "refit_verify.audits",
+    "canary": "refit_verify.vllm_plugin.canary",
+    "compare_replicas": "refit_verify.audits",
     "BroadcastReceiver": "refit_verify.broadcast",
     "BroadcastSender": "refit_verify.broadcast",
     "BroadcastVerificationError": "refit_verify.errors",

@@ -460,6 +460,7 @@ class WorkerBoundary:
         self.baseline: Any = None  # EngineSnapshot left by the last closed session
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
         self._replicated: dict[str, bool] = {}
+        self._written_version: dict[str, int | None] = {}
         self._lock = threading.RLock()
 
     def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
@@ -561,9 +562,11 @@ class WorkerBoundary:
             for role, ms in sessions.items():
                 prefix = "" if role == "model" else f"{role}:"
                 self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
+                self._written_version.update({prefix + k: s.version for k in ms.written})
             if self.snapshotter is not None:
                 try:
-                    self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated))
+                    self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
+                                                     dict(self._written_version))
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
                     errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
@@ -617,7 +620,7 @@ class WorkerBoundary:
         """Digest the engine state now (every parameter and persistent buffer, storage pointers)."""
         last = self.last
         return self.snapshotter(self.modules, self.identity, last.session if last else None, last.version if last else None,
-                                dict(self._replicated))
+                                dict(self._replicated), dict(self._written_version))
 
     def audit(self, trigger: str = "rpc") -> Any:
         """Re-digest the engine state and compare with the state the last session left.

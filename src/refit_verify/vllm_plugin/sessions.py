@@ -222,8 +222,15 @@ def refit_verify_engine_state(self) -> dict[str, Any]:
     """Return this worker's engine state now: an :class:`~refit_verify.manifest.EngineSnapshot` as builtins
     (every parameter and persistent buffer digested, with storage pointers), under ``state``."""
     wb = getattr(self, _ATTR, None) or boundary_of(self)
-    if wb is None:
-        return _not_verifying(self)
+    if wb is None:  # an explicit request: digest the state even where REFIT_VERIFY is off (the canary's fresh engine)
+        from refit_verify import engine_state
+
+        modules = {"model": self.get_model()}
+        draft = shims.draft_model(self)
+        if draft is not None:
+            modules["drafter"] = draft
+        state = engine_state.snapshot(modules, shims.worker_identity(self))
+        return {"rank": getattr(self, "rank", 0), "verifying": False, "state": to_wire(state)}
     attach_models(self, wb)
     return {"rank": wb.identity.rank, "verifying": True, "state": to_wire(wb.state())}
 
