@@ -106,3 +106,48 @@ def test_omitted_tensor_and_stale_version(engine):
     assert rep.problems == ("stale refit: version 9 is older than version 10 already closed on this worker",)
     ok = _sync(llm, model, w, version=11, partial=True).reports[0]
     assert ok.ok and ok.unwritten == ()
+
+
+def test_audit_names_changed_and_moved_tensors(engine):
+    """After a verified refit the audit is clean; a tensor written behind the engine's back is
+    changed, a storage swapped under it (vLLM #46009) is moved, even with equal bytes."""
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=5)
+    _sync(llm, model, w, version=20)
+    (clean,) = refit_verify.audit(llm, mode="enforce")
+    persistent = [n for mn, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
+                  if b is not None and n not in m._non_persistent_buffers_set]
+    assert clean.ok and clean.since_version == 20 and clean.tensors == len(dict(model.named_parameters())) + len(persistent) == 23
+    norm = model.model.layers[0].input_layernorm.weight
+    norm.data[0] += 1
+    emb = model.model.embed_tokens.weight
+    emb.data = emb.data.clone()  # same bytes, new storage
+    with pytest.raises(refit_verify.AuditError) as ei:
+        refit_verify.audit(llm, mode="enforce")
+    (a,) = ei.value.audits
+    assert a.changed == ["model.layers.0.input_layernorm.weight"] and a.moved == ["model.embed_tokens.weight"]
+    assert (a.appeared, a.vanished, a.trigger) == ([], [], "rpc")
+    _sync(llm, model, w, version=21)  # a refit restores a clean baseline
+    assert refit_verify.audit(llm, mode="enforce")[0].ok
+
+
+def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
+    """TRL #5312 class: reload_weights of the base weights after a verified refit. The automatic
+    audit names every parameter changed; the next session reports the audit and the loads outside
+    any session, and fails."""
+    llm, model, cfg = engine
+    w = models.random_state_dict(cfg, seed=6)
+    _sync(llm, model, w, version=30)
+    base = models.random_state_dict(cfg, seed=0)
+    llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(base.items()))
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert sorted(a.changed) == sorted(n for n, _ in model.named_parameters())
+    r = refit_verify.refit(llm, version=31, mode="log")
+    with r:
+        for name, t in w.items():
+            r.add(name, t)
+            model.load_weights([(name, t)])
+    (rep,) = r.reports
+    assert not rep.ok and rep.verified == 21
+    assert any("changed outside any refit" in p and "audit (reload_weights)" in p for p in rep.problems)
+    assert any("21 tensors were loaded into model outside any session (1 reload_weights calls" in p for p in rep.problems)

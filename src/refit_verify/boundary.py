@@ -108,6 +108,7 @@ class _ModuleSession:
     def __init__(self, module: ModelBoundary, sessioned: bool) -> None:
         self.module = module
         self.sessioned = sessioned
+        self.where = "load_weights"  # outside sessions: what was running (e.g. "reload_weights")
         self.batch = DigestBatch()  # delivered digests
         self.blocks = DigestBatch()  # source blocks of exact placements, for read-back
         self.recheck = DigestBatch()  # apply-time digests of deferred loads
@@ -335,6 +336,8 @@ class ModelBoundary:
             else:
                 return original(*args, **kwargs)
             target = boundary._target()
+            if not target.sessioned and boundary.owner.loading_context:
+                target.where = boundary.owner.loading_context
             call = target.begin_call()
             try:
                 return original(*args, **kwargs)
@@ -378,7 +381,7 @@ class ModelBoundary:
         if not o.calls:
             return None
         names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
-        rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=self.owner.loading_context or "load_weights")
+        rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=o.where)
         self.outside = _ModuleSession(self, sessioned=False)
         return rec
 
