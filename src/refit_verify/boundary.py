@@ -236,8 +236,8 @@ class _ModuleSession:
             key = f"{pname}#{self.n_blocks}"
             self.blocks.add(key, as_view(loaded, c.src))
             self.placed.setdefault(pname, []).append((c, key, d.name))
-        if loaded.is_cuda and self.current is None:
-            self.blocks.launch()  # a deferred apply: read the source now, in stream order
+        if loaded.is_cuda:
+            self.blocks.launch()  # read the source now, in stream order (a streaming loader may refill it next)
         self.digest_s += time.perf_counter() - t0
 
     # -- close --------------------------------------------------------------------------------

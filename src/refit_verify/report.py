@@ -74,7 +74,8 @@ class VerificationReport:
     @property
     def verified(self) -> int:
         """Number of names whose digests are equal on both sides."""
-        return sum(1 for k, v in self.sender.items() if self.receiver.get(k) == v)
+        bad = set(self.mismatched)  # equal delivered digests whose bytes changed before they landed count as mismatched
+        return sum(1 for k, v in self.sender.items() if self.receiver.get(k) == v and k not in bad)
 
     @property
     def affected(self) -> tuple[str, ...]:
