@@ -11,7 +11,9 @@ nothing of refit-verify is called by the tests to verify.
 * two GRPO steps: two syncs, versions 0 and 1, each verified (21 tensors, 853,248 bytes proven
   in the engine's layout), each carrying exactly the trainer's bytes at that step;
 * one byte of one parameter flipped between TRL's push and vLLM's copy: ``RefitVerificationError``
-  out of ``trainer.train()``, naming that parameter only;
+  out of ``trainer.train()``, naming that parameter only; one byte of the engine's fused ``qkv_proj``
+  changed after the copy: read-back names that parameter (the fault runs resume from checkpoint-2,
+  so their sync is version 2, not a stale 0);
 * ``REFIT_VERIFY=off`` (a fresh process): TRL's sync is untouched, no digest is taken, training completes.
 """
 
@@ -40,6 +42,7 @@ from tests.support import trl_setup  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 TARGET = "model.layers.1.mlp.down_proj.weight"
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
 FLIP_BYTE = 1001
 N_TENSORS = 21
 N_BYTES = 853_248  # bfloat16 bytes of the tiny Llama: 426,624 elements
@@ -166,43 +169,80 @@ def test_engine_holds_the_step_1_weights(run):
     assert [n for n in live if not torch.equal(live[n].detach(), expected[n])] == []
 
 
-def test_byte_flipped_between_push_and_copy_is_named(run):
-    """One byte of one parameter flipped after TRL pushed it: RefitVerificationError out of train(), that name only."""
-    trainer, steps, _, out_dir, _ = run
-    gen = trainer.vllm_generation
+def _train_step_3_through(trainer, out_dir: Path, wrap) -> RefitVerificationError:
+    """Resume from checkpoint-2 for one more step (one sync, version 2) with ``model.load_weights`` replaced by
+    ``wrap(refit-verify's wrapper)``; return the RefitVerificationError ``train()`` raised."""
     model = _engine_model(trainer)
-    boundary = vars(model)["load_weights"]  # refit-verify's wrapper; TRL calls model.load_weights([(name, param)])
-    seen = []
-
-    @functools.wraps(boundary)
-    def corrupting(weights, *a, **k):
-        out = []
-        for name, t in weights:
-            if name == TARGET:
-                t = t.clone()
-                t.view(torch.uint8).view(-1)[FLIP_BYTE] ^= 0x10
-                seen.append(tensor_digest(t))
-            out.append((name, t))
-        return boundary(out, *a, **k)
-
-    object.__setattr__(model, "load_weights", corrupting)
+    boundary = vars(model)["load_weights"]  # TRL calls model.load_weights([(name, param)]) on this instance
+    object.__setattr__(model, "load_weights", wrap(boundary))
     trainer.args.max_steps = 3
     try:
         with pytest.raises(RefitVerificationError) as ei:
             trainer.train(resume_from_checkpoint=str(out_dir / "checkpoint-2"))
     finally:
         object.__setattr__(model, "load_weights", boundary)
-    err = ei.value
+    return ei.value
+
+
+@pytest.mark.parametrize("wraps", [True, False], ids=["functools-wraps", "plain-function"])
+def test_byte_flipped_between_push_and_copy_is_named(run, wraps):
+    """One byte of one parameter flipped after TRL pushed it, before vLLM copies it: RefitVerificationError out of
+    train(), naming that parameter only. A plain function over refit-verify's wrapper is wrapped again at the
+    next session (the corrupted tensor then reaches an inner boundary); a functools.wraps one is left in place."""
+    trainer, steps, _, out_dir, _ = run
+    gen = trainer.vllm_generation
+    seen = []
+
+    def wrap(boundary):
+        def corrupting(weights, *a, **k):
+            out = []
+            for name, t in weights:
+                if name == TARGET:
+                    t = t.clone()
+                    t.view(torch.uint8).view(-1)[FLIP_BYTE] ^= 0x10
+                    seen.append(tensor_digest(t))
+                out.append((name, t))
+            return boundary(out, *a, **k)
+
+        return functools.wraps(boundary)(corrupting) if wraps else corrupting
+
+    err = _train_step_3_through(trainer, out_dir, wrap)
     r = err.report
     assert len(seen) == 1
     assert (err.mismatched, err.missing, err.unexpected, err.rejected) == ([TARGET], [], [], {})
     assert r.affected == (TARGET,) and r.version == 2 and r.verified == N_TENSORS - 1
     trainer_step2 = digest_tensors(steps.at[2].items())
     assert r.sender[TARGET] == trainer_step2[TARGET] != r.receiver[TARGET] == seen[0]
+    assert {n: h for n, h in r.receiver.items() if n != TARGET} == {n: h for n, h in trainer_step2.items() if n != TARGET}
     # what was delivered is what the engine holds: read-back proves the (corrupted) delivered bytes
-    assert (r.engine_mismatched, r.problems, r.proven_bytes, r.unproven_bytes) == ((), (), N_BYTES, 0)
-    msg = str(err)
-    assert msg.startswith(f"refit session {r.session} version 2 verification failed on worker rank 0 (dp 0, tp 0, pp 0, cpu) "
-                          f"(20 of 21 verified): 1 mismatched: {TARGET}")
-    assert [n for n in steps.at[2] if n != TARGET and n in msg] == []
-    assert gen.refit_verify_history[-1] == (2, [r]) and [v for v, _ in gen.refit_verify_history] == [0, 1, 2]
+    assert (r.engine_mismatched, r.unwritten, r.problems, r.proven_bytes, r.unproven_bytes) == ((), (), (), N_BYTES, 0)
+    assert str(err) == (f"refit session {r.session} version 2 verification failed on worker rank 0 (dp 0, tp 0, pp 0, cpu) "
+                        f"(20 of 21 verified): 1 mismatched: {TARGET}")
+    assert gen.refit_verify_history[-1] == (2, [r]) and [v for v, _ in gen.refit_verify_history[:2]] == [0, 1]
+
+
+def test_engine_bytes_changed_after_load_are_named(run):
+    """The engine's k block of layer 0 changed after TRL's k_proj push was copied in: every delivered digest matches,
+    read-back names the fused parameter that holds other bytes than delivered."""
+    trainer, _, _, out_dir, _ = run
+    qkv = dict(_engine_model(trainer).named_parameters())[QKV]
+
+    def wrap(boundary):
+        @functools.wraps(boundary)
+        def corrupting(weights, *a, **k):
+            weights = list(weights)
+            out = boundary(weights, *a, **k)
+            if weights[0][0] == "model.layers.0.self_attn.k_proj.weight":  # rows 128..191 of qkv_proj
+                qkv.data.view(torch.uint8).view(-1)[128 * 128 * 2 + FLIP_BYTE] ^= 0x10
+            return out
+
+        return corrupting
+
+    err = _train_step_3_through(trainer, out_dir, wrap)
+    r = err.report
+    assert (r.mismatched, r.missing, r.unexpected, r.unwritten, r.problems) == ((), (), (), (), ())
+    assert r.verified == N_TENSORS and r.engine_mismatched == (QKV,) and r.affected == (QKV,)
+    qkv_bytes = (128 + 64 + 64) * 128 * 2
+    assert (r.proven_bytes, r.unproven_bytes) == (N_BYTES - qkv_bytes, qkv_bytes)
+    assert str(err).endswith("(21 of 21 verified): 1 engine parameters holding other bytes than delivered (read-back): "
+                             f"{QKV}")
