@@ -28,6 +28,7 @@ import torch
 from refit_verify import RefitConfig
 from refit_verify.digest import dtype_name
 from refit_verify.errors import RefitTimeoutError
+from refit_verify.stream import round_up as _round_up
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import Buffer, Entry, Hello
 
@@ -37,10 +38,6 @@ LANE = 8  # bytes per 64-bit digest lane
 
 class NotApplicable(Exception):
     """The fault cannot be applied to this refit (e.g. no two lanes differ); a harness bug if raised in a test."""
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 # ------------------------------------------------------------------------------ faults

@@ -111,7 +111,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         cap.records.clear()
         if rank == SRC:
             try:
-                res = BroadcastSender(None, SRC, cfg(mode)).send(items if items is not None else tensors)
+                res = BroadcastSender(group=None, src=SRC, config=cfg(mode)).send(items if items is not None else tensors)
                 out[key] = {"reports": _reports(res)}
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": _err(e)}
@@ -127,7 +127,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
                 loaded[name] = v.detach().cpu().clone()
 
         # Receivers are configured "off" on purpose: they follow the sender's mode.
-        recv = FlipReceiver(None, SRC, RefitConfig(mode="off"), flip=(flip or {}).get(rank), rank=label)
+        recv = FlipReceiver(group=None, src=SRC, config=RefitConfig(mode="off"), flip=(flip or {}).get(rank), rank=label)
         try:
             r = recv.receive(load)
             out[key] = {"ok": r.ok, "mode": r.mode.value, "manifest": None if r.manifest is None else len(r.manifest),
@@ -161,9 +161,9 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         step("after_shared_labels", "enforce")
     try:  # no collective runs: every rank raises on its own
         if rank == SRC:
-            BroadcastSender(None, world, cfg("enforce")).send(tensors)
+            BroadcastSender(group=None, src=world, config=cfg("enforce")).send(tensors)
         else:
-            BroadcastReceiver(None, world).receive(lambda b: None)
+            BroadcastReceiver(group=None, src=world).receive(lambda b: None)
         out["src_out_of_range"] = {"error": None}
     except Exception as e:  # noqa: BLE001
         out["src_out_of_range"] = {"error": _err(e)}
@@ -173,9 +173,9 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         pair, alone = dist.new_group([SRC, 1]), dist.new_group([SRC])
         try:
             if rank == 2:
-                BroadcastReceiver(pair, SRC).receive(lambda b: None)
+                BroadcastReceiver(group=pair, src=SRC).receive(lambda b: None)
             elif rank == SRC:
-                BroadcastSender(alone, SRC, cfg("enforce")).send(tensors)
+                BroadcastSender(group=alone, src=SRC, config=cfg("enforce")).send(tensors)
             out["membership"] = {"error": None}
         except Exception as e:  # noqa: BLE001
             out["membership"] = {"error": _err(e)}
@@ -185,7 +185,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         if rank == fault_rank:
             t0 = time.monotonic()
             try:
-                BroadcastReceiver(sub, SRC).receive(lambda b: None)
+                BroadcastReceiver(group=sub, src=SRC).receive(lambda b: None)
                 out["timeout"] = {"error": None}
             except Exception as e:  # noqa: BLE001
                 out["timeout"] = {"error": _err(e), "waited_s": time.monotonic() - t0}
@@ -279,7 +279,7 @@ def test_off_mode_digests_nothing(ranks) -> None:
 
 def test_load_error_reported_with_rank(ranks) -> None:
     err = ranks[SRC]["load_error"]["error"]
-    assert err["type"] == "RefitProtocolError" and "rank 2" in err["message"] and "load failed for model.norm.weight" in err["message"]
+    assert err["type"] == "RefitReceiveError" and "rank 2" in err["message"] and "load failed for model.norm.weight" in err["message"]
     assert ranks[1]["load_error"]["ok"] and not ranks[2]["load_error"]["ok"]
     assert err["reports_ok"] == {1: True, 2: True}  # digests were taken before load: bytes arrived intact
 

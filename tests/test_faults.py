@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from refit_verify import RefitConfig
-from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitAbortedError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import Complete
 from tests.faults import (
@@ -97,7 +97,7 @@ def check_case(case: Case, mode: str, out, err, res, records) -> None:
         if not f.metadata:
             assert err is None and out is None, f"off mode cannot see {kind}: {ctx}"
             return
-        assert isinstance(err, RefitProtocolError), f"{type(err).__name__}: {err} {ctx}"
+        assert isinstance(err, RefitReceiveError), f"{type(err).__name__}: {err} {ctx}"
         if kind == "ShortenUsed":
             assert f"{len(aff)} entries rejected" in str(err), ctx
             assert len(aff) > 20 or all(n in str(err) for n in aff), ctx  # rejected entries are named (the first 20)

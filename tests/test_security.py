@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_env
-from refit_verify import transport as transport_mod
+from refit_verify.transport import guard
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
@@ -302,7 +302,7 @@ def test_buffers_naming_foreign_or_fake_shared_memory_are_rejected(tmp_path, cas
 
 def test_receiver_refuses_a_peer_of_another_uid(tmp_path, monkeypatch):
     """SO_PEERCRED says the peer is another user: the receiver cuts it off and raises."""
-    monkeypatch.setattr(transport_mod, "_peer_cred", lambda fd: (4242, os.geteuid() + 1000))
+    monkeypatch.setattr(guard, "peer_cred", lambda fd: (4242, os.geteuid() + 1000))
     ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
     try:
         with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=3.0)) as rx:
@@ -316,7 +316,7 @@ def test_receiver_refuses_a_peer_of_another_uid(tmp_path, monkeypatch):
 def test_peer_cred_reads_our_own_uid(tmp_path):
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        assert transport_mod._peer_cred(a.fileno()) == (os.getpid(), os.geteuid())
+        assert guard.peer_cred(a.fileno()) == (os.getpid(), os.geteuid())
     finally:
         a.close()
         b.close()

@@ -19,7 +19,7 @@ import zmq
 import refit_verify.digest as digest_mod
 from refit_verify import RefitConfig, logical_bytes
 from refit_verify.digest import dtype_name
-from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import Buffer, Hello, Reject, decode_reply, encode
 
@@ -408,7 +408,7 @@ def test_load_error_is_deferred_to_done():
             raise RuntimeError("cannot load bad")
 
     with RefitSender(config=RefitConfig.build(mode="log", timeout_s=5.0)) as tx:
-        with pytest.raises(RefitProtocolError, match="cannot load bad"):
+        with pytest.raises(RefitReceiveError, match="cannot load bad"):
             _run_pair(tx, [("good", torch.ones(3)), ("bad", torch.zeros(2))], load=load)
 
 

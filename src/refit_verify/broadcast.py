@@ -4,21 +4,29 @@ Non-colocated RL setups do not share IPC buffers: the trainer's sender rank broa
 tensor (or a packed bucket of tensors) to the inference workers over a process group (NCCL on
 GPUs, gloo on CPUs). This module is that path, verified end to end:
 
-* the sender (:class:`BroadcastSender`, on rank ``src``) broadcasts a header with its **mode**
-  first; receivers verify iff it is not ``off`` (one mode for the whole refit, chosen by the
-  sender, as in the colocated transport);
+* the sender (:class:`BroadcastSender`, on rank ``src``) broadcasts a
+  :class:`~refit_verify.dist_wire.BroadcastHello` with its **mode** first; receivers verify iff it
+  is not ``off`` (one mode for the whole refit, chosen by the sender, as in the staged transport);
 * the sender digests each tensor **before** packing it (covers the cast, pack, broadcast and
-  slicing), then broadcasts per bucket one metadata object (``broadcast_object_list``: names,
-  dtypes, shapes, offsets) followed by the bucket's bytes (``broadcast``);
-* each receiver (:func:`receive_broadcast` / :class:`BroadcastReceiver`) slices the bucket into
-  views of the wire dtype and shape, digests each view **before** calling ``load`` (before
-  ``model.load_weights``, renames, fusion or quantisation), and records ``load`` errors;
-* after the last bucket every receiver's manifest comes back to the sender in one
-  ``gather_object``; the sender compares it with its own manifest per receiving rank
-  (:func:`refit_verify.compare_manifests` with ``rank=``) and applies the mode with
-  :func:`refit_verify.report.act_on`: ``log`` warns per failing rank and returns every report,
-  ``enforce`` raises :class:`BroadcastVerificationError` (a :class:`RefitVerificationError`)
-  carrying **all** ranks' reports, so a clean rank is reported clean next to a failing one.
+  slicing) and packs with the stream layer shared with the staged transport
+  (:class:`refit_verify.stream.Packer`: aligned slots, groups cut at ``buffer_bytes // 2``, an
+  oversized tensor alone); per bucket it broadcasts one typed :class:`~refit_verify.dist_wire.Bucket`
+  (names, dtypes, shapes, offsets) followed by the bucket's bytes;
+* each receiver (:func:`receive_broadcast` / :class:`BroadcastReceiver`) validates every entry on
+  its own (:class:`refit_verify.stream.EntryChecker`: dtype, size, alignment, overlap, bounds,
+  names sent twice; a refused entry is named in the report), slices the bucket into views of the
+  wire dtype and shape, digests each view **before** calling ``load`` (before ``model.load_weights``,
+  renames, fusion or quantisation), and records ``load`` errors;
+* after :class:`~refit_verify.dist_wire.BroadcastComplete` every receiver's
+  :class:`~refit_verify.dist_wire.RankReport` comes back to the sender in one gather; the sender
+  compares it with its own manifest per receiving rank (:func:`refit_verify.stream.receiver_report`)
+  and applies the mode with :func:`refit_verify.report.act_on`: ``log`` warns per failing rank and
+  returns every report, ``enforce`` raises :class:`BroadcastVerificationError` (a
+  :class:`RefitVerificationError`) carrying **all** ranks' reports, so a clean rank is reported
+  clean next to a failing one.
+
+Nothing a peer sends is unpickled: every message is typed msgspec moved as a length-first ``uint8``
+tensor (:mod:`refit_verify.dist_wire`). This module does not import the ZMQ transport.
 
 Ranks are **group-local**: ``src`` and the rank labels in reports are ranks within ``group``
 (``group.rank()``), and every collective addresses them with ``group_src=`` / ``group_dst=``. With
@@ -32,54 +40,48 @@ Bounded waits: every wait is a ``torch.distributed`` collective, bounded by the 
 ``RefitConfig.timeout_s`` cannot shorten it. A gloo timeout or a dropped peer surfaces as
 :class:`~refit_verify.errors.RefitTimeoutError` with the progress made. With NCCL, set
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` (the default in recent torch) so the watchdog turns a stuck
-collective into an error instead of a hang; NCCL object collectives also need
-``torch.cuda.set_device(local_rank)`` on every rank before the refit.
+collective into an error instead of a hang, and ``torch.cuda.set_device(local_rank)`` on every
+rank before the refit (the message tensors live on the current CUDA device).
 
-Source: ``docs/scale.md``; the digest is ``docs/digest-spec.md``.
+Source: ``docs/protocol.md`` (broadcast path), ``docs/scale.md``; the digest is ``docs/digest-spec.md``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from refit_verify.config import RefitConfig, VerifyMode
-from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
+from refit_verify.digest import DigestBatch
+from refit_verify.dist_wire import (BROADCAST_PROTOCOL, BroadcastAbort, BroadcastComplete, BroadcastHello, Bucket, RankReport,
+                                    broadcast_message, comm_device, decode_broadcast, decode_rank_report, gather_messages,
+                                    group_rank, group_size)
 from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitProtocolError,
-                                 RefitTimeoutError, RefitVerificationError)
-from refit_verify.report import VerificationReport, act_on, compare_manifests
+                                 RefitReceiveError, RefitTimeoutError, RefitVerificationError)
 from refit_verify.manifest import ExternalDigests
-from refit_verify.transport import checked_item
+from refit_verify.report import VerificationReport, act_on
+from refit_verify.stream import (MAX_ERROR_CHARS, Batch, LoadFn, Packer, ReceiveState, StreamResult, StreamStats, receiver_report,
+                                 round_up, view_slots)
+from refit_verify.wire import MAX_MESSAGE_BYTES, Entry
 
 __all__ = [
     "BROADCAST_PROTOCOL",
     "BroadcastReceiveResult",
     "BroadcastReceiver",
     "BroadcastSender",
+    "BroadcastStats",
     "BroadcastVerificationError",
     "receive_broadcast",
 ]
 
 logger = logging.getLogger("refit_verify")
 
-BROADCAST_PROTOCOL = 1
-"""Version of the header/bucket/complete object sequence below."""
-
-Batch = list[tuple[str, torch.Tensor]]
-LoadFn = Callable[[Batch], None]
-
-_MAX_ERROR_CHARS = 8192
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer closed")
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def _dist(group=None):
@@ -90,16 +92,6 @@ def _dist(group=None):
     if not dist.is_available() or (group is None and not dist.is_initialized()):
         raise RuntimeError("the broadcast path needs an initialised torch.distributed process group")
     return dist
-
-
-def _group_rank(group) -> int:
-    """This process's rank within ``group`` (``group=None``: the default world)."""
-    return _dist(group).get_rank() if group is None else group.rank()
-
-
-def _group_size(group) -> int:
-    """Number of ranks of ``group`` (``group=None``: the default world)."""
-    return _dist(group).get_world_size() if group is None else group.size()
 
 
 def _check_membership(group, src: int, side: str) -> int:
@@ -114,25 +106,18 @@ def _check_membership(group, src: int, side: str) -> int:
     _dist(group)
     if group is not None and not callable(getattr(group, "rank", None)):
         raise RefitProtocolError(f"broadcast {side}: this process is not a member of the process group it was given ({group!r})")
-    size = _group_size(group)
+    size = group_size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < size:
         raise RefitConfigError(f"broadcast {side}: src={src!r} is not a rank of the group (ranks 0..{size - 1})")
     return size
 
 
-def _comm_device(group) -> torch.device:
-    """Device of the bytes a collective of ``group`` moves: the current CUDA device for NCCL, else CPU."""
-    dist = _dist(group)
-    try:
-        nccl = "nccl" in str(dist.get_backend(group)).lower()
-    except ValueError:
-        # ``get_backend`` reads torch's global group map, which an unregistered (stateless) group is
-        # not in; ask the group itself which devices its backends serve (torch's object collectives
-        # pick their device the same way, ``_get_object_coll_device``).
-        nccl = any(d.type == "cuda" for d in group._device_types)
-    if nccl:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _check_config(config: RefitConfig | None, side: str) -> RefitConfig:
+    if config is None:
+        return RefitConfig()
+    if not isinstance(config, RefitConfig):
+        raise RefitConfigError(f"broadcast {side}: config must be a RefitConfig, got {type(config).__name__}")
+    return config
 
 
 def _masked_by_c10d_logger(e: BaseException) -> bool:
@@ -146,18 +131,16 @@ def _masked_by_c10d_logger(e: BaseException) -> bool:
 def _collective(what: str, progress: dict, fn, *args, **kwargs):
     """Run one collective; a timeout or a dropped peer becomes :class:`RefitTimeoutError`.
 
-    Unregistered groups: torch wraps its collectives (``broadcast``, ``broadcast_object_list``,
-    ``gather_object`` and the ``gather`` / ``all_gather`` they call) in ``c10d_logger._exception_logger``.
-    On an error, when the default group is initialised (always, inside a vLLM worker), it describes
-    the failing call with ``dist.get_backend(group)`` and ``dist.get_rank(group)``; both look the
-    group up in torch's global maps and raise ``ValueError("... is not initialized in the world
-    group map ...")`` for a group that is not there (vLLM's stateless groups). That ValueError
-    replaces the real error (a gloo timeout, a reset peer), which survives as its ``__context__``,
-    once per nested wrapper. Such ValueErrors are unwrapped here back to the error the collective
-    raised. (The collectives themselves work: they only use ``group.rank()``, ``group.size()`` and
-    ``group_src`` / ``group_dst``. Also not usable on such groups: ``src=`` / ``dst=`` global ranks,
-    ``dist.get_backend(group)``, and the object collectives under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
-    with NCCL built in, which call ``get_backend`` on every object.)
+    Unregistered groups: torch wraps its collectives (``broadcast``, ``gather``, ``all_gather``) in
+    ``c10d_logger._exception_logger``. On an error, when the default group is initialised (always,
+    inside a vLLM worker), it describes the failing call with ``dist.get_backend(group)`` and
+    ``dist.get_rank(group)``; both look the group up in torch's global maps and raise
+    ``ValueError("... is not initialized in the world group map ...")`` for a group that is not
+    there (vLLM's stateless groups). That ValueError replaces the real error (a gloo timeout, a
+    reset peer), which survives as its ``__context__``, once per nested wrapper. Such ValueErrors
+    are unwrapped here back to the error the collective raised. (The collectives themselves work:
+    they only use ``group.rank()``, ``group.size()`` and ``group_src`` / ``group_dst``. Also not
+    usable on such groups: ``src=`` / ``dst=`` global ranks and ``dist.get_backend(group)``.)
     """
     try:
         return fn(*args, **kwargs)
@@ -175,7 +158,68 @@ def _collective(what: str, progress: dict, fn, *args, **kwargs):
         raise real from None  # the collective's own error, not the logger's ValueError
 
 
+class BroadcastStats(StreamStats):
+    """Numbers of a broadcast sender's last refit (a plain dict): the keys of
+    :class:`~refit_verify.stream.StreamStats`, ``buckets`` (buckets broadcast, oversized tensors
+    included) and ``receivers`` (receiving ranks that answered)."""
+
+    buckets: int
+    receivers: int
+
+
 # ------------------------------------------------------------------------------ sender
+
+
+class _BroadcastSend:
+    """One broadcast refit on the sender: the progress, the collectives, and the buckets (the packer's sink)."""
+
+    def __init__(self, sender: BroadcastSender, refit_id: str, mode: VerifyMode, capacity: int, device: torch.device) -> None:
+        self.sender, self.capacity, self.device = sender, capacity, device
+        self.msg_device = comm_device(sender.group)
+        self.progress = {"side": "sender", "refit_id": refit_id, "mode": mode.value, "buckets": 0, "tensors": 0, "last_name": None}
+        self.in_collective = False
+        self.bucket: torch.Tensor | None = None
+        self.packer: Packer | None = None
+
+    def run(self, what: str, fn, *args, **kwargs):
+        """Run one collective; ``in_collective`` stays set if it raised (the group is then not usable for an abort)."""
+        self.in_collective = True
+        if self.packer is not None:
+            self.progress["last_name"] = self.packer.last_name
+        out = _collective(what, self.progress, fn, *args, **kwargs)
+        self.in_collective = False
+        return out
+
+    def send(self, msg, what: str) -> None:
+        """Broadcast one typed message to the receivers."""
+        s = self.sender
+        broadcast_message(msg, group=s.group, src=s.src, device=self.msg_device, decode=decode_broadcast,
+                          max_bytes=MAX_MESSAGE_BYTES, what=what, run=self.run)
+
+    # -- PackSink ---------------------------------------------------------------------------------
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self.bucket is None:  # a fresh bucket per group: the last one may still be read by an async collective
+            self.bucket = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
+        return self.bucket
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        self._post(entries, self.bucket[:used])
+        self.bucket = None
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+        # Broadcast straight from the tensor's bytes when they already lie on the group's device
+        # (else one copy there); unpadded: the receivers check such an entry against its exact size.
+        self._post([entry], u8 if u8.device == self.device else u8.to(self.device))
+
+    def _post(self, entries: list[Entry], data: torch.Tensor) -> None:
+        s, p = self.sender, self.progress
+        seq = p["buckets"]
+        s._sending(entries, data)
+        self.send(Bucket(seq=seq, entries=entries, used_bytes=data.numel()), f"bucket {seq} metadata")
+        self.run(f"bucket {seq} bytes", _dist(s.group).broadcast, data, group_src=s.src, group=s.group)
+        p["buckets"] += 1
+        p["tensors"] += len(entries)
 
 
 class BroadcastSender:
@@ -188,20 +232,26 @@ class BroadcastSender:
             rank when ``group`` is None).
         config: ``mode`` (default from ``REFIT_VERIFY``), ``alignment`` of tensor offsets in a
             bucket (512), and ``buffer_bytes``: a bucket holds up to ``buffer_bytes // 2`` bytes
-            (same budget as one staging half of the colocated transport). ``timeout_s`` is not
+            (same budget as one staging half of the staged transport). ``timeout_s`` is not
             used: the group's timeout bounds every wait.
         device: device of the buckets; default the current CUDA device for an NCCL group, else CPU.
 
+    Attributes:
+        last_stats (BroadcastStats | None): the numbers of the last refit whose reports came back.
+
     Every other rank of ``group`` must call :func:`receive_broadcast` for the same refit.
     Reports are keyed by the receivers' ranks within ``group`` (or the ``rank`` labels they chose).
+
+    Raises:
+        RefitConfigError: ``config`` is not a :class:`RefitConfig`.
     """
 
-    def __init__(self, group=None, src: int = 0, config: RefitConfig | None = None, *, device: str | torch.device | None = None) -> None:
+    def __init__(self, *, group=None, src: int = 0, config: RefitConfig | None = None, device: str | torch.device | None = None) -> None:
         self.group = group
         self.src = src
-        self.config = config or RefitConfig()
+        self.config = _check_config(config, "sender")
         self._device = torch.device(device) if device is not None else None
-        self.last_stats: dict | None = None
+        self.last_stats: BroadcastStats | None = None
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[int, VerificationReport] | None:
         """Broadcast every ``(name, tensor)`` to the group and verify each receiving rank.
@@ -215,20 +265,21 @@ class BroadcastSender:
             verifies (``log`` returns failing reports after logging them); ``None`` in ``off`` mode.
 
         Raises:
-            BroadcastVerificationError: ``enforce`` and at least one rank's manifest differs; it
-                carries every rank's report.
-            RefitProtocolError: a receiver reported errors (``load`` raised, entries it refused),
-                after the reports were checked; its ``reports`` attribute holds them (when verifying).
+            BroadcastVerificationError: ``enforce`` and at least one rank's manifest differs or
+                rank refused entries; it carries every rank's report.
+            RefitReceiveError: a receiver reported errors (``load`` raised; in ``off`` mode also
+                refused entries or a count mismatch), after the reports were checked; its
+                ``reports`` attribute holds them (when verifying).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
-            TypeError / ValueError: a bad name or tensor (receivers are sent ``abort`` first).
-            RefitProtocolError: this process is not rank ``src`` of ``group``, or not a member of it;
-                receivers share a ``rank`` label (raised before any collective, resp. at the verdict).
+            TypeError / ValueError: a bad name or tensor (receivers are sent an abort first).
+            RefitProtocolError: this process is not rank ``src`` of ``group``, or not a member of it
+                (before any collective); receivers share a ``rank`` label, or a receiver's report is
+                malformed, oversized or inconsistent with the mode (at the verdict).
             RefitConfigError: ``src`` is not a rank of ``group``; or the mode verifies and the group
                 holds no receiver (size 1). Both before any collective.
         """
         size = _check_membership(self.group, self.src, "sender")
-        dist = _dist(self.group)
-        me = _group_rank(self.group)
+        me = group_rank(self.group)
         if me != self.src:
             raise RefitProtocolError(f"BroadcastSender.send runs on rank {self.src} of the group, this is rank {me}")
         cfg = self.config
@@ -238,141 +289,66 @@ class BroadcastSender:
                 raise RefitConfigError(f"broadcast sender: REFIT_VERIFY={mode.value} but the group holds no receiver "
                                        "(size 1): nothing would be verified")
             logger.warning("broadcast refit into a group of size 1: no receiver")
-        align = cfg.alignment
-        bucket_bytes = max(cfg.buffer_bytes // 2, align)
-        device = self._device or _comm_device(self.group)
         refit_id = uuid.uuid4().hex
-        progress = {"side": "sender", "refit_id": refit_id, "mode": mode.value, "buckets": 0, "tensors": 0, "last_name": None}
+        st = _BroadcastSend(self, refit_id, mode, max(cfg.buffer_bytes // 2, cfg.alignment), self._device or comm_device(self.group))
+        packer = st.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment, digests=DigestBatch() if mode.verifies else None,
+                                    sync_digests=True)
         t_start = time.perf_counter()
-        digest_s = 0.0
-        batch = DigestBatch() if mode.verifies else None
-        cuda_pending = False
-        names: set[str] = set()
-        entries: list[tuple[str, str, list[int], int, int]] = []
-        bucket: torch.Tensor | None = None
-        used = 0
-        n_tensors = 0
-        n_bytes = 0
-        in_collective = False
         header_sent = False
-
-        def bcast_obj(obj: object, what: str) -> None:
-            nonlocal in_collective
-            in_collective = True
-            _collective(what, progress, dist.broadcast_object_list, [obj], group_src=self.src, group=self.group)
-            in_collective = False
-
-        def bcast_bytes(u8: torch.Tensor, what: str) -> None:
-            nonlocal in_collective
-            in_collective = True
-            _collective(what, progress, dist.broadcast, u8, group_src=self.src, group=self.group)
-            in_collective = False
-
-        def finish_digests() -> None:
-            nonlocal digest_s, cuda_pending
-            if cuda_pending and batch is not None:
-                t0 = time.perf_counter()
-                batch.hexdigests()  # drops the batch's references to CUDA tensors (one sync per bucket)
-                digest_s += time.perf_counter() - t0
-            cuda_pending = False
-
-        def post(ents: list, data: torch.Tensor) -> None:
-            finish_digests()
-            seq = progress["buckets"]
-            self._sending(ents, data)
-            bcast_obj({"kind": "bucket", "seq": seq, "entries": ents, "used": data.numel()}, f"bucket {seq} metadata")
-            bcast_bytes(data, f"bucket {seq} bytes")
-            progress["buckets"] += 1
-            progress["tensors"] += len(ents)
-
-        def flush() -> None:
-            nonlocal entries, used, bucket
-            if entries:
-                post(entries, bucket[:used])
-            entries, used, bucket = [], 0, None
-
         try:
             header_sent = True
-            bcast_obj({"kind": "hello", "protocol": BROADCAST_PROTOCOL, "refit_id": refit_id, "mode": mode.value,
-                       "alignment": align}, "header")
-            for item in named_tensors:
-                name, t = checked_item(item, names)
-                progress["last_name"] = name
-                if batch is not None:
-                    t0 = time.perf_counter()
-                    batch.add(name, t)  # before packing: covers the pack, the broadcast and the slicing
-                    digest_s += time.perf_counter() - t0
-                    cuda_pending |= t.is_cuda
-                u8 = logical_bytes(t)
-                n = u8.numel()
-                ent = (name, dtype_name(t.dtype), list(t.shape), 0, n)
-                n_tensors += 1
-                n_bytes += n
-                if _round_up(n, align) > bucket_bytes:
-                    # Oversized: alone, broadcast straight from the tensor's bytes when they already
-                    # lie on the group's device (else one copy there).
-                    flush()
-                    data = u8 if u8.device == device else u8.to(device)
-                    post([ent], data)
-                    continue
-                if used + _round_up(n, align) > bucket_bytes:
-                    flush()
-                if bucket is None:
-                    bucket = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-                if n:
-                    bucket[used : used + n].copy_(u8, non_blocking=bucket.is_cuda and u8.is_cuda)
-                entries.append((name, ent[1], ent[2], used, n))
-                used = _round_up(used + n, align)
-            flush()
-            sender_manifest = None
-            if batch is not None:
-                t0 = time.perf_counter()
-                sender_manifest = batch.hexdigests()
-                digest_s += time.perf_counter() - t0
-            bcast_obj({"kind": "complete", "n_tensors": n_tensors}, "complete")
-            gathered: list = [None] * _group_size(self.group)
-            in_collective = True
-            _collective("receiver manifests", progress, dist.gather_object, None, gathered, group_dst=self.src, group=self.group)
-            in_collective = False
+            st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment), "header")
+            packer.add_all(named_tensors)
+            sender_manifest = packer.manifest()
+            st.send(BroadcastComplete(n_tensors=packer.tensors), "complete")
+            gathered = gather_messages(None, group=self.group, dst=self.src, device=st.msg_device, decode=decode_rank_report,
+                                       max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=st.run)
         except BaseException as e:
-            if header_sent and not in_collective:
+            if header_sent and not st.in_collective:
                 try:
-                    bcast_obj({"kind": "abort", "reason": f"{type(e).__name__}: {e}"[:1000]}, "abort")
+                    st.send(BroadcastAbort(reason=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]), "abort")
                 except Exception:  # noqa: BLE001 - the original error matters more
                     logger.exception("could not broadcast abort")
             raise
         results = [g for g in gathered if g is not None]
-        self.last_stats = {
-            "refit_id": refit_id, "mode": mode.value, "tensors": n_tensors, "bytes": n_bytes,
-            "buckets": progress["buckets"], "receivers": len(results), "digest_s": digest_s,
-            "wall_s": time.perf_counter() - t_start,
-            "receiver_digest_s": max((float(g.get("digest_s", 0.0)) for g in results), default=0.0),
-        }
+        self.last_stats = BroadcastStats(
+            refit_id=refit_id, mode=mode.value, tensors=packer.tensors, bytes=packer.bytes, buckets=st.progress["buckets"],
+            receivers=len(results), digest_s=packer.digest_s, wall_s=time.perf_counter() - t_start,
+            receiver_digest_s=max((g.digest_s for g in results), default=0.0),
+        )
         return self._verdict(mode, sender_manifest, results, refit_id)
 
-    def _sending(self, entries: list, data: torch.Tensor) -> None:
-        """Called with a bucket's entries ``[(name, dtype, shape, offset, nbytes)]`` and its uint8
-        bytes right before they are broadcast, after the sender digested them (CUDA digests done).
-        A no-op; a test subclass may alter ``data`` here to simulate a transfer that corrupts the
-        bytes. ``data`` may be an oversized tensor's own bytes (not a copy)."""
+    def _sending(self, entries: list[Entry], data: torch.Tensor) -> None:
+        """Called with a bucket's entries and its uint8 bytes right before they are broadcast,
+        after the sender digested them (CUDA digests done). A no-op; a test subclass may alter
+        ``data`` here to simulate a transfer that corrupts the bytes. ``data`` may be an oversized
+        tensor's own bytes (not a copy)."""
 
-    def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, results: list[dict],
+    def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, results: list[RankReport],
                  refit_id: str) -> dict[int, VerificationReport] | None:
-        labels = [g["rank"] for g in results]
+        labels = [g.rank for g in results]
         dup = sorted({r for r in labels if labels.count(r) > 1}, key=str)
         if dup:  # a report keyed by a shared label would hide another rank's report
             raise RefitProtocolError(f"broadcast refit {refit_id}: receivers share rank labels {dup} (labels {labels}); each "
                                      "receiver needs a unique `rank` label (the default, its rank in the group, is unique)")
-        errors = {g["rank"]: g["error"] for g in results if g.get("error")}
-        err_text = "; ".join(f"rank {r}: {e}" for r, e in errors.items())
-        if not mode.verifies:
-            if errors:
-                raise RefitProtocolError(f"broadcast refit {refit_id}: receivers reported: {err_text}")
-            return None
-        reports: dict[int, VerificationReport] = {}
+        problems: dict[int, str] = {}
         for g in results:
-            reports[g["rank"]] = compare_manifests(sender_manifest, g.get("manifest") or {}, rank=g["rank"],
-                                                   receiver_error=g.get("error"))
+            if (g.manifest is None) is mode.verifies:
+                raise RefitProtocolError(f"broadcast refit {refit_id}: mode is {mode.value} but rank {g.rank} returned "
+                                         f"{'no manifest' if mode.verifies else 'a manifest'}")
+            parts = [] if mode.verifies or not g.rejected else [
+                f"{len(g.rejected)} entries rejected: " + "; ".join(f"{k} ({v})" for k, v in list(g.rejected.items())[:20])]
+            if g.error:
+                parts.append(g.error)
+            if parts:
+                problems[g.rank] = "; ".join(parts)
+        text = "; ".join(f"rank {r}: {e}" for r, e in problems.items())
+        if not mode.verifies:
+            if problems:
+                raise RefitReceiveError(f"broadcast refit {refit_id}: receivers reported: {text}")
+            return None
+        reports = {g.rank: receiver_report(sender_manifest, g.manifest, g.session, refit_id=refit_id, rejected=g.rejected or {},
+                                           error=g.error, rank=g.rank) for g in results}
         failing = False
         for rep in reports.values():
             try:
@@ -384,8 +360,8 @@ class BroadcastSender:
         for rep in reports.values():
             if rep.ok:
                 logger.info("%s", rep.describe())
-        if errors:
-            err = RefitProtocolError(f"broadcast refit {refit_id}: receivers reported: {err_text}")
+        if problems:
+            err = RefitReceiveError(f"broadcast refit {refit_id}: receivers reported: {text}")
             err.reports = reports  # every rank's verification report, as in the return value
             raise err
         return reports
@@ -394,30 +370,15 @@ class BroadcastSender:
 # ------------------------------------------------------------------------------ receiver
 
 
-@dataclass
-class BroadcastReceiveResult:
-    """Outcome of one :meth:`BroadcastReceiver.receive` on one rank.
+@dataclass(kw_only=True)
+class BroadcastReceiveResult(StreamResult):
+    """Outcome of one :meth:`BroadcastReceiver.receive` on one rank: the fields of
+    :class:`~refit_verify.stream.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
+    ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``), ``buckets`` (buckets received) and
+    ``rank`` (this receiver's label)."""
 
-    Attributes:
-        manifest: ``{name: 32-hex digest}`` of every received tensor (``None`` in ``off`` mode).
-        tensors / bytes / buckets: counts of what arrived. digest_s: seconds in digest code.
-        refit_id, mode: from the sender's header. rank: this receiver's rank label.
-        error: ``load`` errors and refused entries (also sent to the sender), or ``None``.
-    """
-
-    manifest: dict[str, str] | None
-    tensors: int
-    bytes: int
-    buckets: int
-    digest_s: float
-    refit_id: str
-    mode: VerifyMode
-    rank: int
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+    buckets: int = 0
+    rank: int = 0
 
 
 class BroadcastReceiver:
@@ -432,13 +393,16 @@ class BroadcastReceiver:
         rank: the label of this receiver in reports (default: its rank within ``group``). Labels
             must be unique among the receivers of a refit (the sender refuses duplicates): TP ranks
             repeat across DP replicas, so prefer the default there.
+
+    Raises:
+        RefitConfigError: ``config`` is given and is not a :class:`RefitConfig`.
     """
 
-    def __init__(self, group=None, src: int = 0, config: RefitConfig | None = None, *,
+    def __init__(self, *, group=None, src: int = 0, config: RefitConfig | None = None,
                  device: str | torch.device | None = None, rank: int | None = None) -> None:
         self.group = group
         self.src = src
-        self.config = config
+        self.config = None if config is None else _check_config(config, "receiver")
         self._device = torch.device(device) if device is not None else None
         self.rank = rank
 
@@ -448,133 +412,103 @@ class BroadcastReceiver:
         transfer (the digest then sees what ``load`` sees)."""
 
     def receive(self, load: LoadFn, *, digests: ExternalDigests | None = None) -> BroadcastReceiveResult:
-        """Take part in one broadcast refit: receive, digest, ``load``, send the manifest back.
+        """Take part in one broadcast refit: receive, check, digest, ``load``, send the report back.
 
         Args:
-            load: called once per bucket with ``[(name, view)]``; the views alias the bucket and
-                must be copied if kept. Exceptions are recorded and sent to the sender.
+            load: called once per bucket with ``[(name, view)]`` of its accepted entries; the views
+                alias the bucket and must be copied if kept. Exceptions are recorded and sent to the sender.
             digests: where the digests are taken instead of here (a vLLM worker's model boundary,
                 :class:`refit_verify.boundary.SessionDigests`); default: each bucket's views here.
 
         Raises:
-            RefitAbortedError: the sender broadcast ``abort`` (its exception is in the message).
-            RefitProtocolError: an unexpected message or protocol version; this process is not a
-                member of ``group`` or is its ``src`` (before any collective).
+            RefitAbortedError: the sender broadcast an abort (its exception is in the message).
+            RefitProtocolError: a malformed, oversized or unexpected message or protocol version;
+                this process is not a member of ``group`` or is its ``src`` (before any collective).
             RefitConfigError: ``src`` is not a rank of ``group`` (before any collective).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
         """
         _check_membership(self.group, self.src, "receiver")
-        dist = _dist(self.group)
-        me = _group_rank(self.group)
+        me = group_rank(self.group)
         if me == self.src:
             raise RefitProtocolError(f"rank {self.src} of the group is the broadcast sender, not a receiver")
         label = me if self.rank is None else self.rank
-        device = self._device or _comm_device(self.group)
         progress = {"side": f"receiver rank {label}", "refit_id": None, "mode": None, "buckets": 0, "tensors": 0, "last_name": None}
+        msg_device = comm_device(self.group)
 
-        def next_obj(what: str) -> dict:
-            box = [None]
-            _collective(what, progress, dist.broadcast_object_list, box, group_src=self.src, group=self.group)
-            msg = box[0]
-            if not isinstance(msg, dict) or "kind" not in msg:
-                raise RefitProtocolError(f"receiver rank {label}: expected a broadcast refit message, got {type(msg).__name__}")
-            return msg
+        def run(what: str, fn, *args, **kwargs):
+            return _collective(what, progress, fn, *args, **kwargs)
 
-        hello = next_obj("header")
-        if hello["kind"] != "hello":
-            raise RefitProtocolError(f"receiver rank {label}: expected the header, got {hello['kind']!r}")
-        if hello.get("protocol") != BROADCAST_PROTOCOL:
-            raise RefitProtocolError(f"receiver rank {label}: sender speaks broadcast protocol {hello.get('protocol')}, "
+        def next_message(what: str):
+            return broadcast_message(None, group=self.group, src=self.src, device=msg_device, decode=decode_broadcast,
+                                     max_bytes=MAX_MESSAGE_BYTES, what=what, run=run)
+
+        hello = next_message("header")
+        if not isinstance(hello, BroadcastHello):
+            raise RefitProtocolError(f"receiver rank {label}: expected the header, got {type(hello).__name__}")
+        if hello.protocol != BROADCAST_PROTOCOL:
+            raise RefitProtocolError(f"receiver rank {label}: sender speaks broadcast protocol {hello.protocol}, "
                                      f"receiver {BROADCAST_PROTOCOL}")
-        mode = VerifyMode.parse(hello["mode"], source="broadcast header mode")
-        refit_id = hello["refit_id"]
-        progress.update(refit_id=refit_id, mode=mode.value)
-        external = digests if mode.verifies else None
-        batch = DigestBatch() if mode.verifies and external is None else None
-        if external is not None:
-            external.begin(refit_id, None)
+        mode = VerifyMode(hello.mode)
+        state = ReceiveState.start(mode, hello.refit_id, hello.alignment, digests, padded_tail=False)
+        progress.update(refit_id=hello.refit_id, mode=mode.value)
+        if state.external is not None:
+            state.external.begin(hello.refit_id, None)
         try:
-            return self._receive_loop(load, dist, label, device, progress, next_obj, mode, refit_id, batch, external)
+            n_tensors = self._receive_loop(load, state, progress, label, run, next_message)
         except BaseException as e:
-            if external is not None:
-                external.fail(f"{type(e).__name__}: {e}")
+            if state.external is not None:
+                state.external.fail(f"{type(e).__name__}: {e}")
             raise
+        manifest, session, error = state.finish(n_tensors)
+        rejected = dict(state.checker.rejected)
+        report = RankReport(rank=label, manifest=manifest, error=error, rejected=rejected or None, tensors=state.tensors,
+                            bytes=state.bytes, digest_s=state.digest_s, session=session)
+        gather_messages(report, group=self.group, dst=self.src, device=msg_device, decode=decode_rank_report,
+                        max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=run)
+        return BroadcastReceiveResult(manifest=manifest, tensors=state.tensors, bytes=state.bytes, buckets=state.groups,
+                                      digest_s=state.digest_s, refit_id=state.refit_id, mode=mode, rank=label, error=error,
+                                      rejected=rejected)
 
-    def _receive_loop(self, load, dist, label, device, progress, next_obj, mode, refit_id, batch, external) -> BroadcastReceiveResult:
-        errors: list[str] = []
-        seen: set[str] = set()
-        tensors = n_bytes = buckets = entries_received = 0
-        digest_s = 0.0
+    def _receive_loop(self, load: LoadFn, state: ReceiveState, progress: dict, label: int, run, next_message) -> int:
+        """Receive buckets until the sender's complete; return its tensor count."""
+        device = self._device or comm_device(self.group)
+        dist = _dist(self.group)
         while True:
-            msg = next_obj(f"bucket {buckets} metadata or complete")
-            kind = msg["kind"]
-            if kind == "abort":
-                raise RefitAbortedError(f"receiver rank {label}: broadcast refit {refit_id} aborted by the sender after "
-                                        f"{buckets} buckets, {tensors} tensors: {msg.get('reason')}", msg.get("reason", ""), progress)
-            if kind == "complete":
-                break
-            if kind != "bucket":
-                raise RefitProtocolError(f"receiver rank {label}: unexpected message {kind!r} in refit {refit_id}")
-            data = torch.empty(int(msg["used"]), dtype=torch.uint8, device=device)
-            _collective(f"bucket {msg['seq']} bytes", progress, dist.broadcast, data, group_src=self.src, group=self.group)
-            buckets += 1
-            views: Batch = []
-            entries_received += len(msg["entries"])
-            for name, dn, shape, off, nb in msg["entries"]:
-                try:
-                    dtype = getattr(torch, dn)
-                    if not isinstance(dtype, torch.dtype):
-                        raise TypeError(f"not a dtype: {dn}")
-                    if nb != math.prod(shape) * dtype.itemsize or off + nb > data.numel():
-                        raise ValueError(f"layout {dn}{list(shape)} at [{off}, {off + nb}) in {data.numel()} bytes")
-                    if name in seen:
-                        raise ValueError("sent twice in one refit")
-                    seen.add(name)
-                    views.append((name, data[off : off + nb].view(dtype).view(shape)))
-                except Exception as e:  # noqa: BLE001 - refused entry: recorded, left out of the manifest
-                    errors.append(f"entry {name!r} refused: {type(e).__name__}: {e}")
-            tensors += len(views)
-            n_bytes += sum(v.numel() * v.element_size() for _, v in views)
-            progress.update(buckets=buckets, tensors=tensors, last_name=views[-1][0] if views else progress["last_name"])
+            msg = next_message(f"bucket {state.groups} metadata or complete")
+            if isinstance(msg, BroadcastAbort):
+                raise RefitAbortedError(f"receiver rank {label}: broadcast refit {state.refit_id} aborted by the sender after "
+                                        f"{state.groups} buckets, {state.tensors} tensors: {msg.reason}", msg.reason, progress)
+            if isinstance(msg, BroadcastComplete):
+                return msg.n_tensors
+            if not isinstance(msg, Bucket):
+                raise RefitProtocolError(f"receiver rank {label}: unexpected {type(msg).__name__} in refit {state.refit_id}")
+            ends = max((round_up(e.offset + e.nbytes, state.checker.alignment) for e in msg.entries), default=0)
+            if msg.used_bytes > ends:  # checked before allocating: a sender never sends bytes no entry names
+                raise RefitProtocolError(f"receiver rank {label}: bucket {msg.seq} announces {msg.used_bytes} bytes but its "
+                                         f"entries end at byte {ends}")
+            slots = state.checker.check(msg.seq, msg.entries, msg.used_bytes)
+            data = torch.empty(msg.used_bytes, dtype=torch.uint8, device=device)
+            run(f"bucket {msg.seq} bytes", dist.broadcast, data, group_src=self.src, group=self.group)
+            state.groups += 1
+            views = view_slots(data, slots)
             try:
                 self._received(views)
-                if batch is not None:
-                    t0 = time.perf_counter()
-                    for name, v in views:
-                        batch.add(name, v)
-                    if data.is_cuda:
-                        batch.hexdigests()  # finish reading the views before load can touch them
-                    digest_s += time.perf_counter() - t0
-                load(views)
+                state.deliver(views, load, sync_cuda=True)  # finish reading the views before load can touch them
             except Exception as e:  # noqa: BLE001 - recorded for the sender; the refit continues
-                logger.exception("broadcast refit %s: bucket %d failed on rank %s", refit_id, msg["seq"], label)
-                errors.append(f"bucket {msg['seq']} ({len(views)} entries): {type(e).__name__}: {e}")
+                logger.exception("broadcast refit %s: bucket %d failed on rank %s", state.refit_id, msg.seq, label)
+                state.errors.append(f"bucket {msg.seq} ({len(views)} entries): {type(e).__name__}: {e}")
             finally:
+                progress.update(buckets=state.groups, tensors=state.tensors, last_name=state.last_name)
                 views.clear()
                 del data
-        if msg.get("n_tensors") != entries_received:
-            errors.append(f"sender sent {msg.get('n_tensors')} tensors, rank {label} got {entries_received} entries")
-        manifest = None
-        if batch is not None or external is not None:
-            t0 = time.perf_counter()
-            try:
-                manifest = external.finish()[0] if external is not None else batch.hexdigests()
-            except Exception as e:  # noqa: BLE001 - the manifest gather must still happen
-                errors.append(f"digest: {type(e).__name__}: {e}")
-                manifest = {}
-            digest_s += time.perf_counter() - t0
-        error = "; ".join(errors)[:_MAX_ERROR_CHARS] if errors else None
-        reply = {"rank": label, "manifest": manifest, "error": error, "tensors": tensors, "bytes": n_bytes, "digest_s": digest_s}
-        _collective("manifest gather", progress, dist.gather_object, reply, None, group_dst=self.src, group=self.group)
-        return BroadcastReceiveResult(manifest=manifest, tensors=tensors, bytes=n_bytes, buckets=buckets, digest_s=digest_s,
-                                      refit_id=refit_id, mode=mode, rank=label, error=error)
 
 
 def receive_broadcast(group, src: int, load: LoadFn, config: RefitConfig | None = None, *,
                       device: str | torch.device | None = None, rank: int | None = None,
                       digests: ExternalDigests | None = None) -> BroadcastReceiveResult:
-    """Receive one broadcast refit on this rank: ``BroadcastReceiver(group, src, config, ...).receive(load, digests=)``.
+    """Receive one broadcast refit on this rank:
+    ``BroadcastReceiver(group=, src=, config=, device=, rank=).receive(load, digests=)``.
 
     ``src`` is the sender's rank within ``group``; raises what :meth:`BroadcastReceiver.receive` raises.
     """
-    return BroadcastReceiver(group, src, config, device=device, rank=rank).receive(load, digests=digests)
+    return BroadcastReceiver(group=group, src=src, config=config, device=device, rank=rank).receive(load, digests=digests)

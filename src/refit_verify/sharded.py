@@ -39,7 +39,9 @@ import torch
 from refit_verify import digest as _digest
 from refit_verify import reference as _ref
 from refit_verify.digest import dtype_name, logical_bytes, tensor_digest
-from refit_verify.errors import ShardLayoutError
+from refit_verify.dist_wire import (MAX_SHARD_MESSAGE_BYTES, ShardMeta, ShardRoots, all_gather_messages, comm_device,
+                                    decode_shard_meta, decode_shard_roots, gather_messages)
+from refit_verify.errors import RefitProtocolError, ShardLayoutError
 
 __all__ = [
     "CHUNK_BYTES",
@@ -223,12 +225,14 @@ def sharded_digest(shard: torch.Tensor, full_shape: Sequence[int], group=None, d
     """Digest of a tensor split along dim 0 over the ranks of ``group``, evaluated where it lies.
 
     Collective: every rank of ``group`` calls it with its own shard, in rank order along dim 0
-    (group rank 0 holds the first rows). One ``all_gather_object`` of each shard's metadata (dtype,
-    shape) lets every rank check the layout and take the same path; then
+    (group rank 0 holds the first rows). One all-gather of each shard's metadata (a typed
+    :class:`~refit_verify.dist_wire.ShardMeta`: dtype, shape) lets every rank check the layout and
+    take the same path; then
 
     * **roots path** (the shard rule holds, :func:`check_shard_layout`): each rank computes the
-      chunk roots of its rows on its own device, ``gather_object`` brings them to ``dst``, which
-      chains them with the full tensor's seed (:func:`combine_chunk_roots`);
+      chunk roots of its rows on its own device, a gather of typed
+      :class:`~refit_verify.dist_wire.ShardRoots` brings them to ``dst``, which chains them with
+      the full tensor's seed (:func:`combine_chunk_roots`);
     * **gather path** (it does not, and ``fallback="gather"``): the shard bytes are padded to the
       largest shard and gathered on ``dst`` with ``torch.distributed.gather`` (on the shard's
       device: CUDA for NCCL), which digests the reassembled tensor. A WARNING names the reason.
@@ -248,6 +252,9 @@ def sharded_digest(shard: torch.Tensor, full_shape: Sequence[int], group=None, d
     Raises:
         ShardLayoutError: shards disagree on dtype or trailing dims, their rows do not add up to
             ``full_shape[0]``, or the rule fails with ``fallback="raise"`` (raised on every rank).
+        RefitProtocolError: a rank's metadata is malformed or oversized (on every rank), or its
+            roots are malformed or not one per chunk of its rows (on ``dst``). Nothing a rank sends
+            is unpickled (:mod:`refit_verify.dist_wire`).
 
     Waits are bounded by the process group's ``timeout`` (``init_process_group(timeout=...)``).
     """
@@ -261,18 +268,19 @@ def sharded_digest(shard: torch.Tensor, full_shape: Sequence[int], group=None, d
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     is_dst = dist.get_rank() == dst
-    meta = (dtype_name(shard.dtype), tuple(int(d) for d in shard.shape))
-    metas: list = [None] * world
-    dist.all_gather_object(metas, meta, group=group)
+    group_dst = dst if group is None else dist.get_group_rank(group, dst)
+    device = comm_device(group)
+    name = dtype_name(shard.dtype)
+    metas = all_gather_messages(ShardMeta(dtype=name, shape=[int(d) for d in shard.shape]), group=group, device=device,
+                                decode=decode_shard_meta, max_bytes=MAX_SHARD_MESSAGE_BYTES, what="shard metadata")
 
     # Every rank runs the same checks on the same metadata, so all raise or all go on.
-    name = meta[0]
-    for r, (dn, sh) in enumerate(metas):
-        if dn != name:
-            raise ShardLayoutError(f"group rank {r} holds {dn}, group rank {me} holds {name}")
-        if len(sh) != len(full_shape) or tuple(sh[1:]) != full_shape[1:]:
-            raise ShardLayoutError(f"group rank {r}'s shard has shape {list(sh)}, not [rows, *{list(full_shape[1:])}]")
-    rows = [sh[0] for _, sh in metas]
+    for r, m in enumerate(metas):
+        if m.dtype != name:
+            raise ShardLayoutError(f"group rank {r} holds {m.dtype}, group rank {me} holds {name}")
+        if len(m.shape) != len(full_shape) or tuple(m.shape[1:]) != full_shape[1:]:
+            raise ShardLayoutError(f"group rank {r}'s shard has shape {list(m.shape)}, not [rows, *{list(full_shape[1:])}]")
+    rows = [m.shape[0] for m in metas]
     if sum(rows) != full_shape[0]:
         raise ShardLayoutError(f"shards hold {sum(rows)} rows in all, full_shape[0] is {full_shape[0]}")
     row_bytes = math.prod(full_shape[1:]) * shard.element_size()
@@ -282,11 +290,17 @@ def sharded_digest(shard: torch.Tensor, full_shape: Sequence[int], group=None, d
 
     if reason is None:
         roots = shard_chunk_roots(shard, byte_offset=ranges[me][0])
-        gathered: list | None = [None] * world if is_dst else None
-        dist.gather_object(roots, gathered, dst=dst, group=group)
+        mine = ShardRoots(roots=roots)
+        gathered = gather_messages(None if is_dst else mine, group=group, dst=group_dst, device=device,
+                                   decode=decode_shard_roots, max_bytes=MAX_SHARD_MESSAGE_BYTES, what="shard roots")
         if not is_dst:
             return ShardedDigest(None, "roots")
-        flat = [r for part in gathered for r in part]
+        gathered[group_dst] = mine
+        for r, (part, (_, length)) in enumerate(zip(gathered, ranges)):
+            if len(part.roots) != _n_chunks(length):
+                raise RefitProtocolError(f"group rank {r} sent {len(part.roots)} chunk roots for its {length} bytes, "
+                                         f"expected {_n_chunks(length)}")
+        flat = [r for part in gathered for r in part.roots]
         return ShardedDigest(combine_chunk_roots(flat, name, full_shape, nbytes), "roots")
 
     if fallback == "raise":

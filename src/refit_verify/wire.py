@@ -37,6 +37,7 @@ __all__ = [
     "Request",
     "Reply",
     "encode",
+    "decode_message",
     "decode_request",
     "decode_reply",
     "torch_dtype",
@@ -249,12 +250,22 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(msg: Request | Reply) -> bytes:
-    """Encode one message to msgpack bytes."""
+def encode(msg: msgspec.Struct) -> bytes:
+    """Encode one message (of this module or :mod:`refit_verify.dist_wire`) to msgpack bytes."""
     return _encoder.encode(msg)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder, data: bytes | bytearray | memoryview, what: str, max_bytes: int):
+def decode_message(decoder: msgspec.msgpack.Decoder, data: bytes | bytearray | memoryview, what: str, max_bytes: int):
+    """Decode ``data`` with ``decoder`` (a typed msgspec decoder), at most ``max_bytes`` long.
+
+    Raises:
+        RefitProtocolError: ``data`` is longer than ``max_bytes``, or is not exactly one valid
+            message of the decoder's type (a pickle, garbage, truncated or trailing bytes, a
+            message of another direction, an unknown tag, a field out of range). Nothing is
+            unpickled and no type named by the data is built.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RefitProtocolError(f"undecodable {what}: expected bytes, got {type(data).__name__}")
     n = len(data) if not isinstance(data, memoryview) else data.nbytes
     if n > max_bytes:
         raise RefitProtocolError(f"{what} of {n} bytes exceeds the {max_bytes}-byte limit")
@@ -272,7 +283,7 @@ def decode_request(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX
         RefitProtocolError: ``data`` is longer than ``max_bytes``, or is not exactly one valid
             request (a pickle, garbage, a reply, truncated or trailing bytes, a field out of range).
     """
-    return _decode(_request_decoder, data, "request", max_bytes)
+    return decode_message(_request_decoder, data, "request", max_bytes)
 
 
 def decode_reply(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Reply:
@@ -281,7 +292,7 @@ def decode_reply(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_M
     Raises:
         RefitProtocolError: as :func:`decode_request`.
     """
-    return _decode(_reply_decoder, data, "reply", max_bytes)
+    return decode_message(_reply_decoder, data, "reply", max_bytes)
 
 
 def torch_dtype(name: str) -> torch.dtype:

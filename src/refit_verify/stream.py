@@ -1,0 +1,466 @@
+"""The stream layer under both refit transports: packing on the sender, entry checks on the receiver.
+
+A refit is a stream of ``(name, tensor)`` pairs cut into groups; each group travels as one message
+naming its tensors (:class:`~refit_verify.wire.Entry`: name, dtype, shape, offset, nbytes) plus one
+block of bytes holding them at aligned offsets. The staged ZMQ transport
+(:mod:`refit_verify.transport`) puts a group in a shared staging buffer; the broadcast path
+(:mod:`refit_verify.broadcast`) puts it in a bucket broadcast over a ``torch.distributed`` group.
+Everything that does not depend on how the bytes move is here, once:
+
+* sender: :func:`checked_item` (names unique, tensors real), :class:`Packer` (digest **before**
+  packing, the slot layout ``offset = used; used += round_up(nbytes, alignment)``, cutting a group
+  when the next slot or the entry list does not fit, the oversized path: a tensor whose aligned size
+  exceeds a group travels alone), and a :class:`PackSink` per transport that provides buffers and
+  sends groups;
+* receiver: :class:`EntryChecker` (every entry validated on its own before any memory is touched:
+  real dtype, ``nbytes == numel × itemsize``, aligned offset, no overlap with the previous accepted
+  slot, within ``used_bytes``, name new in the refit), :func:`view_slots`, and
+  :class:`ReceiveState` (counts, digests before ``load``, the manifest at the end);
+* both: :func:`receiver_report` (one receiver's manifest or session manifest against the sender's).
+
+Source: ``docs/protocol.md`` (sender and receiver steps, invariants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol, TypedDict
+
+import torch
+
+from refit_verify.config import VerifyMode
+from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
+from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import ExternalDigests, SessionManifest
+from refit_verify.report import VerificationReport, compare_manifests
+from refit_verify.wire import MAX_ENTRIES_BYTES, MAX_NAME_BYTES, Entry, torch_dtype
+
+__all__ = ["Batch", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "PackSink", "Packer", "ReceiveState", "Slot",
+           "StreamResult", "StreamStats", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
+
+logger = logging.getLogger("refit_verify")
+
+Batch = list[tuple[str, torch.Tensor]]
+"""What ``load`` receives: ``(wire name, tensor view of the group's bytes)`` in message order."""
+
+LoadFn = Callable[[Batch], None]
+"""A receiver's ``load(batch)``: called once per group; must copy what it keeps."""
+
+MAX_ERROR_CHARS = 8192
+"""Longest error text a receiver sends back (characters)."""
+MAX_REASON_CHARS = 1000
+"""Longest reason recorded for one rejected entry (characters)."""
+
+SENT_TWICE = "sent twice in one refit"
+
+
+def round_up(n: int, a: int) -> int:
+    """Return ``n`` rounded up to a multiple of ``a`` (bytes)."""
+    return (n + a - 1) // a * a
+
+
+def entry_cost(name: str, dtype: str, ndim: int) -> int:
+    """Upper estimate of one :class:`~refit_verify.wire.Entry`'s msgpack size, bytes."""
+    return len(name.encode()) + len(dtype) + 9 * ndim + 32
+
+
+def checked_item(item: tuple[str, torch.Tensor], seen: set[str]) -> tuple[str, torch.Tensor]:
+    """Validate one ``(name, tensor)`` of a refit stream and record its name in ``seen``.
+
+    Raises:
+        ValueError: the name is not a str of 1..MAX_NAME_BYTES characters, or was given before.
+        TypeError: the tensor is not a ``torch.Tensor``.
+    """
+    name, t = item
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_BYTES:
+        raise ValueError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if name in seen:
+        raise ValueError(f"{name}: given twice in one refit (wire names must be unique)")
+    seen.add(name)
+    return name, t
+
+
+class StreamStats(TypedDict):
+    """Numbers of a sender's last refit, common to both transports (a plain dict:
+    ``sender.last_stats["digest_s"]``).
+
+    Keys:
+        refit_id: the refit's id (32 hex). mode: the mode it ran in (agreed at the handshake).
+        tensors: tensors sent. bytes: their exact bytes (padding excluded).
+        digest_s: seconds the sender spent in digest code (0.0 in ``off`` mode); on CUDA this
+            includes waiting for earlier queued work at the synchronisation points.
+        wall_s: seconds from the first message to the receivers' answer.
+        receiver_digest_s: the receivers' digest seconds (the largest, with several receivers).
+    """
+
+    refit_id: str
+    mode: str
+    tensors: int
+    bytes: int
+    digest_s: float
+    wall_s: float
+    receiver_digest_s: float
+
+
+@dataclass(kw_only=True)
+class StreamResult:
+    """Outcome of one receive, common to both transports.
+
+    Attributes:
+        manifest: ``{name: 32-hex digest}`` of every accepted entry (``None`` when the agreed mode
+            is ``off``). tensors: entries accepted. bytes: their exact bytes. digest_s: seconds in
+            digest code. refit_id: the sender's refit id. mode: the agreed mode.
+        error: errors recorded during the refit that name no entry (also sent to the sender), or ``None``.
+        rejected: ``{name: reason}`` of refused entries (also sent to the sender).
+    """
+
+    manifest: dict[str, str] | None
+    tensors: int
+    bytes: int
+    digest_s: float
+    refit_id: str = ""
+    mode: VerifyMode = VerifyMode.OFF
+    error: str | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was rejected and no error was recorded."""
+        return self.error is None and not self.rejected
+
+
+# ------------------------------------------------------------------------------ sender
+
+
+class PackSink(Protocol):
+    """What a transport gives the :class:`Packer`: memory for a group, and the way to send one."""
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """Return the current group's 1-D uint8 buffer (of at least the packer's capacity), allocated
+        on first use; ``like`` is the first tensor's bytes (a transport may take its device)."""
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        """Send the current group: ``entries`` at their offsets in the buffer, ``used`` aligned bytes."""
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+        """Send one oversized tensor alone: its logical bytes ``u8``, its entry (offset 0) and its
+        aligned size in bytes."""
+
+
+class Packer:
+    """Packs a refit's tensors into groups of aligned slots (the sender's half of the stream layer).
+
+    Args:
+        sink: the transport's :class:`PackSink`.
+        capacity: bytes of one group (``buffer_bytes // 2``); a tensor whose aligned size exceeds
+            it is sent alone (:meth:`PackSink.post_alone`), never split.
+        alignment: byte alignment of every slot (a power of two).
+        digests: where the sender's digests go (``None``: the refit does not verify, no digest code runs).
+        sync_digests: finish a group's CUDA digests with a synchronisation before it is sent
+            (``True``) or only launch them (``False``: the transport orders its stream before the
+            bytes leave).
+        max_entries_bytes: estimated encoded size of a group's entry list at which it is cut.
+
+    Attributes:
+        tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
+        in digest code. last_name (str | None): the last name taken from the stream.
+    """
+
+    def __init__(self, sink: PackSink, *, capacity: int, alignment: int, digests: DigestBatch | None,
+                 sync_digests: bool = False, max_entries_bytes: int = MAX_ENTRIES_BYTES) -> None:
+        self.sink, self.capacity, self.alignment = sink, capacity, alignment
+        self.digests, self.sync_digests, self.max_entries_bytes = digests, sync_digests, max_entries_bytes
+        self.names: set[str] = set()
+        self.entries: list[Entry] = []
+        self.used = 0
+        self._est = 0
+        self._cuda_pending = False
+        self.tensors = 0
+        self.bytes = 0
+        self.digest_s = 0.0
+        self.last_name: str | None = None
+
+    def add(self, item: tuple[str, torch.Tensor]) -> None:
+        """Digest one ``(name, tensor)`` (if verifying), then pack it; may send groups.
+
+        Raises:
+            TypeError / ValueError: as :func:`checked_item`; what the digest raises for a tensor it
+            cannot read (sparse, meta); what the sink raises.
+        """
+        name, t = checked_item(item, self.names)
+        self.last_name = name
+        if self.digests is not None:
+            t0 = time.perf_counter()
+            self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
+            self.digest_s += time.perf_counter() - t0
+            self._cuda_pending |= t.is_cuda
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        a = round_up(n, self.alignment)
+        dt, shape = dtype_name(t.dtype), list(t.shape)
+        if a > self.capacity:
+            self.flush()
+            self.finish_digests()
+            self.sink.post_alone(u8, Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n), a)
+        else:
+            cost = entry_cost(name, dt, t.dim())
+            if self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
+                self.flush()
+            buf = self.sink.buffer(u8)
+            if n:
+                dst = buf[self.used : self.used + n]
+                dst.copy_(u8, non_blocking=dst.is_cuda)
+                del dst
+            self.entries.append(Entry(name=name, dtype=dt, shape=shape, offset=self.used, nbytes=n))
+            self.used += a
+            self._est += cost
+        del u8
+        self.tensors += 1
+        self.bytes += n
+
+    def add_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`add` every item, then :meth:`flush` the last group."""
+        for item in named_tensors:
+            self.add(item)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the pending group, if any (its CUDA digests finished first)."""
+        if self.entries:
+            self.finish_digests()
+            self.sink.post(self.entries, self.used)
+        self.entries, self.used, self._est = [], 0, 0
+
+    def finish_digests(self) -> None:
+        """Launch (or, with ``sync_digests``, finish) the CUDA digests queued since the last group:
+        bounds digest temporaries to one group."""
+        if self._cuda_pending and self.digests is not None:
+            t0 = time.perf_counter()
+            if self.sync_digests:
+                self.digests.hexdigests()
+            else:
+                self.digests.launch()
+            self.digest_s += time.perf_counter() - t0
+        self._cuda_pending = False
+
+    def manifest(self) -> dict[str, str] | None:
+        """Return the sender's manifest ``{name: 32-hex}`` (``None`` when not verifying)."""
+        if self.digests is None:
+            return None
+        t0 = time.perf_counter()
+        out = self.digests.hexdigests()
+        self.digest_s += time.perf_counter() - t0
+        return out
+
+
+# ------------------------------------------------------------------------------ receiver
+
+
+class Slot(NamedTuple):
+    """An accepted entry: where its bytes lie in the group's buffer."""
+
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class EntryChecker:
+    """Receiver-side validation of a refit's entries, group by group (the names of the whole refit).
+
+    Args:
+        alignment: the refit's slot alignment (from the sender's hello).
+        padded_tail: ``True`` (staged transport): every slot, padding included, ends within
+            ``used_bytes``. ``False`` (broadcast): an entry's bytes end within ``used_bytes`` (an
+            oversized tensor is broadcast from its own bytes, unpadded).
+
+    Attributes:
+        rejected (dict[str, str]): ``{name: reason}`` of every refused entry.
+        seen (set[str]): every name received. received (int): entries received.
+        expected_seq (int): the sequence number the next group must carry.
+    """
+
+    def __init__(self, alignment: int, *, padded_tail: bool = True) -> None:
+        self.alignment, self.padded_tail = alignment, padded_tail
+        self.seen: set[str] = set()
+        self.rejected: dict[str, str] = {}
+        self.received = 0
+        self.expected_seq = 0
+
+    def reject(self, name: str, reason: str) -> None:
+        """Record ``name`` as refused (the first reason stays)."""
+        self.rejected.setdefault(name, reason[:MAX_REASON_CHARS])
+
+    def check(self, seq: int, entries: list[Entry], used_bytes: int) -> list[Slot]:
+        """Validate the entries of group ``seq``; return the accepted ones, record the others.
+
+        An entry is accepted when its dtype is a real torch dtype, ``nbytes == numel × itemsize``,
+        its offset is a multiple of the alignment and not below the end of the previously accepted
+        slot, it ends within ``used_bytes`` (see ``padded_tail``) and its name is new in this refit.
+        A name given twice is refused in every copy (the earlier one is dropped from the manifest by
+        :meth:`ReceiveState.finish`). A group out of sequence is refused whole.
+        """
+        align = self.alignment
+        expected = self.expected_seq
+        self.expected_seq = max(expected, seq) + 1
+        self.received += len(entries)
+        if seq != expected:
+            for e in entries:
+                self.reject(e.name, f"buffer seq {seq}, expected {expected}")
+            self.seen.update(e.name for e in entries)
+            return []
+        out: list[Slot] = []
+        end = 0
+        for e in entries:
+            why = None
+            try:
+                dtype = torch_dtype(e.dtype)
+            except RefitProtocolError as err:
+                dtype, why = None, str(err)
+            if why is None:
+                numel = math.prod(e.shape)
+                slot = round_up(e.nbytes, align)
+                stop = e.offset + (slot if self.padded_tail else e.nbytes)
+                if e.nbytes != numel * dtype.itemsize:
+                    why = f"nbytes {e.nbytes} != numel {numel} × itemsize {dtype.itemsize} ({e.dtype}{e.shape})"
+                elif e.offset % align:
+                    why = f"offset {e.offset} is not a multiple of the alignment {align}"
+                elif e.offset < end:
+                    why = f"offset {e.offset} overlaps the previous entry's slot (which ends at {end})"
+                elif stop > used_bytes:
+                    why = f"slot [{e.offset}, {stop}) extends past used_bytes {used_bytes}"
+            if e.name in self.seen:
+                self.rejected[e.name] = SENT_TWICE  # whatever else is wrong with this entry
+                continue
+            self.seen.add(e.name)
+            if why is not None:
+                self.reject(e.name, why)
+                continue
+            out.append(Slot(e.name, dtype, list(e.shape), e.offset, e.nbytes))
+            end = e.offset + slot
+        return out
+
+
+def view_slots(buf: torch.Tensor, slots: list[Slot]) -> Batch:
+    """Views of ``buf`` (1-D uint8) as each slot's dtype and shape, in order (no copy)."""
+    return [(s.name, buf[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in slots]
+
+
+@dataclass
+class ReceiveState:
+    """One receiver's state during one refit (both transports).
+
+    Attributes:
+        mode: the agreed mode. refit_id: the sender's id. checker: the entry checks.
+        batch: this receiver's digests (``None`` when not verifying or digesting elsewhere).
+        external: where the digests are taken instead (a vLLM worker's model boundary), or ``None``.
+        groups: groups handled. tensors / bytes: accepted entries and their exact bytes.
+        digest_s: seconds in digest code. last_name: the last accepted name.
+        errors: errors that name no entry (``load`` raised, a count mismatch in ``off`` mode).
+    """
+
+    mode: VerifyMode
+    refit_id: str
+    checker: EntryChecker
+    batch: DigestBatch | None = None
+    external: ExternalDigests | None = None
+    groups: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    digest_s: float = 0.0
+    last_name: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, mode: VerifyMode, refit_id: str, alignment: int, digests: ExternalDigests | None, *,
+              padded_tail: bool = True) -> ReceiveState:
+        """The state of a refit just agreed: digests here (``batch``) unless ``digests`` takes them."""
+        external = digests if mode.verifies else None
+        return cls(mode=mode, refit_id=refit_id, checker=EntryChecker(alignment, padded_tail=padded_tail),
+                   batch=DigestBatch() if mode.verifies and external is None else None, external=external)
+
+    def deliver(self, views: Batch, load: LoadFn, *, sync_cuda: bool) -> None:
+        """Count ``views``, digest them (before ``load``), then ``load`` them.
+
+        ``sync_cuda``: finish CUDA digests before ``load`` (else only launch them; the caller
+        synchronises before the group's memory is reused). Raises what ``load`` raises.
+        """
+        if not views:
+            return
+        self.tensors += len(views)
+        self.bytes += sum(v.numel() * v.element_size() for _, v in views)
+        self.last_name = views[-1][0]
+        if self.batch is not None:
+            t0 = time.perf_counter()
+            for name, v in views:
+                self.batch.add(name, v)
+            if views[0][1].is_cuda:
+                if sync_cuda:
+                    self.batch.hexdigests()
+                else:
+                    self.batch.launch()
+            self.digest_s += time.perf_counter() - t0
+        load(views)
+
+    def finish(self, n_tensors: int) -> tuple[dict[str, str] | None, SessionManifest | None, str | None]:
+        """End the refit after the sender's count ``n_tensors``: ``(manifest, session, error)``.
+
+        A count that differs from the entries received is an error in ``off`` mode (the only signal
+        there) and a warning when verifying (the manifests name the difference). Rejected names
+        are left out of the manifest. A failure while finishing the digests is recorded, never raised.
+        """
+        got = self.checker.received
+        if n_tensors != got:
+            text = f"sender sent {n_tensors} tensors, receiver got {got} entries ({self.tensors} accepted)"
+            if self.mode.verifies:
+                logger.warning("refit %s: %s; the manifests name the difference", self.refit_id, text)
+            else:
+                self.errors.append(text)
+        manifest = session = None
+        if self.batch is not None or self.external is not None:
+            t0 = time.perf_counter()
+            try:
+                if self.external is not None:
+                    got_digests, session = self.external.finish()
+                else:
+                    got_digests = self.batch.hexdigests()
+                manifest = {k: v for k, v in got_digests.items() if k not in self.checker.rejected}
+            except Exception as e:  # noqa: BLE001 - the answer to the sender must still go out
+                logger.exception("refit %s: finishing digests failed", self.refit_id)
+                self.errors.append(f"digest: {type(e).__name__}: {e}")
+                manifest = {}
+            self.digest_s += time.perf_counter() - t0
+        error = "; ".join(self.errors)[:MAX_ERROR_CHARS] if self.errors else None
+        rejected = self.checker.rejected
+        if error:
+            logger.error("refit %s finished with errors: %s", self.refit_id, error)
+        if rejected:
+            logger.error("refit %s: %d entries rejected: %s", self.refit_id, len(rejected),
+                         "; ".join(f"{k} ({v})" for k, v in list(rejected.items())[:20]))
+        return manifest, session, error
+
+
+def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, str], session: SessionManifest | None, *,
+                    refit_id: str, rejected: dict[str, str], error: str | None, rank: int | None,
+                    producer_rank: int | None = None) -> VerificationReport:
+    """Compare one receiver's answer with the sender's manifest (not yet acted on).
+
+    With a ``session`` (the receiver loaded into a vLLM model and digested at its boundary), the
+    comparison is :func:`refit_verify.check.compare_session` (coverage, identity and read-back
+    too); else :func:`refit_verify.report.compare_manifests`. ``rejected`` and ``error`` are
+    carried into the report; ``rank`` labels it.
+    """
+    if session is not None:
+        from refit_verify.check import compare_session
+
+        base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, producer_rank=producer_rank)
+        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank)
+    return compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank)

@@ -1,0 +1,527 @@
+"""The trainer side of the staged transport: :class:`RefitSender` (a ZMQ REQ socket that binds).
+
+One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.stream.Packer` fills two
+ping-pong staging buffers and this module sends one ``Buffer`` per filled buffer in strict REQ/REP
+lockstep (the next group is packed while the receiver reads this one), ``Complete``, and the
+verdict on the receiver's ``Done``. The state of one refit is a :class:`_SendState`.
+See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from refit_verify import staging as _staging
+from refit_verify.config import RefitConfig, VerifyMode
+from refit_verify.digest import DigestBatch
+from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
+from refit_verify.report import VerificationReport, act_on
+from refit_verify.stream import MAX_ERROR_CHARS, Packer, StreamStats, receiver_report
+from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
+                                          ms, private_endpoint)
+from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello,
+                               Reject, Welcome, decode_reply, encode)
+
+__all__ = ["ABORT_WAIT_S", "RefitSender", "RefitStats"]
+
+logger = logging.getLogger("refit_verify")
+
+ABORT_WAIT_S = 5.0
+"""After sending ``Abort``, the sender waits at most ``min(timeout_s, ABORT_WAIT_S)`` seconds for
+its acknowledgement (none after a timeout or a disconnect: the receiver is gone or stuck)."""
+
+
+class RefitStats(StreamStats):
+    """Numbers of the sender's last refit (a plain dict: ``sender.last_stats["digest_s"]``).
+
+    Keys: those of :class:`~refit_verify.stream.StreamStats` (``refit_id``, ``mode`` — ``"off"``
+    when a ``log`` sender met a receiver that cannot verify —, ``tensors``, ``bytes``, ``digest_s``,
+    ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), and ``buffers``:
+    ``Buffer`` messages sent (oversized tensors included).
+    """
+
+    buffers: int
+
+
+@dataclass
+class _Progress:
+    """How far the current refit got (``RefitTimeoutError.progress``); packing counts come from the packer."""
+
+    refit_id: str = ""
+    mode: str = ""
+    buffers_sent: int = 0
+    buffers_acked: int = 0
+    tensors_sent: int = 0
+    tensors_acked: int = 0
+    bytes_sent: int = 0
+    last_acked_name: str | None = None
+    waiting_for: str = ""
+    packer: Packer | None = None
+
+    @property
+    def tensors_packed(self) -> int:
+        return self.packer.tensors if self.packer is not None else 0
+
+    @property
+    def last_name(self) -> str | None:
+        return self.packer.last_name if self.packer is not None else None
+
+    def as_dict(self, **extra: object) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "packer"}
+        d.update(tensors_packed=self.tensors_packed, last_name=self.last_name, **extra)
+        return d
+
+
+@dataclass
+class _SendState:
+    """One refit on the sender: REQ/REP sequencing and the staging buffers (the packer's sink).
+
+    Attributes:
+        requested / mode: the configured and the agreed mode. progress: counts for errors.
+        welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (``off``: taken lazily).
+        outstanding: seq of the unanswered ``Buffer`` (``None``: nothing outstanding).
+        in_flight: ``{seq: (entries, last name)}`` of sent, unacknowledged buffers.
+        pool: the two ping-pong staging buffers (allocated on first use); cur: the one being packed.
+        dedicated: an oversized tensor's own buffer while it is in flight.
+    """
+
+    sender: RefitSender
+    requested: VerifyMode
+    mode: VerifyMode
+    progress: _Progress
+    capacity: int
+    device: torch.device | None
+    hello_sent: bool = False
+    welcome_pending: bool = False
+    outstanding: int | None = None
+    in_flight: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+    next_seq: int = 0
+    pool: list[_staging.StagingBuffer | None] = field(default_factory=lambda: [None, None])
+    cur: int = 0
+    dedicated: _staging.StagingBuffer | None = None
+
+    # -- PackSink ---------------------------------------------------------------------------------
+
+    def _device_for(self, like: torch.Tensor) -> torch.device:
+        if self.device is None:  # the first tensor's device: a CUDA tensor's GPU, else CPU
+            self.device = like.device if like.is_cuda else torch.device("cpu")
+        return self.device
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self.pool[self.cur] is None:
+            self.pool[self.cur] = _staging.allocate(self.capacity, self._device_for(like))
+        return self.pool[self.cur].tensor
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        self.sender._post(self, self.pool[self.cur], entries, used)
+        self.cur ^= 1
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+        # Alone in a dedicated buffer of the exact aligned size (packed while the flushed group is
+        # in flight), sent alone, its Ack taken at once, then freed.
+        self.dedicated = _staging.allocate(aligned, self._device_for(u8))
+        self.dedicated.tensor[: entry.nbytes].copy_(u8, non_blocking=self.dedicated.tensor.is_cuda)
+        self.sender._post(self, self.dedicated, [entry], aligned)
+        self.sender._settle(self)
+        self.dedicated.close()
+        self.dedicated = None
+
+    def free_pool(self) -> None:
+        """Free every staging buffer (all acknowledged, or the refit failed)."""
+        for i, b in enumerate(self.pool):
+            if b is not None:
+                b.close()
+                self.pool[i] = None
+        if self.dedicated is not None:
+            self.dedicated.close()
+            self.dedicated = None
+
+
+class RefitSender:
+    """Trainer side of a refit channel: binds a REQ socket and streams tensors.
+
+    Args:
+        config: channel options (mode, staging budget ``buffer_bytes``, ``alignment``,
+            ``timeout_s``); default :class:`RefitConfig` (mode from ``REFIT_VERIFY``).
+        device: staging device (``"cpu"`` → POSIX shared memory, ``"cuda:i"`` → CUDA IPC); default:
+            the device of the first tensor of each refit (CUDA tensor → its GPU, else CPU).
+        endpoint: ZMQ endpoint to bind; default ``ipc://<private dir>/refit.sock`` where the
+            directory is created by ``tempfile.mkdtemp`` (mode 0700, a name with 64 random bits plus
+            mkdtemp's own suffix) and removed by :meth:`close`. An explicit ``ipc://`` endpoint must
+            lie in a directory owned by this user and not writable by group or others, and must not
+            be bound by another sender.
+        rank: the vLLM worker rank this sender serves (one sender per worker, e.g. per GPU with
+            tensor parallelism); carried into every report so a mismatch names the worker.
+
+    Attributes:
+        last_stats (RefitStats | None): a dict with the numbers of the last refit that got its
+            ``Done`` (set before the verdict is applied, so also after a verification error).
+
+    Two staging buffers of ``buffer_bytes // 2`` bytes each are used alternately; a tensor whose
+    aligned size exceeds that goes alone in a dedicated buffer of its exact aligned size.
+
+    Each new connection is checked with ``SO_PEERCRED`` where the platform allows: a peer of another
+    uid (root excepted) is logged and cut off. A refit sends ``Abort`` to the receiver when it fails on
+    this side, and fails fast (``RefitTimeoutError``, reason ``"receiver disconnected"``) when the
+    receiver's connection drops while a reply is awaited.
+
+    Raises:
+        RefitConfigError: a bad ``config``; an explicit ``ipc://`` endpoint in a non-private
+            directory; an endpoint already bound by another sender (or another program), named in
+            the message: a second sender is refused, never allowed to take the first one's socket.
+    """
+
+    def __init__(self, *, config: RefitConfig | None = None, device: str | torch.device | None = None, endpoint: str | None = None,
+                 rank: int | None = None) -> None:
+        self.rank = rank
+        self.config = config if config is not None else RefitConfig()
+        if not isinstance(self.config, RefitConfig):
+            raise RefitConfigError(f"config must be a RefitConfig, got {type(self.config).__name__}")
+        self.device = None if device is None else _staging._as_device(device)
+        self.last_stats: RefitStats | None = None
+        self._private_dir: str | None = None
+        if endpoint is None:
+            endpoint, self._private_dir = private_endpoint()
+        check_private_dir(endpoint, "sender")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REQ)
+        self._watch: PeerWatch | None = None
+        lock: EndpointLock | None = None
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDTIMEO, ms(self.config.timeout_s))
+            self._sock.setsockopt(zmq.RCVTIMEO, ms(self.config.timeout_s))
+            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            # After a timed-out wait or an Abort the socket may send again; late replies to old
+            # requests are dropped.
+            self._sock.setsockopt(zmq.REQ_RELAXED, 1)
+            self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
+            self._watch = PeerWatch(self._sock, endpoint, "sender")
+            self._endpoint, lock = bind_exclusive(self._sock, endpoint)
+            self._watch.endpoint = self._endpoint
+        except BaseException:
+            close_zmq(self._sock, self._watch, self._ctx, self._private_dir, lock)
+            raise
+        self._finalizer = weakref.finalize(self, close_zmq, self._sock, self._watch, self._ctx, self._private_dir, lock)
+        self._progress = _Progress()
+        self._mark = 0
+        self._peer_gave_up = False
+        self._last_hello: bytes | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._watch.mon, zmq.POLLIN)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, to hand to :class:`RefitReceiver` (e.g. ``ipc:///tmp/refit-verify-x/refit.sock``)."""
+        return self._endpoint
+
+    def close(self) -> None:
+        """Close the socket, release the endpoint and remove the private directory. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> RefitSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the wire (override points for tests) -----------------------------------------------
+
+    def _exchange(self, msg: Hello | Buffer | Complete, staging: torch.Tensor | None = None) -> Done | None:
+        """Send one request. Every request of a refit except ``Abort`` goes through here, after the
+        sender has digested and packed everything the message references.
+
+        Args:
+            msg: the request.
+            staging: for a ``Buffer``, the whole 1-D uint8 staging tensor it references (its bytes
+                are what the receiver will read); ``None`` otherwise.
+
+        Returns:
+            Done | None: for ``Complete``, the receiver's ``Done`` (awaited here, at most
+            ``timeout_s``). For ``Hello`` and ``Buffer``, ``None``: their reply (``Welcome``,
+            ``Ack``) is collected by the sender later (strict lockstep), so that the next group is
+            packed while the receiver reads this one (double buffering).
+
+        On CUDA the staging device's current stream is synchronised before the handle leaves.
+        A test subclass may corrupt ``staging`` or replace ``msg`` (``msgspec.structs.replace``)
+        before calling ``super()._exchange`` (see ``tests/faults.py``).
+
+        Raises:
+            RefitTimeoutError: the message could not be queued, or ``Done`` did not arrive, within
+                ``timeout_s`` (receiver absent, silent or disconnected).
+            RefitProtocolError: the reply to ``Complete`` is a ``Reject``, undecodable or not ``Done``.
+        """
+        if staging is not None:
+            _staging.synchronize(staging.device)
+        self._send(msg)
+        if isinstance(msg, Complete):
+            return self._take_reply(Done)
+        return None
+
+    def _send(self, msg: Hello | Buffer | Complete) -> None:
+        data = encode(msg)
+        if isinstance(msg, Hello):
+            self._last_hello = data
+        self._watch.drain()
+        self._mark = self._watch.disconnects
+        try:
+            self._sock.send(data, copy=False)
+        except zmq.Again:
+            if isinstance(msg, Hello):
+                raise self._timeout(f"could not send Hello within {self.config.timeout_s:g} s", "receiver never connected",
+                                    "is a RefitReceiver connected to this endpoint? In vLLM: is the refit_verify plugin loaded "
+                                    "in the workers (VLLM_PLUGINS) and refit_verify_receive called?") from None
+            raise self._timeout(f"could not send {type(msg).__name__} within {self.config.timeout_s:g} s", "receiver went silent") from None
+
+    def _take_reply(self, expect: type, seq: int | None = None) -> Welcome | Ack | Done:
+        """Wait (at most ``timeout_s``) for the reply to the outstanding request and check it.
+
+        While waiting for ``Welcome``, a disconnection of another connection re-sends ``Hello`` once
+        (a receiver of an earlier refit may still have been closing when ``Hello`` left; a receiver
+        answers a repeated ``Hello`` of the same refit again).
+
+        Raises:
+            RefitTimeoutError: no reply in time, or the receiver's connection dropped (and no other is
+                left). RefitProtocolError: a ``Reject``, an undecodable reply, or a reply of the wrong
+                type or sequence number.
+        """
+        p = self._progress
+        p.waiting_for = f"{expect.__name__}" + (f"(seq={seq})" if seq is not None else "")
+        deadline = time.monotonic() + self.config.timeout_s
+        mark = self._mark
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent")
+            ready = dict(self._poller.poll(ms(remaining)))
+            self._watch.drain()
+            if self._sock in ready:
+                break
+            if self._watch.disconnects > mark:
+                if not self._watch.live:
+                    if self._sock.poll(ms(LAST_WORDS_S)):
+                        break
+                    raise self._timeout(f"the receiver's connection closed while waiting for {p.waiting_for}", "receiver disconnected")
+                if expect is Welcome and self._last_hello is not None:
+                    logger.info("refit %s: a connection closed while Hello was outstanding; sending Hello again", p.refit_id)
+                    mark = self._watch.disconnects
+                    try:
+                        self._sock.send(self._last_hello, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+        try:
+            data = self._sock.recv(copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:  # pragma: no cover - readable a moment ago
+            raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent") from None
+        reply = decode_reply(data.buffer)
+        p.waiting_for = ""
+        if isinstance(reply, Reject):
+            self._peer_gave_up = True  # a receiver that rejects has stopped: no Abort needed
+            hint = ""
+            if expect is Welcome:
+                hint = (f" (this sender speaks refit-verify protocol {PROTOCOL_VERSION}; a receiver that cannot decode "
+                        "Hello may run an older refit-verify)")
+            raise RefitProtocolError(f"receiver on {self._endpoint} rejected refit {p.refit_id}: {reply.reason}{hint}", progress=p.as_dict())
+        if not isinstance(reply, expect) or (seq is not None and reply.seq != seq):
+            raise RefitProtocolError(f"expected {expect.__name__}" + (f"(seq={seq})" if seq is not None else "") + f", got {reply!r}"[:500], progress=p.as_dict())
+        return reply
+
+    def _timeout(self, what: str, reason: str, hint: str = "") -> RefitTimeoutError:
+        p = self._progress.as_dict(side="sender", silent="receiver", endpoint=self._endpoint, timeout_s=self.config.timeout_s, reason=reason)
+        return RefitTimeoutError(
+            f"refit {p['refit_id']} on {self._endpoint}: {what}; {reason} "
+            f"(buffers acked {p['buffers_acked']}/{p['buffers_sent']}, tensors acked {p['tensors_acked']} of "
+            f"{p['tensors_sent']} sent, last acked {p['last_acked_name']!r}, last packed {p['last_name']!r}); "
+            "staging memory released" + (f". {hint}" if hint else ""),
+            p,
+        )
+
+    def _abort(self, exc: BaseException) -> None:
+        """Tell the receiver this refit is over (``Abort``), so it stops at once. Bounded, never raises."""
+        p = self._progress
+        if self._peer_gave_up:
+            return
+        reason = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+        try:
+            self._sock.send(encode(Abort(reason=reason)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("refit %s: could not send Abort (%s)", p.refit_id, e)
+            return
+        if isinstance(exc, RefitTimeoutError) or not isinstance(exc, Exception):
+            return  # receiver gone or stuck, or an interrupt: do not wait again
+        deadline = time.monotonic() + min(self.config.timeout_s, ABORT_WAIT_S)
+        mark = self._watch.disconnects
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready = dict(self._poller.poll(ms(remaining)))
+            self._watch.drain()
+            if self._sock in ready:
+                try:
+                    reply = decode_reply(self._sock.recv(flags=zmq.NOBLOCK))
+                except (zmq.ZMQError, RefitProtocolError):
+                    return
+                if isinstance(reply, Ack) and reply.seq == ABORT_SEQ:
+                    logger.info("refit %s: receiver acknowledged Abort", p.refit_id)
+                return
+            if self._watch.disconnects > mark and not self._watch.live:
+                return
+        logger.info("refit %s: no acknowledgement of Abort within %.3g s", p.refit_id, min(self.config.timeout_s, ABORT_WAIT_S))
+
+    def _agree(self, requested: VerifyMode, welcome: Welcome) -> VerifyMode:
+        """Turn the receiver's ``Welcome`` into the mode of this refit, or raise."""
+        p = self._progress
+        if welcome.protocol != PROTOCOL_VERSION:
+            raise RefitProtocolError(f"receiver on {self._endpoint} speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", progress=p.as_dict())
+        try:
+            got = VerifyMode.parse(welcome.mode, source="Welcome.mode")
+        except RefitConfigError as e:
+            raise RefitProtocolError(str(e), progress=p.as_dict()) from None
+        if got is requested:
+            return got
+        if got.verifies:
+            raise RefitProtocolError(f"refit {p.refit_id}: the sender asked for mode {requested.value}, the receiver answered {got.value}", progress=p.as_dict())
+        why = welcome.reason or "no reason given"
+        if requested is VerifyMode.ENFORCE:
+            raise RefitProtocolError(
+                f"refit {p.refit_id}: mode agreement failed at the handshake: the sender runs enforce but the receiver on "
+                f"{self._endpoint} cannot verify ({why}); refusing an unverified refit", progress=p.as_dict())
+        logger.warning("refit %s runs UNVERIFIED: the sender's mode is log but the receiver on %s cannot verify (%s)",
+                       p.refit_id, self._endpoint, why)
+        return VerifyMode.OFF
+
+    # -- sequencing (strict REQ/REP lockstep: at most one request outstanding) --------------------
+
+    def _take_welcome(self, st: _SendState) -> None:
+        welcome = self._take_reply(Welcome)
+        st.welcome_pending = False
+        st.mode = self._agree(st.requested, welcome)
+        st.progress.mode = st.mode.value
+
+    def _settle(self, st: _SendState) -> None:
+        """Take every reply due: the lazy ``Welcome`` (``off``), then the outstanding ``Ack``."""
+        p = st.progress
+        if st.welcome_pending:
+            self._take_welcome(st)
+        if st.outstanding is not None:
+            self._take_reply(Ack, st.outstanding)
+            n, last = st.in_flight.pop(st.outstanding)
+            p.buffers_acked += 1
+            p.tensors_acked += n
+            p.last_acked_name = last or p.last_acked_name
+            st.outstanding = None
+
+    def _post(self, st: _SendState, buf: _staging.StagingBuffer, entries: list[Entry], used: int) -> None:
+        """Send one ``Buffer`` once the previous one's ``Ack`` freed the other staging buffer."""
+        self._settle(st)
+        seq = st.next_seq
+        self._exchange(Buffer(seq=seq, handle=buf.handle(), entries=entries, used_bytes=used), buf.tensor)
+        st.outstanding = seq
+        st.in_flight[seq] = (len(entries), entries[-1].name if entries else None)
+        st.next_seq += 1
+        p = st.progress
+        p.buffers_sent += 1
+        p.tensors_sent += len(entries)
+        p.bytes_sent += sum(e.nbytes for e in entries)
+
+    # -- the refit ---------------------------------------------------------------------------
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> VerificationReport | None:
+        """Run one refit: stream every ``(name, tensor)`` to the receiver and verify.
+
+        Args:
+            named_tensors: wire names (unique, 1..4096 characters) and dense tensors of any dtype,
+                shape (0-dim and 0-element included), strides and device. Consumed once, lazily.
+
+        Returns:
+            VerificationReport | None: the comparison of both manifests; ``None`` when the refit ran
+            unverified (mode ``off``, or mode ``log`` with a receiver that cannot verify — logged as a
+            WARNING). In ``log`` mode a failed report is logged (WARNING on ``refit_verify``) and
+            returned.
+
+        Raises:
+            RefitVerificationError: ``enforce`` mode and the manifests differ, or the receiver
+                rejected entries (``report.affected`` names every affected parameter).
+            RefitReceiveError: the receiver reported an error in ``Done`` (``load`` raised; in ``off``
+                mode also rejected entries or a count mismatch); ``.report`` holds the report when
+                one was made.
+            RefitTimeoutError: the receiver did not take a message or reply within ``timeout_s``, or
+                its connection dropped; ``.progress`` tells how far the refit got.
+            RefitProtocolError: mode agreement failed (``enforce`` and a receiver that cannot
+                verify), the receiver rejected a message, or replied out of protocol.
+            TypeError / ValueError: a bad name, a name given twice, or a bad tensor.
+
+        Any exception raised after ``Hello`` went out (these, the iterator's own, an interrupt)
+        first sends ``Abort`` so the receiver stops at once; the staging memory is freed in every case.
+        """
+        cfg = self.config
+        refit_id = uuid.uuid4().hex
+        self._progress = p = _Progress(refit_id=refit_id, mode=cfg.mode.value)
+        st = _SendState(sender=self, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
+        t_start = time.perf_counter()
+        self._watch.drain()
+        self._peer_gave_up = False
+        try:
+            st.hello_sent = True
+            self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
+                                 producer_rank=self.rank, producer_device=None if self.device is None else str(self.device)), None)
+            st.welcome_pending = True
+            if st.requested.verifies:
+                self._take_welcome(st)  # agree before any digest work (one round trip)
+            # In off mode the Welcome is taken lazily, while the first group is packed.
+            packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
+                                       digests=DigestBatch() if st.mode.verifies else None)
+            packer.add_all(named_tensors)
+            self._settle(st)
+            sender_manifest = packer.manifest()
+            st.free_pool()  # both staging buffers are acknowledged: free them before waiting on the receiver
+            self._peer_gave_up = True  # after Complete the receiver reads nothing more of this refit
+            if packer.tensors == 0:
+                logger.warning("refit %s carries no tensors (an exhausted iterator?): nothing to verify", refit_id)
+            done = self._exchange(Complete(n_tensors=packer.tensors), None)
+            if not isinstance(done, Done):  # an override must hand back what super() returned
+                raise RefitProtocolError(f"refit {refit_id}: no Done reply to Complete", progress=p.as_dict())
+        except BaseException as e:
+            if st.hello_sent:
+                self._abort(e)
+            raise
+        finally:
+            st.free_pool()
+        self.last_stats = RefitStats(
+            refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent,
+            digest_s=packer.digest_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
+        )
+        return self._verdict(st.mode, sender_manifest, done)
+
+    def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, done: Done) -> VerificationReport | None:
+        p = self._progress
+        rid = p.refit_id
+        rejected = dict(done.rejected or {})
+        if not mode.verifies:
+            if done.manifest is not None:
+                raise RefitProtocolError(f"refit {rid}: mode is off but the receiver returned a manifest", progress=p.as_dict())
+            problems = []
+            if rejected:
+                problems.append(f"{len(rejected)} entries rejected: " + "; ".join(f"{k} ({v})" for k, v in list(rejected.items())[:20]))
+            if done.error is not None:
+                problems.append(done.error)
+            if problems:
+                raise RefitReceiveError(f"refit {rid}: receiver reported: " + "; ".join(problems), progress=p.as_dict())
+            return None
+        if done.manifest is None:
+            raise RefitProtocolError(f"refit {rid}: mode is {mode.value} but the receiver returned no manifest", progress=p.as_dict())
+        report = receiver_report(sender_manifest, done.manifest, done.session, refit_id=rid, rejected=rejected, error=done.error,
+                                 rank=self.rank, producer_rank=self.rank)
+        report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
+        if done.error is not None:
+            raise RefitReceiveError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())
+        return report
