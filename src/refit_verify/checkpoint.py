@@ -123,7 +123,7 @@ def decode_manifest(data: bytes | str, source: str = "manifest") -> CheckpointMa
     try:
         m = msgspec.json.decode(data, type=CheckpointManifest)
     except msgspec.ValidationError as e:
-        raise RefitConfigError(f"{source}: not a valid checkpoint manifest: {e}") from None
+        raise RefitConfigError(f"{source}: not a valid checkpoint manifest: {_which_tensor(data, e)}") from None
     except msgspec.DecodeError as e:
         raise RefitConfigError(f"{source}: not JSON: {e}") from None
     _check_spec(m.digest_spec, source)
@@ -135,6 +135,22 @@ def decode_manifest(data: bytes | str, source: str = "manifest") -> CheckpointMa
             raise RefitConfigError(f"{source}: tensor {name!r}: bytes {r.bytes} does not match {r.dtype} {r.shape} "
                                    f"({math.prod(r.shape) * size} bytes)")
     return m
+
+
+def _which_tensor(data: bytes | str, e: msgspec.ValidationError) -> str:
+    """msgspec writes a bad record's path as ``$.tensors[...]``: name the tensor."""
+    if "$.tensors[...]" not in str(e):
+        return str(e)
+    try:
+        records = msgspec.json.decode(data)["tensors"]
+        for name, rec in records.items():
+            try:
+                msgspec.convert(rec, TensorRecord)
+            except msgspec.ValidationError as inner:
+                return f"tensor {name!r}: {inner}"
+    except Exception:  # noqa: BLE001 - fall back to msgspec's own message
+        pass
+    return str(e)
 
 
 def _check_spec(version: int, source: str) -> None:

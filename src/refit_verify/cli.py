@@ -109,12 +109,9 @@ def _demo(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _digest(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from refit_verify.checkpoint import digest_checkpoint, encode_manifest, write_manifest
     from refit_verify.errors import RefitConfigError
 
-    err = Console(stderr=True, highlight=False)
     src = Path(args.path)
     if args.output == "-":
         out = None
@@ -137,8 +134,8 @@ def _digest(args: argparse.Namespace) -> int:
         write_manifest(m, out)
         where = str(out)
     rate = f", {nbytes / wall / 1e9:.2f} GB/s" if wall > 0 and nbytes >= 1 << 20 else ""
-    err.print(f"digested {len(m.tensors)} tensors ({_size(nbytes)}) from {len(m.files)} file{'s' * (len(m.files) != 1)} "
-              f"in {wall:.2f} s{rate} (digest v{m.digest_spec}); manifest: {where}")
+    print(f"digested {len(m.tensors)} tensors ({_size(nbytes)}) from {len(m.files)} file{'s' * (len(m.files) != 1)} "
+          f"in {wall:.2f} s{rate} (digest v{m.digest_spec}); manifest: {where}", file=sys.stderr)
     return EXIT_EQUAL
 
 
@@ -170,16 +167,16 @@ def _compare(args: argparse.Namespace) -> int:
     need = sum(max(len(x) for x in (c, *(r[i] for r in cells))) + 3 for i, c in enumerate(cols)) + 1
     probe = Console()
     console = probe if probe.is_terminal else Console(width=max(need, 100), highlight=False)
-    console.print(f"A: {a.label}, {len(a.digests)} tensors")
-    console.print(f"B: {b.label}, {len(b.digests)} tensors")
+    console.print(f"A: {a.label}, {len(a.digests)} tensors", soft_wrap=True)
+    console.print(f"B: {b.label}, {len(b.digests)} tensors", soft_wrap=True)
     if diff.ok:
-        console.print(f"[green]equal[/]: {diff.equal} tensors, same names and digests")
+        console.print(f"[green]equal[/]: {diff.equal} tensors, same names and digests", soft_wrap=True)
         return EXIT_EQUAL
     console.print(t)
     if len(shown) < len(rows):
-        console.print(f"… {len(rows) - len(shown)} more differences not shown (--limit 0 shows all)")
+        console.print(f"… {len(rows) - len(shown)} more differences not shown (--limit 0 shows all)", soft_wrap=True)
     kinds = ", ".join(f"{n} {k}" for k, n in diff.counts.items())
-    console.print(f"[red]differ[/]: {len(rows)} names ({kinds}); {diff.equal} equal")
+    console.print(f"[red]differ[/]: {len(rows)} names ({kinds}); {diff.equal} equal", soft_wrap=True)
     return EXIT_DIFFER
 
 

