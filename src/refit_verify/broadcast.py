@@ -294,17 +294,18 @@ class BroadcastSender:
         packer = st.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment, digests=DigestBatch() if mode.verifies else None,
                                     sync_digests=True)
         t_start = time.perf_counter()
-        header_sent = False
+        abort_due = False  # between the header and the complete, a failure here is told to the receivers
         try:
-            header_sent = True
+            abort_due = True
             st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment), "header")
             packer.add_all(named_tensors)
             sender_manifest = packer.manifest()
             st.send(BroadcastComplete(n_tensors=packer.tensors), "complete")
+            abort_due = False  # the receivers are past their last broadcast: they read no abort
             gathered = gather_messages(None, group=self.group, dst=self.src, device=st.msg_device, decode=decode_rank_report,
                                        max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=st.run)
         except BaseException as e:
-            if header_sent and not st.in_collective:
+            if abort_due and not st.in_collective:
                 try:
                     st.send(BroadcastAbort(reason=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]), "abort")
                 except Exception:  # noqa: BLE001 - the original error matters more

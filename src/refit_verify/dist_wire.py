@@ -69,6 +69,10 @@ class BroadcastHello(msgspec.Struct, tag="broadcast_hello", **_OPTS):
     mode: _Mode
     alignment: Annotated[int, msgspec.Meta(ge=MIN_ALIGNMENT, le=MAX_ALIGNMENT)]
 
+    def __post_init__(self) -> None:  # a ValueError here is a decode error (msgspec)
+        if self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment {self.alignment} is not a power of two")
+
 
 class Bucket(msgspec.Struct, tag="bucket", **_OPTS):
     """One bucket's layout (sender → receivers); its ``used_bytes`` bytes follow as one broadcast.

@@ -149,6 +149,8 @@ class EndpointLock:
     """
 
     def __init__(self, endpoint: str, path: str) -> None:
+        self.socket_path = path
+        self.bound = False  # set once our socket is bound: only then is the socket file ours to unlink
         self.path = path + ".lock"
         while True:
             try:
@@ -177,9 +179,15 @@ class EndpointLock:
             os.close(fd)  # the file was unlinked or replaced under us: lock the current one
 
     def release(self) -> None:
-        """Unlink the lock file and drop the lock. Idempotent."""
+        """Unlink the socket file (libzmq leaves it behind; no other sender can have bound it while
+        the lock is held), then the lock file, and drop the lock. Idempotent."""
         if self._fd is None:
             return
+        try:
+            if self.bound and stat.S_ISSOCK(os.lstat(self.socket_path).st_mode):
+                os.unlink(self.socket_path)
+        except OSError:
+            pass
         try:
             os.unlink(self.path)
         except OSError:
@@ -229,6 +237,8 @@ def bind_exclusive(sock: zmq.Socket, endpoint: str) -> tuple[str, EndpointLock |
                 raise RefitConfigError(f"refit sender: endpoint {endpoint} is already in use (another sender, or another "
                                        "program, is bound to it)") from None
             raise RefitConfigError(f"refit sender: cannot bind endpoint {endpoint}: {e}") from None
+        if lock is not None:
+            lock.bound = True
         return sock.getsockopt_string(zmq.LAST_ENDPOINT), lock
     except BaseException:
         if lock is not None:

@@ -1,0 +1,167 @@
+"""The stream layer shared by the staged transport and the broadcast path (``refit_verify.stream``):
+the packer's slot layout, group cuts and oversized path, digests taken before packing, the
+receiver's per-entry checks; and the broadcast path's independence from ZMQ."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from refit_verify import tensor_digest
+from refit_verify.config import VerifyMode
+from refit_verify.digest import DigestBatch
+from refit_verify.stream import SENT_TWICE, EntryChecker, Packer, ReceiveState, checked_item, round_up, view_slots
+from refit_verify.wire import Entry
+
+
+class RecordingSink:
+    """A PackSink that keeps every posted group's entries and a copy of its bytes, then scribbles
+    over the buffer (as a transport reusing it would)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buf: torch.Tensor | None = None
+        self.posts: list[tuple[str, list[Entry], int, bytes]] = []
+
+    def buffer(self, like):
+        if self.buf is None:
+            self.buf = torch.zeros(self.capacity, dtype=torch.uint8)
+        return self.buf
+
+    def post(self, entries, used):
+        self.posts.append(("group", list(entries), used, self.buf[:used].numpy().tobytes()))
+        self.buf.fill_(0xEE)  # the next group must not depend on what was here
+        self.buf = None
+
+    def post_alone(self, u8, entry, aligned):
+        self.posts.append(("alone", [entry], aligned, u8.numpy().tobytes()))
+
+
+def _t(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_packer_layout_cuts_and_oversized_path():
+    align, cap = 64, 256
+    tensors = [("a", _t(10, 0)), ("b", _t(3, 1, torch.bfloat16)), ("big", _t(100, 2)), ("c", _t(40, 3)), ("d", torch.zeros(0)),
+               ("e", _t(1, 4)), ("f", _t(30, 5))]
+    sink = RecordingSink(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch())
+    p.add_all(tensors)
+    layout = [(kind, [(e.name, e.offset, e.nbytes) for e in ents], used) for kind, ents, used, _ in sink.posts]
+    assert layout == [
+        ("group", [("a", 0, 40), ("b", 64, 6)], 128),  # "big" (400 B > 256) flushes the pending group first
+        ("alone", [("big", 0, 400)], 448),
+        ("group", [("c", 0, 160), ("d", 192, 0), ("e", 192, 4)], 256),  # 0 bytes take no slot; e fills the group
+        ("group", [("f", 0, 120)], 128),
+    ]
+    sent = dict(tensors)
+    for _, ents, _, data in sink.posts:
+        for e in ents:
+            assert data[e.offset : e.offset + e.nbytes] == sent[e.name].contiguous().view(torch.uint8).numpy().tobytes(), e.name
+    assert p.tensors == 7 and p.bytes == 40 + 6 + 400 + 160 + 0 + 4 + 120
+    assert p.manifest() == {n: tensor_digest(t) for n, t in tensors}
+
+
+def test_packer_digests_before_packing_and_off_runs_no_digest():
+    """What the digest covers is the tensor as given, not the staged bytes: a sink that corrupts a
+    slot after packing leaves the sender's manifest unchanged."""
+    t = _t(16, 9)
+
+    class Corrupting(RecordingSink):
+        def post(self, entries, used):
+            self.buf[0] ^= 1
+            super().post(entries, used)
+
+    p = Packer(Corrupting(1024), capacity=1024, alignment=16, digests=DigestBatch())
+    p.add_all([("w", t)])
+    assert p.manifest() == {"w": tensor_digest(t)}
+    off = Packer(RecordingSink(1024), capacity=1024, alignment=16, digests=None)
+    off.add_all([("w", t)])
+    assert off.manifest() is None and off.digest_s == 0.0
+
+
+def test_packer_cuts_a_group_when_its_entry_list_would_grow_too_large():
+    sink = RecordingSink(1 << 20)
+    p = Packer(sink, capacity=1 << 20, alignment=16, digests=None, max_entries_bytes=200)
+    p.add_all([(f"layers.{i}.weight", _t(2, i)) for i in range(10)])
+    assert [len(ents) for _, ents, _, _ in sink.posts] == [3, 3, 3, 1]  # ~50 B per entry estimate
+
+
+def test_checked_item_names_and_types():
+    seen: set[str] = set()
+    assert checked_item(("a", torch.ones(1)), seen)[0] == "a"
+    with pytest.raises(ValueError, match="given twice"):
+        checked_item(("a", torch.ones(1)), seen)
+    with pytest.raises(ValueError, match="1..4096 characters"):
+        checked_item(("", torch.ones(1)), seen)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        checked_item(("b", [1.0]), seen)
+
+
+def E(name, dtype, shape, offset, nbytes):
+    return Entry(name=name, dtype=dtype, shape=shape, offset=offset, nbytes=nbytes)
+
+
+def test_entry_checker_refuses_each_bad_entry_alone():
+    c = EntryChecker(64)
+    entries = [E("ok", "float32", [4], 0, 16), E("dtype", "tensor", [4], 64, 16), E("size", "float32", [4], 64, 20),
+               E("misaligned", "float32", [4], 72, 16), E("overlap", "float32", [4], 0, 16), E("past", "float32", [20], 64, 80),
+               E("ok2", "bfloat16", [2, 3], 64, 12)]
+    slots = c.check(0, entries, 128)
+    assert [s.name for s in slots] == ["ok", "ok2"] and slots[1].dtype is torch.bfloat16 and slots[1].shape == [2, 3]
+    assert c.rejected == {
+        "dtype": "unknown dtype 'tensor'",
+        "size": "nbytes 20 != numel 4 × itemsize 4 (float32[4])",
+        "misaligned": "offset 72 is not a multiple of the alignment 64",
+        "overlap": "offset 0 overlaps the previous entry's slot (which ends at 64)",
+        "past": "slot [64, 192) extends past used_bytes 128",
+    }
+    assert c.received == 7 and c.expected_seq == 1
+
+
+def test_entry_checker_names_twice_sequence_and_unpadded_tail():
+    c = EntryChecker(64)
+    assert [s.name for s in c.check(0, [E("a", "int8", [4], 0, 4)], 64)] == ["a"]
+    assert c.check(1, [E("a", "int8", [4], 0, 4), E("b", "int8", [4], 64, 4)], 128)[0].name == "b"
+    assert c.rejected == {"a": SENT_TWICE}
+    assert c.check(5, [E("c", "int8", [4], 0, 4)], 64) == [] and c.rejected["c"] == "buffer seq 5, expected 2"
+    padded = EntryChecker(64).check(0, [E("t", "int8", [10], 0, 10)], 10)
+    unpadded = EntryChecker(64, padded_tail=False).check(0, [E("t", "int8", [10], 0, 10)], 10)
+    assert padded == [] and [s.name for s in unpadded] == ["t"]
+
+
+def test_receive_state_digests_before_load_and_drops_rejected_names():
+    state = ReceiveState.start(VerifyMode.ENFORCE, "r1", 16, None)
+    buf = torch.arange(64, dtype=torch.uint8)
+    slots = state.checker.check(0, [E("x", "uint8", [16], 0, 16), E("y", "uint8", [16], 8, 16), E("z", "uint8", [4, 4], 16, 16)], 64)
+    seen: list[str] = []
+
+    def load(batch):
+        for n, v in batch:
+            v.zero_()  # load may do anything with the views: the digests were taken before
+            seen.append(n)
+
+    state.deliver(view_slots(buf, slots), load, sync_cuda=True)
+    manifest, session, error = state.finish(3)
+    assert seen == ["x", "z"] and session is None and error is None
+    assert manifest == {"x": tensor_digest(torch.arange(16, dtype=torch.uint8)),
+                        "z": tensor_digest(torch.arange(16, 32, dtype=torch.uint8).view(4, 4))}
+    assert state.checker.rejected == {"y": "offset 8 is not a multiple of the alignment 16"}
+    off = ReceiveState.start(VerifyMode.OFF, "r2", 16, None)
+    assert off.batch is None and off.finish(1) == (None, None, "sender sent 1 tensors, receiver got 0 entries (0 accepted)")
+
+
+def test_round_up():
+    assert [round_up(n, 512) for n in (0, 1, 512, 513)] == [0, 512, 512, 1024]
+
+
+def test_broadcast_path_imports_neither_zmq_nor_the_transport():
+    code = ("import sys, refit_verify.broadcast, refit_verify.sharded, refit_verify.dist_wire\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'zmq' or m.startswith('refit_verify.transport')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
