@@ -4,7 +4,7 @@ A trainer process (spawned) joins a process group with the engine's worker as ra
 :func:`refit_verify.vllm_plugin.broadcast_group`, while this process makes the worker join as rank 1
 with ``collective_rpc("refit_verify_broadcast_init", ...)``. The group is vLLM's stateless one:
 neither the trainer's nor the worker's default ``torch.distributed`` state is touched. Then, per
-scenario, the trainer runs ``BroadcastSender(group, src=0, ...).send(weights)`` while this process
+scenario, the trainer runs ``BroadcastSender(group=group, src=0, ...).send(weights)`` while this process
 calls ``collective_rpc("refit_verify_broadcast_receive")``:
 
 * ``clean`` (``enforce``): the trainer's report says group rank 1 verified all 21 tensors and the
@@ -57,9 +57,9 @@ class FlipSender(BroadcastSender):
         self.target, self.byte_index, self.flipped = target, byte_index, False
 
     def _sending(self, entries, data) -> None:
-        for name, _dtype, _shape, off, nbytes in entries:
-            if name == self.target and nbytes > self.byte_index:
-                data[off + self.byte_index] ^= 1
+        for e in entries:
+            if e.name == self.target and e.nbytes > self.byte_index:
+                data[e.offset + self.byte_index] ^= 1
                 self.flipped = True
         if data.is_cuda:
             torch.cuda.synchronize(data.device)
@@ -91,7 +91,7 @@ def _trainer(port: int, out_dir: str, device: str, model_dir: str) -> None:
         for key, mode, target, seed in SCENARIOS:
             cap.records.clear()
             weights = models.random_state_dict(cfg, seed=seed, device=device)
-            sender = FlipSender(group, 0, RefitConfig(mode=mode, buffer_bytes=BUFFER), target=target, byte_index=BYTE)
+            sender = FlipSender(group=group, src=0, config=RefitConfig(mode=mode, buffer_bytes=BUFFER), target=target, byte_index=BYTE)
             try:
                 out[key] = {"reports": _reports(sender.send(weights.items()))}
             except Exception as e:  # noqa: BLE001 - checked by the tests
