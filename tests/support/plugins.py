@@ -40,3 +40,38 @@ def entry_points_dir(d: Path, entries: dict[str, str], dist: str = "refit_verify
     lines = "".join(f"{k} = {v}\n" for k, v in entries.items())
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{lines}")
     return d
+
+
+SWAP_GATE_UP = "refit_verify_test_swap_gate_up"
+SWAP_GATE_UP_TARGET = "tests.support.plugins:register_swap_gate_up"
+SWAP_GATE_UP_ENV = "REFIT_VERIFY_TEST_SWAP_GATE_UP"
+
+
+def register_swap_gate_up() -> None:
+    """``vllm.general_plugins`` entry point: a loader bug for the engine-state tests; idempotent.
+
+    Active only in processes started with ``REFIT_VERIFY_TEST_SWAP_GATE_UP=1``: from the second
+    real load of each ``gate_up_proj`` shard on (the first refit after a dummy start is the first
+    load), ``MergedColumnParallelLinear.weight_loader_v2`` writes the gate block into the up rows
+    and the up block into the gate rows — delivered bytes are intact, the engine holds them in
+    the wrong place (a loader that misplaces blocks on a later load, vLLM #42821 class).
+    """
+    import os
+
+    if os.environ.get(SWAP_GATE_UP_ENV) != "1":
+        return
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    original = MergedColumnParallelLinear.weight_loader_v2
+    if getattr(original, "__name__", "") == "_swapping_loader":
+        return
+
+    def _swapping_loader(self, param, loaded_weight, loaded_shard_id=None):
+        if not param.is_meta and loaded_shard_id in (0, 1):
+            n = self.__dict__.get("_rv_real_loads", 0) + 1
+            self.__dict__["_rv_real_loads"] = n
+            if n > 2:
+                loaded_shard_id = 1 - loaded_shard_id
+        return original(self, param, loaded_weight, loaded_shard_id)
+
+    MergedColumnParallelLinear.weight_loader_v2 = _swapping_loader

@@ -62,6 +62,9 @@ def _engine_kwargs(engine: Any) -> dict[str, Any]:
     pc = getattr(getattr(engine.llm_engine, "vllm_config", None), "parallel_config", None)
     out = {"dtype": str(mc.dtype).removeprefix("torch."), "max_model_len": mc.max_model_len, "enforce_eager": True,
            "skip_tokenizer_init": True, "seed": 0}
+    cc = getattr(getattr(engine.llm_engine, "vllm_config", None), "cache_config", None)
+    if getattr(cc, "gpu_memory_utilization", None) is not None:
+        out["gpu_memory_utilization"] = cc.gpu_memory_utilization
     if pc is not None:
         out["tensor_parallel_size"] = pc.tensor_parallel_size
     return out
