@@ -93,15 +93,15 @@ def test_off_mode_computes_no_digests(engine, device, monkeypatch):
     assert workers[0]["tensors"] == len(weights)
 
 
-def test_readme_trainer_pattern_raises_in_the_caller(engine, device):
-    """The README's trainer snippet: the sender runs in a future, so enforce's error reaches the caller."""
-    from concurrent.futures import ThreadPoolExecutor
+def test_readme_one_call_push_raises_in_the_caller(engine, device):
+    """The README's one call: refit_verify.push verifies at the model boundary and raises in the caller."""
+    import refit_verify
 
     llm, cfg = engine
     weights = models.random_state_dict(cfg, seed=11, device=device)
-    with OneByteFlipSender(config=_cfg("enforce"), device=device, target=TARGET, byte_index=5) as sender, ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(sender.send, weights.items())
-        llm.collective_rpc("refit_verify_receive", args=(sender.endpoint, {"timeout_s": 60.0}))
+    res = refit_verify.push(llm, weights, config=_cfg("enforce"))
+    assert res.ok and res.report.verified == len(weights) and res.workers[0]["tensors"] == len(weights)
+    with OneByteFlipSender(config=_cfg("enforce"), device=device, target=TARGET, byte_index=5) as sender:
         with pytest.raises(RefitVerificationError) as ei:
-            sent.result(timeout=60)
+            refit_verify.push(llm, weights, sender=sender)
     assert ei.value.mismatched == [TARGET]
