@@ -46,7 +46,7 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"
 FLIP_BYTE = 1001
 N_TENSORS = 21
 N_BYTES = 853_248  # bfloat16 bytes of the tiny Llama: 426,624 elements
-OFF_TIMEOUT_S = 300
+OFF_TIMEOUT_S = 420  # 35-50 s on a quiet 2-core machine, 124 s seen at load average 8
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _BASE_ENV = dict(os.environ)  # before the module's trainer sets RANK, MASTER_PORT, VLLM_* in this process
 
