@@ -90,14 +90,9 @@ def start_engine(model_dir: str | Path, device: str, console=None, tensor_parall
             llm = start_engine(model_dir, device, None, tensor_parallel_size)
         console.print(f"vLLM engine up in {time.perf_counter() - t0:.1f} s")
         return llm
-    from vllm import LLM
+    from refit_verify.vllm_plugin.engine import start_dummy_engine
 
-    kwargs = dict(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, dtype="bfloat16", seed=0,
-                  tensor_parallel_size=tensor_parallel_size)
-    # on CPU the fraction is checked against free host memory at start-up (the KV cache itself is
-    # VLLM_CPU_KVCACHE_SPACE): a low one lets several engines share a machine
-    kwargs["gpu_memory_utilization"] = 0.3 if device == "cuda" else 0.1
-    return LLM(**kwargs)
+    return start_dummy_engine(model_dir, device, tensor_parallel_size)
 
 
 def push(llm, sender: RefitSender, weights: Mapping[str, torch.Tensor], options: dict) -> tuple[object, list[dict], float]:
