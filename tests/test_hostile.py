@@ -72,8 +72,7 @@ VALID = {
     "bucket": Bucket(seq=0, entries=[Entry(name="w", dtype="float32", shape=[4], offset=0, nbytes=16)], used_bytes=512),
     "broadcast_complete": BroadcastComplete(n_tensors=1),
     "broadcast_abort": BroadcastAbort(reason="x"),
-    "rank_report": RankReport(rank=1, manifest={"w": "0" * 32}, error=None, rejected=None, tensors=1, bytes=16, digest_s=0.0,
-                              session=SESSION),
+    "rank_report": RankReport(rank=1, manifest={"w": "0" * 32}, error=None, rejected=None, tensors=1, bytes=16, digest_s=0.0),
     "shard_meta": ShardMeta(dtype="bfloat16", shape=[8, 4]),
     "shard_roots": ShardRoots(roots=[(1, 2), ((1 << 64) - 1, 0)]),
 }
@@ -113,7 +112,7 @@ GARBAGE = {
     "huge-name": msgspec.msgpack.encode(["bucket", 0, [["a" * 5000, "float32", [], 0, 4]], 512]),
     "too-many-dims": msgspec.msgpack.encode(["shard_meta", "float32", [1] * 65]),
     "report-digest-not-str": msgspec.msgpack.encode(["rank_report", 1, {"w": 5}, None, None, 0, 0, 0.0, None]),
-    "report-pickled-session": msgspec.msgpack.encode(["rank_report", 1, {}, None, None, 0, 0, 0.0, pickle.dumps({"a": 1})]),
+    "report-pickled-error": msgspec.msgpack.encode(["rank_report", 1, {}, pickle.dumps({"a": 1}), None, 0, 0, 0.0]),
 }
 
 

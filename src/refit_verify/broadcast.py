@@ -348,7 +348,7 @@ class BroadcastSender:
             if problems:
                 raise RefitReceiveError(f"broadcast refit {refit_id}: receivers reported: {text}")
             return None
-        reports = {g.rank: receiver_report(sender_manifest, g.manifest, g.session, refit_id=refit_id, rejected=g.rejected or {},
+        reports = {g.rank: receiver_report(sender_manifest, g.manifest, None, refit_id=refit_id, rejected=g.rejected or {},
                                            error=g.error, rank=g.rank) for g in results}
         failing = False
         for rep in reports.values():
@@ -460,10 +460,10 @@ class BroadcastReceiver:
             if state.external is not None:
                 state.external.fail(f"{type(e).__name__}: {e}")
             raise
-        manifest, session, error = state.finish(n_tensors)
+        manifest, _session, error = state.finish(n_tensors)  # the session manifest stays with the worker's boundary
         rejected = dict(state.checker.rejected)
         report = RankReport(rank=label, manifest=manifest, error=error, rejected=rejected or None, tensors=state.tensors,
-                            bytes=state.bytes, digest_s=state.digest_s, session=session)
+                            bytes=state.bytes, digest_s=state.digest_s)
         gather_messages(report, group=self.group, dst=self.src, device=msg_device, decode=decode_rank_report,
                         max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=run)
         return BroadcastReceiveResult(manifest=manifest, tensors=state.tensors, bytes=state.bytes, buckets=state.groups,

@@ -30,7 +30,6 @@ import msgspec
 import torch
 
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import SessionManifest
 from refit_verify.wire import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, Entry, _DType, _Name, _NonNeg, _OPTS, _Shape,
                                _Text, decode_message, encode)
 
@@ -109,7 +108,6 @@ class RankReport(msgspec.Struct, tag="rank_report", **_OPTS):
         error: errors that name no entry (``load`` raised, a count mismatch in ``off`` mode), or ``None``.
         rejected: ``{name: reason}`` of refused entries, or ``None``.
         tensors / bytes: entries accepted and their exact bytes. digest_s: seconds in digest code.
-        session: the worker's model-boundary session manifest, when it loads into a vLLM model.
     """
 
     rank: int
@@ -119,7 +117,6 @@ class RankReport(msgspec.Struct, tag="rank_report", **_OPTS):
     tensors: _NonNeg
     bytes: _NonNeg
     digest_s: float
-    session: SessionManifest | None = None
 
 
 class ShardMeta(msgspec.Struct, tag="shard_meta", **_OPTS):
@@ -239,16 +236,16 @@ def broadcast_message(msg: msgspec.Struct | None, *, group, src: int, device: to
         data = encode(msg)
         if len(data) > max_bytes:
             raise RefitProtocolError(f"{what}: {len(data)} bytes encoded, more than the {max_bytes}-byte limit")
-        run(f"{what} (length)", dist.broadcast, torch.tensor([len(data)], dtype=torch.int64, device=device), group_src=src, group=group)
-        run(what, dist.broadcast, _to_tensor(data, len(data), device), group_src=src, group=group)
+        run(what, dist.broadcast, torch.tensor([len(data)], dtype=torch.int64, device=device), group_src=src, group=group)
+        run(f"{what} (bytes)", dist.broadcast, _to_tensor(data, len(data), device), group_src=src, group=group)
         return msg
     n = torch.zeros(1, dtype=torch.int64, device=device)
-    run(f"{what} (length)", dist.broadcast, n, group_src=src, group=group)
+    run(what, dist.broadcast, n, group_src=src, group=group)
     length = int(n.item())
     if not 0 < length <= max_bytes:
         raise RefitProtocolError(f"{what}: the sender announced {length} bytes; accepted 1..{max_bytes} (nothing allocated)")
     buf = torch.empty(length, dtype=torch.uint8, device=device)
-    run(what, dist.broadcast, buf, group_src=src, group=group)
+    run(f"{what} (bytes)", dist.broadcast, buf, group_src=src, group=group)
     return decode(_bytes_of(buf, length))
 
 
@@ -256,7 +253,7 @@ def _lengths(n: int, *, group, world: int, device: torch.device, max_bytes: int,
     """Every rank's message length (``all_gather``); the same check, and error, on every rank."""
     dist = _dist()
     out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    run(f"{what} (lengths)", dist.all_gather, out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
+    run(what, dist.all_gather, out, torch.tensor([n], dtype=torch.int64, device=device), group=group)
     lengths = [int(x.item()) for x in out]
     bad = {r: k for r, k in enumerate(lengths) if not 0 <= k <= max_bytes}
     if bad:
@@ -283,7 +280,7 @@ def gather_messages(msg: msgspec.Struct | None, *, group, dst: int, device: torc
     longest = max(lengths)
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == dst else None
     if longest:  # every rank knows the lengths: all skip an empty gather alike
-        run(what, dist.gather, _to_tensor(data, longest, device), parts, group_dst=dst, group=group)
+        run(f"{what} (bytes)", dist.gather, _to_tensor(data, longest, device), parts, group_dst=dst, group=group)
     if me != dst:
         return None
     out: list[M | None] = []
@@ -312,7 +309,7 @@ def all_gather_messages(msg: msgspec.Struct, *, group, device: torch.device, dec
     lengths = _lengths(len(data), group=group, world=world, device=device, max_bytes=max_bytes, what=what, run=run)
     longest = max(lengths)
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    run(what, dist.all_gather, parts, _to_tensor(data, longest, device), group=group)
+    run(f"{what} (bytes)", dist.all_gather, parts, _to_tensor(data, longest, device), group=group)
     out = []
     for r, (p, n) in enumerate(zip(parts, lengths)):
         try:
