@@ -91,6 +91,12 @@ def test_off_mode_computes_no_digests(engine, device, monkeypatch):
     assert report is None and calls == []
     assert workers[0]["manifest"] is None and workers[0]["digest_s"] == 0
     assert workers[0]["tensors"] == len(weights)
+    # the workers run enforce: an off refit is a load outside any session, reported with the next session
+    monkeypatch.undo()
+    with RefitSender(config=_cfg("enforce"), device=device) as s:
+        err, _, _ = push(llm, s, weights, {"timeout_s": 60.0})
+    assert isinstance(err, RefitVerificationError) and err.report.verified == len(weights) and not err.report.mismatched
+    assert err.report.problems[0].startswith(f"{len(weights)} tensors were loaded into model outside any session")
 
 
 def test_readme_one_call_push_raises_in_the_caller(engine, device):

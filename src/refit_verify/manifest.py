@@ -259,9 +259,6 @@ def to_wire(obj: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(obj)
 
 
-_MAX_ITEMS = 1 << 22
-
-
 def from_wire(data: Any, cls: type = SessionManifest):
     """Rebuild a record of type ``cls`` from builtins received from a worker, validating every field.
 
