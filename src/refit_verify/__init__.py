@@ -71,14 +71,16 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from refit_verify.audits import audit, compare_replicas
     from refit_verify.broadcast import BroadcastReceiver, BroadcastSender
     from refit_verify.check import RefitCheck, refit
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
     from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
-    from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
+    from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
                                      RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
-                                     RefitVerifyError, ShardLayoutError)
+                                     RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
     from refit_verify.manifest import SessionManifest
     from refit_verify.report import VerificationReport, compare_manifests
     from refit_verify.colocated import PushResult, push
     from refit_verify.transport import RefitReceiver, RefitSender
+    from refit_verify.vllm_plugin.canary import canary

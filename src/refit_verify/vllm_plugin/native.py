@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
