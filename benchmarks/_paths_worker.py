@@ -143,6 +143,10 @@ class Bench:
         if self.kind == "inproc":
             self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
             self.model = self.worker.get_model()
+            try:
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload  # noqa: F401
+            except ImportError as e:
+                self.skips["boundary-bucketed"] = f"this vLLM has no layerwise reload ({e})"
         if "transport" in self.paths:
             from refit_verify import RefitConfig
             from refit_verify.transport import RefitSender

