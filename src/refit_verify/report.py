@@ -42,6 +42,8 @@ class VerificationReport:
         unattributed: delivered names whose consumption could not be attributed (transformed by
             the loader before writing); reported, not a failure.
         proven_bytes / unproven_bytes: bytes of engine parameters read-back proved / could not prove.
+        unchecked: what this comparison could not see and why (e.g. coverage and read-back of an
+            update still open on the worker); reported, not a failure.
     """
 
     mismatched: tuple[str, ...]
@@ -63,6 +65,7 @@ class VerificationReport:
     unattributed: tuple[str, ...] = ()
     proven_bytes: int | None = None
     unproven_bytes: int | None = None
+    unchecked: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -101,6 +104,8 @@ class VerificationReport:
                     text += f" ({len(self.not_proven)} parameters not coverable: " + ", ".join(list(self.not_proven)[:limit]) + ")"
             if self.unattributed:
                 text += f"; {len(self.unattributed)} delivered tensors transformed by the loader (consumption not attributable)"
+            if self.unchecked:
+                text += "; not checked: " + "; ".join(self.unchecked)
             return text + (f"; receiver error: {self.receiver_error}" if self.receiver_error else "")
         parts = []
         for label, names in (("mismatched", self.mismatched), ("missing", self.missing), ("unexpected", self.unexpected),
@@ -117,6 +122,8 @@ class VerificationReport:
         if self.receiver_error:
             parts.append(f"receiver error: {self.receiver_error}")
         parts.extend(self.problems)
+        if self.unchecked:
+            parts.append("not checked: " + "; ".join(self.unchecked))
         return f"refit{tag} verification failed{where} ({self.verified} of {len(self.sender)} verified): " + "; ".join(parts)
 
 

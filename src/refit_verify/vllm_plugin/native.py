@@ -26,6 +26,7 @@ Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -36,6 +37,8 @@ from typing import Any
 
 from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
+from refit_verify.check import compare_session
+from refit_verify.manifest import from_wire
 from refit_verify.report import VerificationReport, act_on, compare_manifests
 from refit_verify.vllm_plugin import shims
 from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
@@ -56,6 +59,7 @@ _STATE: dict[str, Any] = {"installed": False, "mode": None, "version": None, "se
 _ACTIVE: list[NativeSendVerifier] = []  # sends in progress in this process (for engine tracking)
 _LAST: dict[str, Any] = {"reports": [], "key": None, "sender": {}}
 _OPEN: list[weakref.ref] = []  # in-process LLMs between start_weight_update and finish_weight_update
+_PENDING: list[NativeSendVerifier] = []  # static sends checked by digests, whose whole session is checked at finish
 STATIC_SENDERS = {"vllm.distributed.weight_transfer.ipc_engine": "IPCWeightTransferEngine",
                   "vllm.distributed.weight_transfer.nccl_engine": "NCCLWeightTransferEngine"}
 """vLLM 0.26's static ``trainer_send_weights`` entries (module -> engine class) that get wrapped."""
@@ -144,6 +148,7 @@ class NativeSendVerifier:
         self.target = target
         self._stream = StreamDigests()
         self.engines: list[weakref.ref] = []
+        self.open_updates = False
 
     @property
     def digests(self) -> dict[str, str]:
@@ -203,6 +208,8 @@ class NativeSendVerifier:
                 raise RefitConfigError(
                     f"refit-verify cannot tell which of {len(seen)} in-process vLLM engines this send updated (all {how}); "
                     "pass the engine explicitly: NativeSendVerifier(target=llm) with trainer_send_weights(v.wrap(params), args)")
+            for llm in seen:
+                self._saw_engine(llm)
             chans = [c for c in (channel(llm) for llm in seen) if c is not None]
         if not chans:
             raise RefitConfigError(
@@ -253,7 +260,8 @@ class NativeSendVerifier:
             if _LAST["key"] == key:  # a further send into the same worker update
                 sender = {**_LAST["sender"], **sender}
             _LAST.update(key=key, sender=sender)
-        reports = [compare_manifests(sender, w.get("manifest") or {}, rank=w.get("rank")) for w in workers]
+        reports = [self._compare(sender, w) for w in workers]
+        self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
         failing = [r for r in reports if not r.ok]
@@ -266,6 +274,20 @@ class NativeSendVerifier:
         for r in reports:
             act_on(r, self.mode)
         return reports
+
+
+    @staticmethod
+    def _compare(sender: dict[str, str], w: dict[str, Any]) -> VerificationReport:
+        """A finished update is compared as a whole session (coverage, apply-time digests, read-back);
+        one still open (0.26: the send runs between start and finish) by its delivered digests, and
+        the report says what it could not check yet."""
+        data = w.get("session_manifest")
+        if data is not None and not w.get("active"):
+            return compare_session({"model": sender}, from_wire(data))
+        r = compare_manifests(sender, w.get("manifest") or {}, rank=w.get("rank"))
+        return dataclasses.replace(r, unchecked=(
+            "coverage, apply-time digests and read-back: the worker's update was still open (checked again when "
+            "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",))
 
 
 # -- vLLM >= 0.27 trainer engines
@@ -415,7 +437,10 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
         _wait_for_device()
-        verifier.verify()
+        verifier.verify()  # delivered digests now (fails fast); the whole session at finish_weight_update
+        if verifier.open_updates:
+            with _LOCK:
+                _PENDING.append(verifier)
         return out
 
     return staticmethod(trainer_send_weights)
@@ -515,7 +540,13 @@ def _wrap_llm_finish(raw: Callable) -> Callable:
     def finish_weight_update(self, *args, **kwargs):
         with _LOCK:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
-        return raw(self, *args, **kwargs)
+            mine = [v for v in _PENDING if v.target is self or getattr(v.target, "__self__", None) is self
+                    or any(r() is self for r in v.engines)]
+            _PENDING[:] = [v for v in _PENDING if v not in mine]
+        out = raw(self, *args, **kwargs)
+        if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
+            mine[-1].verify()
+        return out
 
     return finish_weight_update
 
