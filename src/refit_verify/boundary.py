@@ -577,7 +577,8 @@ class WorkerBoundary:
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
-                                  partial=s.partial, errors=errors, audits=audits)
+                                  partial=s.partial, errors=errors, audits=audits,
+                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0)
             if s.version is not None and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
             self.manifests[s.id] = man

@@ -231,6 +231,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
         audits: automatic audits (after ``wake_up`` / ``reload_weights``) that failed since the
             previous session: the engine's state changed between two refits.
+        snapshot_s: host seconds spent digesting the engine state at close (the audits' baseline).
     """
 
     session: str
@@ -245,6 +246,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     partial: bool = False
     errors: list[str] = []
     audits: list[AuditResult] = []
+    snapshot_s: float = 0.0
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""
