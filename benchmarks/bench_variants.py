@@ -1,9 +1,10 @@
-"""Time the FAST-leaf variants of the digest kernels (``LEAF_VARIANTS``) on one CUDA GPU.
+"""Time the FAST-leaf variants of the digest kernels (``digest_variants.LEAF_VARIANTS``) on one CUDA GPU.
 
 Usage: ``python benchmarks/bench_variants.py [--variants a,b,...] [--no-combos] [--out results.md]``
 
-For every variant in ``refit_verify.kernels.digest.LEAF_VARIANTS`` (the FAST launch only; general
-launch, upper and chain stages are shared):
+For every variant of the lab ``benchmarks/digest_variants.py`` (the FAST launch only; general
+launch, upper and chain stages are production's), and for the production launch itself
+(``kernels.digest.digest_views``, row ``production``):
 
 1. runs it on a 1 GiB bf16 tensor, the 310-tensor model set (shapes from bench_digest.py) and a
    batch of awkward views (odd/8-but-not-16 offsets, partial superblocks, byte tails, two chunks),
@@ -13,10 +14,10 @@ launch, upper and chain stages are shared):
    to a read-only xor-reduce roofline measured in the same run;
 3. pass 2: builds up to 3 combinations from pass 1 (best variant + the best ``asm`` level + the
    single-knob changes that helped ``f256w8-full``), then re-times the top variants, the
-   combinations and ``v1`` twice in alternating order with the roofline;
+   combinations, ``production`` and ``v1`` twice in alternating order with the roofline;
 4. prints the ranking (best first, top 12 and any failure; the 1 GiB figure is the median of all
    its timings), the FAST-leaf-only time of the best variant and of v1 (the rest of the call is
-   general leaf + upper + chain + gaps), and the one line that makes the best the default.
+   general leaf + upper + chain + gaps), and what adopting the best would take.
 
 The whole script stays under ~3 minutes on an H200 (a budget guard skips what does not fit).
 Without CUDA it prints a message and exits 0; ``--smoke`` runs tiny sizes on CPU under the Triton
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import digest_variants as dv  # noqa: E402
 from bench_digest import _xor_roofline_kernel, model_shapes  # noqa: E402
 
 MiB = 1 << 20
@@ -109,16 +111,15 @@ def main() -> int:
         sb = 65536 * 8
     print(f"device: {dev_name}; torch {torch.__version__}; triton {triton.__version__}")
 
-    names = list(kd.LEAF_VARIANTS)
+    names = list(dv.LEAF_VARIANTS)
     if args.variants:
         want = [n.strip() for n in args.variants.split(",") if n.strip()]
-        unknown = [n for n in want if n not in kd.LEAF_VARIANTS]
+        unknown = [n for n in want if n not in dv.LEAF_VARIANTS]
         if unknown:
             print(f"unknown variants: {unknown}; known: {names}")
             return 2
         names = ["v1"] + [n for n in want if n != "v1"]
-    variants = {n: dict(kd.LEAF_VARIANTS[n]) for n in names}
-    default_leaf = kd.LEAF
+    variants = {n: dict(dv.LEAF_VARIANTS[n]) for n in names}
 
     # Inputs. -----------------------------------------------------------------------------------
     torch.manual_seed(0)
@@ -170,10 +171,10 @@ def main() -> int:
             roof_model.append(bench(lambda: roofline(cat)))
 
     # Reference outputs from the default kernel (v1) + a torch-path check of v1. -------------
-    kd.LEAF = variants["v1"]
-    ref_big = kd.digest_views(big, big_seeds).clone()
-    ref_model = kd.digest_views(model, model_seeds).clone()
-    ref_awk = kd.digest_views(awkward, awk_seeds).clone()
+    v1 = variants["v1"]
+    ref_big = dv.digest_views(big, big_seeds, v1).clone()
+    ref_model = dv.digest_views(model, model_seeds, v1).clone()
+    ref_awk = dv.digest_views(awkward, awk_seeds, v1).clone()
     torch_awk = [td.digest_u8(u, "uint8", (u.numel(),)) for u in awkward]
     base_ok = kd.to_hex(ref_awk) == torch_awk
     print(f"v1 vs torch path on {len(awkward)} awkward views: {'PASS' if base_ok else 'FAIL'}")
@@ -185,17 +186,18 @@ def main() -> int:
     res: dict[str, dict] = {}
 
     def run_variant(name: str, lf: dict, rep: int = 100) -> None:
-        """Compile + verify (first visit) and time ``lf``; results accumulate in res[name]."""
+        """Compile + verify (first visit) and time ``lf`` (``production``: the production launch);
+        results accumulate in res[name]."""
         r = res.setdefault(name, dict(lf=lf, big=[], model=[], check="-", err="", regs="-", spills="-", compile_s=0.0))
         if r["err"]:
             return
-        kd.LEAF = lf
+        digest = kd.digest_views if name == "production" else (lambda views, seeds: dv.digest_views(views, seeds, lf))
         try:
             if r["check"] == "-":
                 t0 = time.perf_counter()
-                o_big = kd.digest_views(big, big_seeds)
-                o_model = kd.digest_views(model, model_seeds)
-                o_awk = kd.digest_views(awkward, awk_seeds)
+                o_big = digest(big, big_seeds)
+                o_model = digest(model, model_seeds)
+                o_awk = digest(awkward, awk_seeds)
                 sync()
                 r["compile_s"] = time.perf_counter() - t0
                 ok = torch.equal(o_big, ref_big) and torch.equal(o_model, ref_model) and torch.equal(o_awk, ref_awk)
@@ -203,21 +205,18 @@ def main() -> int:
                 try:  # registers / spills of the FAST kernel(s), from one direct launch
                     if smoke:
                         raise RuntimeError("interpreter: no compiled kernels")
-                    plan, P, F, C = kd._device_plan(dev, [big[0].data_ptr()], [big_bytes], big_seeds,
-                                                    16 if lf.get("vec") else 8)
-                    work = torch.empty(2 * C * (kd._MID_N + kd._SCR_N + 1), dtype=torch.int64, device=dev)
-                    ks = kd._launch_fast(lf, plan, work, 1, C, 8, F)
+                    plan, work, C, F = dv.device_plan(dev, big[0], big_seeds, lf)
+                    ks = (kd._launch_fast(plan, work, 1, C, 8, F) if name == "production"
+                          else dv.launch(lf, plan, work, 1, C, 8, F))
                     r["regs"] = "/".join(str(getattr(k, "n_regs", "?")) for k in ks)
                     r["spills"] = "/".join(str(getattr(k, "n_spills", "?")) for k in ks)
                 except Exception:  # noqa: BLE001 - diagnostics only
                     pass
-            r["big"].append(bench(lambda: kd.digest_views(big, big_seeds), rep))
-            r["model"].append(bench(lambda: kd.digest_views(model, model_seeds), rep))
+            r["big"].append(bench(lambda: digest(big, big_seeds), rep))
+            r["model"].append(bench(lambda: digest(model, model_seeds), rep))
         except Exception as e:  # noqa: BLE001 - a variant that fails to compile/launch is reported, not fatal
             r["err"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
             r["check"] = "ERROR"
-        finally:
-            kd.LEAF = default_leaf
 
     def line(name: str) -> str:
         r = res[name]
@@ -244,7 +243,7 @@ def main() -> int:
     # Pass 1. -----------------------------------------------------------------------------------
     print(f"\npass 1: {len(variants)} variants ({big_name} bf16 and the {len(model)}-tensor model set; "
           "median of do_bench, L2 flushed; check = every output word vs v1):")
-    run_pass(variants, 0.7)
+    run_pass(dict(variants, production=dict(dv.LEAF_VARIANTS[dv.PRODUCTION])), 0.7)
     measure_roofline()
 
     def good(n: str) -> bool:
@@ -299,8 +298,7 @@ def main() -> int:
             run_pass(combos, 0.85)
     retime = [n for n in sorted([n for n in res if good(n)], key=t_big)[:5]]
     retime += [n for n in combos if good(n) and n not in retime]
-    if good("v1") and "v1" not in retime:
-        retime.append("v1")
+    retime += [n for n in ("production", "v1") if good(n) and n not in retime]
     if len(retime) > 1:
         rounds = 1 if smoke else 2
         print(f"\npass 2: re-timing {len(retime)} variants {rounds}x, alternating order, with the roofline")
@@ -338,10 +336,8 @@ def main() -> int:
             if not good(n) or smoke:
                 continue
             lfn = res[n]["lf"]
-            plan, P, F, C = kd._device_plan(dev, [big[0].data_ptr()], [big_bytes], big_seeds,
-                                            16 if lfn.get("vec") else 8)
-            work = torch.empty(2 * C * (kd._MID_N + kd._SCR_N + 1), dtype=torch.int64, device=dev)
-            ms_leaf = bench(lambda: kd._launch_fast(lfn, plan, work, 1, C, 8, F))
+            plan, work, C, F = dv.device_plan(dev, big[0], big_seeds, lfn)
+            ms_leaf = bench(lambda: dv.launch(lfn, plan, work, 1, C, 8, F))
             ms_all = t_big(n)
             print(f"{n}: FAST leaf launch alone {ms_leaf:.4f} ms ({big_bytes / ms_leaf / 1e6:.0f} GB/s, "
                   f"ratio {rb / ms_leaf:.3f}); rest of the call (general leaf, upper, chain, host) "
@@ -349,10 +345,12 @@ def main() -> int:
         gbs = big_bytes / t_big(best) / 1e6
         print(f"\nbest: {best} — {gbs:.0f} GB/s, ratio {rb / t_big(best):.3f} on {big_name}"
               f" (target >= 3500 GB/s and >= 0.75: {'MET' if gbs >= 3500 and rb / t_big(best) >= 0.75 else 'not met'})")
-        if best in kd.LEAF_VARIANTS:
-            print(f'to make it the default, in src/refit_verify/kernels/digest.py: LEAF: dict = LEAF_VARIANTS["{best}"]')
+        if best in ("production", dv.PRODUCTION):
+            print(f"the production FAST launch ({dv.PRODUCTION}) is the best")
         else:
-            print(f"to make it the default, in src/refit_verify/kernels/digest.py: LEAF: dict = {_dict_literal(lf)}")
+            print(f"production FAST launch: {dv.PRODUCTION} (src/refit_verify/kernels/_leaf.py, FAST_LEAF); to adopt "
+                  f"{best} = {_dict_literal(lf)}, specialise _leaf_fast_kernel to its knobs, then check the "
+                  "interpreter tests and benchmarks/kernel_asm.py")
     print(f"total {elapsed():.0f} s")
 
     if args.out:

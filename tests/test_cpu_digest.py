@@ -3,8 +3,6 @@ the torch CPU path, for every size class of the tree, odd offsets and every dtyp
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -171,31 +169,15 @@ def test_views(dtype: torch.dtype) -> None:
         assert tensor_digest(v) == want
 
 
-def _spy_digest_u8(monkeypatch: pytest.MonkeyPatch, module) -> list:
-    """Record the (dtype name, shape) of every ``module.digest_u8`` call; return the record."""
-    calls = []
-    real = module.digest_u8
-
-    def spy(*a):
-        calls.append(a[1:])
-        return real(*a)
-
-    monkeypatch.setattr(module, "digest_u8", spy)
-    return calls
-
-
-def test_digest_batch_uses_numba(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _spy_digest_u8(monkeypatch, nd)
-    t = torch.arange(10, dtype=torch.float32)
-    tensor_digest(t)
-    assert calls == [("float32", (10,))]
-
-
-def test_digest_batch_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    t = _make(torch.bfloat16, (9, 11), seed=4)
-    want = tensor_digest(t)
-    monkeypatch.setitem(sys.modules, "refit_verify._numba_digest", None)  # import now fails
-    monkeypatch.delattr("refit_verify._numba_digest", raising=False)
-    calls = _spy_digest_u8(monkeypatch, _torch_digest)
-    assert tensor_digest(t) == want
-    assert calls == [("bfloat16", (9, 11))]
+@pytest.mark.parametrize("nbytes, offset", [(0, 0), (5, 3), (64, 0), (8 * 4097 + 3, 1), (8 * 70000, 8)])
+def test_digest_words_equal_reference_and_torch(nbytes: int, offset: int) -> None:
+    """``digest_words`` (the DigestBatch entry of both CPU paths) gives ``reference.chain_and_finalise``
+    of the reference's chunk roots; the hex of those words is ``digest_u8``."""
+    u8 = _bytes(nbytes + offset, seed=nbytes)[offset:]
+    seeds = reference.seed("uint8", (nbytes,), nbytes)
+    lanes = reference.lanes(u8.numpy().tobytes())
+    chunks = [lanes[i : i + CHUNK] for i in range(0, len(lanes), CHUNK)]
+    want = reference.chain_and_finalise(seeds, [(reference.chunk_root(0, c), reference.chunk_root(1, c)) for c in chunks])
+    assert nd.digest_words(u8, seeds) == want
+    assert _torch_digest.digest_words(u8, seeds) == want
+    assert reference.hexdigest(*want) == _numba(u8) == _ref(u8)

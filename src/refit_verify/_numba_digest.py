@@ -19,7 +19,8 @@ scheduled dynamically in pieces of ``PAR_CHUNK`` iterations (``set_parallel_chun
 machine whose other core is busy, a parallel region can be slower than the serial path (its end
 waits for a preempted thread); ``numba.set_num_threads(1)`` in the calling thread avoids that.
 
-All arithmetic is ``uint64`` (``np.uint64`` constants and shift counts, wrapping multiply).
+All arithmetic is ``uint64`` (``np.uint64`` constants and shift counts, wrapping multiply); the
+mixer constants, rotations and roles come from ``reference.py`` (frozen into the compiled code).
 Compiled with ``cache=True`` where a cache directory is writable (else without caching).
 
 Source: ``docs/digest-spec.md`` §2–§8.
@@ -35,7 +36,7 @@ from numba import njit, prange, set_parallel_chunksize
 
 from refit_verify import reference as ref
 
-__all__ = ["digest_u8", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes", "warmup"]
+__all__ = ["digest_u8", "digest_words", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes", "warmup"]
 
 if sys.byteorder != "little":  # lanes are read as native uint64; the spec says little-endian
     raise ImportError("refit_verify._numba_digest needs a little-endian host")
@@ -43,17 +44,6 @@ if sys.byteorder != "little":  # lanes are read as native uint64; the spec says 
 _U = np.uint64
 
 _PHI = _U(ref.PHI)
-_A0 = _U(0x3C79AC492BA7B653)
-_B0 = _U(0x1C69B3F74AC4AE35)
-_A1 = _U(0xBF58476D1CE4E5B9)
-_B1 = _U(0x94D049BB133111EB)
-_S23 = _U(23)
-_S27 = _U(27)
-_S30 = _U(30)
-_S31 = _U(31)
-_S33 = _U(33)
-_S41 = _U(41)
-
 _STRIDE = ref.STRIDE
 _CHUNK = ref.CHUNK_LANES
 _CHAIN = ref.CHAIN_LEVEL
@@ -87,41 +77,43 @@ def _jit(**kw):
 
 
 # ---------------------------------------------------------------------------------------------
-# §4–§5 mixers and node combine (uint64 only)
+# §4–§5 mixers and node combine (uint64 only). Constants from ``reference.MIXERS`` and
+# ``reference.ROT``, one module-level function per channel: numba's on-disk cache names compiled
+# functions by qualified name, and two closures of one factory would share a name (loading such a
+# cache segfaulted with numba 0.65).
+
+(_X01, _X02, _X03), (_M01, _M02) = ([_U(v) for v in row] for row in ref.MIXERS[0])
+(_X11, _X12, _X13), (_M11, _M12) = ([_U(v) for v in row] for row in ref.MIXERS[1])
+_R0, _L0 = _U(ref.ROT[0]), _U(64 - ref.ROT[0])
+_R1, _L1 = _U(ref.ROT[1]), _U(64 - ref.ROT[1])
 
 
 @_jit()
 def _mix0(x):
-    x ^= x >> _S27
-    x *= _A0
-    x ^= x >> _S33
-    x *= _B0
-    return x ^ (x >> _S27)
+    x ^= x >> _X01
+    x *= _M01
+    x ^= x >> _X02
+    x *= _M02
+    return x ^ (x >> _X03)
 
 
 @_jit()
 def _mix1(x):
-    x ^= x >> _S30
-    x *= _A1
-    x ^= x >> _S27
-    x *= _B1
-    return x ^ (x >> _S31)
-
-
-@_jit()
-def _tweak(c, level):
-    """§4.2 ``T(c, level) = PHI * (64c + level + 1)``."""
-    return _PHI * _U(64 * c + level + 1)
+    x ^= x >> _X11
+    x *= _M11
+    x ^= x >> _X12
+    x *= _M12
+    return x ^ (x >> _X13)
 
 
 @_jit()
 def _node0(left, right, tw):
-    return _mix0(left ^ tw) + ((right >> _S23) | (right << _S41))
+    return _mix0(left ^ tw) + ((right >> _R0) | (right << _L0))
 
 
 @_jit()
 def _node1(left, right, tw):
-    return _mix1(left ^ tw) + ((right >> _S41) | (right << _S23))
+    return _mix1(left ^ tw) + ((right >> _R1) | (right << _L1))
 
 
 @_jit(inline="always")
@@ -156,6 +148,12 @@ def _tree1(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
     c2 = _node1(b4, b5, t1)
     c3 = _node1(b6, b7, t1)
     return _node1(_node1(c0, c1, t2), _node1(c2, c3, t2), t3)
+
+
+@_jit()
+def _tweak(c, level):
+    """§4.2 ``T(c, level) = PHI * (64c + level + 1)``."""
+    return _PHI * _U(64 * c + level + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +337,8 @@ def _partial_chunk_root(lanes, start, navail, has_tail, tail, par):
 def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
     """Digest words ``(h0, h1)`` of the lanes ``lanes`` followed, if ``has_tail``, by ``tail``.
 
+    The compiled counterpart of ``reference.chain_and_finalise`` (§7, §8) over the chunk roots.
+
     Args:
         lanes: 1-D C-contiguous ``uint64`` array (little-endian lanes of the data).
         has_tail: whether a last, zero-padded lane ``tail`` follows ``lanes``.
@@ -377,6 +377,8 @@ def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
 # The callees here are shared with ``digest_lanes``; keeping this entry out of the cache and
 # resolving ``digest_lanes`` first keeps the on-disk cache exactly as ``digest_u8`` alone writes it.
 # Compiling this small function costs about a second per process; its callees come from the cache.
+# Its first lines repeat ``digest_lanes`` on purpose: sharing them through an ``inline="always"``
+# helper (cached) made a later process segfault on loading the cache (numba 0.65, 2026-12-01).
 @njit(cache=False, nogil=True, fastmath=False)
 def chunk_roots_lanes(lanes, has_tail, tail, par):
     """Per-chunk roots ``(r0, r1)`` (§6) of the lanes ``lanes`` (+ ``tail`` if ``has_tail``), no chain.
@@ -398,18 +400,18 @@ def chunk_roots_lanes(lanes, has_tail, tail, par):
 
 
 # ---------------------------------------------------------------------------------------------
-# Python entry point
+# Python entry points
 
 
 def _lanes_and_tail(u8: torch.Tensor) -> tuple[np.ndarray, bool, np.uint64]:
     """Zero-copy ``uint64`` view of the whole lanes of ``u8`` plus the zero-padded tail lane."""
-    nb = u8.numel()
-    if nb == 0:
-        return np.empty(0, np.uint64), False, _U(0)
     buf = u8.numpy()
-    nfull = nb // 8
-    rem = nb - nfull * 8
-    tail = _U(0)
+    nb = buf.shape[0]
+    rem = nb & 7
+    if not rem and u8.data_ptr() & 7 == 0:  # the common case: whole lanes, aligned start
+        return buf.view(np.uint64), False, _Z
+    nfull = nb >> 3
+    tail = _Z
     if rem:
         t = np.zeros(8, np.uint8)
         t[:rem] = buf[nfull * 8 :]
@@ -422,39 +424,64 @@ def _lanes_and_tail(u8: torch.Tensor) -> tuple[np.ndarray, bool, np.uint64]:
     return lanes, bool(rem), tail
 
 
-def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
-    """Digest of a 1-D contiguous CPU uint8 tensor holding a tensor's logical bytes.
-
-    Args:
-        u8: the bytes (any storage offset and length); viewed, not copied, when its start is
-            8-byte aligned (else its whole lanes are copied once to an aligned buffer).
-        dtype_name: the spec's dtype name of the digested tensor.
-        shape: the digested tensor's shape.
-
-    Returns:
-        str: 32 lowercase hex characters, equal to ``reference.digest_bytes``.
-    """
-    if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous() or u8.device.type != "cpu":
-        raise ValueError("digest_u8 takes a 1-D contiguous CPU uint8 tensor")
-    lanes, has_tail, tail = _lanes_and_tail(u8.detach())
-    s0, s1 = ref.seed(dtype_name, shape, u8.numel())
+def _call(fn, lanes: np.ndarray, *args):
+    """``fn(lanes, *args, par)``: in a parallel region (small dynamic pieces) when ``lanes`` is big
+    enough and parallel regions work here, else on the calling thread."""
     global _parallel_ok
-    par = _parallel_ok and lanes.shape[0] >= PARALLEL_MIN_LANES
-    if par:
+    if _parallel_ok and lanes.shape[0] >= PARALLEL_MIN_LANES:
         try:
             # Dynamic scheduling in small pieces (set per calling thread, outside the jitted code,
             # which then stays cacheable).
             prev = set_parallel_chunksize(PAR_CHUNK)
             try:
-                h0, h1 = digest_lanes(lanes, has_tail, tail, _U(s0), _U(s1), True)
+                return fn(lanes, *args, True)
             finally:
                 set_parallel_chunksize(prev)
         except Exception:
             _parallel_ok = False  # e.g. no numba threading layer: stay on the calling thread
-            par = False
-    if not par:
-        h0, h1 = digest_lanes(lanes, has_tail, tail, _U(s0), _U(s1), False)
-    return f"{int(h0):016x}{int(h1):016x}"
+    return fn(lanes, *args, False)
+
+
+def _check_u8(u8: torch.Tensor, what: str) -> None:
+    if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous() or u8.device.type != "cpu":
+        raise ValueError(f"{what} takes a 1-D contiguous CPU uint8 tensor")
+
+
+def digest_words(u8: torch.Tensor, seeds: tuple[int, int]) -> tuple[int, int]:
+    """Finalised channel values ``(h0, h1)`` of the bytes ``u8`` under the §3 ``seeds``.
+
+    The per-tensor entry of ``DigestBatch``: no argument checks (``u8`` must be a 1-D contiguous
+    CPU uint8 tensor), no hex formatting.
+
+    Args:
+        u8: the bytes (any storage offset and length); viewed, not copied, when its start is
+            8-byte aligned (else its whole lanes are copied once to an aligned buffer).
+        seeds: ``reference.seed(...)`` of the digested tensor (ints in [0, 2**64)).
+
+    Returns:
+        tuple[int, int]: equal to ``reference.chain_and_finalise`` of the reference's roots.
+    """
+    lanes, has_tail, tail = _lanes_and_tail(u8)
+    h0, h1 = _call(digest_lanes, lanes, has_tail, tail, _U(seeds[0]), _U(seeds[1]))
+    return int(h0), int(h1)
+
+
+def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
+    """Digest of a 1-D contiguous CPU uint8 tensor holding a tensor's logical bytes.
+
+    Args:
+        u8: the bytes (see :func:`digest_words`).
+        dtype_name: the spec's dtype name of the digested tensor.
+        shape: the digested tensor's shape.
+
+    Returns:
+        str: 32 lowercase hex characters, equal to ``reference.digest_bytes``.
+
+    Raises:
+        ValueError: ``u8`` is not a 1-D contiguous CPU uint8 tensor.
+    """
+    _check_u8(u8, "digest_u8")
+    return ref.hexdigest(*digest_words(u8, ref.seed(dtype_name, shape, u8.numel())))
 
 
 _digest_path_ready = False
@@ -465,7 +492,7 @@ def _digest_path_first() -> None:
     ``chunk_roots_lanes`` compiles against the same callees in this process."""
     global _digest_path_ready
     if not _digest_path_ready:
-        digest_lanes(np.empty(0, np.uint64), False, _U(0), _U(0), _U(0), False)
+        digest_lanes(np.empty(0, np.uint64), False, _Z, _Z, _Z, False)
         _digest_path_ready = True
 
 
@@ -478,25 +505,13 @@ def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
 
     Returns:
         list[tuple[int, int]]: ``(root_0, root_1)`` per chunk, as Python ints (``[]`` for 0 bytes).
+
+    Raises:
+        ValueError: ``u8`` is not a 1-D contiguous CPU uint8 tensor.
     """
-    if u8.dim() != 1 or u8.dtype != torch.uint8 or not u8.is_contiguous() or u8.device.type != "cpu":
-        raise ValueError("chunk_roots_u8 takes a 1-D contiguous CPU uint8 tensor")
+    _check_u8(u8, "chunk_roots_u8")
     _digest_path_first()
-    lanes, has_tail, tail = _lanes_and_tail(u8.detach())
-    global _parallel_ok
-    par = _parallel_ok and lanes.shape[0] >= PARALLEL_MIN_LANES
-    if par:
-        try:
-            prev = set_parallel_chunksize(PAR_CHUNK)
-            try:
-                r0, r1 = chunk_roots_lanes(lanes, has_tail, tail, True)
-            finally:
-                set_parallel_chunksize(prev)
-        except Exception:
-            _parallel_ok = False
-            par = False
-    if not par:
-        r0, r1 = chunk_roots_lanes(lanes, has_tail, tail, False)
+    r0, r1 = _call(chunk_roots_lanes, *_lanes_and_tail(u8))
     return [(int(a), int(b)) for a, b in zip(r0, r1)]
 
 

@@ -12,12 +12,6 @@ import torch
 
 from refit_verify import reference as ref
 
-_MUL = (
-    (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35, (27, 33, 27)),
-    (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, (30, 27, 31)),
-)
-
-
 def _s64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
@@ -29,7 +23,7 @@ def _xs_(x: torch.Tensor, s: int, tmp: torch.Tensor) -> None:
 
 
 def _mix_(x: torch.Tensor, c: int) -> torch.Tensor:
-    a, b, (s1, s2, s3) = _MUL[c]
+    (s1, s2, s3), (a, b) = ref.MIXERS[c]
     tmp = torch.empty_like(x)
     _xs_(x, s1, tmp)
     x.mul_(_s64(a))
@@ -107,16 +101,15 @@ def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(_roots(0, lanes), _roots(1, lanes)))
 
 
-def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
-    """Digest of a 1-D contiguous CPU uint8 tensor holding a tensor's logical bytes."""
+def digest_words(u8: torch.Tensor, seeds: tuple[int, int]) -> tuple[int, int]:
+    """Finalised channel values ``(h0, h1)`` of the 1-D contiguous uint8 tensor ``u8`` under ``seeds``.
+
+    Only torch ops (any device; one host synchronisation per channel); no argument checks.
+    """
     lanes = lanes_of(u8)
-    seeds = ref.seed(dtype_name, shape, u8.numel())
-    out = []
-    for c in range(2):
-        h = seeds[c]
-        for r in _roots(c, lanes):
-            h = ref.node(c, h, r, ref.CHAIN_LEVEL)
-        for lv in ref.FINAL_LEVELS:
-            h = ref.MIX[c](h ^ ref.tweak(c, lv))
-        out.append(h)
-    return f"{out[0]:016x}{out[1]:016x}"
+    return ref.chain_and_finalise(seeds, list(zip(_roots(0, lanes), _roots(1, lanes))))
+
+
+def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
+    """Digest of a 1-D contiguous uint8 tensor holding a tensor's logical bytes (32 hex chars)."""
+    return ref.hexdigest(*digest_words(u8, ref.seed(dtype_name, shape, u8.numel())))

@@ -1,7 +1,9 @@
 """Public digest API: 128-bit digest v1 of tensors, on the tensor's own device.
 
-CUDA tensors go through the Triton kernels (:mod:`refit_verify.kernels`), CPU tensors through the
-vectorised torch path; both are bit-identical to :mod:`refit_verify.reference`.
+Which implementation digests a device type's tensors is chosen once, in
+:mod:`refit_verify.backends` (:func:`backend_for`): the Triton kernels for CUDA tensors, numba for
+CPU tensors, the torch path where neither can run (with one WARNING). All are bit-identical to
+:mod:`refit_verify.reference`.
 
 Source: ``docs/digest-spec.md``.
 """
@@ -10,21 +12,39 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from refit_verify import backends as _backends
 from refit_verify import reference as _ref
 
 _KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # devices whose tensors go to the Triton kernels
 _seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
-__all__ = ["dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch", "StreamDigests"]
+__all__ = ["backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch", "StreamDigests"]
+
+
+def backend_for(device_type: str) -> _backends.Backend:
+    """Return the digest backend of ``device_type`` (chosen on first use, see :mod:`refit_verify.backends`).
+
+    Args:
+        device_type: ``torch.device.type`` (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+        Backend: its ``name`` is ``"triton"``, ``"numba"`` or ``"torch"``; ``fallback_reason`` says
+        why a fast backend was not taken.
+    """
+    return _backends.choose(device_type, device_type in _KERNEL_DEVICE_TYPES)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the spec's dtype name: torch's name without ``torch.`` (``"bfloat16"``, ``"bool"``)."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def logical_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -38,14 +58,19 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
 
     Returns:
         torch.Tensor: uint8, shape ``[t.numel() * t.element_size()]``, on ``t.device``.
+
+    Raises:
+        TypeError: ``t`` is sparse, nested, not strided or on the meta device.
+        ValueError: ``t`` has more than 255 dimensions (spec §3 binds ndim in one byte).
     """
-    if t.is_sparse or t.layout is not torch.strided or t.is_nested:
+    if t.layout is not torch.strided or t.is_nested:
         raise TypeError(f"only dense strided tensors can be digested, got layout {t.layout}")
-    if t.device.type == "meta":
+    if t.is_meta:
         raise TypeError("a meta tensor has no bytes to digest")
     if t.dim() > 255:
         raise ValueError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
-    t = t.resolve_conj().resolve_neg()  # conjugate/negative views: digest the values they show
+    if t.is_conj() or t.is_neg():  # conjugate/negative views: digest the values they show
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)
@@ -59,16 +84,21 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
 class DigestBatch:
     """Accumulates digests of many tensors with no per-tensor synchronisation.
 
-    ``add`` queues (CUDA) or computes (CPU) the digest of one tensor on its device; :meth:`launch`
-    starts the kernels of everything queued (one batched call per device, no synchronisation);
-    :meth:`hexdigests` launches what is left and synchronises once per launched group.
+    ``add`` queues (batched backend: the Triton kernels) or computes (CPU) the digest of one tensor
+    on its device; :meth:`launch` starts the kernels of everything queued (one batched call per
+    device, no synchronisation); :meth:`hexdigests` launches what is left, copies the words of all
+    launched groups of a device to the host at once and formats every digest once.
+
+    Host cost of one ``add``: a few attribute reads, the cached seed (:func:`reference.seed` runs once
+    per (dtype, shape)) and, on the CPU, the digest itself; no imports, no hex formatting.
     """
 
     def __init__(self) -> None:
         self._order: dict[str, int] = {}  # name -> number of its latest add, names in first-insertion order
         self._adds = 0
-        self._done: dict[str, str] = {}
-        self._cuda: dict[torch.device, list[tuple[str, torch.Tensor, tuple[int, int], int]]] = {}
+        self._done: dict[str, tuple[int, int]] = {}  # name -> finalised words (h0, h1)
+        # (device, the backend's digest_views) -> queued (name, bytes, seeds, add number)
+        self._queued: dict[tuple[torch.device, Callable], list[tuple[str, torch.Tensor, tuple[int, int], int]]] = {}
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
     def add(self, name: str, t: torch.Tensor) -> None:
@@ -79,46 +109,41 @@ class DigestBatch:
             ValueError: ``t`` has more than 255 dimensions.
         """
         u8 = logical_bytes(t)
-        meta = (dtype_name(t.dtype), tuple(t.shape), u8.numel())
+        seeds = _seed(dtype_name(t.dtype), tuple(t.shape), u8.numel())
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
-        if u8.device.type in _KERNEL_DEVICE_TYPES:
-            self._cuda.setdefault(u8.device, []).append((name, u8, _seed(*meta), self._adds))
+        backend = backend_for("cpu" if u8.is_cpu else u8.device.type)  # is_cpu: no device object
+        if backend.digest_words is not None:
+            self._done[name] = backend.digest_words(u8, seeds)
         else:
-            try:
-                from refit_verify import _numba_digest as _cpu_digest
-            except Exception:  # numba missing or unusable: the vectorised torch path
-                from refit_verify import _torch_digest as _cpu_digest
-
-            self._done[name] = _cpu_digest.digest_u8(u8, meta[0], meta[1])
+            self._queued.setdefault((u8.device, backend.digest_views), []).append((name, u8, seeds, self._adds))
 
     def launch(self) -> None:
-        """Start the digest kernels of every queued CUDA tensor now, without synchronising.
+        """Start the digest kernels of every queued tensor now, without synchronising.
 
         Afterwards the batch holds no reference to the queued tensors: the kernels read them in
         stream order, so a caller that reuses the memory synchronises (or orders its streams) first.
         """
-        if not self._cuda:
-            return
-        from refit_verify.kernels import digest as kd
-
-        for items in self._cuda.values():
-            words = kd.digest_views([u for _, u, _, _ in items], [s for _, _, s, _ in items])
+        for (_, digest_views), items in self._queued.items():
+            words = digest_views([u for _, u, _, _ in items], [s for _, _, s, _ in items])
             self._launched.append(([(n, k) for n, _, _, k in items], words))
-        self._cuda.clear()
+        self._queued.clear()
 
     def hexdigests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex digest}`` in insertion order (one synchronisation per launched group)."""
+        """Return ``{name: 32-hex digest}`` in insertion order (one device-to-host copy per device)."""
         self.launch()
-        if self._launched:
-            from refit_verify.kernels import digest as kd
-
-            for keys, words in self._launched:
-                for (n, k), h in zip(keys, kd.to_hex(words)):
+        by_device: dict[torch.device, list[tuple[list[tuple[str, int]], torch.Tensor]]] = {}
+        for keys, words in self._launched:
+            by_device.setdefault(words.device, []).append((keys, words))
+        m = _ref.MASK64
+        for groups in by_device.values():
+            rows = iter(torch.cat([w for _, w in groups]).cpu().tolist())
+            for keys, _ in groups:
+                for (n, k), (a, b) in zip(keys, rows):
                     if self._order[n] == k:  # the latest add of n
-                        self._done[n] = h
-            self._launched.clear()
-        return {n: self._done[n] for n in self._order}
+                        self._done[n] = (a & m, b & m)
+        self._launched.clear()
+        return {n: _ref.hexdigest(*self._done[n]) for n in self._order}
 
 
 def tensor_digest(t: torch.Tensor) -> str:

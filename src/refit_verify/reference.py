@@ -26,28 +26,30 @@ CHAIN_LEVEL = 48
 FINAL_LEVELS = (49, 50)
 
 
-def _xs(x: int, s: int) -> int:
-    return x ^ (x >> s)
+# §4.1 Mixers, per channel: xs s1, × m1, xs s2, × m2, xs s3 (every implementation reads these).
+MIXERS = (
+    ((27, 33, 27), (0x3C79AC492BA7B653, 0x1C69B3F74AC4AE35)),  # M_0: Moremur (Pelle Evensen)
+    ((30, 27, 31), (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)),  # M_1: SplitMix64 finaliser (Stafford Mix13)
+)
 
 
-def mix0(x: int) -> int:
-    """§4.1 Channel 0 mixer (Moremur, Pelle Evensen)."""
-    x = _xs(x, 27)
-    x = (x * 0x3C79AC492BA7B653) & MASK64
-    x = _xs(x, 33)
-    x = (x * 0x1C69B3F74AC4AE35) & MASK64
-    return _xs(x, 27)
+def _mixer(channel: int):
+    (s1, s2, s3), (m1, m2) = MIXERS[channel]
+
+    def mix(x: int) -> int:
+        x ^= x >> s1
+        x = (x * m1) & MASK64
+        x ^= x >> s2
+        x = (x * m2) & MASK64
+        return x ^ (x >> s3)
+
+    mix.__name__ = mix.__qualname__ = f"mix{channel}"
+    mix.__doc__ = f"§4.1 Channel {channel} mixer: xs {s1}, × {m1:#x}, xs {s2}, × {m2:#x}, xs {s3}."
+    return mix
 
 
-def mix1(x: int) -> int:
-    """§4.1 Channel 1 mixer (SplitMix64 finaliser, Stafford Mix13)."""
-    x = _xs(x, 30)
-    x = (x * 0xBF58476D1CE4E5B9) & MASK64
-    x = _xs(x, 27)
-    x = (x * 0x94D049BB133111EB) & MASK64
-    return _xs(x, 31)
-
-
+mix0 = _mixer(0)
+mix1 = _mixer(1)
 MIX = (mix0, mix1)
 
 
@@ -109,16 +111,35 @@ def chunk_root(channel: int, chunk: list[int]) -> int:
     return seq[0]
 
 
-def digest_bytes(data: bytes, dtype_name: str, shape: Sequence[int]) -> str:
-    """§2–§8 Digest of ``data`` (the tensor's bytes in logical row-major order) as 32 hex chars."""
-    seeds = seed(dtype_name, shape, len(data))
-    ls = lanes(data)
+def chain_and_finalise(seeds: Sequence[int], roots: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """§7 chunk chain from the §3 seeds over the chunk roots in order, then §8 finalisation.
+
+    Args:
+        seeds: ``(seed_0, seed_1)`` from :func:`seed`.
+        roots: one ``(root_0, root_1)`` per chunk (§6), in chunk order (ints in [0, 2**64)).
+
+    Returns:
+        tuple[int, int]: the finalised channel values ``(h_0, h_1)``.
+    """
     out = []
     for c in range(2):
         h = seeds[c]
-        for i in range(0, len(ls), CHUNK_LANES):  # §7 chunk chain
-            h = node(c, h, chunk_root(c, ls[i : i + CHUNK_LANES]), CHAIN_LEVEL)
-        for lv in FINAL_LEVELS:  # §8 finalisation
+        for r in roots:
+            h = node(c, h, r[c], CHAIN_LEVEL)
+        for lv in FINAL_LEVELS:
             h = MIX[c](h ^ tweak(c, lv))
         out.append(h)
-    return f"{out[0]:016x}{out[1]:016x}"
+    return out[0], out[1]
+
+
+def hexdigest(h0: int, h1: int) -> str:
+    """§9 Output: channel 0 then channel 1, each 16 lowercase hex digits (big-endian)."""
+    return f"{h0:016x}{h1:016x}"
+
+
+def digest_bytes(data: bytes, dtype_name: str, shape: Sequence[int]) -> str:
+    """§2–§9 Digest of ``data`` (the tensor's bytes in logical row-major order) as 32 hex chars."""
+    ls = lanes(data)
+    chunks = [ls[i : i + CHUNK_LANES] for i in range(0, len(ls), CHUNK_LANES)]
+    roots = [(chunk_root(0, ch), chunk_root(1, ch)) for ch in chunks]
+    return hexdigest(*chain_and_finalise(seed(dtype_name, shape, len(data)), roots))

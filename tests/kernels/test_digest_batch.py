@@ -46,7 +46,7 @@ def test_launch_then_hex_matches_reference(kernel_batch):
     for n, t in ts[:3]:
         kernel_batch.add(n, t)
     kernel_batch.launch()  # first group in flight; the batch holds no reference to it
-    assert not kernel_batch._cuda and len(kernel_batch._launched) == 1
+    assert not kernel_batch._queued and len(kernel_batch._launched) == 1
     for n, t in ts[3:]:
         kernel_batch.add(n, t)
     got = kernel_batch.hexdigests()

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from refit_verify import _torch_digest as td  # noqa: E402
 from refit_verify import reference as ref  # noqa: E402
+from refit_verify.kernels import _mix as mx  # noqa: E402
 from refit_verify.kernels import digest as kd  # noqa: E402
 
 # Interpreter: CPU tensors; compiled (a CUDA machine without TRITON_INTERPRET): CUDA tensors.
@@ -155,38 +156,8 @@ def test_known_answer_vectors_batched() -> None:
     assert kd.to_hex(kd.digest_views(views, seeds)) == [v["digest"] for v in vecs]
 
 
-# ---------------------------------------------------------------------------------------------
-# FAST-launch variants (kd.LEAF_VARIANTS): every one must give the default kernel's bits.
-# ---------------------------------------------------------------------------------------------
-_VAR_LANES = 65536 + 4097  # one full superblock + a partial one whose blocks 2..15 are zero values
-
-
-@pytest.fixture(scope="module")
-def variant_case() -> tuple[torch.Tensor, str]:
-    u = _rand(_VAR_LANES * L, 21)
-    return u, _expect(u)
-
-
-_EXTRA_VARIANTS = {  # supported knobs that bench_variants.py does not sweep
-    "f256w8-full-u16": dict(mode="fused", cols=256, warps=8, full=True, unroll=16),
-    "f128w4-u2-ilv": dict(mode="fused", cols=128, warps=4, unroll=2, ilv=True),
-}
-
-
-@pytest.mark.parametrize("name", [n for n in kd.LEAF_VARIANTS if n != "v1"] + list(_EXTRA_VARIANTS))
-def test_leaf_variant_matches_reference(name: str, variant_case, monkeypatch) -> None:
-    """Each variant on a 16-aligned view with a full superblock and a partial one (both FAST
-    programs: ``full`` variants run their unmasked copy on the first, the masked copy on the
-    second). Under the interpreter ``asm`` runs as 0 (inline PTX is GPU-only; see
-    test_ptx_sequences_match_reference)."""
-    u, want = variant_case
-    assert u.data_ptr() % 16 == 0
-    monkeypatch.setattr(kd, "LEAF", kd.LEAF_VARIANTS.get(name) or _EXTRA_VARIANTS[name])
-    assert _run([u]) == [want]
-
-
 def test_plan_fast_classification_align() -> None:
-    """``align=16`` (``vec`` variants) sends views off a 16-byte boundary to the general launch."""
+    """``align=16`` (the lab's ``vec`` variants) sends views off a 16-byte boundary to the general launch."""
     sb = 65536 * L
     sizes = [2 * sb, sb + 4097 * L, 2 * sb, 3 * sb + 5]
     addrs = [1 << 20, 2 << 20, (3 << 20) + 8, 4 << 20]
@@ -197,7 +168,7 @@ def test_plan_fast_classification_align() -> None:
 
 
 def _ptx_eval(ptx: str, args: list[int]) -> int:
-    """Tiny model of the PTX subset used by the ``asm`` variants ($0 = result, $1.. = args)."""
+    """Tiny model of the PTX subset used by ``_mix._node_k``'s ``ASM`` bits ($0 = result, $1.. = args)."""
     m32, m64 = (1 << 32) - 1, (1 << 64) - 1
     regs: dict[str, int] = {f"${i + 1}": a for i, a in enumerate(args)}
     carry = 0
@@ -242,13 +213,18 @@ def _ptx_eval(ptx: str, args: list[int]) -> int:
 
 
 def test_ptx_sequences_match_reference() -> None:
-    """The inline-PTX pieces of ``asm`` variants equal the spec's xor-shifts and ``m + ror(r, R_c)``."""
+    """The inline-PTX pieces of ``_node_k`` (``ASM``; the production FAST launch uses bits 2 and 4)
+    equal the spec's xor-shifts and ``m + ror(r, R_c)`` of each channel, with the multipliers ``KM``."""
     g = torch.Generator().manual_seed(17)
     vals = [0, 1, (1 << 64) - 1, 1 << 63, (1 << 32) - 1, 1 << 32]
     vals += [int(x) & ref.MASK64 for x in torch.randint(-(1 << 63), (1 << 63) - 1, (200,), generator=g, dtype=torch.int64)]
+    pieces = [(mx._PTX_MID0, ref.MIXERS[0][0][1]), (mx._PTX_LAST0, ref.MIXERS[0][0][2]),
+              (mx._PTX_MID1, ref.MIXERS[1][0][1]), (mx._PTX_LAST1, ref.MIXERS[1][0][2])]
+    assert [s for _, s in pieces] == [33, 27, 27, 31]
     for x in vals:
-        for s, ptx in ((27, kd._PTX_XS27), (31, kd._PTX_XS31), (33, kd._PTX_XS33)):
+        for ptx, s in pieces:
             assert _ptx_eval(ptx.value, [x]) == x ^ (x >> s)
+    assert mx.KM == (1 << 9, 1 << 23)
     for m, r in zip(vals, reversed(vals)):
-        assert _ptx_eval(kd._PTX_ADDROR23.value, [m, r, 1 << 9]) == (m + ref.ror(r, ref.ROT[0])) & ref.MASK64
-        assert _ptx_eval(kd._PTX_ADDROR41.value, [m, r, 1 << 23]) == (m + ref.ror(r, ref.ROT[1])) & ref.MASK64
+        assert _ptx_eval(mx._PTX_ADDROR0.value, [m, r, mx.KM[0]]) == (m + ref.ror(r, ref.ROT[0])) & ref.MASK64
+        assert _ptx_eval(mx._PTX_ADDROR1.value, [m, r, mx.KM[1]]) == (m + ref.ror(r, ref.ROT[1])) & ref.MASK64

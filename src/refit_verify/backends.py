@@ -1,0 +1,125 @@
+"""Digest backends: which implementation digests the tensors of each device type, chosen once.
+
+Three implementations of digest v1, bit-identical to :mod:`refit_verify.reference`:
+
+* ``triton``: the Triton kernels (:mod:`refit_verify.kernels`), for the kernel device types
+  (CUDA; ``refit_verify.digest._KERNEL_DEVICE_TYPES``). Batched: views are queued and launched
+  together, words come back in one device-to-host copy.
+* ``numba``: :mod:`refit_verify._numba_digest`, CPU tensors (about 33 GB/s on 2 cores).
+* ``torch``: :mod:`refit_verify._torch_digest`, torch ops only, so any device; about 0.3 GB/s on a
+  CPU. The fallback.
+
+:func:`choose` picks one per device type on first use and keeps it for the process: an import that
+failed is never retried per tensor. A fallback to ``torch`` where a fast backend exists logs one
+WARNING (logger ``refit_verify``) naming the reason and the speed cost. The numba backend is
+accepted only after it digests a small probe equal to the reference (so a broken JIT, a read-only
+cache or a miscompile falls back loudly instead of failing or lying per tensor).
+
+Source: ``docs/digest-spec.md`` Appendix B.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from refit_verify import reference as _ref
+
+__all__ = ["Backend", "choose"]
+
+logger = logging.getLogger("refit_verify")
+
+Words = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One digest implementation, as :class:`refit_verify.digest.DigestBatch` calls it.
+
+    Attributes:
+        name: ``"triton"``, ``"numba"`` or ``"torch"``.
+        digest_words: immediate backends: ``(u8, seeds) -> (h0, h1)`` for a 1-D contiguous uint8
+            tensor of logical bytes and its §3 seeds (ints in [0, 2**64)); ``None`` when batched.
+        digest_views: batched backends: ``(views, seeds) -> int64 [N, 2]`` words on the views'
+            device, no synchronisation (``kernels.digest.digest_views``); ``None`` when immediate.
+        chunk_roots_u8: ``u8 -> [(root_0, root_1), ...]``, the §6 chunk roots of a standalone
+            byte string (for ``refit_verify.sharded``), Python ints.
+        fallback_reason: why this is not the fast backend of its device type (``None`` if it is).
+    """
+
+    name: str
+    digest_words: Callable[[torch.Tensor, Words], Words] | None
+    digest_views: Callable[[list[torch.Tensor], list[Words]], torch.Tensor] | None
+    chunk_roots_u8: Callable[[torch.Tensor], list[Words]]
+    fallback_reason: str | None = None
+
+
+_CHOSEN: dict[tuple[str, bool], Backend] = {}
+_LOCK = threading.Lock()
+
+
+def choose(device_type: str, kernel: bool) -> Backend:
+    """Return the backend for tensors of ``device_type``, choosing it on the first call only.
+
+    Args:
+        device_type: ``torch.device.type`` of the tensors (``"cpu"``, ``"cuda"``, ...).
+        kernel: whether this device type goes to the Triton kernels (``digest._KERNEL_DEVICE_TYPES``).
+
+    Returns:
+        Backend: ``triton`` for kernel device types (``torch`` if the kernels cannot be imported),
+        ``numba`` for ``"cpu"`` (``torch`` if numba is missing or fails its probe), ``torch`` for
+        any other device type. Each fallback logs one WARNING.
+    """
+    key = (device_type, kernel)
+    b = _CHOSEN.get(key)
+    if b is None:
+        with _LOCK:
+            b = _CHOSEN.get(key)
+            if b is None:
+                b = _CHOSEN[key] = _pick(device_type, kernel)
+                if b.fallback_reason:
+                    logger.warning("refit-verify digests %s tensors with the torch path: %s", device_type, b.fallback_reason)
+    return b
+
+
+def _torch(reason: str | None) -> Backend:
+    from refit_verify import _torch_digest as td
+
+    return Backend("torch", td.digest_words, None, td.chunk_roots_u8, reason)
+
+
+def _pick(device_type: str, kernel: bool) -> Backend:
+    if kernel:
+        try:
+            from refit_verify.kernels import digest as kd
+        except Exception as e:  # noqa: BLE001 - any import failure means: no kernels here
+            return _torch(f"the Triton kernels are unavailable ({type(e).__name__}: {e}); the torch path is "
+                          "roughly 100x slower on a GPU and synchronises once per tensor")
+        return Backend("triton", None, kd.digest_views, _kernel_roots)
+    if device_type == "cpu":
+        try:
+            from refit_verify import _numba_digest as nd
+
+            probe = torch.arange(13, dtype=torch.uint8)  # one partial lane after a whole one
+            seeds = _ref.seed("uint8", (13,), 13)
+            want = _ref.chain_and_finalise(seeds, [(_ref.chunk_root(0, _ref.lanes(bytes(range(13)))),
+                                                    _ref.chunk_root(1, _ref.lanes(bytes(range(13)))))])
+            got = nd.digest_words(probe, seeds)
+            if got != want:
+                raise RuntimeError(f"probe digest {got} differs from the reference {want}")
+        except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
+            return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path runs at about "
+                          "0.3 GB/s instead of about 33 GB/s (2 cores): install numba, a declared dependency")
+        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8)
+    return _torch(None)  # no faster implementation exists for this device type
+
+
+def _kernel_roots(u8: torch.Tensor) -> list[Words]:
+    from refit_verify.kernels import digest as kd
+
+    m = _ref.MASK64
+    return [(a & m, b & m) for a, b in kd.chunk_roots([u8]).cpu().tolist()]

@@ -1,0 +1,135 @@
+"""Digest backends are chosen once per device type, fall back loudly, and never change a digest.
+
+``refit_verify.backends.choose`` picks numba for CPU tensors (after a probe against the reference),
+the Triton kernels for kernel device types, the torch path otherwise; a fallback logs one WARNING
+naming the reason and the speed cost, and adding tensors afterwards imports nothing.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import sys
+
+import pytest
+import torch
+
+import refit_verify
+from refit_verify import _torch_digest, backends, digest, reference, tensor_digest
+
+nd = pytest.importorskip("refit_verify._numba_digest")
+
+
+def _tensors(n: int = 60) -> list[tuple[str, torch.Tensor]]:
+    """``n`` small tensors of several dtypes, shapes, views and byte tails (names t0..)."""
+    g = torch.Generator().manual_seed(8)
+    out = []
+    for i in range(n):
+        raw = torch.randint(0, 256, (8 * (i % 7) + 40 + i % 5,), dtype=torch.uint8, generator=g)
+        t = [raw, raw[1:].view(-1, 1), raw[: raw.numel() // 2 * 2].view(torch.bfloat16),
+             raw[: raw.numel() // 4 * 4].view(torch.float32)[::2]][i % 4]
+        out.append((f"t{i}", t))
+    return out
+
+
+def _reference(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    out = {}
+    for n, t in named:
+        u8 = digest.logical_bytes(t)
+        out[n] = reference.digest_bytes(u8.numpy().tobytes(), digest.dtype_name(t.dtype), tuple(t.shape))
+    return out
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget the backends chosen so far (restored after the test)."""
+    monkeypatch.setattr(backends, "_CHOSEN", {})
+
+
+def _count_imports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    names: list[str] = []
+    real = builtins.__import__
+
+    def spy(name, *a, **kw):
+        names.append(name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", spy)
+    return names
+
+
+def test_cpu_backend_is_numba_and_adds_import_nothing(fresh_choice, monkeypatch, caplog) -> None:
+    named = _tensors()
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        b = digest.backend_for("cpu")
+    assert (b.name, b.fallback_reason, b.digest_views) == ("numba", None, None)
+    assert b.digest_words is nd.digest_words and b.chunk_roots_u8 is nd.chunk_roots_u8
+    assert digest.backend_for("cpu") is b  # chosen once
+    assert not caplog.records
+    batch = digest.DigestBatch()
+    imports = _count_imports(monkeypatch)
+    for n, t in named:
+        batch.add(n, t)
+    got = batch.hexdigests()
+    monkeypatch.undo()
+    assert imports == []
+    assert got == _reference(named)
+
+
+def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplog) -> None:
+    """numba unimportable: the torch path digests every tensor, one WARNING in all, same digests."""
+    named = _tensors()
+    want = _reference(named)
+    monkeypatch.setitem(sys.modules, "refit_verify._numba_digest", None)  # import now fails
+    monkeypatch.delattr(refit_verify, "_numba_digest", raising=False)
+    calls = []
+    real = _torch_digest.digest_words
+    monkeypatch.setattr(_torch_digest, "digest_words", lambda u8, seeds: calls.append(u8.numel()) or real(u8, seeds))
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        for _ in range(3):  # three batches, 180 tensors
+            batch = digest.DigestBatch()
+            for n, t in named:
+                batch.add(n, t)
+            assert batch.hexdigests() == want
+        assert tensor_digest(named[0][1]) == want["t0"]
+    assert digest.backend_for("cpu").name == "torch"
+    assert len(calls) == 3 * len(named) + 1
+    msgs = [r.getMessage() for r in caplog.records if r.name == "refit_verify"]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("refit-verify digests cpu tensors with the torch path: numba is unavailable (ModuleNotFoundError: import of refit_verify._numba_digest halted")
+    assert "0.3 GB/s instead of about 33 GB/s" in msgs[0]
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_numba_failing_its_probe_falls_back(fresh_choice, monkeypatch, caplog) -> None:
+    """A numba path that runs but gives another value than the reference is not used."""
+    monkeypatch.setattr(nd, "digest_words", lambda u8, seeds: (0, 0))
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        b = digest.backend_for("cpu")
+    assert b.name == "torch" and "RuntimeError: probe digest (0, 0) differs from the reference" in b.fallback_reason
+    assert len(caplog.records) == 1
+    t = torch.arange(100, dtype=torch.int16)
+    assert tensor_digest(t) == _reference([("t", t)])["t"]
+
+
+def test_kernels_missing_falls_back_to_torch(fresh_choice, monkeypatch, caplog) -> None:
+    """A kernel device type whose Triton kernels cannot be imported takes the torch path, loudly."""
+    monkeypatch.setitem(sys.modules, "refit_verify.kernels.digest", None)
+    if "refit_verify.kernels" in sys.modules:  # imported by an earlier test: drop its attribute too
+        monkeypatch.delattr(sys.modules["refit_verify.kernels"], "digest", raising=False)
+    monkeypatch.setattr(digest, "_KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        b = digest.backend_for("cpu")
+        assert digest.backend_for("cpu") is b
+    assert b.name == "torch" and b.digest_words is _torch_digest.digest_words
+    assert "the Triton kernels are unavailable (ModuleNotFoundError: import of refit_verify.kernels.digest halted" in b.fallback_reason
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    named = _tensors(8)
+    assert digest.digest_tensors(named) == _reference(named)
+
+
+def test_other_device_types_take_torch_quietly(fresh_choice, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        b = backends.choose("xpu", False)
+    assert (b.name, b.fallback_reason) == ("torch", None)
+    assert not caplog.records
