@@ -264,3 +264,19 @@ def test_converting_loader_is_not_coverable_never_verified():
     assert r.ok and r.not_proven == {"norm": "the loader converts torch.bfloat16 to torch.float32"}
     assert man.engine.params["norm"].status == "not_coverable" and man.engine.unproven_bytes == HIDDEN * 4
     assert man.engine.proven_bytes == QKV_BYTES + EMBED_BYTES
+
+
+def test_a_drafter_no_refit_feeds_is_stated_not_hidden():
+    """The trainer pushes only the main model into an engine with a drafter: the refit verifies, and the
+    report states that the drafter keeps its previous weights."""
+    main, draft = ToyModel(), ToyModel()
+    wb = WorkerBoundary(identity_of(0))
+    wb.attach("model", main, default_weight_loader)
+    wb.attach("drafter", draft, default_weight_loader)
+    w = toy_weights(16)
+    sid = wb.open("s", version=1)
+    main.load_weights(list(w.items()))
+    r = compare_session({"model": digest_tensors(w.items())}, wb.close(sid), version=1)
+    assert r.ok and r.verified == 5
+    assert r.unchecked == ("drafter: no tensor of this refit was for it; its 3 parameters keep their previous weights "
+                           "(speculative decoding stays lossless; r.add(name, t, module='drafter') to refit and verify it)",)

@@ -67,12 +67,17 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     unwritten: list[str] = []
     unattributed: list[str] = []
     problems: list[str] = []
+    unchecked: list[str] = []
     for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
         exp = dict(expected.get(module, {}))
         got = man.modules.get(module)
         digests = dict(got.digests) if got is not None else {}
-        if module != "model" and not exp and not digests and (got is None or not got.unwritten or partial or man.partial):
-            continue  # a module nothing was meant for; an engine drafter a full refit never wrote is reported below
+        if module != "model" and not exp and not digests:
+            if got is not None and got.unwritten and not (partial or man.partial):
+                unchecked.append(f"{module}: no tensor of this refit was for it; its {len(got.unwritten)} parameters keep "
+                                 "their previous weights (speculative decoding stays lossless; r.add(name, t, module="
+                                 f"{module!r}) to refit and verify it)")
+            continue
         tag = (lambda n: n) if module == "model" else (lambda n, m=module: f"{m}:{n}")
         r = compare_manifests(exp, digests)
         sender.update({tag(k): v for k, v in exp.items()})
@@ -120,7 +125,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         "; ".join(man.errors) if man.errors else None, session=man.session, version=man.version,
         worker=man.worker.label(), unconsumed=tuple(unconsumed), unwritten=tuple(unwritten),
         engine_mismatched=tuple(engine_bad), problems=tuple(problems), not_proven=not_proven,
-        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven)
+        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven, unchecked=tuple(unchecked))
 
 
 def _check_version(version: Any) -> int | None:
