@@ -461,8 +461,15 @@ def digest_words(u8: torch.Tensor, seeds: tuple[int, int]) -> tuple[int, int]:
     Returns:
         tuple[int, int]: equal to ``reference.chain_and_finalise`` of the reference's roots.
     """
-    lanes, has_tail, tail = _lanes_and_tail(u8)
-    h0, h1 = _call(digest_lanes, lanes, has_tail, tail, _U(seeds[0]), _U(seeds[1]))
+    buf = u8.numpy()
+    if buf.shape[0] & 7 or u8.data_ptr() & 7:  # a partial last lane or a misaligned start
+        lanes, has_tail, tail = _lanes_and_tail(u8)
+    else:
+        lanes, has_tail, tail = buf.view(np.uint64), False, _Z
+    if lanes.shape[0] < PARALLEL_MIN_LANES:  # (inlined _call: the per-tensor path of small tensors)
+        h0, h1 = digest_lanes(lanes, has_tail, tail, _U(seeds[0]), _U(seeds[1]), False)
+    else:
+        h0, h1 = _call(digest_lanes, lanes, has_tail, tail, _U(seeds[0]), _U(seeds[1]))
     return int(h0), int(h1)
 
 

@@ -21,6 +21,12 @@ from refit_verify import reference as _ref
 
 _KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # devices whose tensors go to the Triton kernels
 _seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tensor_seed(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> tuple[int, int]:
+    """§3 seeds of a tensor, memoised on (dtype, torch.Size, nbytes): one hash lookup per ``add``."""
+    return _seed(dtype_name(dtype), tuple(shape), nbytes)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 __all__ = ["backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch", "StreamDigests"]
@@ -73,7 +79,7 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    flat = t.reshape(-1)
+    flat = t if t.dim() == 1 else t.reshape(-1)
     if flat.numel() == 1 and flat.stride(0) != 1:  # a one-element view with a non-unit stride
         flat = flat.as_strided((1,), (1,))  # same element, no copy
     if flat.dtype.is_complex:
@@ -109,7 +115,7 @@ class DigestBatch:
             ValueError: ``t`` has more than 255 dimensions.
         """
         u8 = logical_bytes(t)
-        seeds = _seed(dtype_name(t.dtype), tuple(t.shape), u8.numel())
+        seeds = _tensor_seed(t.dtype, t.shape, u8.numel())
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
         backend = backend_for("cpu" if u8.is_cpu else u8.device.type)  # is_cpu: no device object
