@@ -118,11 +118,13 @@ class DigestBatch:
         seeds = _tensor_seed(t.dtype, t.shape, u8.numel())
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
-        backend = backend_for("cpu" if u8.is_cpu else u8.device.type)  # is_cpu: no device object
+        dev = None if u8.is_cpu else u8.device  # (no torch.device object on the CPU path)
+        backend = backend_for("cpu" if dev is None else dev.type)
         if backend.digest_words is not None:
             self._done[name] = backend.digest_words(u8, seeds)
         else:
-            self._queued.setdefault((u8.device, backend.digest_views), []).append((name, u8, seeds, self._adds))
+            key = (u8.device if dev is None else dev, backend.digest_views)
+            self._queued.setdefault(key, []).append((name, u8, seeds, self._adds))
 
     def launch(self) -> None:
         """Start the digest kernels of every queued tensor now, without synchronising.
