@@ -97,7 +97,7 @@ def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplo
     msgs = [r.getMessage() for r in caplog.records if r.name == "refit_verify"]
     assert len(msgs) == 1, msgs
     assert msgs[0].startswith("refit-verify digests cpu tensors with the torch path: numba is unavailable (ModuleNotFoundError: import of refit_verify._numba_digest halted")
-    assert "0.3 GB/s instead of about 33 GB/s" in msgs[0]
+    assert "about 60x slower (0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores)" in msgs[0]
     assert caplog.records[0].levelno == logging.WARNING
 
 

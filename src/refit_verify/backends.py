@@ -5,8 +5,8 @@ Three implementations of digest v1, bit-identical to :mod:`refit_verify.referenc
 * ``triton``: the Triton kernels (:mod:`refit_verify.kernels`), for the kernel device types
   (CUDA; ``refit_verify.digest._KERNEL_DEVICE_TYPES``). Batched: views are queued and launched
   together, words come back in one device-to-host copy.
-* ``numba``: :mod:`refit_verify._numba_digest`, CPU tensors (about 33 GB/s on 2 cores).
-* ``torch``: :mod:`refit_verify._torch_digest`, torch ops only, so any device; about 0.3 GB/s on a
+* ``numba``: :mod:`refit_verify._numba_digest`, CPU tensors (14-33 GB/s on 2 cores, by CPU).
+* ``torch``: :mod:`refit_verify._torch_digest`, torch ops only, so any device; 0.2-0.3 GB/s on a
   CPU. The fallback.
 
 :func:`choose` picks one per device type on first use and keeps it for the process: an import that
@@ -112,8 +112,8 @@ def _pick(device_type: str, kernel: bool) -> Backend:
             if got != want:
                 raise RuntimeError(f"probe digest {got} differs from the reference {want}")
         except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
-            return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path runs at about "
-                          "0.3 GB/s instead of about 33 GB/s (2 cores): install numba, a declared dependency")
+            return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
+                          "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
         return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8)
     return _torch(None)  # no faster implementation exists for this device type
 
