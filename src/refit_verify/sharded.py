@@ -118,15 +118,7 @@ def _roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     """Chunk roots of a 1-D contiguous uint8 tensor on its own device (a standalone byte string)."""
     if u8.numel() == 0:
         return []
-    if u8.device.type in _digest._KERNEL_DEVICE_TYPES:  # CUDA: the Triton leaf + upper kernels, no chain
-        from refit_verify.kernels import digest as kd
-
-        return [(a & _ref.MASK64, b & _ref.MASK64) for a, b in kd.chunk_roots([u8]).cpu().tolist()]
-    try:
-        from refit_verify import _numba_digest as _cpu
-    except Exception:  # numba missing or unusable: the vectorised torch path
-        from refit_verify import _torch_digest as _cpu
-    return _cpu.chunk_roots_u8(u8)
+    return _digest.backend_for(u8.device.type).chunk_roots_u8(u8)  # chosen once per device type (refit_verify.backends)
 
 
 def shard_chunk_roots(shard: torch.Tensor, *, byte_offset: int) -> list[tuple[int, int]]:
@@ -187,15 +179,7 @@ def combine_chunk_roots(roots_in_order: Sequence[tuple[int, int]], dtype: torch.
     if len(roots) != _n_chunks(nbytes):
         raise ShardLayoutError(f"{len(roots)} chunk roots for {nbytes} bytes, expected {_n_chunks(nbytes)}")
     seeds = _ref.seed(name, tuple(int(d) for d in shape), nbytes)
-    out = []
-    for c in range(2):
-        h = seeds[c]
-        for r in roots:
-            h = _ref.node(c, h, int(r[c]) & _ref.MASK64, _ref.CHAIN_LEVEL)
-        for lv in _ref.FINAL_LEVELS:
-            h = _ref.MIX[c](h ^ _ref.tweak(c, lv))
-        out.append(h)
-    return f"{out[0]:016x}{out[1]:016x}"
+    return _ref.hexdigest(*_ref.chain_and_finalise(seeds, [(int(a) & _ref.MASK64, int(b) & _ref.MASK64) for a, b in roots]))
 
 
 # ---------------------------------------------------------------------------------------------
