@@ -17,6 +17,7 @@ See ``docs/protocol.md`` (Roles and sockets, Security).
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import logging
 import math
@@ -27,6 +28,7 @@ import socket
 import stat
 import struct
 import tempfile
+import time
 
 import zmq
 
@@ -314,9 +316,29 @@ class PeerWatch:
         self.live: set[int] = set()
         self.disconnects = 0
         self.strangers: list[tuple[int, int]] = []
+        self.pids: dict[int, int | None] = {}  # fd -> the peer's pid (SO_PEERCRED; None where unknown)
+        self.gone: dict[int, int | None] = {}  # fd -> pid of connections that completed their handshake, then closed
+        self.events: collections.deque[tuple[float, str, int | None]] = collections.deque(maxlen=16)  # (monotonic, what, pid)
         self._awaiting: list[int] = []  # connections whose ZMTP handshake has not completed
         self._failed: set[int] = set()
         self.mon = sock.get_monitor_socket(_MONITOR_EVENTS)
+
+    def established(self) -> list[int]:
+        """fds of the connections whose ZMTP handshake completed (peers that can carry a message)."""
+        return [fd for fd in self.live if fd not in self._awaiting]
+
+    def peer_label(self, fd: int) -> str:
+        """``"pid 123"`` of the peer on ``fd`` (``"a peer"`` where its pid is unknown, e.g. ``tcp://``)."""
+        pid = self.pids.get(fd, self.gone.get(fd))
+        return f"pid {pid}" if pid is not None else "a peer"
+
+    def last_seen(self, limit: int = 4) -> str:
+        """The latest connection events, newest last (``"pid 12 connected 0.31 s ago; pid 9 disconnected 0.02 s ago"``)."""
+        now = time.monotonic()
+        if not self.events:
+            return "no connection seen"
+        return "; ".join(f"{'pid ' + str(pid) if pid is not None else 'a peer'} {what} {now - t:.2f} s ago"
+                         for t, what, pid in list(self.events)[-limit:])
 
     def close(self, sock: zmq.Socket) -> None:
         """Stop monitoring ``sock`` and close the monitor socket."""
@@ -341,11 +363,13 @@ class PeerWatch:
                 self._on_connection(value)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if self._awaiting:
-                    self._awaiting.pop(0)
+                    fd = self._awaiting.pop(0)
+                    self.events.append((time.monotonic(), "connected", self.pids.get(fd)))
             elif kind == zmq.EVENT_DISCONNECTED:
                 if value in self._awaiting:  # never completed the ZMTP handshake: never a peer
                     self._awaiting.remove(value)
                     self.live.discard(value)
+                    self.pids.pop(value, None)
                     if value in self._failed:
                         self._failed.discard(value)  # already logged as a failed handshake
                     else:
@@ -355,6 +379,11 @@ class PeerWatch:
                 elif value in self.live:
                     self.live.discard(value)
                     self.disconnects += 1
+                    pid = self.pids.pop(value, None)
+                    self.gone[value] = pid
+                    if len(self.gone) > 64:
+                        self.gone.pop(next(iter(self.gone)))
+                    self.events.append((time.monotonic(), "disconnected", pid))
                     logger.debug("refit %s on %s: a peer disconnected", self.role, self.endpoint)
             else:  # handshake failed
                 if self._awaiting:
@@ -364,9 +393,11 @@ class PeerWatch:
                                self.role, self.endpoint, kind)
 
     def _on_connection(self, fd: int) -> None:
+        cred = peer_cred(fd) if self.check_uid else None
+        self.pids[fd] = cred[0] if cred is not None else None
         if self.check_uid:
-            cred = peer_cred(fd)
             if cred is not None and cred[1] not in self.allowed_uids:
+                self.pids.pop(fd, None)
                 pid, uid = cred
                 self.strangers.append((pid, uid))
                 logger.error("refit %s on %s rejected a connection from pid %d uid %d: only uid %d (or root) may connect",

@@ -85,6 +85,7 @@ class RefitReceiver:
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.SNDTIMEO, ms(self.config.timeout_s))
+            self._sock.setsockopt(zmq.RCVTIMEO, ms(max(self.config.timeout_s, self.config.connect_timeout_s)))  # a backstop: reads never block
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self._sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 10 * RECONNECT_IVL_MS)
@@ -97,6 +98,8 @@ class RefitReceiver:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._watch.mon, zmq.POLLIN)
+        self._last_msg: tuple[float, str] | None = None
+        self.spurious_wakeups = 0  # polls that reported a request libzmq then discarded (see _recv)
 
     def close(self) -> None:
         """Close the socket. Idempotent."""
@@ -128,17 +131,20 @@ class RefitReceiver:
 
     # -- wire --------------------------------------------------------------------------------
 
-    def _recv(self, timeout_s: float, progress: dict, *, in_refit: bool):
+    def _recv(self, timeout_s: float, progress: dict, *, in_refit: bool, deadline: float | None = None):
         """Wait at most ``timeout_s`` for a request; decode it or reject it and raise.
 
+        Never blocks past the bound: the socket is read only without blocking, after a poll, and a
+        readable socket with nothing to read (libzmq's REP discards a request that lost its
+        envelope while the sender's previous connection was torn down) only continues the wait.
         During a refit (``in_refit``), a dropped connection to the sender ends the wait at once.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         mark = self._watch.disconnects
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._timeout(f"no message within {timeout_s:g} s while {progress['stage']}", "sender went silent", progress, timeout_s)
+                raise self._silent(timeout_s, progress, in_refit)
             ready = dict(self._poller.poll(ms(remaining)))
             self._watch.drain()
             if self._watch.strangers:
@@ -146,25 +152,58 @@ class RefitReceiver:
                 self._watch.strangers.clear()
                 raise RefitProtocolError(f"receiver on {self.endpoint}: the peer (pid {pid}) runs as uid {uid}, not {os.geteuid()}: "
                                          "refusing to take weights from another user", progress=progress)
+            data = None
             if self._sock in ready:
-                break
-            if in_refit and self._watch.disconnects > mark and not self._watch.live:
+                data = self._read()
+            elif in_refit and self._watch.disconnects > mark and not self._watch.live:
                 if self._sock.poll(ms(LAST_WORDS_S)):
-                    break
-                raise self._timeout(f"the sender's connection closed while {progress['stage']} (timeout {timeout_s:g} s)", "sender disconnected", progress, timeout_s)
-        data = self._sock.recv(copy=False)
+                    data = self._read()
+                if data is None:
+                    raise self._timeout(f"the sender's connection closed while {progress['stage']} (timeout {timeout_s:g} s)",
+                                        "sender disconnected", progress, timeout_s)
+            if data is None:
+                continue
+            try:
+                msg = decode_request(data.buffer)
+            except RefitProtocolError as e:
+                self._reject(str(e))
+                raise
+            self._last_msg = (time.monotonic(), _describe(msg))
+            return msg
+
+    def _read(self):
+        """One request without blocking, or ``None`` when the socket had nothing after all."""
         try:
-            return decode_request(data.buffer)
-        except RefitProtocolError as e:
-            self._reject(str(e))
-            raise
+            return self._sock.recv(copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.spurious_wakeups += 1
+            return None
+
+    def _silent(self, timeout_s: float, progress: dict, in_refit: bool) -> RefitTimeoutError:
+        """The timeout of a wait for a request, naming what this receiver saw."""
+        up = self._watch.established()
+        if in_refit:
+            return self._timeout(f"no message within {timeout_s:g} s while {progress['stage']}", "sender went silent", progress, timeout_s)
+        if not up:
+            return self._timeout(f"no Hello within {timeout_s:g} s: no sender is connected to this endpoint", "sender never connected",
+                                 progress, timeout_s)
+        return self._timeout(f"no Hello within {timeout_s:g} s: the sender is connected but sent no Hello (idle, or serving another "
+                             "receiver on this endpoint)", "sender went silent", progress, timeout_s)
 
     def _timeout(self, what: str, reason: str, progress: dict, timeout_s: float) -> RefitTimeoutError:
-        p = dict(progress, timeout_s=timeout_s, reason=reason, silent="sender", endpoint=self.endpoint)
+        p = dict(progress, timeout_s=timeout_s, reason=reason, silent="sender", endpoint=self.endpoint, last_seen=self._last_seen(),
+                 connections=self._watch.last_seen())
         digested = " and digested" if p.get("mode") not in (None, "off") else ""
         return RefitTimeoutError(
             f"receiver on {self.endpoint}: {what}; {reason} (refit {p['refit_id']}: {p['buffers']} buffers, {p['tensors']} "
-            f"tensors received{digested}, last {p['last_name']!r}); staging memory released", p)
+            f"tensors received{digested}, last {p['last_name']!r}; last message {p['last_seen']}; connections: "
+            f"{p['connections']}); staging memory released", p)
+
+    def _last_seen(self) -> str:
+        if self._last_msg is None:
+            return "none"
+        t, what = self._last_msg
+        return f"{what} {time.monotonic() - t:.2f} s ago"
 
     def _reply(self, msg: Welcome | Ack | Done | Reject) -> None:
         try:
@@ -234,10 +273,21 @@ class RefitReceiver:
         cfg = self.config
         progress = {"side": "receiver", "stage": "waiting for Hello", "refit_id": None, "mode": None,
                     "buffers": 0, "tensors": 0, "last_name": None}
-        hello = self._recv(cfg.connect_timeout_s, progress, in_refit=False)
-        if not isinstance(hello, Hello):
-            self._reject(f"expected Hello, got {type(hello).__name__}")
-            raise RefitProtocolError(f"expected Hello, got {type(hello).__name__}")
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        while True:
+            hello = self._recv(cfg.connect_timeout_s, progress, in_refit=False, deadline=deadline)
+            if isinstance(hello, Hello):
+                break
+            if isinstance(hello, Abort):  # the tail of an earlier refit this receiver never saw (its sender gave up on it)
+                logger.info("refit receiver on %s: an Abort of a refit it never saw arrived while waiting for Hello (%s); "
+                            "still waiting", self.endpoint, hello.reason[:200])
+                self._reply(Ack(seq=ABORT_SEQ))
+                continue
+            why = (f"expected Hello, got {_describe(hello)}: this receiver saw no Hello of that refit (another receiver on the "
+                   "same endpoint took it, or the sender lost its receiver mid-refit and went on with this one)")
+            self._reject(why)
+            raise RefitProtocolError(f"receiver on {self.endpoint}: {why}; connections: {self._watch.last_seen()}",
+                                     progress=dict(progress, reason="no Hello", last_seen=self._last_seen()))
         mode = self._welcome(hello)
         state = ReceiveState.start(mode, hello.refit_id, hello.alignment, digests)
         progress.update(refit_id=hello.refit_id, mode=mode.value, stage="waiting for Buffer 0 or Complete")
@@ -284,9 +334,15 @@ class RefitReceiver:
             elif isinstance(msg, Hello) and msg.refit_id == state.refit_id and state.groups == 0:
                 self._welcome(msg)  # the sender re-sent Hello (a stale connection closed meanwhile)
             else:
-                what = f"{type(msg).__name__}" + (f" of refit {msg.refit_id}" if isinstance(msg, Hello) else "")
-                self._reject(f"unexpected {what} during refit {state.refit_id}")
-                raise RefitProtocolError(f"unexpected {what} during refit {state.refit_id}", progress=progress)
+                if isinstance(msg, Hello) and msg.refit_id != state.refit_id:
+                    why = (f"refit id mismatch: Hello of refit {msg.refit_id} arrived during refit {state.refit_id} (after "
+                           f"{state.groups} buffers, last {state.last_name!r}): the sender gave up on {state.refit_id} and "
+                           "started another refit, or a second sender shares this endpoint")
+                else:
+                    why = f"unexpected {_describe(msg)} during refit {state.refit_id} (after {state.groups} buffers)"
+                self._reject(why)
+                raise RefitProtocolError(f"receiver on {self.endpoint}: {why}", progress=dict(progress, reason=why.split(":")[0],
+                                                                                          last_seen=self._last_seen()))
 
     def _handle_buffer(self, msg: Buffer, state: ReceiveState, load: LoadFn) -> None:
         """Validate, map, view, digest and ``load`` one ``Buffer`` (override point for tests).
@@ -327,3 +383,12 @@ class RefitReceiver:
             return
         _staging.release(buf)
         del buf
+
+
+def _describe(msg) -> str:
+    """``"Buffer(seq=3)"``, ``"Hello(refit 1a2b…)"``: what a request was, for error messages."""
+    if isinstance(msg, Buffer):
+        return f"Buffer(seq={msg.seq})"
+    if isinstance(msg, Hello):
+        return f"Hello(refit {msg.refit_id})"
+    return type(msg).__name__

@@ -10,6 +10,7 @@ See ``docs/protocol.md``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -30,13 +31,25 @@ from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch,
 from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello,
                                Reject, Welcome, decode_reply, encode)
 
-__all__ = ["ABORT_WAIT_S", "RefitSender", "RefitStats"]
+__all__ = ["ABORT_WAIT_S", "HELLO_RETRY_S", "RefitSender", "RefitStats"]
 
 logger = logging.getLogger("refit_verify")
 
 ABORT_WAIT_S = 5.0
 """After sending ``Abort``, the sender waits at most ``min(timeout_s, ABORT_WAIT_S)`` seconds for
 its acknowledgement (none after a timeout or a disconnect: the receiver is gone or stuck)."""
+
+HELLO_RETRY_S = 0.2
+"""Seconds after which an unanswered ``Hello`` is sent again; the interval doubles up to
+:data:`HELLO_RETRY_MAX_S`. libzmq can lose a request sent while a closing peer's connection is
+being torn down (a sender reused while its receiver is re-created for every refit): the receiver
+answers a repeated ``Hello`` of its refit again, and ``REQ_CORRELATE`` drops the answers to the
+earlier copies. Only ``Hello`` is repeated (no ``Buffer`` can have been read yet)."""
+HELLO_RETRY_MAX_S = 2.0
+
+SECOND_PEER_GRACE_S = 0.5
+"""When a refit starts with two connections up, the older one may be the previous receiver still
+closing: it gets this long (seconds) to go before the sender names two receivers on one endpoint."""
 
 
 class RefitStats(StreamStats):
@@ -64,6 +77,8 @@ class _Progress:
     bytes_sent: int = 0
     last_acked_name: str | None = None
     waiting_for: str = ""
+    hello_sent: int = 0
+    last_reply: str | None = None
     packer: Packer | None = None
 
     @property
@@ -213,8 +228,12 @@ class RefitSender:
         self._finalizer = weakref.finalize(self, close_zmq, self._sock, self._watch, self._ctx, self._private_dir, lock)
         self._progress = _Progress()
         self._mark = 0
+        self._carriers: set[int] = set()  # connections up when the outstanding request left (REQ: the one it went to)
         self._peer_gave_up = False
         self._last_hello: bytes | None = None
+        self._last_reply_t: float | None = None
+        self._busy = threading.Lock()  # one refit at a time
+        self._busy_thread: str | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._watch.mon, zmq.POLLIN)
@@ -270,61 +289,132 @@ class RefitSender:
         return None
 
     def _send(self, msg: Hello | Buffer | Complete) -> None:
+        """Queue one request (at most ``timeout_s``), after checking that one receiver is connected."""
         data = encode(msg)
-        if isinstance(msg, Hello):
+        w = self._watch
+        w.drain()
+        hello = isinstance(msg, Hello)
+        self._one_receiver(grace=SECOND_PEER_GRACE_S if hello else 0.0)
+        if hello:
             self._last_hello = data
-        self._watch.drain()
-        self._mark = self._watch.disconnects
+        self._carriers = set(w.established())
+        self._mark = w.disconnects
         try:
             self._sock.send(data, copy=False)
         except zmq.Again:
-            if isinstance(msg, Hello):
+            if hello:
                 raise self._timeout(f"could not send Hello within {self.config.timeout_s:g} s", "receiver never connected",
                                     "is a RefitReceiver connected to this endpoint? In vLLM: is the refit_verify plugin loaded "
                                     "in the workers (VLLM_PLUGINS) and refit_verify_receive called?") from None
             raise self._timeout(f"could not send {type(msg).__name__} within {self.config.timeout_s:g} s", "receiver went silent") from None
+        if hello:
+            self._progress.hello_sent += 1
+        if not self._carriers:  # the send waited for a peer to appear: that one took it
+            w.drain()
+            self._carriers = set(w.established())
+
+    def _one_receiver(self, grace: float) -> None:
+        """Raise when more than one receiver is connected (REQ would deal requests out in turn).
+
+        ``grace``: seconds a second connection may take to close first (a previous receiver that
+        is still closing when the next refit starts).
+
+        Raises:
+            RefitProtocolError: two or more receivers connected, naming their pids.
+        """
+        w = self._watch
+        deadline = time.monotonic() + grace
+        while len(w.established()) > 1 and (remaining := deadline - time.monotonic()) > 0:
+            w.mon.poll(ms(remaining))
+            w.drain()
+        peers = w.established()
+        if len(peers) <= 1:
+            return
+        p = self._progress
+        self._peer_gave_up = True  # no Abort: it would go to either of them
+        who = ", ".join(w.peer_label(fd) for fd in sorted(peers))
+        stage = "before Hello" if not p.hello_sent else f"during the refit ({p.buffers_sent} buffers sent)"
+        raise RefitProtocolError(
+            f"refit {p.refit_id} on {self._endpoint}: {len(peers)} receivers are connected to this one endpoint ({who}) "
+            f"{stage}: a REQ socket deals requests out to them in turn, so neither would see the whole refit. One "
+            "endpoint serves one receiver: close the other one, or give each its own sender and endpoint (tensor "
+            "parallelism: {rank} in the path). Connections: " + w.last_seen(),
+            progress=p.as_dict(side="sender", reason="two receivers", connections=w.last_seen(), endpoint=self._endpoint))
+
+    def _carrier_dropped(self) -> bool:
+        """Whether the connection the outstanding request went to has closed (its reply is lost with it)."""
+        w = self._watch
+        return w.disconnects > self._mark and (not self._carriers or any(fd not in w.live for fd in self._carriers))
 
     def _take_reply(self, expect: type, seq: int | None = None) -> Welcome | Ack | Done:
         """Wait (at most ``timeout_s``) for the reply to the outstanding request and check it.
 
-        While waiting for ``Welcome``, a disconnection of another connection re-sends ``Hello`` once
-        (a receiver of an earlier refit may still have been closing when ``Hello`` left; a receiver
-        answers a repeated ``Hello`` of the same refit again).
+        While waiting for ``Welcome``, ``Hello`` is sent again after :data:`HELLO_RETRY_S` (doubling)
+        and at once when the connection it went to closes and another receiver is connected (a
+        receiver of an earlier refit may still have been closing when ``Hello`` left); a receiver
+        answers a repeated ``Hello`` of its refit again. A reply to an earlier copy is dropped by
+        ``REQ_CORRELATE`` (a readable socket with nothing to read: the wait goes on).
 
         Raises:
-            RefitTimeoutError: no reply in time, or the receiver's connection dropped (and no other is
-                left). RefitProtocolError: a ``Reject``, an undecodable reply, or a reply of the wrong
-                type or sequence number.
+            RefitTimeoutError: no reply in time (``"receiver went silent"``, or ``"receiver
+                disconnected"`` / ``"receiver never connected"`` for ``Welcome`` when no receiver
+                was left to answer), or the connection that carried a ``Buffer`` / ``Complete``
+                closed (``"receiver disconnected"``, naming a new connection if one came up).
+            RefitProtocolError: a ``Reject``, an undecodable reply, a reply of the wrong type or
+                sequence number, or two receivers on the endpoint.
         """
         p = self._progress
         p.waiting_for = f"{expect.__name__}" + (f"(seq={seq})" if seq is not None else "")
-        deadline = time.monotonic() + self.config.timeout_s
-        mark = self._mark
+        w = self._watch
+        now = time.monotonic()
+        deadline = now + self.config.timeout_s
+        retry = HELLO_RETRY_S
+        next_retry = now + retry if expect is Welcome else float("inf")
         while True:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
-                raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent")
-            ready = dict(self._poller.poll(ms(remaining)))
-            self._watch.drain()
+                raise self._no_reply(expect)
+            ready = dict(self._poller.poll(ms(min(remaining, max(next_retry - now, 0.001)))))
+            w.drain()
             if self._sock in ready:
-                break
-            if self._watch.disconnects > mark:
-                if not self._watch.live:
-                    if self._sock.poll(ms(LAST_WORDS_S)):
-                        break
-                    raise self._timeout(f"the receiver's connection closed while waiting for {p.waiting_for}", "receiver disconnected")
-                if expect is Welcome and self._last_hello is not None:
-                    logger.info("refit %s: a connection closed while Hello was outstanding; sending Hello again", p.refit_id)
-                    mark = self._watch.disconnects
+                try:
+                    data = self._sock.recv(copy=False, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:  # a late reply to an earlier request, dropped by REQ_CORRELATE
+                    continue
+            dropped = self._carrier_dropped()
+            if expect is Welcome:
+                if (dropped or time.monotonic() >= next_retry) and w.established():
+                    self._one_receiver(grace=SECOND_PEER_GRACE_S)
+                    if dropped:
+                        logger.info("refit %s: the connection Hello went to closed; sending Hello again", p.refit_id)
                     try:
                         self._sock.send(self._last_hello, flags=zmq.NOBLOCK)
+                        p.hello_sent += 1
                     except zmq.ZMQError:
                         pass
-        try:
-            data = self._sock.recv(copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:  # pragma: no cover - readable a moment ago
-            raise self._timeout(f"no {p.waiting_for} reply within {self.config.timeout_s:g} s", "receiver went silent") from None
+                    self._carriers, self._mark = set(w.established()), w.disconnects
+                    retry = min(2 * retry, HELLO_RETRY_MAX_S)
+                    next_retry = time.monotonic() + retry
+                elif time.monotonic() >= next_retry:
+                    next_retry = time.monotonic() + retry  # nobody to send it to: wait for a receiver
+                continue
+            if dropped:
+                if self._sock.poll(ms(LAST_WORDS_S)):
+                    try:
+                        data = self._sock.recv(copy=False, flags=zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        pass
+                w.drain()
+                up = w.established()
+                extra = (f" (a new connection from {w.peer_label(up[0])} came up meanwhile: the receiver reconnected or "
+                         "another one connected; a request is answered only on the connection it went out on)") if up else ""
+                raise self._timeout(f"the receiver's connection closed while waiting for {p.waiting_for}{extra}", "receiver disconnected")
         reply = decode_reply(data.buffer)
+        self._last_reply_t = time.monotonic()
+        p.last_reply = type(reply).__name__ + (f"(seq={reply.seq})" if isinstance(reply, Ack) else "")
         p.waiting_for = ""
         if isinstance(reply, Reject):
             self._peer_gave_up = True  # a receiver that rejects has stopped: no Abort needed
@@ -337,12 +427,31 @@ class RefitSender:
             raise RefitProtocolError(f"expected {expect.__name__}" + (f"(seq={seq})" if seq is not None else "") + f", got {reply!r}"[:500], progress=p.as_dict())
         return reply
 
+    def _no_reply(self, expect: type) -> RefitTimeoutError:
+        """The timeout error of a reply wait, naming what the sender saw of its receiver."""
+        p, w = self._progress, self._watch
+        t = self.config.timeout_s
+        up = w.established()
+        if expect is Welcome:
+            if up:
+                return self._timeout(f"no Welcome within {t:g} s: {w.peer_label(up[0])} is connected but did not answer Hello "
+                                     f"(sent {p.hello_sent} times)", "receiver went silent")
+            if w.disconnects > 0 and w.events and w.events[-1][1] == "disconnected":
+                return self._timeout(f"no Welcome within {t:g} s: the receiver that took Hello disconnected and no receiver "
+                                     "connected after it", "receiver disconnected")
+            return self._timeout(f"no Welcome within {t:g} s: no receiver is connected", "receiver never connected")
+        who = f"{w.peer_label(up[0])} is connected but " if up else ""
+        return self._timeout(f"no {p.waiting_for} reply within {t:g} s: {who}did not answer (busy loading, or hung)", "receiver went silent")
+
     def _timeout(self, what: str, reason: str, hint: str = "") -> RefitTimeoutError:
-        p = self._progress.as_dict(side="sender", silent="receiver", endpoint=self._endpoint, timeout_s=self.config.timeout_s, reason=reason)
+        p = self._progress.as_dict(side="sender", silent="receiver", endpoint=self._endpoint, timeout_s=self.config.timeout_s, reason=reason,
+                                   connections=self._watch.last_seen())
+        ago = f" {time.monotonic() - self._last_reply_t:.2f} s ago" if self._last_reply_t is not None and p["last_reply"] else ""
         return RefitTimeoutError(
             f"refit {p['refit_id']} on {self._endpoint}: {what}; {reason} "
             f"(buffers acked {p['buffers_acked']}/{p['buffers_sent']}, tensors acked {p['tensors_acked']} of "
-            f"{p['tensors_sent']} sent, last acked {p['last_acked_name']!r}, last packed {p['last_name']!r}); "
+            f"{p['tensors_sent']} sent, last acked {p['last_acked_name']!r}, last packed {p['last_name']!r}; last reply "
+            f"{p['last_reply'] or 'none'}{ago}; connections: {p['connections']}); "
             "staging memory released" + (f". {hint}" if hint else ""),
             p,
         )
@@ -457,19 +566,38 @@ class RefitSender:
             RefitTimeoutError: the receiver did not take a message or reply within ``timeout_s``, or
                 its connection dropped; ``.progress`` tells how far the refit got.
             RefitProtocolError: mode agreement failed (``enforce`` and a receiver that cannot
-                verify), the receiver rejected a message, or replied out of protocol.
+                verify), the receiver rejected a message, or replied out of protocol; two receivers
+                are connected to the endpoint; another thread's ``send`` on this sender is in
+                progress (a concurrent send: raised at once, the running refit goes on).
             TypeError / ValueError: a bad name, a name given twice, or a bad tensor.
 
         Any exception raised after ``Hello`` went out (these, the iterator's own, an interrupt)
         first sends ``Abort`` so the receiver stops at once; the staging memory is freed in every case.
         """
+        if not self._busy.acquire(blocking=False):
+            p = self._progress
+            raise RefitProtocolError(
+                f"concurrent send on one RefitSender ({self._endpoint}): refit {p.refit_id} is in progress in thread "
+                f"{self._busy_thread!r} ({p.buffers_sent} buffers sent, {p.buffers_acked} acknowledged, waiting for "
+                f"{p.waiting_for or 'nothing'}); a sender runs one refit at a time: wait for it to return, or give each "
+                "concurrent refit its own sender and endpoint", progress=p.as_dict(side="sender", reason="concurrent send"))
+        try:
+            self._busy_thread = threading.current_thread().name
+            return self._send_refit(named_tensors)
+        finally:
+            self._busy_thread = None
+            self._busy.release()
+
+    def _send_refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> VerificationReport | None:
         cfg = self.config
         refit_id = uuid.uuid4().hex
         self._progress = p = _Progress(refit_id=refit_id, mode=cfg.mode.value)
         st = _SendState(sender=self, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
         t_start = time.perf_counter()
+        self._sock.setsockopt(zmq.SNDTIMEO, ms(cfg.timeout_s))  # the config may have been replaced since the last refit
         self._watch.drain()
         self._peer_gave_up = False
+        self._last_reply_t = None
         try:
             st.hello_sent = True
             self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
