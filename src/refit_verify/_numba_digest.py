@@ -70,7 +70,7 @@ def _jit(**kw):
     def deco(fn):
         try:
             return njit(cache=True, nogil=True, fastmath=False, **kw)(fn)
-        except Exception:  # no writable cache locator (read-only install, no writable home)
+        except Exception:  # noqa: BLE001 - no writable cache locator (read-only install, no writable home)
             return njit(cache=False, nogil=True, fastmath=False, **kw)(fn)
 
     return deco
@@ -437,7 +437,7 @@ def _call(fn, lanes: np.ndarray, *args):
                 return fn(lanes, *args, True)
             finally:
                 set_parallel_chunksize(prev)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure of the parallel path: the serial one is exact
             _parallel_ok = False  # e.g. no numba threading layer: stay on the calling thread
     return fn(lanes, *args, False)
 

@@ -84,7 +84,7 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
     def run() -> None:
         try:
             out["report"] = sender.send(items)
-        except BaseException as e:  # handed back to the caller
+        except BaseException as e:  # noqa: BLE001 - handed back to the caller, re-raised there
             out["error"] = e
 
     ch = require_channel(engine)

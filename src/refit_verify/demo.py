@@ -164,7 +164,7 @@ def quiet_engine_output(log_path: str | Path) -> Iterator[IO[str]]:
         with contextlib.suppress(Exception):
             s.flush()
     saved = os.dup(1), os.dup(2)
-    screen = open(os.dup(saved[0]), "w", encoding="utf-8", errors="replace", buffering=1)
+    screen = open(os.dup(saved[0]), "w", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115 - closed in finally below
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

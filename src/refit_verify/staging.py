@@ -18,6 +18,7 @@ Receiver side: :func:`open_handle` → 1-D uint8 tensor; :func:`release` when do
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -114,10 +115,8 @@ class ShmStagingBuffer(StagingBuffer):
         return ShmHandle(name=self._name, nbytes=self.nbytes)
 
     def _unlink(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self._shm.unlink()
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         """Drop this object's view and unlink the name; the memory goes with the last mapping."""

@@ -272,7 +272,7 @@ class FrameworkSyncExtension:
 
         def weights_iter() -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(weight_path, framework="pt", device="cpu") as f:
-                for key in f.keys():
+                for key in f:
                     yield key, f.get_tensor(key)
 
         initialize_layerwise_reload(model)

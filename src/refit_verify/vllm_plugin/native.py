@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
