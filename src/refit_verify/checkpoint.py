@@ -300,7 +300,7 @@ def digest_checkpoint(path: str | Path, *, device: str | None = None, progress: 
         plan: list[tuple[int, str]] = []
         total = 0
         for i, h in enumerate(handles):
-            for name in h:
+            for name in h.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                 if name in seen:
                     raise RefitConfigError(f"{src}: tensor {name!r} is in {seen[name]} and in {rel[i]}")
                 if wmap is not None and wmap.get(name) != rel[i]:

@@ -272,7 +272,7 @@ class FrameworkSyncExtension:
 
         def weights_iter() -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(weight_path, framework="pt", device="cpu") as f:
-                for key in f:
+                for key in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                     yield key, f.get_tensor(key)
 
         initialize_layerwise_reload(model)
