@@ -9,6 +9,12 @@
 #   stage x2b (carry as stage 2): finish vLLM, the vLLM two-GPU tests (TP=2 colocated, native nccl, our
 #           broadcast inside vLLM workers when X2B_MORE=tests/test_vllm_broadcast.py) and bench_refit --tp 2;
 #   stage x2c (carry as stage 2): the one-GPU suite again, then bench_refit with TP=1.
+#   one-GPU session of the model-boundary work, three back-to-back calls:
+#   stage k (carry .gpu-vllm/vllm.tar.xz .gpu-vllm/install.sh and the msgspec wheel under .whl/core): lay vLLM,
+#           compiled kernel tests, bench_digest, bench_engine_state (engine-state digest vs D2H + SHA-256);
+#   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
+#           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
+#   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce.
 # Everything is logged under $OUT.
 set -uo pipefail
 stage=${1:?stage}
@@ -31,7 +37,24 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
-if [ "$stage" = x2a ]; then
+if [ "$stage" = k ]; then
+  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py tests/test_digest_backends.py \
+    tests/test_sharded.py -x -p no:cacheprovider >"$OUT/kernel-tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel-tests.log"
+  echo "kernel tests: $(( $(date +%s) - t0 )) s"
+  timeout 150 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" >"$OUT/bench_digest.log" 2>&1; echo "bench_digest rc=$?"
+  tail -22 "$OUT/bench_digest.md" 2>/dev/null
+  timeout 120 python3 benchmarks/bench_engine_state.py --rounds 20 --out "$OUT/bench_engine_state.md" 2>&1 | tail -8
+elif [ "$stage" = t ]; then
+  timeout 170 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
+  timeout 380 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py tests/test_boundary_engine.py \
+    tests/test_model_boundary.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
+    -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
+  grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = p ]; then
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout 560 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
+  echo "bench_paths rc=$?"; tail -45 "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
+elif [ "$stage" = x2a ]; then
   timeout 400 python3 -m pytest -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR|^rank" "$OUT/two-gpu.log" | head -40; echo "two-gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = 1 ]; then
