@@ -44,6 +44,13 @@ class VerificationReport:
         proven_bytes / unproven_bytes: bytes of engine parameters read-back proved / could not prove.
         unchecked: what this comparison could not see and why (e.g. coverage and read-back of an
             update still open on the worker); reported, not a failure.
+
+    What the engine holds after a refit whose digests came ahead of the bytes (our transport,
+    protocol 3; empty otherwise):
+        landed: the parameters this refit wrote (they hold the new version).
+        kept: ``{parameter: why}`` of parameters that still hold the previous version: a tensor
+            meant for them was refused before loading, or a fused sibling was (parts land together
+            or not at all).
     """
 
     mismatched: tuple[str, ...]
@@ -66,6 +73,8 @@ class VerificationReport:
     proven_bytes: int | None = None
     unproven_bytes: int | None = None
     unchecked: tuple[str, ...] = ()
+    landed: tuple[str, ...] = ()
+    kept: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -119,6 +128,10 @@ class VerificationReport:
             items = list(self.rejected.items())
             shown = "; ".join(f"{k} ({v})" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
             parts.append(f"{len(items)} rejected by the receiver: {shown}")
+        if self.kept:
+            items = list(self.kept.items())
+            shown = "; ".join(f"{k} ({v})" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
+            parts.append(f"{len(items)} parameters keep the previous version ({len(self.landed)} hold the new one): {shown}")
         if self.receiver_error:
             parts.append(f"receiver error: {self.receiver_error}")
         parts.extend(self.problems)
