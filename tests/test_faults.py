@@ -119,12 +119,23 @@ def check_case(case: Case, mode: str, out, err, res, records) -> None:
         assert all(n in warned for n in list(aff)[:20]) or len(aff) > 20, f"log mode did not log {aff}: {ctx}"
     assert set(rep.affected) == aff, f"named {rep.affected}, affected {aff}: {ctx}"
     cats = {"mismatched": set(rep.mismatched), "missing": set(rep.missing), "unexpected": set(rep.unexpected), "rejected": set(rep.rejected)}
+    checked_first = mode == "enforce" and kind in MISMATCH_CLASSES | {"AddUnexpected"}
+    if checked_first:
+        # verify before load: the receiver compared each tensor with the digest that came with it and
+        # never handed a corrupt (or undigested) one to load; the verdict says what the engine holds
+        assert not aff & set(res["got"]), f"{aff & set(res['got'])} reached load: {ctx}"
+        assert set(rep.kept) == aff and all(v.startswith("not loaded: ") for v in rep.kept.values()), f"{rep.kept} {ctx}"
+        assert set(rep.landed) == set(res["got"]) == set(sent) - aff, ctx
     if kind in MISMATCH_CLASSES:
-        want = {"mismatched": aff}
+        want = {"mismatched": aff, "rejected": aff} if checked_first else {"mismatched": aff}
+        if checked_first:
+            assert all("differs from the sender's" in rep.rejected[n] for n in aff), ctx
     elif kind == "Drop":
         want = {"missing": aff}
     elif kind == "AddUnexpected":
-        want = {"unexpected": aff}
+        want = {"unexpected": aff, "rejected": aff} if checked_first else {"unexpected": aff}
+        if checked_first:
+            assert all("carries no sender digest" in rep.rejected[n] for n in aff), ctx
     elif kind == "DuplicateName":
         want = {"missing": aff, "rejected": {f.dst}}
         assert rep.rejected[f.dst] == "sent twice in one refit", ctx

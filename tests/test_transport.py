@@ -21,7 +21,7 @@ from refit_verify import RefitConfig, logical_bytes
 from refit_verify.digest import dtype_name
 from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire import Buffer, Hello, Reject, decode_reply, encode
+from refit_verify.wire import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply, encode
 
 SPAWN = mp.get_context("spawn")
 PROC_TIMEOUT_S = 60
@@ -228,16 +228,23 @@ def test_two_process_corrupted_staging_enforce_and_log(caplog):
             with pytest.raises(RefitVerificationError) as ei:
                 tx.send(tensors)
             assert ei.value.mismatched == [target] and not ei.value.missing and not ei.value.unexpected
-            assert target in str(ei.value)
+            assert list(ei.value.rejected) == [target] and "differs from the sender's" in ei.value.rejected[target]
+            rep = ei.value.report
+            assert list(rep.kept) == [target] and rep.kept[target].startswith("not loaded: its digest")
+            assert rep.landed == tuple(n for n, _ in tensors if n != target)
+            assert target in str(ei.value) and "1 parameters keep the previous version" in str(ei.value)
             info = rx.result()
-            assert_received(info["got"], tensors, except_name=target)  # the receiver did get the bad bytes
+            # enforce: checked before load, the corrupted tensor never reached load; every other one did, intact
+            assert_received(info["got"], [(n, t) for n, t in tensors if n != target])
 
             tx.config = log
             with caplog.at_level(logging.WARNING, logger="refit_verify"):
                 report = tx.send(tensors)
             assert not report.ok and report.mismatched == (target,) and report.verified == len(tensors) - 1
+            assert not report.rejected and not report.kept and len(report.landed) == len(tensors)
             assert any(target in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-            rx.result()
+            info = rx.result()
+            assert_received(info["got"], tensors, except_name=target)  # log: loaded, and the verdict names it
         finally:
             rx.close()
 
@@ -309,9 +316,9 @@ def test_receiver_times_out_without_hello(tmp_path):
         b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00\x8c\x05posix\x94\x8c\x06system\x94\x93\x94.",
         b"garbage",
         encode(Reject(reason="a reply is not a request")),
-        encode(msgspec.structs.replace(Hello(protocol=2, refit_id="x", mode="off", alignment=512), mode="ON")),
+        encode(msgspec.structs.replace(Hello(protocol=PROTOCOL_VERSION, refit_id="x", mode="off", alignment=512), mode="ON")),
         encode(Hello(protocol=999, refit_id="x", mode="off", alignment=512)),
-        encode(Hello(protocol=2, refit_id="x", mode="off", alignment=48)),
+        encode(Hello(protocol=PROTOCOL_VERSION, refit_id="x", mode="off", alignment=48)),
         msgspec.msgpack.encode(["hello", 1, "x", "off"]),  # a protocol-1 Hello
     ],
     ids=["pickle", "garbage", "reply-as-request", "bad-mode", "bad-version", "bad-alignment", "v1-hello"],
@@ -356,8 +363,8 @@ def _run_pair(sender: RefitSender, tensors, load=lambda b: None, **cfg):
 
 def test_protocol_version_mismatch_is_rejected():
     tx = RewritingSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0))
-    tx.rewrite = lambda m: msgspec.structs.replace(m, protocol=3) if isinstance(m, Hello) else m
-    with tx, pytest.raises(RefitProtocolError, match="protocol 3"):
+    tx.rewrite = lambda m: msgspec.structs.replace(m, protocol=2) if isinstance(m, Hello) else m  # a protocol-2 sender
+    with tx, pytest.raises(RefitProtocolError, match="protocol 2 not supported"):
         _run_pair(tx, [("a", torch.randn(3))])
 
 
@@ -603,7 +610,7 @@ def test_older_receiver_fails_at_handshake_with_versions_named(tmp_path):
             th.join(10)
             rep.close()
             ctx.term()
-    assert "undecodable request" in str(ei.value) and "protocol 2" in str(ei.value) and "older refit-verify" in str(ei.value)
+    assert "undecodable request" in str(ei.value) and f"protocol {PROTOCOL_VERSION}" in str(ei.value) and "older refit-verify" in str(ei.value)
 
 
 def test_off_sender_with_verifying_receiver_stays_unverified_and_lazy(monkeypatch):

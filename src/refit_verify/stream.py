@@ -38,10 +38,10 @@ from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
 from refit_verify.report import VerificationReport, compare_manifests
-from refit_verify.wire import MAX_ENTRIES_BYTES, MAX_NAME_BYTES, Entry, torch_dtype
+from refit_verify.wire import MAX_ENTRIES_BYTES, MAX_NAME_BYTES, DigestEntry, Entry, torch_dtype
 
 __all__ = ["Batch", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "PackSink", "Packer", "ReceiveState", "Slot",
-           "StreamResult", "StreamStats", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
+           "StreamResult", "StreamStats", "check_digest", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
 
 logger = logging.getLogger("refit_verify")
 
@@ -167,6 +167,10 @@ class Packer:
             (``True``) or only launch them (``False``: the transport orders its stream before the
             bytes leave).
         max_entries_bytes: estimated encoded size of a group's entry list at which it is cut.
+        digests_ahead: give every entry its digest (:class:`~refit_verify.wire.DigestEntry`), so
+            the receiver can check each tensor before loading it: each group's digests are
+            finished (one synchronisation per group on CUDA) before the group is sent. Needs
+            ``digests``.
 
     Attributes:
         tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
@@ -174,9 +178,11 @@ class Packer:
     """
 
     def __init__(self, sink: PackSink, *, capacity: int, alignment: int, digests: DigestBatch | None,
-                 sync_digests: bool = False, max_entries_bytes: int = MAX_ENTRIES_BYTES) -> None:
+                 sync_digests: bool = False, max_entries_bytes: int = MAX_ENTRIES_BYTES, digests_ahead: bool = False) -> None:
         self.sink, self.capacity, self.alignment = sink, capacity, alignment
         self.digests, self.sync_digests, self.max_entries_bytes = digests, sync_digests, max_entries_bytes
+        self.ahead = digests_ahead and digests is not None
+        self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead)
         self.names: set[str] = set()
         self.entries: list[Entry] = []
         self.used = 0
@@ -208,7 +214,11 @@ class Packer:
         if a > self.capacity:
             self.flush()
             self.finish_digests()
-            self.sink.post_alone(u8, Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n), a)
+            if self.ahead:
+                entry: Entry = DigestEntry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n, digest=self._group_hex()[name])
+            else:
+                entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
+            self.sink.post_alone(u8, entry, a)
         else:
             cost = entry_cost(name, dt, t.dim())
             if self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
@@ -235,8 +245,22 @@ class Packer:
         """Send the pending group, if any (its CUDA digests finished first)."""
         if self.entries:
             self.finish_digests()
-            self.sink.post(self.entries, self.used)
+            entries = self.entries
+            if self.ahead:
+                hexes = self._group_hex()
+                entries = [DigestEntry(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, nbytes=e.nbytes,
+                                       digest=hexes[e.name]) for e in entries]
+            self.sink.post(entries, self.used)
         self.entries, self.used, self._est = [], 0, 0
+
+    def _group_hex(self) -> dict[str, str]:
+        """Finish the digests added since the last group (one synchronisation on CUDA); return all so far."""
+        if self.digests is not None and self.digests._order:
+            t0 = time.perf_counter()
+            self._hex.update(self.digests.hexdigests())
+            self.digests = DigestBatch()  # the next group's digests (formatting stays linear in the refit)
+            self.digest_s += time.perf_counter() - t0
+        return self._hex
 
     def finish_digests(self) -> None:
         """Launch (or, with ``sync_digests``, finish) the CUDA digests queued since the last group:
@@ -254,6 +278,8 @@ class Packer:
         """Return the sender's manifest ``{name: 32-hex}`` (``None`` when not verifying)."""
         if self.digests is None:
             return None
+        if self.ahead:
+            return dict(self._group_hex())
         t0 = time.perf_counter()
         out = self.digests.hexdigests()
         self.digest_s += time.perf_counter() - t0
@@ -271,6 +297,7 @@ class Slot(NamedTuple):
     shape: list[int]
     offset: int
     nbytes: int
+    digest: str | None = None  # the sender's digest, when it travelled ahead (DigestEntry)
 
 
 class EntryChecker:
@@ -344,7 +371,7 @@ class EntryChecker:
             if why is not None:
                 self.reject(e.name, why)
                 continue
-            out.append(Slot(e.name, dtype, list(e.shape), e.offset, e.nbytes))
+            out.append(Slot(e.name, dtype, list(e.shape), e.offset, e.nbytes, getattr(e, "digest", None)))
             end = e.offset + slot
         return out
 
@@ -365,6 +392,11 @@ class ReceiveState:
         groups: groups handled. tensors / bytes: accepted entries and their exact bytes.
         digest_s: seconds in digest code. last_name: the last accepted name.
         errors: errors that name no entry (``load`` raised, a count mismatch in ``off`` mode).
+        refused: ``{name: reason}`` of entries checked before loading and not loaded (their digest
+            differs from the sender's, or none travelled with them): ``enforce`` only.
+        landed: names handed to ``load`` (a load that raised excluded), when digests came first.
+        kept: ``{parameter: why}`` of what still holds the previous version (with ``external``:
+            the engine's parameters, as the model boundary reports them).
     """
 
     mode: VerifyMode
@@ -378,6 +410,11 @@ class ReceiveState:
     digest_s: float = 0.0
     last_name: str | None = None
     errors: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    landed: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    ahead: bool = False  # some group's digests came ahead of its bytes
+    _hex: dict[str, str] = field(default_factory=dict)  # digests of the groups checked before loading
 
     @classmethod
     def start(cls, mode: VerifyMode, refit_id: str, alignment: int, digests: ExternalDigests | None, *,
@@ -387,18 +424,53 @@ class ReceiveState:
         return cls(mode=mode, refit_id=refit_id, checker=EntryChecker(alignment, padded_tail=padded_tail),
                    batch=DigestBatch() if mode.verifies and external is None else None, external=external)
 
-    def deliver(self, views: Batch, load: LoadFn, *, sync_cuda: bool) -> None:
+    def deliver(self, views: Batch, load: LoadFn, *, sync_cuda: bool, expected: dict[str, str | None] | None = None) -> None:
         """Count ``views``, digest them (before ``load``), then ``load`` them.
 
-        ``sync_cuda``: finish CUDA digests before ``load`` (else only launch them; the caller
-        synchronises before the group's memory is reused). Raises what ``load`` raises.
+        Args:
+            views: ``[(name, view)]`` of the group's accepted entries.
+            load: the receiver's ``load``.
+            sync_cuda: finish CUDA digests before ``load`` (else only launch them; the caller
+                synchronises before the group's memory is reused).
+            expected: ``{name: the sender's 32-hex digest or None}`` when the digests travelled
+                ahead of the bytes (protocol 3): every view is checked **before** ``load``, with
+                one synchronisation per group on CUDA. In ``enforce`` a view whose digest differs
+                (or that carries none) is refused, never loaded (:attr:`refused`); in ``log`` it
+                is loaded and the verdict names it. With ``external`` digests (a model boundary)
+                the check is the boundary's, in ``load_weights`` itself.
+
+        Raises what ``load`` raises.
         """
         if not views:
             return
         self.tensors += len(views)
         self.bytes += sum(v.numel() * v.element_size() for _, v in views)
         self.last_name = views[-1][0]
-        if self.batch is not None:
+        first = expected is not None and self.mode.verifies
+        self.ahead |= first
+        enforce = self.mode is VerifyMode.ENFORCE
+        if first and self.external is not None:
+            expect = getattr(self.external, "expect", None)
+            if expect is not None:
+                expect(expected, enforce)  # the boundary checks the tensors of the next load_weights call first
+        elif first and self.batch is not None:
+            t0 = time.perf_counter()
+            group = DigestBatch()
+            for name, v in views:
+                group.add(name, v)
+            got = group.hexdigests()  # one synchronisation per group on CUDA, before anything is loaded
+            self._hex.update(got)
+            self.digest_s += time.perf_counter() - t0
+            keep = []
+            for name, v in views:
+                why = check_digest(got[name], expected.get(name))
+                if why is not None and enforce:
+                    self.refused[name] = why
+                    self.kept[name] = f"not loaded: {why}"
+                    continue
+                keep.append((name, v))
+            views = keep
+        elif self.batch is not None:
             t0 = time.perf_counter()
             for name, v in views:
                 self.batch.add(name, v)
@@ -408,14 +480,26 @@ class ReceiveState:
                 else:
                     self.batch.launch()
             self.digest_s += time.perf_counter() - t0
-        load(views)
+        if views:
+            load(views)
+            if first and self.external is None:
+                self.landed.extend(n for n, _ in views)
+
+    def all_rejected(self) -> dict[str, str]:
+        """``{name: reason}`` of every entry not loaded: layout rejections and digest refusals."""
+        out = dict(self.checker.rejected)
+        for k, v in self.refused.items():
+            out.setdefault(k, v)
+        return out
 
     def finish(self, n_tensors: int) -> tuple[dict[str, str] | None, SessionManifest | None, str | None]:
         """End the refit after the sender's count ``n_tensors``: ``(manifest, session, error)``.
 
         A count that differs from the entries received is an error in ``off`` mode (the only signal
         there) and a warning when verifying (the manifests name the difference). Rejected names
-        are left out of the manifest. A failure while finishing the digests is recorded, never raised.
+        are left out of the manifest; a refused one keeps the digest of what arrived (so the
+        verdict names it mismatched as well as rejected). A failure while finishing the digests
+        is recorded, never raised.
         """
         got = self.checker.received
         if n_tensors != got:
@@ -430,8 +514,13 @@ class ReceiveState:
             try:
                 if self.external is not None:
                     got_digests, session = self.external.finish()
+                    for k, v in (getattr(self.external, "rejected", None) or {}).items():
+                        self.refused.setdefault(k, v)
+                    self.landed = list(getattr(self.external, "landed", None) or [])
+                    self.kept = dict(getattr(self.external, "kept", None) or {})
                 else:
-                    got_digests = self.batch.hexdigests()
+                    got_digests = dict(self._hex)
+                    got_digests.update(self.batch.hexdigests())
                 manifest = {k: v for k, v in got_digests.items() if k not in self.checker.rejected}
             except Exception as e:  # noqa: BLE001 - the answer to the sender must still go out
                 logger.exception("refit %s: finishing digests failed", self.refit_id)
@@ -439,7 +528,7 @@ class ReceiveState:
                 manifest = {}
             self.digest_s += time.perf_counter() - t0
         error = "; ".join(self.errors)[:MAX_ERROR_CHARS] if self.errors else None
-        rejected = self.checker.rejected
+        rejected = self.all_rejected()
         if error:
             logger.error("refit %s finished with errors: %s", self.refit_id, error)
         if rejected:
@@ -448,19 +537,33 @@ class ReceiveState:
         return manifest, session, error
 
 
+def check_digest(got: str | None, want: str | None) -> str | None:
+    """Why a tensor whose digest is ``got`` must not be loaded against the sender's ``want`` (None: it may)."""
+    if want is None:
+        return "it carries no sender digest, so its bytes cannot be checked before loading"
+    if got != want:
+        return f"its digest {got} differs from the sender's {want}: corrupted between the sender's digest and this load"
+    return None
+
+
 def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, str], session: SessionManifest | None, *,
                     refit_id: str, rejected: dict[str, str], error: str | None, rank: int | None,
-                    producer_rank: int | None = None) -> VerificationReport:
+                    producer_rank: int | None = None, landed: list[str] | None = None,
+                    kept: dict[str, str] | None = None) -> VerificationReport:
     """Compare one receiver's answer with the sender's manifest (not yet acted on).
 
     With a ``session`` (the receiver loaded into a vLLM model and digested at its boundary), the
     comparison is :func:`refit_verify.check.compare_session` (coverage, identity and read-back
     too); else :func:`refit_verify.report.compare_manifests`. ``rejected`` and ``error`` are
-    carried into the report; ``rank`` labels it.
+    carried into the report; ``rank`` labels it; ``landed`` / ``kept`` (what the receiver's engine
+    holds, when the digests came ahead of the bytes) become ``report.landed`` / ``report.kept``.
     """
+    extra = {"landed": tuple(landed or ()), "kept": dict(kept or {})}
     if session is not None:
         from refit_verify.check import compare_session
 
         base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, producer_rank=producer_rank)
-        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank)
-    return compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank)
+        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank,
+                                   **extra)
+    return dataclasses.replace(compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank),
+                               **extra)

@@ -24,15 +24,18 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MAX_MESSAGE_BYTES",
     "Entry",
+    "DigestEntry",
     "ShmHandle",
     "CudaIpcHandle",
     "Hello",
     "Buffer",
+    "DigestBuffer",
     "Complete",
     "Abort",
     "Welcome",
     "Ack",
     "Done",
+    "CheckedDone",
     "Reject",
     "Request",
     "Reply",
@@ -43,13 +46,16 @@ __all__ = [
     "torch_dtype",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Version carried by :class:`Hello`; a receiver rejects any other value.
 
 History: 1 — ``Hello(protocol, refit_id, mode)`` answered by ``Ack(-1)``. 2 — ``Hello`` also carries
 the alignment and is answered by :class:`Welcome` (mode agreement); :class:`Abort`; ``Done.rejected``.
-A version-1 receiver cannot decode a version-2 ``Hello`` and answers ``Reject``, which the sender
-turns into an error naming both versions."""
+3 — in a verifying refit the sender's digests travel ahead of the bytes (:class:`DigestBuffer`,
+:class:`DigestEntry`) and the receiver checks each tensor before loading it; the answer is
+:class:`CheckedDone` (which parameters hold the new version, which kept the previous one). An
+``off`` refit sends exactly the version-2 messages (only ``Hello.protocol`` differs). A receiver of
+another version answers ``Reject``, which the sender turns into an error naming both versions."""
 
 ABORT_SEQ = -2
 """``Ack.seq`` of the reply to :class:`Abort`."""
@@ -98,6 +104,21 @@ class Entry(msgspec.Struct, **_OPTS):
     shape: _Shape
     offset: _NonNeg
     nbytes: _NonNeg
+
+
+_Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
+
+
+class DigestEntry(Entry, **_OPTS):
+    """An :class:`Entry` of a verifying refit, carrying the sender's digest of the tensor.
+
+    Attributes:
+        digest: the sender's 32-hex digest of the tensor (``refit_verify.tensor_digest``), taken
+            before packing; the receiver compares the bytes it is about to load with it. ``None``
+            (an entry the sender did not digest) is refused in ``enforce``.
+    """
+
+    digest: _Digest | None = None
 
 
 class ShmHandle(msgspec.Struct, tag="shm", **_OPTS):
@@ -190,6 +211,14 @@ class Buffer(msgspec.Struct, tag="buffer", **_OPTS):
     used_bytes: _NonNeg
 
 
+class DigestBuffer(Buffer, tag="buffer_digests"):
+    """A :class:`Buffer` of a verifying refit (``log`` / ``enforce``): each entry carries the
+    sender's digest (:class:`DigestEntry`), so the receiver checks every tensor **before** it is
+    loaded. ``off`` refits send plain :class:`Buffer` messages (the wire of protocol 2)."""
+
+    entries: list[DigestEntry]
+
+
 class Complete(msgspec.Struct, tag="complete", **_OPTS):
     """Last request of a refit: ``n_tensors`` entries were sent in total. Reply: ``Done``."""
 
@@ -236,14 +265,29 @@ class Done(msgspec.Struct, tag="done", **_OPTS):
     session: SessionManifest | None = None
 
 
+class CheckedDone(Done, tag="checked_done"):
+    """The :class:`Done` of a verifying refit: also what the receiver's engine holds now.
+
+    Attributes:
+        landed: the parameters this refit wrote (a vLLM worker: engine parameter names, fused and
+            sharded as vLLM stores them; a plain receiver: the names handed to ``load``).
+        kept: ``{parameter: why}`` of parameters that still hold the previous version because a
+            tensor meant for them was refused before loading (its digest differs from the
+            sender's), or a fused sibling was (its parts land together or not at all).
+    """
+
+    landed: list[_Name] = []
+    kept: dict[_Name, Annotated[str, msgspec.Meta(max_length=1024)]] = {}
+
+
 class Reject(msgspec.Struct, tag="reject", **_OPTS):
     """Reply to a request the receiver cannot accept (undecodable, out of order, wrong version)."""
 
     reason: _Text
 
 
-Request = Union[Hello, Buffer, Complete, Abort]
-Reply = Union[Welcome, Ack, Done, Reject]
+Request = Union[Hello, Buffer, DigestBuffer, Complete, Abort]
+Reply = Union[Welcome, Ack, Done, CheckedDone, Reject]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -24,7 +24,7 @@ from refit_verify.manifest import ExternalDigests, Producer
 from refit_verify.stream import MAX_ERROR_CHARS, Batch, LoadFn, ReceiveState, StreamResult, view_slots
 from refit_verify.transport.guard import LAST_WORDS_S, PeerWatch, check_private_dir, close_zmq, ms
 from refit_verify.wire import (ABORT_SEQ, MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, PROTOCOL_VERSION, Abort, Ack, Buffer,
-                               Complete, Done, Hello, Reject, Welcome, decode_request, encode)
+                               CheckedDone, Complete, Done, Hello, Reject, Welcome, decode_request, encode)
 
 __all__ = ["RECONNECT_IVL_MS", "ReceiveResult", "RefitReceiver"]
 
@@ -39,9 +39,13 @@ RECONNECT_IVL_MS = 5
 class ReceiveResult(StreamResult):
     """Outcome of one :meth:`RefitReceiver.receive`: the fields of
     :class:`~refit_verify.stream.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
-    ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``) and ``buffers``: ``Buffer`` messages handled."""
+    ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``), ``buffers``: ``Buffer`` messages handled,
+    and, for a verifying refit, ``landed`` (what was loaded) and ``kept`` (``{name: why}`` of what still
+    holds the previous version: refused before loading)."""
 
     buffers: int = 0
+    landed: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
 
 
 class RefitReceiver:
@@ -320,11 +324,16 @@ class RefitReceiver:
                     self._reply(Ack(seq=msg.seq))
             elif isinstance(msg, Complete):
                 manifest, session, error = state.finish(msg.n_tensors)
-                rejected = dict(state.checker.rejected)
-                self._reply(Done(manifest=manifest, error=error, rejected=rejected or None, tensors=state.tensors,
-                                 bytes=state.bytes, digest_s=state.digest_s, session=session))
+                rejected = state.all_rejected()
+                fields = dict(manifest=manifest, error=error, rejected=rejected or None, tensors=state.tensors, bytes=state.bytes,
+                              digest_s=state.digest_s, session=session)
+                if state.mode.verifies:  # what the engine holds now travels back with the verdict
+                    self._reply(CheckedDone(**fields, landed=list(state.landed), kept=dict(state.kept)))
+                else:
+                    self._reply(Done(**fields))
                 return ReceiveResult(manifest=manifest, tensors=state.tensors, bytes=state.bytes, digest_s=state.digest_s,
-                                     buffers=state.groups, refit_id=state.refit_id, mode=state.mode, error=error, rejected=rejected)
+                                     buffers=state.groups, refit_id=state.refit_id, mode=state.mode, error=error, rejected=rejected,
+                                     landed=list(state.landed), kept=dict(state.kept))
             elif isinstance(msg, Abort):
                 self._reply(Ack(seq=ABORT_SEQ))
                 logger.error("refit %s aborted by the sender after %d buffers, %d tensors: %s", state.refit_id, state.groups, state.tensors, msg.reason)
@@ -367,8 +376,11 @@ class RefitReceiver:
                     state.checker.reject(s.name, f"buffer {msg.seq}: used_bytes {msg.used_bytes} > buffer size {buf.numel()}")
                 return
             views = view_slots(buf, slots)
-            # CUDA digests are only launched: release() synchronises before the Ack
-            state.deliver(views, load, sync_cuda=False)
+            # verifying (protocol 3): each view is checked against the digest that came with it
+            # before load; a Buffer without digests in a verifying refit has none to check against.
+            # CUDA digests of the unchecked path are only launched: release() synchronises before the Ack
+            expected = {sl.name: sl.digest for sl in slots} if state.mode.verifies else None
+            state.deliver(views, load, sync_cuda=False, expected=expected)
         finally:
             _staging.release(buf)  # queued reads of the buffer are finished before the Ack
             views.clear()

@@ -28,8 +28,8 @@ from refit_verify.report import VerificationReport, act_on
 from refit_verify.stream import MAX_ERROR_CHARS, Packer, StreamStats, receiver_report
 from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
                                           ms, private_endpoint)
-from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello,
-                               Reject, Welcome, decode_reply, encode)
+from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer,
+                               Done, Entry, Hello, Reject, Welcome, decode_reply, encode)
 
 __all__ = ["ABORT_WAIT_S", "HELLO_RETRY_S", "RefitSender", "RefitStats"]
 
@@ -533,7 +533,8 @@ class RefitSender:
         """Send one ``Buffer`` once the previous one's ``Ack`` freed the other staging buffer."""
         self._settle(st)
         seq = st.next_seq
-        self._exchange(Buffer(seq=seq, handle=buf.handle(), entries=entries, used_bytes=used), buf.tensor)
+        kind = DigestBuffer if st.mode.verifies else Buffer  # off: the protocol-2 message, no digests
+        self._exchange(kind(seq=seq, handle=buf.handle(), entries=entries, used_bytes=used), buf.tensor)
         st.outstanding = seq
         st.in_flight[seq] = (len(entries), entries[-1].name if entries else None)
         st.next_seq += 1
@@ -606,8 +607,9 @@ class RefitSender:
             if st.requested.verifies:
                 self._take_welcome(st)  # agree before any digest work (one round trip)
             # In off mode the Welcome is taken lazily, while the first group is packed.
+            # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
-                                       digests=DigestBatch() if st.mode.verifies else None)
+                                       digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
             packer.add_all(named_tensors)
             self._settle(st)
             sender_manifest = packer.manifest()
@@ -647,8 +649,10 @@ class RefitSender:
             return None
         if done.manifest is None:
             raise RefitProtocolError(f"refit {rid}: mode is {mode.value} but the receiver returned no manifest", progress=p.as_dict())
+        checked = isinstance(done, CheckedDone)
         report = receiver_report(sender_manifest, done.manifest, done.session, refit_id=rid, rejected=rejected, error=done.error,
-                                 rank=self.rank, producer_rank=self.rank)
+                                 rank=self.rank, producer_rank=self.rank, landed=done.landed if checked else None,
+                                 kept=done.kept if checked else None)
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
         if done.error is not None:
             raise RefitReceiveError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())
