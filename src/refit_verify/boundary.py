@@ -13,7 +13,13 @@ model instance (main model and drafter alike) and every parameter's ``weight_loa
 * for loads that vLLM's layerwise reload defers (it keeps the tensors it is handed and writes a
   layer once all of it arrived), a second digest at apply time: a delivered tensor whose bytes
   changed in between (a view of memory refilled after ``load_weights`` returned) is reported as
-  ``changed_after_delivery``, never as verified.
+  ``changed_after_delivery``, never as verified;
+* **verify before load**: when the sender's digests came ahead of the bytes (our transport,
+  :meth:`SessionDigests.expect`), the next ``load_weights`` call digests all its tensors first (one
+  synchronisation per call on CUDA), compares them with the sender's and, in ``enforce``, hands
+  the model only those that match: a refused tensor is never loaded (``refused``). Which
+  parameters then hold the new version and which kept the previous one is recorded with the
+  session (:meth:`WorkerBoundary.note_kept`; the plugin puts a half-delivered fused layer back).
 
 :class:`WorkerBoundary` holds one worker's boundaries, its identity, and the session in progress.
 Sessions are opened explicitly (``refit_verify_session_open`` through ``collective_rpc``) or
@@ -43,6 +49,7 @@ from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
 from refit_verify.placement import Copy, LoaderTap, Placement, as_view
+from refit_verify.stream import check_digest
 
 logger = logging.getLogger("refit_verify")
 
@@ -78,10 +85,10 @@ def _storage_ptr(t: torch.Tensor) -> int:
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
-    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "__weakref__")
+    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "__weakref__")
 
-    def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0) -> None:
-        self.name, self.call, self.seq = name, call, seq
+    def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0, hexd: str | None = None) -> None:
+        self.name, self.call, self.seq, self.hex = name, call, seq, hexd
         try:
             self.ref = weakref.ref(t)
         except TypeError:
@@ -130,6 +137,8 @@ class _ModuleSession:
         self.replicated: dict[str, bool] = {}  # pname -> written whole from one whole delivered tensor
         self.n_blocks = 0
         self.errors: list[str] = []
+        self.refused: dict[str, tuple[str, str]] = {}  # name -> (digest of what arrived, why): checked first, never loaded
+        self.withheld: dict[str, str] = {}  # delivered, but its layer was put back (a fused sibling was refused): never landed
 
     # -- delivery ---------------------------------------------------------------------------
 
@@ -151,19 +160,22 @@ class _ModuleSession:
                 continue
             (self.unattributed if call.unattributed else self.unconsumed).append(name)
 
-    def deliver(self, name: str, t: torch.Tensor, call: _Call) -> None:
-        """Digest one delivered tensor (launched in stream order now; no reference is kept)."""
+    def deliver(self, name: str, t: torch.Tensor, call: _Call, hexd: str | None = None) -> None:
+        """Digest one delivered tensor (launched in stream order now; no reference is kept).
+
+        ``hexd``: its digest, when the call's tensors were digested before the load (verify before load)."""
         t0 = time.perf_counter()
         if not isinstance(name, str):
             raise RefitProtocolError(f"load_weights was handed a name that is not a str: {name!r:.80}")
         old = self.delivered.get(name)
         if old is not None:  # a second delivery of a name: the later one is what lands
             self.by_id.pop(id(old.ref()), None)
-        self.batch.add(name, t)
-        if t.is_cuda:
-            self.batch.launch()
+        if hexd is None:
+            self.batch.add(name, t)
+            if t.is_cuda:
+                self.batch.launch()
         self.pulls += 1
-        d = _Delivered(name, t, call.id, self.pulls)
+        d = _Delivered(name, t, call.id, self.pulls, hexd)
         self.delivered[name] = d
         self.by_id[id(t)] = d
         self.by_ptr.setdefault(d.ptr, []).append(d)
@@ -242,9 +254,23 @@ class _ModuleSession:
 
     # -- close --------------------------------------------------------------------------------
 
+    def digests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` of what was delivered (pre-checked or digested as pulled) and of what was
+        refused before loading (the digest of what arrived: the verdict names it mismatched); a
+        withheld name (delivered, never landed) is left out."""
+        pulled = self.batch.hexdigests()
+        out: dict[str, str] = {}
+        for name, d in self.delivered.items():
+            h = d.hex if d.hex is not None else pulled.get(name)
+            if h is not None and name not in self.withheld:
+                out[name] = h
+        for name, (h, _why) in self.refused.items():
+            out.setdefault(name, h)
+        return out
+
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()
-        digests = self.batch.hexdigests()
+        digests = self.digests()
         changed = []
         if self.recheck._order:
             for name, h in self.recheck.hexdigests().items():
@@ -329,13 +355,19 @@ class ModelBoundary:
         def load_weights(*args, **kwargs):
             if not boundary.owner.verifying:
                 return original(*args, **kwargs)
-            if "weights" in kwargs:
-                kwargs["weights"] = boundary._digesting(kwargs["weights"])
-            elif args:
-                args = (boundary._digesting(args[0]), *args[1:])
-            else:
+            if "weights" not in kwargs and not args:
                 return original(*args, **kwargs)
             target = boundary._target()
+            weights = kwargs["weights"] if "weights" in kwargs else args[0]
+            pending = boundary.owner.take_expected() if target.sessioned else None
+            if pending is not None and isinstance(weights, (list, tuple)):
+                weights = boundary._checked_first(target, weights, *pending)
+            else:
+                weights = boundary._digesting(weights)
+            if "weights" in kwargs:
+                kwargs["weights"] = weights
+            else:
+                args = (weights, *args[1:])
             if not target.sessioned and boundary.owner.loading_context:
                 target.where = boundary.owner.loading_context
             call = target.begin_call()
@@ -358,10 +390,48 @@ class ModelBoundary:
             return _DigestingList(self, weights)
         return _DigestingIter(self, weights)
 
-    def _pull(self, name: str, tensor: Any) -> None:
+    def _checked_first(self, target: _ModuleSession, weights: list | tuple, expected: dict[str, str | None],
+                       enforce: bool) -> _DigestingList:
+        """Digest every tensor of one call before the model sees any (one synchronisation), compare
+        with the sender's ``expected`` digests and return what the model may load.
+
+        In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
+        recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
+        sender did not announce are digested as pulled, as usual.
+        """
+        t0 = time.perf_counter()
+        batch = DigestBatch()
+        for item in weights:
+            if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor):
+                batch.add(item[0], item[1])
+        got = batch.hexdigests()  # one synchronisation per device, before anything is loaded
+        target.digest_s += time.perf_counter() - t0
+        keep, pre = [], {}
+        for item in weights:
+            name = item[0] if isinstance(item, tuple) and len(item) == 2 else None
+            if name not in got:
+                keep.append(item)
+                continue
+            why = check_digest(got[name], expected[name])
+            if why is not None and enforce:
+                target.refused[name] = (got[name], why)
+                logger.error("refit-verify: %s refused before loading: %s", name, why)
+                continue
+            pre[id(item[1])] = got[name]
+            keep.append(item)
+        return _DigestingList(self, keep, pre)
+
+    def _pull(self, name: str, tensor: Any, hexd: str | None = None) -> None:
         target = self._target()
         if isinstance(tensor, torch.Tensor) and target.current is not None:
-            target.deliver(name, tensor, target.current)
+            target.deliver(name, tensor, target.current, hexd)
+
+    def delivered_name(self, t: Any) -> str | None:
+        """The delivered name of the open session that ``t`` is (or is a view of), or None."""
+        if not isinstance(t, torch.Tensor) or self.session is None:
+            return None
+        d = self.session.match(t)
+        return d.name if d is not None else None
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -387,26 +457,30 @@ class ModelBoundary:
 
 
 class _DigestingList(list):
-    """A list handed to ``load_weights``: iterating it digests each pair (lists stay lists)."""
+    """A list handed to ``load_weights``: iterating it digests each pair (lists stay lists).
 
-    def __init__(self, boundary: ModelBoundary, items) -> None:
+    ``pre``: ``{id(tensor): 32-hex}`` of tensors already digested (verify before load)."""
+
+    def __init__(self, boundary: ModelBoundary, items, pre: dict[int, str] | None = None) -> None:
         super().__init__(items)
         self._boundary = boundary
+        self._pre = pre or {}
         self._seen = False
 
     def __iter__(self):
         if self._seen:  # a loader iterating twice: digest the pairs once
             return super().__iter__()
         self._seen = True
-        return _DigestingIter(self._boundary, super().__iter__())
+        return _DigestingIter(self._boundary, super().__iter__(), self._pre)
 
 
 class _DigestingIter:
     """Yields the pairs of ``inner`` unchanged, digesting each tensor as the loader pulls it."""
 
-    def __init__(self, boundary: ModelBoundary, inner: Iterable) -> None:
+    def __init__(self, boundary: ModelBoundary, inner: Iterable, pre: dict[int, str] | None = None) -> None:
         self._boundary = boundary
         self._it: Iterator = iter(inner)
+        self._pre = pre or {}
 
     def __iter__(self) -> _DigestingIter:
         return self
@@ -417,7 +491,7 @@ class _DigestingIter:
             name, tensor = item
         except (TypeError, ValueError):
             return item
-        self._boundary._pull(name, tensor)
+        self._boundary._pull(name, tensor, self._pre.get(id(tensor)))
         return item
 
 
@@ -434,6 +508,9 @@ class _Open:
         self.stale: str | None = None
         self.errors: list[str] = []
         self.started = time.monotonic()
+        self.expected: tuple[dict[str, str | None], bool] | None = None  # the sender's digests of the next load_weights call
+        self.kept: dict[str, str] = {}  # engine parameter -> why it still holds the previous version
+        self.attributed: set[str] = set()  # refused names whose parameters are named in kept
 
 
 class WorkerBoundary:
@@ -600,6 +677,68 @@ class WorkerBoundary:
             s.depth = 1
             self.close(session_id, explicit=False)
 
+    def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
+        """Hand the next ``load_weights`` call of the open session the sender's digests of its tensors:
+        it checks them before loading (and in ``enforce`` refuses what differs)."""
+        with self._lock:
+            if self.open_session is not None:
+                self.open_session.expected = (dict(digests), bool(enforce))
+
+    def take_expected(self) -> tuple[dict[str, str | None], bool] | None:
+        """The digests :meth:`expect` left for this call (taken once), or None."""
+        with self._lock:
+            s = self.open_session
+            if s is None or s.expected is None:
+                return None
+            out, s.expected = s.expected, None
+            return out
+
+    def refused_names(self, role: str = "model") -> list[str]:
+        """Names the open session refused before loading, in module ``role``."""
+        b = self.modules.get(role)
+        return list(b.session.refused) if b is not None and b.session is not None else []
+
+    def note_kept(self, kept: dict[str, str], withheld: dict[str, str] | None = None, attributed: Iterable[str] = (),
+                  role: str = "model") -> None:
+        """Record, in the open session, parameters that still hold the previous version (``kept``:
+        ``{parameter: why}``), delivered names that never landed with them (``withheld``: ``{name:
+        why}``, left out of the manifest's digests) and the refused names those account for."""
+        with self._lock:
+            s = self.open_session
+            if s is None:
+                return
+            s.kept.update(kept)
+            s.attributed.update(attributed)
+            b = self.modules.get(role)
+            if withheld and b is not None and b.session is not None:
+                b.session.withheld.update(withheld)
+
+    def outcome(self) -> tuple[dict[str, str], list[str], dict[str, str]]:
+        """What the open session did to the engine: ``(rejected, landed, kept)``.
+
+        ``rejected``: ``{delivered name: why}`` refused before loading or withheld; ``landed``:
+        parameters written (drafter ones prefixed ``"drafter:"``); ``kept``: ``{parameter: why}``
+        of what still holds the previous version (a refused name whose parameters are not known
+        is listed under its own name)."""
+        with self._lock:
+            s = self.open_session
+            rejected: dict[str, str] = {}
+            landed: list[str] = []
+            kept = dict(s.kept) if s is not None else {}
+            for role, b in self.modules.items():
+                ms = b.session
+                if ms is None:
+                    continue
+                prefix = "" if role == "model" else f"{role}:"
+                for n, (_h, why) in ms.refused.items():
+                    rejected[prefix + n] = why
+                    if s is not None and n not in s.attributed:
+                        kept.setdefault(prefix + n, f"not loaded: {why}")
+                for n, why in ms.withheld.items():
+                    rejected.setdefault(prefix + n, why)
+                landed += [prefix + p for p in ms.written]
+            return rejected, landed, kept
+
     def note_error(self, message: str) -> None:
         """Record a worker-side error in the open session (reported in its manifest)."""
         with self._lock:
@@ -616,7 +755,7 @@ class WorkerBoundary:
                 ms = b.session
                 if ms is None:
                     continue
-                digests.update(ms.batch.hexdigests())
+                digests.update(ms.digests())
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
 
@@ -652,26 +791,46 @@ class SessionDigests(ExternalDigests):
     """A transport receiver's digests taken at a worker's model boundary (an implicit session).
 
     :meth:`begin` opens a session named after the refit (joining one the trainer opened
-    explicitly); :meth:`finish` closes it and returns its digests and manifest (the manifest is
+    explicitly); :meth:`expect` hands the next ``load_weights`` call the sender's digests (verify
+    before load); :meth:`finish` closes it and returns its digests and manifest (the manifest is
     None when the session was joined: the explicit opener closes it); :meth:`fail` abandons it.
+
+    Attributes:
+        before_close: ``f(failed: bool)`` run before the session closes (e.g. finalize vLLM's
+            layerwise reload, putting back layers that cannot land whole).
+        rejected, landed, kept: the session's outcome (:meth:`WorkerBoundary.outcome`), set by
+            :meth:`finish` / :meth:`fail`.
     """
 
     def __init__(self, wb: WorkerBoundary, opened_by: str) -> None:
         self.wb, self.opened_by = wb, opened_by
         self.sid: str | None = None
-        self.before_close: Callable[[], None] | None = None  # e.g. finalize vLLM's layerwise reload
+        self.before_close: Callable[..., None] | None = None
+        self.rejected: dict[str, str] = {}
+        self.landed: list[str] = []
+        self.kept: dict[str, str] = {}
 
     def begin(self, refit_id: str, producer: Producer | None) -> None:
         self.sid = self.wb.open(refit_id, opened_by=self.opened_by, producer=producer, explicit=False)
 
+    def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
+        """The sender's digests of the tensors the next ``load_weights`` call gets (checked first)."""
+        self.wb.expect(digests, enforce)
+
+    def _settle(self, failed: bool) -> None:
+        if self.before_close is not None:
+            try:
+                self.before_close(failed=failed)
+            except Exception as e:  # recorded in the session; the refit's Done still goes out
+                logger.exception("refit-verify: finalizing the load failed")
+                self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
+        if self.wb.current_id() == self.sid:
+            self.rejected, self.landed, self.kept = self.wb.outcome()
+
     def finish(self) -> tuple[dict[str, str], SessionManifest | None]:
         if self.sid is None:
             return {}, None
-        if self.before_close is not None:
-            try:
-                self.before_close()
-            except Exception as e:  # recorded in the session; the refit's Done still goes out
-                self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
+        self._settle(failed=False)
         man = self.wb.close(self.sid, explicit=False)
         if man is None:
             return self.wb.snapshot()[0], None
@@ -679,6 +838,7 @@ class SessionDigests(ExternalDigests):
 
     def fail(self, why: str) -> None:
         if self.sid is not None:
+            self._settle(failed=True)
             self.wb.abandon(self.sid, f"{self.opened_by} refit failed: {why}"[:500])
 
 

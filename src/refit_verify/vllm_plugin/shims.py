@@ -7,6 +7,8 @@
   vLLM imports after the plugin ran.
 * :func:`layerwise_reload`, :func:`default_weight_loader`, :func:`worker_identity`,
   :func:`draft_model`: small per-version accessors.
+* :func:`restore_unfinished_layers`: a layer of vLLM's layerwise reload that cannot land whole
+  (a refused part, a failed refit) gets its previous kernel tensors back before finalize.
 
 Sources: vllm/{v1/worker/gpu_worker.py, model_executor/model_loader/reload/, distributed/weight_transfer/}
 of 0.24 - 0.33.
@@ -208,6 +210,106 @@ def layerwise_restore_params(model: Any) -> list[tuple[str, Any]]:
         for pname, t in meta[0].items():
             out.append((f"{mname}.{pname}" if mname else pname, t))
     return out
+
+
+def _layers_for(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> list[str]:
+    """Module paths of the layers a delivered (checkpoint) name is meant for.
+
+    The module owning the parameter (``…o_proj.weight`` → ``…o_proj``); else the fused module of
+    a part (``…k_proj.weight`` → ``…qkv_proj``, from the model's ``packed_modules_mapping``); else
+    every module under the deepest one that contains the name (a loader that renames: MoE
+    experts, prefixes); else all of them.
+    """
+    parts = name.split(".")
+    owner = ".".join(parts[:-1])
+    if owner in modules:
+        return [owner]
+    for i in range(len(parts) - 2, -1, -1):
+        for fused, subs in packed.items():
+            if parts[i] in subs:
+                cand = ".".join([*parts[:i], fused])
+                if cand in modules:
+                    return [cand]
+    for k in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:k])
+        if prefix in modules:
+            return [p for p in modules if p == prefix or p.startswith(prefix + ".")]
+    return list(modules)
+
+
+def restore_unfinished_layers(model: Any, refused: list[str], failed: bool,
+                              name_of: Callable[[Any], str | None]) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """Before ``finalize_layerwise_reload``: put back every layer that cannot land whole.
+
+    vLLM's layerwise reload buffers each layer's weights and processes the layer once all of it
+    arrived; at finalize a layer that got only part of its weights is processed anyway ("Delayed
+    processing") on freshly materialised storage, so the parts that never came are garbage rows of
+    a fused ``qkv_proj`` / ``gate_up_proj``. A layer that a ``refused`` name was meant for, and
+    after a failed refit (``failed``) every partly loaded layer, gets its previous kernel tensors
+    back instead (``_place_kernel_tensors``, what vLLM itself does for a layer that got nothing):
+    its parts land together or not at all. A partly loaded layer no refused name points to is left
+    to vLLM (a weight with padding elements no checkpoint tensor covers).
+
+    Args:
+        model: the model under layerwise reload.
+        refused: delivered names refused before loading (never handed to the model).
+        failed: the refit failed (aborted, timed out, disconnected) before its end.
+        name_of: maps a buffered tensor to its delivered name (the model boundary), or None.
+
+    Returns:
+        ``(kept, withheld, attributed)``: ``{parameter: why}`` of parameters that keep the
+        previous version (layers put back here, and layers that got nothing, which vLLM puts back),
+        ``{delivered name: why}`` of tensors buffered for a put-back layer (never landed), and the
+        refused names whose layers were found. Empty where vLLM has no layerwise reload.
+    """
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise as lw
+    except ImportError:  # pragma: no cover - a vLLM without layerwise reload
+        return {}, {}, set()
+    info_of = getattr(lw, "LAYERWISE_INFO", None)
+    place = getattr(lw, "_place_kernel_tensors", None)
+    if info_of is None or place is None:  # pragma: no cover - another layout of the reload module
+        logger.warning("refit-verify: this vLLM's layerwise reload has no _place_kernel_tensors; a layer with a refused part "
+                       "is finalized by vLLM")
+        return {}, {}, set()
+    modules = dict(model.named_modules())
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    hits: dict[str, list[str]] = {}
+    for n in refused:
+        for path in _layers_for(n, modules, packed):
+            hits.setdefault(path, []).append(n)
+    kept: dict[str, str] = {}
+    withheld: dict[str, str] = {}
+    attributed: set[str] = set()
+    for path, layer in modules.items():
+        info = info_of.get(layer)
+        if info is None or not info.can_load() or info.kernel_tensors is None:
+            continue
+        total = info.load_numel_total or 0
+        if total <= 0 or info.load_numel >= total:
+            continue
+        parts = hits.get(path, [])
+        if not parts and not failed:
+            continue
+        if parts:
+            attributed.update(parts)
+            why = f"its part {parts[0]} was refused before loading" + (f" (and {len(parts) - 1} more)" if len(parts) > 1 else "")
+        else:
+            why = "the refit failed before all of its parts arrived"
+        label = (lambda pn, p=path: f"{p}.{pn}" if p else pn)
+        params = list(info.kernel_tensors[0])
+        if info.load_numel > 0:
+            for pname, args in info.loaded_weights:
+                dn = name_of(args.arguments.get("loaded_weight"))
+                if dn is not None:
+                    withheld[dn] = (f"not applied: {label(pname)} keeps the previous version ({why}; a layer's parts land "
+                                    "together or not at all)")
+            place(layer, info)  # the previous kernel tensors, untouched since the reload began
+            info.reset()  # finalize skips it now
+        # (a layer that got nothing is put back by finalize itself)
+        for pname in params:
+            kept[label(pname)] = why
+    return kept, withheld, attributed
 
 
 def default_weight_loader() -> Callable | None:

@@ -32,7 +32,14 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     Returns:
         dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` or None when not verifying),
         ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds), ``mode`` (agreed at the
-        handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None).
+        handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None),
+        ``landed`` (engine parameters this refit wrote) and ``kept`` (``{engine parameter: why}``
+        of those that still hold the previous version), when verifying.
+
+    Verify before load: every tensor is checked against the digest the sender sent with it, at
+    the model boundary, before ``load_weights`` (one synchronisation per call on CUDA); in
+    ``enforce`` a corrupt one is refused and never loaded, and a fused layer with a refused part
+    keeps its previous kernel tensors whole (:func:`shims.restore_unfinished_layers`).
 
     Raises:
         RefitConfigError: ``options`` is not a mapping or holds an unknown key, ``None``, an empty or
@@ -48,17 +55,27 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     from refit_verify.config import RefitConfig
     from refit_verify.transport import RefitReceiver
 
+    from refit_verify.errors import RefitError
+
     cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
     wb = sessions.boundary_of(self)
     digests = SessionDigests(wb, "transport") if wb is not None else None
-    with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
-        with _reload_session(self, digests) as load:
-            try:
-                res = receiver.receive(load=load, digests=digests)
-            finally:
-                receiver.close()  # idempotent: closed as soon as the protocol is over, before the reload is finalized
+    outcome: dict[str, Any] = {}
+    try:
+        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
+            with _reload_session(self, digests, outcome) as load:
+                try:
+                    res = receiver.receive(load=load, digests=digests)
+                finally:
+                    receiver.close()  # idempotent: closed as soon as the protocol is over, before the reload is finalized
+    except RefitError as e:  # say what the engine holds now (the message crosses vLLM's RPC as text)
+        kept = outcome.get("kept") or (digests.kept if digests is not None else {})
+        if kept and e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]}; engine: {len(kept)} parameters keep the previous version (layers the refit did not "
+                      f"complete were put back whole): {', '.join(list(kept)[:12])}" + (" …" if len(kept) > 12 else ""), *e.args[1:])
+        raise
     return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
-            "mode": res.mode.value, "rejected": res.rejected, "error": res.error}
+            "mode": res.mode.value, "rejected": res.rejected, "error": res.error, "landed": res.landed, "kept": res.kept}
 
 
 def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str, str]:
@@ -204,7 +221,7 @@ def refit_verify_broadcast_close(self) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _reload_session(worker, digests=None) -> Iterator[Callable[[list], None]]:
+def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterator[Callable[[list], None]]:
     """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
 
     The reload is started before the body and finalized after it, also when the body raises (the
@@ -212,15 +229,37 @@ def _reload_session(worker, digests=None) -> Iterator[Callable[[list], None]]:
     and the original error raised. With ``digests`` (a :class:`~refit_verify.boundary.SessionDigests`),
     the reload is finalized just before its session closes, so the layers vLLM processes at
     finalize are inside the session (coverage and read-back see them).
+
+    Before finalize, a layer that cannot land whole gets its previous kernel tensors back
+    (:func:`shims.restore_unfinished_layers`): a layer with a part refused before loading (verify
+    before load), and after a failed refit every partly loaded layer, never a fused parameter half
+    written with uninitialised rows. What was put back is recorded with the session and, when
+    ``outcome`` is given, in ``outcome["kept"]`` (``{parameter: why}``).
     """
     model = worker.get_model()
     start, finish = shims.layerwise_reload()
     finished = [not start]
+    wb = getattr(digests, "wb", None)
 
-    def finalize() -> None:
-        if not finished[0]:
-            finished[0] = True
-            finish(model, worker.model_config)
+    def finalize(failed: bool = False) -> None:
+        if finished[0]:
+            return
+        finished[0] = True
+        refused = wb.refused_names("model") if wb is not None else []
+        if refused or failed:
+            boundary = wb.modules.get("model") if wb is not None else None
+            kept, withheld, attributed = shims.restore_unfinished_layers(
+                model, refused, failed, boundary.delivered_name if boundary is not None else (lambda t: None))
+            if wb is not None:
+                wb.note_kept(kept, withheld, attributed)
+            if outcome is not None:
+                outcome.setdefault("kept", {}).update(kept)
+            if kept:
+                logging.getLogger("refit_verify").warning(
+                    "refit-verify: %d parameters keep the previous version (%s): %s", len(kept),
+                    "the refit failed" if failed and not refused else f"refused before loading: {', '.join(refused[:4])}",
+                    ", ".join(list(kept)[:8]))
+        finish(model, worker.model_config)
 
     def load(batch):
         # Layerwise reload defers a layer's processing until all its weights arrived and keeps
@@ -239,7 +278,7 @@ def _reload_session(worker, digests=None) -> Iterator[Callable[[list], None]]:
         failed = False
     finally:
         try:
-            finalize()
+            finalize(failed)
         except Exception:
             if not failed:
                 raise
