@@ -57,11 +57,13 @@ class RefitStats(StreamStats):
 
     Keys: those of :class:`~refit_verify.stream.StreamStats` (``refit_id``, ``mode`` — ``"off"``
     when a ``log`` sender met a receiver that cannot verify —, ``tensors``, ``bytes``, ``digest_s``,
-    ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), and ``buffers``:
-    ``Buffer`` messages sent (oversized tensors included).
+    ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), ``buffers``:
+    ``Buffer`` messages sent (oversized tensors included), and ``hello_sent``: ``Hello`` messages
+    sent (more than 1 when an unanswered one was sent again, :data:`HELLO_RETRY_S`).
     """
 
     buffers: int
+    hello_sent: int
 
 
 @dataclass
@@ -627,7 +629,7 @@ class RefitSender:
         finally:
             st.free_pool()
         self.last_stats = RefitStats(
-            refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent,
+            refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
             digest_s=packer.digest_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
         )
         return self._verdict(st.mode, sender_manifest, done)
