@@ -365,6 +365,234 @@ def test_sender_cuts_off_a_peer_of_another_uid(tmp_path, caplog):
     assert any("uid 65534" in r.getMessage() and "rejected a connection" in r.getMessage() for r in caplog.records)
 
 
+# ------------------------------------------------------------------------------ the real boundary: another uid
+#
+# Tests run as root, which passes every permission check; these run the stranger as uid 65534
+# (nobody) in a child process (os.setuid after the imports) and check what it can and cannot do.
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not hasattr(socket, "SO_PEERCRED"),
+                                reason="needs root (to run a peer as another uid) and SO_PEERCRED")
+
+_AS_NOBODY = """
+import errno, json, os, socket, sys
+import zmq
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+"""
+
+_REACH = _AS_NOBODY + """
+path = sys.argv[1]; d = os.path.dirname(path); out = {"uid": os.geteuid()}
+def attempt(key, fn):
+    try:
+        fn(); out[key] = "ok"
+    except OSError as e:
+        out[key] = errno.errorcode.get(e.errno, str(e.errno))
+attempt("listdir", lambda: os.listdir(d))
+attempt("stat_socket", lambda: os.stat(path))
+def raw():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(2)
+    try:
+        s.connect(path)
+    finally:
+        s.close()
+attempt("connect", raw)
+ctx = zmq.Context()
+rep = ctx.socket(zmq.REP); rep.setsockopt(zmq.LINGER, 0); rep.connect("ipc://" + path)
+out["zmq_request_seen"] = bool(rep.poll(2000))
+req = ctx.socket(zmq.REQ); req.setsockopt(zmq.LINGER, 0)
+try:
+    req.bind("ipc://" + d + "/impostor.sock"); out["bind_beside"] = "ok"
+except zmq.ZMQError as e:
+    out["bind_beside"] = errno.errorcode.get(e.errno, str(e.errno))
+rep.close(); req.close(); ctx.term()
+print(json.dumps(out), flush=True)
+"""
+
+
+def _as_nobody(code: str, *args: str, timeout: float = 60.0) -> dict:
+    import json
+
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@needs_root
+def test_another_uid_cannot_reach_the_default_endpoint():
+    """uid 65534 can neither list the sender's 0700 directory, stat or connect to its socket (raw
+    or ZMQ: the sender's monitor sees no connection at all), nor bind an impostor socket beside it
+    for a receiver to find: the directory is the gate, before any byte is exchanged."""
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0)) as tx:
+        path = tx.endpoint.removeprefix("ipc://")
+        d = os.path.dirname(path)
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700 and os.stat(d).st_uid == 0
+        out = _as_nobody(_REACH, path)
+        tx._watch.drain()
+        events = list(tx._watch.events)
+    assert out == {"uid": NOBODY, "listdir": "EACCES", "stat_socket": "EACCES", "connect": "EACCES",
+                   "zmq_request_seen": False, "bind_beside": "EACCES"}, out
+    assert events == [] and tx._watch.strangers == []
+
+
+_READ_SHM = _AS_NOBODY + """
+out = {}
+for name in sys.argv[1:]:
+    try:
+        with open("/dev/shm/" + name, "rb") as f:
+            f.read(1)
+        out[name] = "read"
+    except OSError as e:
+        out[name] = errno.errorcode.get(e.errno, str(e.errno))
+print(json.dumps(out), flush=True)
+"""
+
+
+@needs_root
+def test_another_uid_cannot_read_staging_memory():
+    """While a refit is in flight (the receiver is inside load, both staging buffers exist), uid
+    65534 tries to open every staging segment for reading: each is a 0600 file of uid 0 in
+    /dev/shm, and every open fails with EACCES."""
+    from tests.faults import FaultySender
+
+    seen: dict = {}
+    gate = threading.Event()
+
+    def load(batch):
+        if "names" not in seen:
+            names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("rv_"))
+            seen["names"] = [n for n in names if os.stat(f"/dev/shm/{n}").st_uid == 0]
+            seen["modes"] = {n: (stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode), os.stat(f"/dev/shm/{n}").st_uid) for n in seen["names"]}
+            seen["out"] = _as_nobody(_READ_SHM, *seen["names"])
+            gate.set()
+
+    tensors = [(f"w{i}", torch.randn(1000)) for i in range(8)]
+    with FaultySender(config=RefitConfig.build(mode="enforce", timeout_s=60.0, buffer_bytes=16 << 10)) as tx:
+        out: dict = {}
+        th = _receive_in_thread(tx.endpoint, out, load, timeout_s=60.0)
+        report = tx.send(tensors)
+        th.join(30)
+    assert gate.is_set() and report.ok and out["result"].ok
+    mine = set(tx.staging_names) & set(seen["names"])
+    assert mine, (tx.staging_names, seen["names"])
+    assert all(seen["modes"][n] == (0o600, 0) for n in mine), seen["modes"]
+    assert {n: seen["out"][n] for n in mine} == {n: "EACCES" for n in mine}
+
+
+_IMPOSTOR_SENDER = """
+import json, os, sys
+import torch, zmq
+from refit_verify.digest import tensor_digest
+from refit_verify.wire import PROTOCOL_VERSION, Complete, DigestBuffer, DigestEntry, Hello, ShmHandle, decode_reply, encode
+endpoint, shm_name, wait_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+data = bytes(range(64))
+digest = tensor_digest(torch.frombuffer(bytearray(data), dtype=torch.float32))  # a correct digest of its bytes
+name = "model.layers.0.mlp.down_proj.weight"
+msgs = [Hello(protocol=PROTOCOL_VERSION, refit_id="e" * 32, mode="enforce", alignment=512),
+        DigestBuffer(seq=0, handle=ShmHandle(name=shm_name, nbytes=4096),
+                     entries=[DigestEntry(name=name, dtype="float32", shape=[16], offset=0, nbytes=64, digest=digest)], used_bytes=512),
+        Complete(n_tensors=1)]
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # everything imported: drop to nobody
+fd = os.open("/dev/shm/" + shm_name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)  # this stranger's own segment
+os.write(fd, data.ljust(4096, bytes(1))); os.close(fd)
+ctx = zmq.Context(); req = ctx.socket(zmq.REQ); req.setsockopt(zmq.LINGER, 0); req.setsockopt(zmq.SNDTIMEO, int(wait_s * 1000))
+req.bind(endpoint)
+print("bound", flush=True)
+replies = []
+for m in msgs:
+    try:
+        req.send(encode(m))
+    except zmq.Again:
+        replies.append("no receiver"); break
+    if not req.poll(int(wait_s * 1000)):
+        replies.append("no reply"); break
+    r = decode_reply(req.recv())
+    replies.append(type(r).__name__ + (":" + json.dumps(r.rejected) if getattr(r, "rejected", None) else ""))
+os.unlink("/dev/shm/" + shm_name)
+req.close(); ctx.term()
+print(json.dumps({"replies": replies}), flush=True)
+"""
+
+
+def _impostor(endpoint: str, wait_s: float) -> tuple[subprocess.Popen, str]:
+    shm = f"rv_impostor_{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
+    proc = subprocess.Popen([sys.executable, "-c", _IMPOSTOR_SENDER, endpoint, shm, str(wait_s)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    assert line == "bound", (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
+    return proc, shm
+
+
+@needs_root
+def test_another_uid_cannot_get_a_byte_loaded_through_an_endpoint_of_its_own():
+    """A stranger (uid 65534) binds a sender socket in a directory it owns and offers a Buffer of
+    its own shared memory: a receiver pointed there refuses the endpoint before connecting."""
+    import json
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="refit-verify-nobodys-", dir="/tmp")  # /tmp is 1777: the stranger reaches it
+    os.chown(d, NOBODY, NOBODY)
+    proc, _ = _impostor(f"ipc://{d}/refit.sock", 3.0)
+    loaded: list = []
+    try:
+        with pytest.raises(RefitConfigError, match=rf"uid {NOBODY}, mode 700\) is not private"):
+            RefitReceiver(f"ipc://{d}/refit.sock", config=RefitConfig.build(connect_timeout_s=2.0))
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(d, ignore_errors=True)
+    assert json.loads(out.strip().splitlines()[-1]) == {"replies": ["no receiver"]} and loaded == []
+
+
+@needs_root
+def test_another_uid_cannot_get_a_byte_loaded_through_an_abstract_endpoint():
+    """An abstract ``ipc://@name`` has no file permissions: the stranger binds it first. The peer
+    check is then the gate, and it is one on the receiver side: the connection's uid is read from
+    the monitor before any request is read, the receiver raises, the stranger never gets a reply,
+    nothing is loaded."""
+    import json
+
+    endpoint = f"ipc://@refit-verify-test-{os.getpid()}-{time.monotonic_ns()}"
+    proc, _ = _impostor(endpoint, 4.0)
+    loaded: list = []
+    try:
+        with RefitReceiver(endpoint, config=RefitConfig.build(connect_timeout_s=10.0, timeout_s=5.0)) as rx:
+            with pytest.raises(RefitProtocolError, match=rf"runs as uid {NOBODY}, not 0: refusing to take weights"):
+                rx.receive(lambda b: loaded.extend(n for n, _ in b))
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert json.loads(out.strip().splitlines()[-1]) == {"replies": ["no reply"]} and loaded == []
+
+
+@needs_root
+def test_another_uids_shared_memory_is_refused_even_past_the_peer_check(monkeypatch):
+    """Suppose the peer check were bypassed (it is patched out here): the stranger's Buffer names a
+    0600 segment that uid 65534 owns, with a correct digest. The receiver opens the descriptor,
+    sees another owner and refuses the entry by name: the staging-memory check is a gate of its
+    own, and nothing is loaded."""
+    import json
+
+    monkeypatch.setattr(guard, "peer_cred", lambda fd: None)  # the peer check sees no credentials
+    endpoint = f"ipc://@refit-verify-test-{os.getpid()}-{time.monotonic_ns()}"
+    proc, shm = _impostor(endpoint, 10.0)
+    loaded: list = []
+    try:
+        with RefitReceiver(endpoint, config=RefitConfig.build(connect_timeout_s=10.0, timeout_s=10.0)) as rx:
+            res = rx.receive(lambda b: loaded.extend(n for n, _ in b))
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert loaded == [] and list(res.rejected) == [name]
+    assert f"is owned by uid {NOBODY} with mode 600; only a private (0600) object of uid 0 is accepted" in res.rejected[name]
+    replies = json.loads(out.strip().splitlines()[-1])["replies"]
+    assert replies[:2] == ["Welcome", "Ack"] and replies[2].startswith("CheckedDone:") and name in replies[2]
+
+
 # ------------------------------------------------------------------------------ config strictness
 
 
