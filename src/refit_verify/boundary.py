@@ -101,12 +101,17 @@ class _Delivered:
 
 
 class _Call:
-    __slots__ = ("id", "names", "unattributed")
+    """One ``load_weights`` call. ``lazy``: its weights come from an iterator, which may refill a
+    tensor's memory before the next pull, so every digest of it is launched at once; a list's
+    tensors stay as they are for the call, so their digests are launched together at its end."""
 
-    def __init__(self, call_id: int) -> None:
+    __slots__ = ("id", "names", "unattributed", "lazy")
+
+    def __init__(self, call_id: int, lazy: bool = True) -> None:
         self.id = call_id
         self.names: list[str] = []
         self.unattributed = 0
+        self.lazy = lazy
 
 
 class _ModuleSession:
@@ -142,10 +147,14 @@ class _ModuleSession:
 
     # -- delivery ---------------------------------------------------------------------------
 
-    def begin_call(self) -> _Call:
+    def begin_call(self, lazy: bool = True) -> _Call:
         self.calls += 1
-        self.current = _Call(self.calls)
+        self.current = _Call(self.calls, lazy)
         return self.current
+
+    def _now(self) -> bool:
+        """Launch a CUDA digest at once: outside a call (a deferred apply) or inside a lazy one."""
+        return self.current is None or self.current.lazy
 
     def end_call(self, call: _Call) -> None:
         if self.current is call:
@@ -153,6 +162,7 @@ class _ModuleSession:
         t0 = time.perf_counter()
         self.batch.launch()
         self.blocks.launch()
+        self.recheck.launch()
         self.digest_s += time.perf_counter() - t0
         for name in call.names:
             d = self.delivered.get(name)
@@ -172,7 +182,7 @@ class _ModuleSession:
             self.by_id.pop(id(old.ref()), None)
         if hexd is None:
             self.batch.add(name, t)
-            if t.is_cuda:
+            if t.is_cuda and call.lazy:
                 self.batch.launch()
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
@@ -221,7 +231,8 @@ class _ModuleSession:
         d.rechecked = True  # applied after the load_weights call that delivered it: digest it again now
         t0 = time.perf_counter()
         self.recheck.add(d.name, tensor)
-        self.recheck.launch()
+        if self._now():
+            self.recheck.launch()
         self.digest_s += time.perf_counter() - t0
 
     def on_write(self, pname: str, param: torch.Tensor, loaded: torch.Tensor, placement: Placement) -> None:
@@ -248,7 +259,7 @@ class _ModuleSession:
             key = f"{pname}#{self.n_blocks}"
             self.blocks.add(key, as_view(loaded, c.src))
             self.placed.setdefault(pname, []).append((c, key, d.name))
-        if loaded.is_cuda:
+        if loaded.is_cuda and self._now():
             self.blocks.launch()  # read the source now, in stream order (a streaming loader may refill it next)
         self.digest_s += time.perf_counter() - t0
 
@@ -370,7 +381,7 @@ class ModelBoundary:
                 args = (weights, *args[1:])
             if not target.sessioned and boundary.owner.loading_context:
                 target.where = boundary.owner.loading_context
-            call = target.begin_call()
+            call = target.begin_call(lazy=not isinstance(weights, (list, tuple)))
             try:
                 return original(*args, **kwargs)
             except Exception as e:
