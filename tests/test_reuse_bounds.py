@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import random
 import subprocess
 import sys

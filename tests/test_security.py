@@ -514,12 +514,20 @@ print(json.dumps({"replies": replies}), flush=True)
 
 
 def _impostor(endpoint: str, wait_s: float) -> tuple[subprocess.Popen, str]:
+    """The stranger's process, bound and waiting; its shared-memory segment is removed when it is reaped (:func:`_reap`)."""
     shm = f"rv_impostor_{os.getpid()}_{int(time.monotonic() * 1000) % 100000}"
     proc = subprocess.Popen([sys.executable, "-c", _IMPOSTOR_SENDER, endpoint, shm, str(wait_s)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline().strip()
     assert line == "bound", (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
     return proc, shm
+
+
+def _reap(proc: subprocess.Popen, shm: str) -> None:
+    proc.kill()
+    proc.wait(10)
+    if os.path.lexists(f"/dev/shm/{shm}"):  # the stranger died before removing its segment
+        os.unlink(f"/dev/shm/{shm}")
 
 
 @needs_root
@@ -532,15 +540,14 @@ def test_another_uid_cannot_get_a_byte_loaded_through_an_endpoint_of_its_own():
 
     d = tempfile.mkdtemp(prefix="refit-verify-nobodys-", dir="/tmp")  # /tmp is 1777: the stranger reaches it
     os.chown(d, NOBODY, NOBODY)
-    proc, _ = _impostor(f"ipc://{d}/refit.sock", 3.0)
+    proc, shm = _impostor(f"ipc://{d}/refit.sock", 3.0)
     loaded: list = []
     try:
         with pytest.raises(RefitConfigError, match=rf"uid {NOBODY}, mode 700\) is not private"):
             RefitReceiver(f"ipc://{d}/refit.sock", config=RefitConfig.build(connect_timeout_s=2.0))
         out, _ = proc.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait(10)
+        _reap(proc, shm)
         shutil.rmtree(d, ignore_errors=True)
     assert json.loads(out.strip().splitlines()[-1]) == {"replies": ["no receiver"]} and loaded == []
 
@@ -554,7 +561,7 @@ def test_another_uid_cannot_get_a_byte_loaded_through_an_abstract_endpoint():
     import json
 
     endpoint = f"ipc://@refit-verify-test-{os.getpid()}-{time.monotonic_ns()}"
-    proc, _ = _impostor(endpoint, 4.0)
+    proc, shm = _impostor(endpoint, 4.0)
     loaded: list = []
     try:
         with RefitReceiver(endpoint, config=RefitConfig.build(connect_timeout_s=10.0, timeout_s=5.0)) as rx:
@@ -562,8 +569,7 @@ def test_another_uid_cannot_get_a_byte_loaded_through_an_abstract_endpoint():
                 rx.receive(lambda b: loaded.extend(n for n, _ in b))
         out, _ = proc.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait(10)
+        _reap(proc, shm)
     assert json.loads(out.strip().splitlines()[-1]) == {"replies": ["no reply"]} and loaded == []
 
 
@@ -584,8 +590,7 @@ def test_another_uids_shared_memory_is_refused_even_past_the_peer_check(monkeypa
             res = rx.receive(lambda b: loaded.extend(n for n, _ in b))
         out, _ = proc.communicate(timeout=30)
     finally:
-        proc.kill()
-        proc.wait(10)
+        _reap(proc, shm)
     name = "model.layers.0.mlp.down_proj.weight"
     assert loaded == [] and list(res.rejected) == [name]
     assert f"is owned by uid {NOBODY} with mode 600; only a private (0600) object of uid 0 is accepted" in res.rejected[name]

@@ -317,6 +317,9 @@ class PeerWatch:
         self.disconnects = 0
         self.strangers: list[tuple[int, int]] = []
         self.pids: dict[int, int | None] = {}  # fd -> the peer's pid (SO_PEERCRED; None where unknown)
+        self.serials: dict[int, int] = {}  # fd -> serial number of the connection on it (fds are reused; serials never)
+        self.closed: set[int] = set()  # serials of connections that completed their handshake, then closed
+        self._serial = 0
         self.gone: dict[int, int | None] = {}  # fd -> pid of connections that completed their handshake, then closed
         self.events: collections.deque[tuple[float, str, int | None]] = collections.deque(maxlen=16)  # (monotonic, what, pid)
         self._awaiting: list[int] = []  # connections whose ZMTP handshake has not completed
@@ -326,6 +329,10 @@ class PeerWatch:
     def established(self) -> list[int]:
         """fds of the connections whose ZMTP handshake completed (peers that can carry a message)."""
         return [fd for fd in self.live if fd not in self._awaiting]
+
+    def established_serials(self) -> set[int]:
+        """Serial numbers of the established connections (stable across fd reuse)."""
+        return {self.serials[fd] for fd in self.established() if fd in self.serials}
 
     def peer_label(self, fd: int) -> str:
         """``"pid 123"`` of the peer on ``fd`` (``"a peer"`` where its pid is unknown, e.g. ``tcp://``)."""
@@ -370,6 +377,7 @@ class PeerWatch:
                     self._awaiting.remove(value)
                     self.live.discard(value)
                     self.pids.pop(value, None)
+                    self.serials.pop(value, None)
                     if value in self._failed:
                         self._failed.discard(value)  # already logged as a failed handshake
                     else:
@@ -381,6 +389,9 @@ class PeerWatch:
                     self.disconnects += 1
                     pid = self.pids.pop(value, None)
                     self.gone[value] = pid
+                    serial = self.serials.pop(value, None)
+                    if serial is not None:
+                        self.closed.add(serial)
                     if len(self.gone) > 64:
                         self.gone.pop(next(iter(self.gone)))
                     self.events.append((time.monotonic(), "disconnected", pid))
@@ -404,5 +415,7 @@ class PeerWatch:
                              self.role, self.endpoint, pid, uid, os.geteuid())
                 _shutdown_fd(fd)
                 return
+        self._serial += 1
+        self.serials[fd] = self._serial
         self.live.add(fd)
         self._awaiting.append(fd)

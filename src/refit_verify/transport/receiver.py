@@ -317,11 +317,12 @@ class RefitReceiver:
                     names = [en.name for en in msg.entries]
                     state.errors.append(f"buffer {msg.seq} ({len(names)} entries, {names[0] if names else '-'} … "
                                         f"{names[-1] if names else '-'}): {type(e).__name__}: {e}")
-                finally:
-                    state.groups += 1
-                    progress.update(buffers=state.groups, tensors=state.tensors, last_name=state.last_name,
-                                    stage=f"waiting for Buffer {state.checker.expected_seq} or Complete")
-                    self._reply(Ack(seq=msg.seq))
+                # (an interrupt, a thread's death: no Ack — it would claim the buffer was read; the sender
+                # sees the connection close instead)
+                state.groups += 1
+                progress.update(buffers=state.groups, tensors=state.tensors, last_name=state.last_name,
+                                stage=f"waiting for Buffer {state.checker.expected_seq} or Complete")
+                self._reply(Ack(seq=msg.seq))
             elif isinstance(msg, Complete):
                 manifest, session, error = state.finish(msg.n_tensors)
                 rejected = state.all_rejected()

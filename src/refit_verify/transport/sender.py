@@ -299,7 +299,7 @@ class RefitSender:
         self._one_receiver(grace=SECOND_PEER_GRACE_S if hello else 0.0)
         if hello:
             self._last_hello = data
-        self._carriers = set(w.established())
+        self._carriers = w.established_serials()
         self._mark = w.disconnects
         try:
             self._sock.send(data, copy=False)
@@ -313,7 +313,7 @@ class RefitSender:
             self._progress.hello_sent += 1
         if not self._carriers:  # the send waited for a peer to appear: that one took it
             w.drain()
-            self._carriers = set(w.established())
+            self._carriers = w.established_serials()
 
     def _one_receiver(self, grace: float) -> None:
         """Raise when more than one receiver is connected (REQ would deal requests out in turn).
@@ -346,7 +346,7 @@ class RefitSender:
     def _carrier_dropped(self) -> bool:
         """Whether the connection the outstanding request went to has closed (its reply is lost with it)."""
         w = self._watch
-        return w.disconnects > self._mark and (not self._carriers or any(fd not in w.live for fd in self._carriers))
+        return w.disconnects > self._mark and (not self._carriers or bool(self._carriers & w.closed))
 
     def _take_reply(self, expect: type, seq: int | None = None) -> Welcome | Ack | Done:
         """Wait (at most ``timeout_s``) for the reply to the outstanding request and check it.
@@ -396,7 +396,7 @@ class RefitSender:
                         p.hello_sent += 1
                     except zmq.ZMQError:
                         pass
-                    self._carriers, self._mark = set(w.established()), w.disconnects
+                    self._carriers, self._mark = w.established_serials(), w.disconnects
                     retry = min(2 * retry, HELLO_RETRY_MAX_S)
                     next_retry = time.monotonic() + retry
                 elif time.monotonic() >= next_retry:

@@ -296,7 +296,9 @@ def restore_unfinished_layers(model: Any, refused: list[str], failed: bool,
             why = f"its part {parts[0]} was refused before loading" + (f" (and {len(parts) - 1} more)" if len(parts) > 1 else "")
         else:
             why = "the refit failed before all of its parts arrived"
-        label = (lambda pn, p=path: f"{p}.{pn}" if p else pn)
+        def label(pn: str, p: str = path) -> str:
+            return f"{p}.{pn}" if p else pn
+
         params = list(info.kernel_tensors[0])
         if info.load_numel > 0:
             for pname, args in info.loaded_weights:
