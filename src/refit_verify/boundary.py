@@ -27,12 +27,12 @@ implicitly (vLLM's ``start_weight_update``, our transport's handshake); an impli
 explicit session already open. A ``load_weights`` outside any session is recorded and reported
 with the next session (``SessionManifest.unsessioned``).
 
+What one module received within one session is recorded by :class:`refit_verify.delivery.ModuleSession`.
 Nothing here imports vLLM: the plugin builds the boundaries (:mod:`refit_verify.vllm_plugin`).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import logging
 import os
@@ -45,10 +45,11 @@ from typing import Any
 
 import torch
 
+from refit_verify.delivery import ModuleSession, match_any
 from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
-from refit_verify.placement import Copy, LoaderTap, Placement, as_view
+from refit_verify.placement import LoaderTap
 from refit_verify.stream import check_digest
 
 logger = logging.getLogger("refit_verify")
@@ -58,252 +59,6 @@ __all__ = ["ModelBoundary", "SessionDigests", "WorkerBoundary", "identity_of", "
 _MARK = "__refit_verify_boundary__"
 MAX_UNSESSIONED_NAMES = 64
 MAX_KEPT_MANIFESTS = 16
-
-
-def match_any(name: str, patterns: Iterable[str]) -> bool:
-    """True iff ``name`` matches one of the ``fnmatch`` patterns (``"lm_head.*"``, ``"*.bias"``)."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range ``[start, end)`` of ``t`` within its storage."""
-    size = t.element_size()
-    start = t.storage_offset() * size
-    if t.numel() == 0:
-        return start, start
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * size
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
-
-
-class _Delivered:
-    """One delivered tensor of a session (a weak reference only)."""
-
-    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "__weakref__")
-
-    def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0, hexd: str | None = None) -> None:
-        self.name, self.call, self.seq, self.hex = name, call, seq, hexd
-        try:
-            self.ref = weakref.ref(t)
-        except TypeError:
-            self.ref = lambda: None
-        self.ptr = _storage_ptr(t)
-        self.extent = _extent(t)
-        self.routed = False
-        self.rechecked = False
-        self.nbytes = t.numel() * t.element_size()
-
-
-class _Call:
-    """One ``load_weights`` call. ``lazy``: its weights come from an iterator, which may refill a
-    tensor's memory before the next pull, so every digest of it is launched at once; a list's
-    tensors stay as they are for the call, so their digests are launched together at its end."""
-
-    __slots__ = ("id", "names", "unattributed", "lazy")
-
-    def __init__(self, call_id: int, lazy: bool = True) -> None:
-        self.id = call_id
-        self.names: list[str] = []
-        self.unattributed = 0
-        self.lazy = lazy
-
-
-class _ModuleSession:
-    """What one module received within one session (or, outside sessions, the unsessioned record)."""
-
-    def __init__(self, module: ModelBoundary, sessioned: bool) -> None:
-        self.module = module
-        self.sessioned = sessioned
-        self.where = "load_weights"  # outside sessions: what was running (e.g. "reload_weights")
-        self.batch = DigestBatch()  # delivered digests
-        self.blocks = DigestBatch()  # source blocks of exact placements, for read-back
-        self.recheck = DigestBatch()  # apply-time digests of deferred loads
-        self.delivered: dict[str, _Delivered] = {}
-        self.by_id: dict[int, _Delivered] = {}
-        self.by_ptr: dict[int, list[_Delivered]] = {}
-        self.calls = 0
-        self.pulls = 0  # tensors pulled so far; a delivered tensor applied after a later pull may have been refilled
-        self.tensors = 0
-        self.bytes = 0
-        self.digest_s = 0.0
-        self.current: _Call | None = None
-        self.unconsumed: list[str] = []
-        self.unattributed: list[str] = []
-        self.written: dict[str, dict[tuple, int]] = {}  # pname -> {placement id: numel written}
-        self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
-        self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
-        self.param_numel: dict[str, int] = {}
-        self.replicated: dict[str, bool] = {}  # pname -> written whole from one whole delivered tensor
-        self.n_blocks = 0
-        self.errors: list[str] = []
-        self.refused: dict[str, tuple[str, str]] = {}  # name -> (digest of what arrived, why): checked first, never loaded
-        self.withheld: dict[str, str] = {}  # delivered, but its layer was put back (a fused sibling was refused): never landed
-
-    # -- delivery ---------------------------------------------------------------------------
-
-    def begin_call(self, lazy: bool = True) -> _Call:
-        self.calls += 1
-        self.current = _Call(self.calls, lazy)
-        return self.current
-
-    def _now(self) -> bool:
-        """Launch a CUDA digest at once: outside a call (a deferred apply) or inside a lazy one."""
-        return self.current is None or self.current.lazy
-
-    def end_call(self, call: _Call) -> None:
-        if self.current is call:
-            self.current = None
-        t0 = time.perf_counter()
-        self.batch.launch()
-        self.blocks.launch()
-        self.recheck.launch()
-        self.digest_s += time.perf_counter() - t0
-        for name in call.names:
-            d = self.delivered.get(name)
-            if d is None or d.routed or d.call != call.id:
-                continue
-            (self.unattributed if call.unattributed else self.unconsumed).append(name)
-
-    def deliver(self, name: str, t: torch.Tensor, call: _Call, hexd: str | None = None) -> None:
-        """Digest one delivered tensor (launched in stream order now; no reference is kept).
-
-        ``hexd``: its digest, when the call's tensors were digested before the load (verify before load)."""
-        t0 = time.perf_counter()
-        if not isinstance(name, str):
-            raise RefitProtocolError(f"load_weights was handed a name that is not a str: {name!r:.80}")
-        old = self.delivered.get(name)
-        if old is not None:  # a second delivery of a name: the later one is what lands
-            self.by_id.pop(id(old.ref()), None)
-        if hexd is None:
-            self.batch.add(name, t)
-            if t.is_cuda and call.lazy:
-                self.batch.launch()
-        self.pulls += 1
-        d = _Delivered(name, t, call.id, self.pulls, hexd)
-        self.delivered[name] = d
-        self.by_id[id(t)] = d
-        self.by_ptr.setdefault(d.ptr, []).append(d)
-        call.names.append(name)
-        self.tensors += 1
-        self.bytes += d.nbytes
-        self.digest_s += time.perf_counter() - t0
-
-    def match(self, loaded: torch.Tensor) -> _Delivered | None:
-        """The delivered tensor ``loaded`` is, or is a view of (None if it derives from none)."""
-        d = self.by_id.get(id(loaded))
-        if d is not None and d.ref() is loaded:
-            return d
-        cands = self.by_ptr.get(_storage_ptr(loaded))
-        if not cands:
-            return None
-        lo, hi = _extent(loaded)
-        for d in reversed(cands):
-            if d.extent[0] <= lo and hi <= d.extent[1] and d.ref() is not None:
-                return d
-        return None
-
-    # -- loader callbacks -------------------------------------------------------------------
-
-    def on_route(self, pname: str, loaded: torch.Tensor) -> None:
-        d = self.match(loaded)
-        if d is not None:
-            d.routed = True
-        elif self.current is not None:
-            self.current.unattributed += 1
-
-    def on_apply(self, pname: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        d = self.match(loaded)
-        if d is None or d.rechecked:
-            return
-        if self.current is not None and self.current.id == d.call and d.seq == self.pulls:
-            return  # applied right after it was pulled, nothing pulled since: an immediate write
-        # applied after another tensor was pulled (vLLM's layerwise reload deferring a layer, within
-        # the delivering call or after it returned): the source may have been refilled since
-        tensor = d.ref()
-        if tensor is None:
-            return
-        d.rechecked = True  # applied after the load_weights call that delivered it: digest it again now
-        t0 = time.perf_counter()
-        self.recheck.add(d.name, tensor)
-        if self._now():
-            self.recheck.launch()
-        self.digest_s += time.perf_counter() - t0
-
-    def on_write(self, pname: str, param: torch.Tensor, loaded: torch.Tensor, placement: Placement) -> None:
-        d = self.match(loaded)
-        if d is not None:
-            d.routed = True
-        self.param_numel.setdefault(pname, param.numel())
-        self.written.setdefault(pname, {})[id(placement)] = placement.numel
-        if not placement.exact:
-            self.inexact.setdefault(pname, placement.why or "not a plain copy")
-            return
-        if d is None:
-            self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
-            return
-        shape = tuple(loaded.shape)
-        self.replicated[pname] = len(placement.copies) == 1 and placement.copies[0].src is not None \
-            and placement.copies[0].src[0] == 0 and placement.copies[0].src[1] == shape == tuple(param.shape)
-        t0 = time.perf_counter()
-        for c in placement.copies:
-            if c.fill:
-                self.placed.setdefault(pname, []).append((c, None, d.name))
-                continue
-            self.n_blocks += 1
-            key = f"{pname}#{self.n_blocks}"
-            self.blocks.add(key, as_view(loaded, c.src))
-            self.placed.setdefault(pname, []).append((c, key, d.name))
-        if loaded.is_cuda and self._now():
-            self.blocks.launch()  # read the source now, in stream order (a streaming loader may refill it next)
-        self.digest_s += time.perf_counter() - t0
-
-    # -- close --------------------------------------------------------------------------------
-
-    def digests(self) -> dict[str, str]:
-        """``{name: 32-hex}`` of what was delivered (pre-checked or digested as pulled) and of what was
-        refused before loading (the digest of what arrived: the verdict names it mismatched); a
-        withheld name (delivered, never landed) is left out."""
-        pulled = self.batch.hexdigests()
-        out: dict[str, str] = {}
-        for name, d in self.delivered.items():
-            h = d.hex if d.hex is not None else pulled.get(name)
-            if h is not None and name not in self.withheld:
-                out[name] = h
-        for name, (h, _why) in self.refused.items():
-            out.setdefault(name, h)
-        return out
-
-    def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
-        t0 = time.perf_counter()
-        digests = self.digests()
-        changed = []
-        if self.recheck._order:
-            for name, h in self.recheck.hexdigests().items():
-                if digests.get(name) != h:
-                    changed.append(name)
-        allow = tuple(allow)
-        unwritten = []
-        written = 0
-        hint = self.module.numel_hint
-        for pname, p in params.items():
-            total = self.param_numel.get(pname) or max(p.numel(), hint.get(pname, 0))
-            got = min(total, sum(self.written.get(pname, {}).values()))
-            if got >= total:
-                written += 1
-            elif not match_any(pname, allow):
-                unwritten.append(pname if got == 0 else f"{pname} ({got} of {total} elements)")
-        self.digest_s += time.perf_counter() - t0
-        return ModuleManifest(
-            digests=digests, params=len(params), written=written,
-            unconsumed=[n for n in self.unconsumed if not match_any(n, allow)],
-            unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
-            calls=self.calls, bytes=self.bytes, digest_s=self.digest_s)
 
 
 class ModelBoundary:
@@ -327,8 +82,8 @@ class ModelBoundary:
         self.role = role
         self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route)
         self.tap.enabled = owner.verifying
-        self.session: _ModuleSession | None = None
-        self.outside = _ModuleSession(self, sessioned=False)
+        self.session: ModuleSession | None = None
+        self.outside = ModuleSession(self, sessioned=False)
         self.numel_hint: dict[str, int] = {}
 
     @property
@@ -348,7 +103,7 @@ class ModelBoundary:
         self.tap.install(model, extra)
         self.numel_hint = {n: t.numel() for n, t in extra}
 
-    def _target(self) -> _ModuleSession:
+    def _target(self) -> ModuleSession:
         return self.session if self.session is not None else self.outside
 
     def _on_route(self, pname, loaded) -> None:
@@ -401,7 +156,7 @@ class ModelBoundary:
             return _DigestingList(self, weights)
         return _DigestingIter(self, weights)
 
-    def _checked_first(self, target: _ModuleSession, weights: list | tuple, expected: dict[str, str | None],
+    def _checked_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
                        enforce: bool) -> _DigestingList:
         """Digest every tensor of one call before the model sees any (one synchronisation), compare
         with the sender's ``expected`` digests and return what the model may load.
@@ -448,10 +203,10 @@ class ModelBoundary:
 
     def begin(self) -> None:
         self.install()
-        self.session = _ModuleSession(self, sessioned=True)
+        self.session = ModuleSession(self, sessioned=True)
 
-    def end(self, allow: Iterable[str]) -> tuple[ModuleManifest, _ModuleSession]:
-        s = self.session if self.session is not None else _ModuleSession(self, True)
+    def end(self, allow: Iterable[str]) -> tuple[ModuleManifest, ModuleSession]:
+        s = self.session if self.session is not None else ModuleSession(self, True)
         self.session = None
         model = self.model
         params = dict(model.named_parameters()) if model is not None else {}
@@ -463,7 +218,7 @@ class ModelBoundary:
             return None
         names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
         rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=o.where)
-        self.outside = _ModuleSession(self, sessioned=False)
+        self.outside = ModuleSession(self, sessioned=False)
         return rec
 
 
@@ -545,7 +300,7 @@ class WorkerBoundary:
         self.last: SessionManifest | None = None
         self.max_version: int | None = None
         self.loading_context: str | None = None
-        self.readback: Callable[[dict[str, _ModuleSession], dict[str, ModelBoundary]], Any] | None = None
+        self.readback: Callable[[dict[str, ModuleSession], dict[str, ModelBoundary]], Any] | None = None
         self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot, set by the plugin
         self.auditor: Callable[..., Any] | None = None  # engine_state.audit
         self.baseline: Any = None  # EngineSnapshot left by the last closed session
