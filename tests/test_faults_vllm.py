@@ -39,6 +39,7 @@ from refit_verify.transport import RefitSender  # noqa: E402
 from refit_verify.wire import Buffer, Complete  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.faults import DtypeRelabel, Drop, FaultySender, StaleSlot  # noqa: E402
+from tests.soak_lanes import engine_layout  # noqa: E402
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -98,21 +99,6 @@ def push(llm, sender: RefitSender, weights, options=None):
     th.join(TIMEOUT_S + 30)
     assert not th.is_alive(), "the sender did not return"
     return out.get("report"), workers, rpc_s
-
-
-def engine_layout(w: dict[str, torch.Tensor], n_layers: int = 2) -> dict[str, torch.Tensor]:
-    """The tiny Llama's HF tensors in vLLM's parameter layout (TP=1): q/k/v and gate/up fused by rows."""
-    out = {"model.embed_tokens.weight": w["model.embed_tokens.weight"], "model.norm.weight": w["model.norm.weight"],
-           "lm_head.weight": w["lm_head.weight"]}
-    for i in range(n_layers):
-        p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj.weight"] = torch.cat([w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[p + "self_attn.o_proj.weight"] = w[p + "self_attn.o_proj.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
-        out[p + "mlp.down_proj.weight"] = w[p + "mlp.down_proj.weight"]
-        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[p + n] = w[p + n]
-    return out
 
 
 def engine_versions(llm, versions: dict[str, dict[str, torch.Tensor]]) -> dict[str, str]:

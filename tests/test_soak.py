@@ -106,7 +106,7 @@ def test_soak_ci(vllm_env):
 @pytest.mark.slow
 def test_soak_full(vllm_env):
     """At least 1000 refits; the figures of docs/reliability.md."""
-    fig, leaks = run(vllm_env, refits=1200, budget_s=None, weights={"transport": 6, "process": 2, "broadcast": 2, "boundary": 2, "vllm": 1})
+    fig, leaks = run(vllm_env, refits=3000, budget_s=None, weights={"transport": 6, "process": 2, "broadcast": 2, "boundary": 2, "vllm": 1})
     figures = check(fig, leaks, min_refits=1000)
     out = os.environ.get("REFIT_SOAK_FIGURES")
     if out:

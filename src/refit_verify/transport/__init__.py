@@ -9,7 +9,8 @@ place, digests it (when the refit verifies), hands the batch to ``load`` and ack
 A sender-side exception sends ``Abort`` so the receiver stops at once; every wait on either side
 is bounded.
 
-Modules: :mod:`.guard` (endpoints, exclusive binds, peer checks), :mod:`.sender`, :mod:`.receiver`;
+Modules: :mod:`.guard` (endpoints, exclusive binds, peer checks), :mod:`.sender` (with :mod:`.send_state`),
+:mod:`.receiver`;
 the packing and entry checks shared with the broadcast path are :mod:`refit_verify.stream`, the
 messages :mod:`refit_verify.wire`. Layout, message sequence and invariants follow NeMo-RL's
 colocated ZMQ + CUDA-IPC refit; see ``docs/protocol.md``.

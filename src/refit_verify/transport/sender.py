@@ -3,7 +3,7 @@
 One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.stream.Packer` fills two
 ping-pong staging buffers and this module sends one ``Buffer`` per filled buffer in strict REQ/REP
 lockstep (the next group is packed while the receiver reads this one), ``Complete``, and the
-verdict on the receiver's ``Done``. The state of one refit is a :class:`_SendState`.
+verdict on the receiver's ``Done``. The state of one refit is a :class:`SendState`.
 See ``docs/protocol.md``.
 """
 
@@ -15,7 +15,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -28,6 +27,7 @@ from refit_verify.report import VerificationReport, act_on
 from refit_verify.stream import MAX_ERROR_CHARS, Packer, StreamStats, receiver_report
 from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
                                           ms, private_endpoint)
+from refit_verify.transport.send_state import Progress, SendState
 from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer,
                                Done, Entry, Hello, Reject, Welcome, decode_reply, encode)
 
@@ -64,102 +64,6 @@ class RefitStats(StreamStats):
 
     buffers: int
     hello_sent: int
-
-
-@dataclass
-class _Progress:
-    """How far the current refit got (``RefitTimeoutError.progress``); packing counts come from the packer."""
-
-    refit_id: str = ""
-    mode: str = ""
-    buffers_sent: int = 0
-    buffers_acked: int = 0
-    tensors_sent: int = 0
-    tensors_acked: int = 0
-    bytes_sent: int = 0
-    last_acked_name: str | None = None
-    waiting_for: str = ""
-    hello_sent: int = 0
-    last_reply: str | None = None
-    packer: Packer | None = None
-
-    @property
-    def tensors_packed(self) -> int:
-        return self.packer.tensors if self.packer is not None else 0
-
-    @property
-    def last_name(self) -> str | None:
-        return self.packer.last_name if self.packer is not None else None
-
-    def as_dict(self, **extra: object) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "packer"}
-        d.update(tensors_packed=self.tensors_packed, last_name=self.last_name, **extra)
-        return d
-
-
-@dataclass
-class _SendState:
-    """One refit on the sender: REQ/REP sequencing and the staging buffers (the packer's sink).
-
-    Attributes:
-        requested / mode: the configured and the agreed mode. progress: counts for errors.
-        welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (``off``: taken lazily).
-        outstanding: seq of the unanswered ``Buffer`` (``None``: nothing outstanding).
-        in_flight: ``{seq: (entries, last name)}`` of sent, unacknowledged buffers.
-        pool: the two ping-pong staging buffers (allocated on first use); cur: the one being packed.
-        dedicated: an oversized tensor's own buffer while it is in flight.
-    """
-
-    sender: RefitSender
-    requested: VerifyMode
-    mode: VerifyMode
-    progress: _Progress
-    capacity: int
-    device: torch.device | None
-    hello_sent: bool = False
-    welcome_pending: bool = False
-    outstanding: int | None = None
-    in_flight: dict[int, tuple[int, str | None]] = field(default_factory=dict)
-    next_seq: int = 0
-    pool: list[_staging.StagingBuffer | None] = field(default_factory=lambda: [None, None])
-    cur: int = 0
-    dedicated: _staging.StagingBuffer | None = None
-
-    # -- PackSink ---------------------------------------------------------------------------------
-
-    def _device_for(self, like: torch.Tensor) -> torch.device:
-        if self.device is None:  # the first tensor's device: a CUDA tensor's GPU, else CPU
-            self.device = like.device if like.is_cuda else torch.device("cpu")
-        return self.device
-
-    def buffer(self, like: torch.Tensor) -> torch.Tensor:
-        if self.pool[self.cur] is None:
-            self.pool[self.cur] = _staging.allocate(self.capacity, self._device_for(like))
-        return self.pool[self.cur].tensor
-
-    def post(self, entries: list[Entry], used: int) -> None:
-        self.sender._post(self, self.pool[self.cur], entries, used)
-        self.cur ^= 1
-
-    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
-        # Alone in a dedicated buffer of the exact aligned size (packed while the flushed group is
-        # in flight), sent alone, its Ack taken at once, then freed.
-        self.dedicated = _staging.allocate(aligned, self._device_for(u8))
-        self.dedicated.tensor[: entry.nbytes].copy_(u8, non_blocking=self.dedicated.tensor.is_cuda)
-        self.sender._post(self, self.dedicated, [entry], aligned)
-        self.sender._settle(self)
-        self.dedicated.close()
-        self.dedicated = None
-
-    def free_pool(self) -> None:
-        """Free every staging buffer (all acknowledged, or the refit failed)."""
-        for i, b in enumerate(self.pool):
-            if b is not None:
-                b.close()
-                self.pool[i] = None
-        if self.dedicated is not None:
-            self.dedicated.close()
-            self.dedicated = None
 
 
 class RefitSender:
@@ -228,7 +132,7 @@ class RefitSender:
             close_zmq(self._sock, self._watch, self._ctx, self._private_dir, lock)
             raise
         self._finalizer = weakref.finalize(self, close_zmq, self._sock, self._watch, self._ctx, self._private_dir, lock)
-        self._progress = _Progress()
+        self._progress = Progress()
         self._mark = 0
         self._carriers: set[int] = set()  # connections up when the outstanding request left (REQ: the one it went to)
         self._peer_gave_up = False
@@ -512,13 +416,13 @@ class RefitSender:
 
     # -- sequencing (strict REQ/REP lockstep: at most one request outstanding) --------------------
 
-    def _take_welcome(self, st: _SendState) -> None:
+    def _take_welcome(self, st: SendState) -> None:
         welcome = self._take_reply(Welcome)
         st.welcome_pending = False
         st.mode = self._agree(st.requested, welcome)
         st.progress.mode = st.mode.value
 
-    def _settle(self, st: _SendState) -> None:
+    def _settle(self, st: SendState) -> None:
         """Take every reply due: the lazy ``Welcome`` (``off``), then the outstanding ``Ack``."""
         p = st.progress
         if st.welcome_pending:
@@ -531,7 +435,7 @@ class RefitSender:
             p.last_acked_name = last or p.last_acked_name
             st.outstanding = None
 
-    def _post(self, st: _SendState, buf: _staging.StagingBuffer, entries: list[Entry], used: int) -> None:
+    def _post(self, st: SendState, buf: _staging.StagingBuffer, entries: list[Entry], used: int) -> None:
         """Send one ``Buffer`` once the previous one's ``Ack`` freed the other staging buffer."""
         self._settle(st)
         seq = st.next_seq
@@ -594,8 +498,8 @@ class RefitSender:
     def _send_refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> VerificationReport | None:
         cfg = self.config
         refit_id = uuid.uuid4().hex
-        self._progress = p = _Progress(refit_id=refit_id, mode=cfg.mode.value)
-        st = _SendState(sender=self, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
+        self._progress = p = Progress(refit_id=refit_id, mode=cfg.mode.value)
+        st = SendState(sender=self, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
         t_start = time.perf_counter()
         self._sock.setsockopt(zmq.SNDTIMEO, ms(cfg.timeout_s))  # the config may have been replaced since the last refit
         self._watch.drain()

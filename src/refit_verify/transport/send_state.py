@@ -1,0 +1,119 @@
+"""The state of one refit on the sender of the staged transport (:class:`RefitSender`'s helpers).
+
+:class:`Progress` counts how far the refit got (``RefitTimeoutError.progress``); :class:`SendState`
+is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
+:class:`~refit_verify.stream.PackSink` the packer fills.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from refit_verify import staging as _staging
+from refit_verify.config import VerifyMode
+from refit_verify.stream import Packer
+from refit_verify.wire import Entry
+
+if TYPE_CHECKING:
+    from refit_verify.transport.sender import RefitSender
+
+__all__ = ["Progress", "SendState"]
+
+
+@dataclass
+class Progress:
+    """How far the current refit got (``RefitTimeoutError.progress``); packing counts come from the packer."""
+
+    refit_id: str = ""
+    mode: str = ""
+    buffers_sent: int = 0
+    buffers_acked: int = 0
+    tensors_sent: int = 0
+    tensors_acked: int = 0
+    bytes_sent: int = 0
+    last_acked_name: str | None = None
+    waiting_for: str = ""
+    hello_sent: int = 0
+    last_reply: str | None = None
+    packer: Packer | None = None
+
+    @property
+    def tensors_packed(self) -> int:
+        return self.packer.tensors if self.packer is not None else 0
+
+    @property
+    def last_name(self) -> str | None:
+        return self.packer.last_name if self.packer is not None else None
+
+    def as_dict(self, **extra: object) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "packer"}
+        d.update(tensors_packed=self.tensors_packed, last_name=self.last_name, **extra)
+        return d
+
+
+@dataclass
+class SendState:
+    """One refit on the sender: REQ/REP sequencing and the staging buffers (the packer's sink).
+
+    Attributes:
+        requested / mode: the configured and the agreed mode. progress: counts for errors.
+        welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (``off``: taken lazily).
+        outstanding: seq of the unanswered ``Buffer`` (``None``: nothing outstanding).
+        in_flight: ``{seq: (entries, last name)}`` of sent, unacknowledged buffers.
+        pool: the two ping-pong staging buffers (allocated on first use); cur: the one being packed.
+        dedicated: an oversized tensor's own buffer while it is in flight.
+    """
+
+    sender: RefitSender
+    requested: VerifyMode
+    mode: VerifyMode
+    progress: Progress
+    capacity: int
+    device: torch.device | None
+    hello_sent: bool = False
+    welcome_pending: bool = False
+    outstanding: int | None = None
+    in_flight: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+    next_seq: int = 0
+    pool: list[_staging.StagingBuffer | None] = field(default_factory=lambda: [None, None])
+    cur: int = 0
+    dedicated: _staging.StagingBuffer | None = None
+
+    # -- PackSink ---------------------------------------------------------------------------------
+
+    def _device_for(self, like: torch.Tensor) -> torch.device:
+        if self.device is None:  # the first tensor's device: a CUDA tensor's GPU, else CPU
+            self.device = like.device if like.is_cuda else torch.device("cpu")
+        return self.device
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self.pool[self.cur] is None:
+            self.pool[self.cur] = _staging.allocate(self.capacity, self._device_for(like))
+        return self.pool[self.cur].tensor
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        self.sender._post(self, self.pool[self.cur], entries, used)
+        self.cur ^= 1
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+        # Alone in a dedicated buffer of the exact aligned size (packed while the flushed group is
+        # in flight), sent alone, its Ack taken at once, then freed.
+        self.dedicated = _staging.allocate(aligned, self._device_for(u8))
+        self.dedicated.tensor[: entry.nbytes].copy_(u8, non_blocking=self.dedicated.tensor.is_cuda)
+        self.sender._post(self, self.dedicated, [entry], aligned)
+        self.sender._settle(self)
+        self.dedicated.close()
+        self.dedicated = None
+
+    def free_pool(self) -> None:
+        """Free every staging buffer (all acknowledged, or the refit failed)."""
+        for i, b in enumerate(self.pool):
+            if b is not None:
+                b.close()
+                self.pool[i] = None
+        if self.dedicated is not None:
+            self.dedicated.close()
+            self.dedicated = None
