@@ -1,5 +1,9 @@
 """Fault-injection matrix, no-false-positive sweep and bounded waits over CPU shared memory.
 
+In ``enforce`` the receiver checks every tensor against the digest that came in its Buffer before
+``load`` (protocol 3): for the byte and layout faults the matrix also asserts that the corrupted
+tensor never reached ``load`` and that the verdict's ``kept`` / ``landed`` say so.
+
 The receiver is a spawned process (one per module, serving every refit of the matrix and of the
 sweep); faults are injected by :class:`tests.faults.FaultySender` between the sender's digest and
 the receiver's read. Every run draws a fresh seeded sample: ``REFIT_FAULT_SEED=<n>`` replays one
