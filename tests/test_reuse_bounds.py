@@ -5,8 +5,8 @@ slack (:data:`SLACK_S`: a loaded 2-core machine), and that a failure names its r
 each side last saw. Patterns: one sender reused for many refits while the receiver is re-created
 for each one (in a thread, and in a worker process, as vLLM's ``refit_verify_receive`` does), a
 receiver process killed mid-refit and restarted, a receiver started before its sender and one
-started long after, two receivers on one endpoint (before a refit and mid-refit), a concurrent
-send on one sender, a refit id that is not the receiver's, and an ``Abort`` of an earlier refit
+started long after, a sender restarted on the same endpoint, two receivers on one endpoint
+(before a refit and mid-refit), a concurrent send on one sender, a refit id that is not the receiver's, and an ``Abort`` of an earlier refit
 reaching a re-created receiver.
 """
 
@@ -197,6 +197,25 @@ def test_receiver_started_before_its_sender(tmp_path):
     rx.join(TIMEOUT_S)
     assert err is None and report.ok and rx.error is None and rx.value.ok
     assert 1.5 <= rx.seconds < TIMEOUT_S
+
+
+def test_sender_restarted_on_the_same_endpoint_while_a_receiver_waits(tmp_path):
+    """The trainer's sender goes away between refits and a new one binds the same endpoint: a
+    receiver already waiting for Hello reconnects by itself and serves the new sender's refit."""
+    endpoint = f"ipc://{tmp_path}/refit.sock"
+    with sender(endpoint=endpoint) as tx:
+        rx = Timed(lambda: receive_once(endpoint))
+        report, err, _ = timed_send(tx)
+        rx.join(TIMEOUT_S)
+        assert err is None and report.ok and rx.error is None
+        rx = Timed(lambda: receive_once(endpoint))  # connects to the old sender, then waits for a Hello
+        time.sleep(0.3)
+    time.sleep(0.5)  # the old sender is gone; the receiver's socket retries every few ms
+    with sender(endpoint=endpoint) as tx2:
+        report, err, send_s = timed_send(tx2)
+    rx.join(TIMEOUT_S)
+    assert err is None and report.ok and rx.error is None and rx.value.ok and send_s < TIMEOUT_S
+    assert rx.seconds < TIMEOUT_S
 
 
 def test_receiver_started_long_after_its_sender():
