@@ -97,7 +97,7 @@ class ModelBoundary:
             return
         current = vars(model).get("load_weights")
         if getattr(current, _MARK, None) is not self:
-            original = getattr(model, "load_weights")
+            original = model.load_weights
             object.__setattr__(model, "load_weights", self._wrap(original))
         extra = list(self.extra_params(model)) if self.extra_params is not None else []
         self.tap.install(model, extra)

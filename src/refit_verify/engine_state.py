@@ -42,7 +42,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
     """Digest every region written in the session and compare it with its source block.
 
     Args:
-        sessions: ``{role: _ModuleSession}`` of the closing session (from :mod:`refit_verify.boundary`).
+        sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
         modules: ``{role: ModelBoundary}``; their models' current parameters are read.
 
     Returns:
