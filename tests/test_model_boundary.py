@@ -21,13 +21,14 @@ from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import Producer, SessionManifest, from_wire, to_wire
 from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: copies digested in batches (CopyingBatch)
 QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
 EMBED_BYTES = 13 * HIDDEN * 2  # the delivered rows; 3 padding rows are filled by the loader
 NORM_BYTES = HIDDEN * 2
 
 
-def _worker(model: ToyModel | None = None) -> tuple[WorkerBoundary, ToyModel]:
-    model = model or ToyModel()
+def _worker(model: ToyModel | None = None, device: str = "cpu") -> tuple[WorkerBoundary, ToyModel]:
+    model = model or ToyModel(device)
     wb = WorkerBoundary(identity_of(rank=3, tp=1, device="cpu"))
     wb.readback = read_back
     wb.attach("model", model, default_weight_loader)
@@ -47,11 +48,12 @@ def _refit(wb, model, weights, *, version=1, form="list", skip=(), extra=None) -
     return wb.close(sid)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["list", "iter", "keyword"])
-def test_clean_refit_verified_and_read_back(form):
+def test_clean_refit_verified_and_read_back(form, device):
     """Each call form: every delivered tensor digested, every parameter written, every block proven."""
-    wb, model = _worker()
-    w = toy_weights(1)
+    wb, model = _worker(device=device)
+    w = toy_weights(1, device=device)
     man = _refit(wb, model, w, form=form)
     m = man.modules["model"]
     assert m.digests == digest_tensors(w.items())
@@ -80,10 +82,11 @@ def test_no_reference_kept_after_the_load():
     assert wb.close(sid).modules["model"].digests["norm"] == tensor_digest(model.norm)
 
 
-def test_flipped_byte_in_transit_named():
+@pytest.mark.parametrize("device", DEVICES)
+def test_flipped_byte_in_transit_named(device):
     """A tensor changed between the trainer's digest and load_weights is the one mismatch."""
-    wb, model = _worker()
-    w = toy_weights(3)
+    wb, model = _worker(device=device)
+    w = toy_weights(3, device=device)
     expected = digest_tensors(w.items())
     bad = dict(w, k_proj=w["k_proj"].clone())
     bad["k_proj"].view(-1).view(torch.uint8)[5] ^= 0x10
@@ -170,12 +173,13 @@ def test_abandoned_implicit_session_records_why():
     assert wb.manifests["r1"].errors == ["session abandoned: transport refit failed: RefitTimeoutError: sender went silent"]
 
 
-def test_loader_that_misplaces_blocks_on_a_later_load_named_by_read_back():
+@pytest.mark.parametrize("device", DEVICES)
+def test_loader_that_misplaces_blocks_on_a_later_load_named_by_read_back(device):
     """Engine-side fault the delivered digests cannot see: from the second refit on the loader swaps
     k and v. Delivered digests match; read-back names qkv_proj (the first refit is clean)."""
-    wb, model = _worker()
+    wb, model = _worker(device=device)
     model.swap_halves_after = 3  # the 3 qkv loads of refit 1 are right, refit 2's are not
-    w1, w2 = toy_weights(9), toy_weights(10)
+    w1, w2 = toy_weights(9, device=device), toy_weights(10, device=device)
     assert compare_session({"model": digest_tensors(w1.items())}, _refit(wb, model, w1, version=1), version=1).ok
     r = compare_session({"model": digest_tensors(w2.items())}, _refit(wb, model, w2, version=2), version=2)
     assert r.verified == 5 and not r.mismatched
@@ -185,8 +189,8 @@ def test_loader_that_misplaces_blocks_on_a_later_load_named_by_read_back():
 class _Deferred(ToyModel):
     """Buffers every load until ``finalize`` (like vLLM's layerwise reload), keeping the tensors it was handed."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
         self.pending: list = []
 
     def load_weights(self, weights) -> set[str]:
@@ -198,18 +202,19 @@ class _Deferred(ToyModel):
         ToyModel.load_weights(self, items)
 
 
-def test_deferred_apply_of_a_refilled_buffer_is_never_verified():
+@pytest.mark.parametrize("device", DEVICES)
+def test_deferred_apply_of_a_refilled_buffer_is_never_verified(device):
     """load_weights handed views of one buffer, refilled before the deferred apply: the apply-time
     digest differs from the delivered one; the report names the tensor (vLLM #51258 class)."""
-    model = _Deferred()
+    model = _Deferred(device)
     wb = WorkerBoundary(identity_of(0))
     wb.attach("model", model, default_weight_loader)
-    w = toy_weights(11)
-    buf = torch.empty(HIDDEN, dtype=torch.bfloat16)
+    w = toy_weights(11, device=device)
+    buf = torch.empty(HIDDEN, dtype=torch.bfloat16, device=device)
     sid = wb.open("s", version=1)
     buf.copy_(w["norm"])
     model.load_weights([("norm", buf)])
-    buf.copy_(torch.zeros(HIDDEN, dtype=torch.bfloat16))  # the producer refills the chunk
+    buf.copy_(torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device))  # the producer refills the chunk
     model.finalize()
     man = wb.close(sid)
     assert man.modules["model"].changed_after_delivery == ["norm"]

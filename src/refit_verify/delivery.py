@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import DigestBatch
+from refit_verify.digest import CopyingBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -83,6 +83,13 @@ class _Call:
         self.lazy = lazy
 
 
+WORKER_FLUSH_BYTES = 64 << 20
+"""Bytes of tensor copies a worker holds on the device before their digests are launched (64 MiB)."""
+
+WHOLE = "="
+"""Prefix of a placement key whose source block is the whole delivered tensor (``"=" + name``)."""
+
+
 class ModuleSession:
     """What one module received within one session (or, outside sessions, the unsessioned record)."""
 
@@ -90,9 +97,11 @@ class ModuleSession:
         self.module = module
         self.sessioned = sessioned
         self.where = "load_weights"  # outside sessions: what was running (e.g. "reload_weights")
-        self.batch = DigestBatch()  # delivered digests
-        self.blocks = DigestBatch()  # source blocks of exact placements, for read-back
-        self.recheck = DigestBatch()  # apply-time digests of deferred loads
+        # every CUDA tensor is copied as it is handed over and the copies digested in batches
+        # (CopyingBatch): no kernel launch per tensor, and what was digested is what it held then
+        self.batch = CopyingBatch(WORKER_FLUSH_BYTES)  # delivered digests
+        self.blocks = CopyingBatch(WORKER_FLUSH_BYTES)  # partial source blocks of exact placements, for read-back
+        self.recheck = CopyingBatch(WORKER_FLUSH_BYTES)  # apply-time digests of deferred loads
         self.delivered: dict[str, _Delivered] = {}
         self.by_id: dict[int, _Delivered] = {}
         self.by_ptr: dict[int, list[_Delivered]] = {}
@@ -121,18 +130,9 @@ class ModuleSession:
         self.current = _Call(self.calls, lazy)
         return self.current
 
-    def _now(self) -> bool:
-        """Launch a CUDA digest at once: outside a call (a deferred apply) or inside a lazy one."""
-        return self.current is None or self.current.lazy
-
     def end_call(self, call: _Call) -> None:
         if self.current is call:
             self.current = None
-        t0 = time.perf_counter()
-        self.batch.launch()
-        self.blocks.launch()
-        self.recheck.launch()
-        self.digest_s += time.perf_counter() - t0
         for name in call.names:
             d = self.delivered.get(name)
             if d is None or d.routed or d.call != call.id:
@@ -151,8 +151,6 @@ class ModuleSession:
             self.by_id.pop(id(old.ref()), None)
         if hexd is None:
             self.batch.add(name, t)
-            if t.is_cuda and call.lazy:
-                self.batch.launch()
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
         self.delivered[name] = d
@@ -200,8 +198,6 @@ class ModuleSession:
         d.rechecked = True  # applied after the load_weights call that delivered it: digest it again now
         t0 = time.perf_counter()
         self.recheck.add(d.name, tensor)
-        if self._now():
-            self.recheck.launch()
         self.digest_s += time.perf_counter() - t0
 
     def on_write(self, pname: str, param: torch.Tensor, loaded: torch.Tensor, placement: Placement) -> None:
@@ -224,12 +220,13 @@ class ModuleSession:
             if c.fill:
                 self.placed.setdefault(pname, []).append((c, None, d.name))
                 continue
-            self.n_blocks += 1
-            key = f"{pname}#{self.n_blocks}"
-            self.blocks.add(key, as_view(loaded, c.src))
+            if d.ref() is loaded and c.src == (0, shape, tuple(loaded.stride())):
+                key = WHOLE + d.name  # the block is the delivered tensor itself: its own digest is the expected one
+            else:
+                self.n_blocks += 1
+                key = f"{pname}#{self.n_blocks}"
+                self.blocks.add(key, as_view(loaded, c.src))
             self.placed.setdefault(pname, []).append((c, key, d.name))
-        if loaded.is_cuda and self._now():
-            self.blocks.launch()  # read the source now, in stream order (a streaming loader may refill it next)
         self.digest_s += time.perf_counter() - t0
 
     # -- close --------------------------------------------------------------------------------
@@ -252,7 +249,7 @@ class ModuleSession:
         t0 = time.perf_counter()
         digests = self.digests()
         changed = []
-        if self.recheck._order:
+        if len(self.recheck):
             for name, h in self.recheck.hexdigests().items():
                 if digests.get(name) != h:
                     changed.append(name)

@@ -29,7 +29,7 @@ def _tensor_seed(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> tuple[in
     return _seed(dtype_name(dtype), tuple(shape), nbytes)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
-__all__ = ["backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "DigestBatch", "StreamDigests"]
+__all__ = ["backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "CopyingBatch", "DigestBatch", "StreamDigests", "snapshot"]
 
 
 def backend_for(device_type: str) -> _backends.Backend:
@@ -194,26 +194,87 @@ def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     return b.hexdigests()
 
 
-class StreamDigests:
-    """Digests of tensors exported one at a time (a trainer's send), with no per-tensor synchronisation.
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``t``'s bytes in its dtype and shape, owned by nobody else (one device copy).
 
-    :meth:`add` launches each CUDA tensor's kernel at once on the current stream, so it reads the
-    bytes as they are at that point of the stream (before any later in-place change), and keeps a
-    reference to the tensor until the group is collected: one synchronisation per
-    :data:`FLUSH_TENSORS` tensors or :data:`FLUSH_BYTES` bytes. CPU tensors are digested at once.
+    The copy is launched on the current stream now, so it holds the bytes as they are at this
+    point of the stream, whatever later writes the memory of ``t`` receives. A non-contiguous
+    ``t`` is copied once (by :func:`logical_bytes`), a contiguous one once more.
+    """
+    u8 = logical_bytes(t)
+    if u8.numel() and u8.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        u8 = u8.clone()
+    return u8.view(t.dtype).reshape(t.shape)
+
+
+class CopyingBatch:
+    """A :class:`DigestBatch` for tensors whose memory may change after they are added.
+
+    Each CUDA tensor is copied as it is added (:func:`snapshot`: one device copy on the current
+    stream, about as cheap on the host as launching any kernel) and the copies are digested
+    together: one batched launch per :attr:`flush_bytes` of copies, none in between. So a
+    consumer that adds tensors one at a time (a trainer exporting parameters, a loader pulling
+    them, a layerwise reload applying them) pays no kernel launch per tensor, digests what each
+    tensor held when it was added, and holds at most ``flush_bytes`` of copies on the device. CPU
+    tensors are digested at once (no copy).
+
+    Args:
+        flush_bytes: bytes of pending copies at which they are launched (default 256 MiB).
+    """
+
+    def __init__(self, flush_bytes: int = 256 << 20) -> None:
+        self.flush_bytes = flush_bytes
+        self._batch = DigestBatch()
+        self._pending = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it).
+
+        Raises:
+            TypeError / ValueError: as :meth:`DigestBatch.add`.
+        """
+        if t.device.type in _KERNEL_DEVICE_TYPES:
+            t = snapshot(t)
+            self._pending += t.numel() * t.element_size()
+            self._batch.add(name, t)
+            if self._pending >= self.flush_bytes:
+                self.launch()
+        else:
+            self._batch.add(name, t)
+
+    def launch(self) -> None:
+        """Launch the digests of the pending copies now (the copies are freed after, in stream order)."""
+        self._pending = 0
+        self._batch.launch()
+
+    def hexdigests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` in insertion order (launches what is pending; one synchronisation per device)."""
+        self._pending = 0
+        return self._batch.hexdigests()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._batch._order
+
+    def __len__(self) -> int:
+        return len(self._batch._order)
+
+
+class StreamDigests:
+    """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
+
+    Each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
+    :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
+    at once. One synchronisation when :meth:`digests` is read.
 
     Attributes:
         digest_s: host seconds spent digesting.
     """
 
-    FLUSH_TENSORS = 64
-    FLUSH_BYTES = 512 << 20
+    FLUSH_BYTES = 256 << 20
 
     def __init__(self) -> None:
+        self._batch = CopyingBatch(self.FLUSH_BYTES)
         self._done: dict[str, str] = {}
-        self._batch: DigestBatch | None = None
-        self._held: list[torch.Tensor] = []
-        self._held_bytes = 0
         self.digest_s = 0.0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -225,29 +286,17 @@ class StreamDigests:
         if not isinstance(name, str):
             raise TypeError(f"tensor names must be str, got {name!r:.100}")
         t0 = time.perf_counter()
-        if self._batch is None:
-            self._batch = DigestBatch()
         self._batch.add(name, tensor)
-        self._batch.launch()
-        if tensor.is_cuda:
-            self._held.append(tensor)  # keep the memory alive (and unreused) until the kernel is collected
-            self._held_bytes += tensor.numel() * tensor.element_size()
-            if len(self._held) >= self.FLUSH_TENSORS or self._held_bytes >= self.FLUSH_BYTES:
-                self._flush()
-        self.digest_s += time.perf_counter() - t0
-
-    def _flush(self) -> None:
-        if self._batch is None:
-            return
-        t0 = time.perf_counter()
-        self._done.update(self._batch.hexdigests())
-        self._batch, self._held, self._held_bytes = None, [], 0
         self.digest_s += time.perf_counter() - t0
 
     def digests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex}`` of everything added so far (collects launched kernels first)."""
-        self._flush()
+        """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
+        t0 = time.perf_counter()
+        if len(self._batch):
+            self._done.update(self._batch.hexdigests())
+            self._batch = CopyingBatch(self.FLUSH_BYTES)
+        self.digest_s += time.perf_counter() - t0
         return dict(self._done)
 
     def __len__(self) -> int:
-        return len(self._done) + (len(self._batch._order) if self._batch is not None else 0)
+        return len(self._done) + len(self._batch)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from refit_verify.delivery import WHOLE
 from refit_verify.digest import DigestBatch
 from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
 from refit_verify.placement import as_view
@@ -57,7 +58,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
             continue
         live = dict(model.named_parameters())
         prefix = "" if role == "model" else f"{role}:"
-        expected = ms.blocks.hexdigests() if ms.blocks._order else {}
+        expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
+        delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
+        delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
         dest = DigestBatch()
         plan: dict[str, list[tuple[str, str, str]]] = {}
         for pname in sorted(set(ms.written) | set(ms.inexact)):
@@ -100,7 +103,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
             params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
         got = dest.hexdigests() if plan else {}
         for label, entries in plan.items():
-            bad = [f"{s} -> {where}" for d, k, s, where in entries if got.get(d) != expected.get(k)]
+            bad = [f"{s} -> {where}" for d, k, s, where in entries
+                   if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
             st = params[label]
             if bad:
                 params[label] = ParamState("mismatch", "the engine holds other bytes than were delivered in "

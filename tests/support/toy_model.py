@@ -23,14 +23,14 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         super().__init__()
-        self.qkv_proj = torch.nn.Parameter(torch.zeros(Q + 2 * KV, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(Q + 2 * KV, HIDDEN, dtype=torch.bfloat16, device=device), requires_grad=False)
         self.qkv_proj.weight_loader = self._qkv_loader
         padded = (VOCAB + 7) // 8 * 8
-        self.embed = torch.nn.Parameter(torch.zeros(padded, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.zeros(padded, HIDDEN, dtype=torch.bfloat16, device=device), requires_grad=False)
         self.embed.weight_loader = self._embed_loader
-        self.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16, device=device), requires_grad=False)
         self.swap_halves_after: int | None = None
         self.qkv_loads = 0
 
@@ -64,8 +64,8 @@ class ToyModel(torch.nn.Module):
         return loaded
 
 
-def toy_weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def toy_weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Trainer-side weights of :class:`ToyModel` with HF-style names."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (Q, HIDDEN), "k_proj": (KV, HIDDEN), "v_proj": (KV, HIDDEN), "embed": (VOCAB, HIDDEN), "norm": (HIDDEN,)}
-    return {n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}
+    return {n: torch.randn(s, generator=g).to(dtype=dtype, device=device) for n, s in shapes.items()}
