@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError, models  # noqa: E402
 from refit_verify.manifest import Unsessioned  # noqa: E402
-from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir, register_plain_linear  # noqa: E402
+from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,37 +76,21 @@ def engine(tmp_path_factory):
     (draft_dir / "config.json").write_text(json.dumps(draft_cfg))
     eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {PLAIN_LINEAR: PLAIN_LINEAR_TARGET})
     shm = Path(tempfile.mkdtemp(prefix="refit-verify-fw-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-           "PYTHONPATH": os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes inherit sys.path
-    import vllm.plugins
+    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    with engine_plugin_env(eps, env, registers=(register_plain_linear,)):
+        from vllm import LLM
 
-    if vllm.plugins.plugins_loaded:  # an earlier module loaded plugins in this pytest process
-        from refit_verify.vllm_plugin import register
+        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                  dtype="bfloat16", seed=0, worker_extension_cls=EXTENSION,
+                  speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 1})
+        try:
+            yield Engine(llm, cfg, draft_cfg, shm, itertools.count())
+        finally:
+            del llm
+            import gc
 
-        register()
-        register_plain_linear()
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-              dtype="bfloat16", seed=0, worker_extension_cls=EXTENSION,
-              speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 1})
-    try:
-        yield Engine(llm, cfg, draft_cfg, shm, itertools.count())
-    finally:
-        del llm
-        import gc
-
-        gc.collect()
-        sys.path.remove(str(eps))
-        shutil.rmtree(shm, ignore_errors=True)
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            gc.collect()
+            shutil.rmtree(shm, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the trainer's side

@@ -24,20 +24,12 @@ from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
 from refit_verify.vllm_plugin import native  # noqa: E402
 from tests import native_cpu_backend as nb  # noqa: E402
+from tests.support.plugins import engine_plugin_env, entry_points_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.1.mlp.down_proj.weight"
 ROOT = Path(__file__).resolve().parents[1]
 needs_trainer_api = pytest.mark.skipif(not nb.TRAINER_API, reason="this vLLM has no TrainerWeightTransferEngine API (< 0.27)")
-
-
-def _entry_point_dir(d: Path) -> Path:
-    """Write a dist-info declaring the test backend as a ``vllm.general_plugins`` entry point."""
-    info = d / f"{nb.PLUGIN}-0.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {nb.PLUGIN}\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{nb.PLUGIN} = tests.native_cpu_backend:register_vllm_plugin\n")
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -46,36 +38,20 @@ def engine(tmp_path_factory):
         pytest.skip("CPU engine test; the CUDA ipc variant lives in tests/gpu/test_native_ipc_gpu.py")
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     (model_dir / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    eps = _entry_point_dir(tmp_path_factory.mktemp("entry-points"))
+    eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {nb.PLUGIN: "tests.native_cpu_backend:register_vllm_plugin"}, dist=nb.PLUGIN)
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path_factory.mktemp("shm")
     files = Path(__import__("tempfile").mkdtemp(prefix="refit-verify-native-", dir=shm))
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1",
-           "PYTHONPATH": os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes inherit sys.path
-    import vllm.plugins
+    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    with engine_plugin_env(eps, env, registers=(nb.register_vllm_plugin,)):
+        from vllm import LLM
 
-    if vllm.plugins.plugins_loaded:  # an earlier module loaded plugins in this pytest process
-        from refit_verify.vllm_plugin import register
-
-        register()
-        nb.register_vllm_plugin()
-    from vllm import LLM
-
-    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-              dtype="bfloat16", seed=0, weight_transfer_config={"backend": nb.NAME})
-    yield llm, models.load_config(model_dir), files
-    del llm
-    sys.path.remove(str(eps))
+        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
+                  dtype="bfloat16", seed=0, weight_transfer_config={"backend": nb.NAME})
+        yield llm, models.load_config(model_dir), files
+        del llm
     for p in files.glob("*.bin"):
         p.unlink()
     files.rmdir()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _send(llm, files, weights, *, client=None, **options):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from refit_verify.config import RefitConfig, VerifyMode, act_on, mode_from_env
+from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
 from refit_verify.digest import StreamDigests
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError
@@ -266,16 +266,9 @@ class RefitCheck:
             self.manifests.append(man)
             reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial))
         self.reports = reports
-        failing = [r for r in reports if not r.ok]
-        if not failing:
+        if all(r.ok for r in reports):
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
-        elif self.mode is VerifyMode.ENFORCE:
-            for r in failing[1:]:
-                logger.warning("%s", r.describe())
-            act_on(failing[0], self.mode)
-        for r in failing:
-            act_on(r, self.mode)
-        return reports
+        return act_on_all(reports, self.mode)
 
 
 def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,

@@ -87,6 +87,28 @@ def act_on(report: VerificationReport, mode: VerifyMode) -> VerificationReport:
     return report
 
 
+def act_on_all(reports: list[VerificationReport], mode: VerifyMode) -> list[VerificationReport]:
+    """Apply ``mode`` to the reports of every worker of one refit.
+
+    In ``enforce`` the first failing report raises and every further failing one is logged first (a
+    user sees every failing worker, not just the first); in ``log`` each failing report warns.
+
+    Returns:
+        list[VerificationReport]: ``reports`` itself.
+
+    Raises:
+        RefitVerificationError: ``mode`` is ``enforce`` and a report is not ok (the first failing one).
+    """
+    failing = [r for r in reports if not r.ok]
+    if failing and mode is VerifyMode.ENFORCE:
+        for r in failing[1:]:
+            logging.getLogger("refit_verify").warning("%s", r.describe())
+        act_on(failing[0], mode)
+    for r in failing:
+        act_on(r, mode)
+    return reports
+
+
 _ACCEPTED = {
     "mode": "one of 'off', 'log', 'enforce'",
     "buffer_bytes": "an int > 0 (bytes)",

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -75,3 +78,36 @@ def register_swap_gate_up() -> None:
         return original(self, param, loaded_weight, loaded_shard_id)
 
     MergedColumnParallelLinear.weight_loader_v2 = _swapping_loader
+
+
+@contextlib.contextmanager
+def engine_plugin_env(eps: Path, env: dict[str, str], registers=()):
+    """Set ``env`` and put ``eps`` (an :func:`entry_points_dir`) on ``sys.path`` / ``PYTHONPATH`` for
+    the engines built inside; restore both after.
+
+    ``registers``: the test plugins' register functions, run here (with refit-verify's own) when an
+    earlier engine in this pytest process already ran vLLM's entry points (vLLM runs them once per
+    process, so new entry points would not be picked up in this one).
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    full = {**env, "PYTHONPATH": os.pathsep.join([str(eps), root, os.environ.get("PYTHONPATH", "")])}
+    old = {k: os.environ.get(k) for k in full}
+    os.environ.update(full)
+    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes inherit sys.path
+    try:
+        import vllm.plugins
+
+        if vllm.plugins.plugins_loaded:
+            from refit_verify.vllm_plugin import register
+
+            register()
+            for f in registers:
+                f()
+        yield
+    finally:
+        sys.path.remove(str(eps))
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

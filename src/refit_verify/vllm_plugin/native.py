@@ -34,11 +34,11 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
+from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.check import compare_session
 from refit_verify.manifest import from_wire
-from refit_verify.report import VerificationReport, act_on, compare_manifests
+from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.vllm_plugin import shims
 from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
 
@@ -263,16 +263,9 @@ class NativeSendVerifier:
         self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
-        failing = [r for r in reports if not r.ok]
-        if not failing:
+        if all(r.ok for r in reports):
             logger.info("refit verified (native weight transfer): %d tensors on %d worker(s)", len(sender), len(reports))
-        if failing and self.mode is VerifyMode.ENFORCE:
-            for r in failing[1:]:
-                logger.warning("%s", r.describe())
-            act_on(failing[0], self.mode)
-        for r in reports:
-            act_on(r, self.mode)
-        return reports
+        return act_on_all(reports, self.mode)
 
 
     @staticmethod
