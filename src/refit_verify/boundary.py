@@ -201,16 +201,22 @@ class ModelBoundary:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def begin(self) -> None:
+    def begin(self, derive: bool = False) -> None:
+        """Start this module's record of a session; ``derive``: the session's read-back will run
+        (see :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
         self.install()
-        self.session = ModuleSession(self, sessioned=True)
+        self.session = ModuleSession(self, sessioned=True, derive=derive)
 
-    def end(self, allow: Iterable[str]) -> tuple[ModuleManifest, ModuleSession]:
+    def end(self) -> ModuleSession:
+        """Take this module's record of the closing session (read back next, then :meth:`manifest`)."""
         s = self.session if self.session is not None else ModuleSession(self, True)
         self.session = None
+        return s
+
+    def manifest(self, s: ModuleSession, allow: Iterable[str]) -> ModuleManifest:
         model = self.model
         params = dict(model.named_parameters()) if model is not None else {}
-        return s.manifest(params, allow), s
+        return s.manifest(params, allow)
 
     def take_unsessioned(self) -> Unsessioned | None:
         o = self.outside
@@ -369,7 +375,7 @@ class WorkerBoundary:
                 rec = b.take_unsessioned()
                 if rec is not None:
                     s.unsessioned.append(rec)
-                b.begin()
+                b.begin(derive=readback and self.readback is not None)
             self.open_session = s
             return sid
 
@@ -393,18 +399,18 @@ class WorkerBoundary:
             if not explicit and s.explicit:
                 return None
             self.open_session = None
-            modules, sessions = {}, {}
-            for role, b in self.modules.items():
-                m, ms = b.end(s.allow)
-                modules[role], sessions[role] = m, ms
-            errors = list(s.errors) + [e for ms in sessions.values() for e in ms.errors]
+            sessions = {role: b.end() for role, b in self.modules.items()}
+            errors = list(s.errors)
             engine = None
-            if s.readback and self.readback is not None:
+            # read back when asked, and always when a delivered tensor is proven only where it landed
+            if self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values())):
                 try:
                     engine = self.readback(sessions, self.modules)
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
+            errors += [e for ms in sessions.values() for e in ms.errors]
             for role, ms in sessions.items():
                 prefix = "" if role == "model" else f"{role}:"
                 self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})

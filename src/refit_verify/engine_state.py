@@ -39,8 +39,20 @@ def _describe(dest) -> str:
     return f"offset {off} shape {list(shape)} stride {list(stride)}"
 
 
+def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
+    """Why parameter ``p`` cannot be read back as it was written (None: it can)."""
+    dtype = ms.param_dtype.get(pname)
+    if dtype is not None and p.dtype != dtype:
+        return f"the parameter was converted after loading ({str(dtype).removeprefix('torch.')} -> {str(p.dtype).removeprefix('torch.')})"
+    return None
+
+
 def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
     """Digest every region written in the session and compare it with its source block.
+
+    A delivered tensor that was copied whole into the engine and not digested when delivered
+    (:data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
+    landed in (``ms.derived_hex``); one whose region cannot be read is named in ``ms.underived``.
 
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
@@ -63,6 +75,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
         delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
         dest = DigestBatch()
         plan: dict[str, list[tuple[str, str, str]]] = {}
+        region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key in ``dest``
         for pname in sorted(set(ms.written) | set(ms.inexact)):
             p = live.get(pname)
             label = prefix + pname
@@ -73,6 +86,11 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 continue
             if pname in ms.inexact:
                 params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
+                unproven += nbytes
+                continue
+            why = _unreadable(ms, pname, p)
+            if why is not None:
+                params[label] = ParamState("not_coverable", why, nbytes)
                 unproven += nbytes
                 continue
             last: dict[tuple, tuple] = {}
@@ -89,6 +107,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                     view = as_view(p.detach(), copy.dest)
                     dkey = f"{label}@{len(plan)}.{len(entries)}"
                     dest.add(dkey, view)
+                    region_key[(pname, copy.dest)] = dkey
                     entries.append((dkey, key, src, _describe(copy.dest)))
             except (RuntimeError, ValueError) as e:
                 params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
@@ -101,7 +120,36 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 continue
             plan[label] = [(d, k, s, where) for d, k, s, where in entries]
             params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
-        got = dest.hexdigests() if plan else {}
+        derived_keys: dict[str, list[str]] = {}
+        for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
+            keys = []
+            for i, (pname, where) in enumerate(regions):
+                k = region_key.get((pname, where))
+                if k is None:
+                    p = live.get(pname)
+                    why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
+                    if why is None:
+                        try:
+                            k = f"derived:{name}@{i}"
+                            dest.add(k, as_view(p.detach(), where))
+                        except (RuntimeError, ValueError) as e:
+                            why = f"the parameter was replaced or resized after loading: {e}"[:300]
+                    if why is not None:
+                        ms.underived[name] = f"{prefix}{pname}: {why}"
+                        break
+                keys.append(k)
+            else:
+                derived_keys[name] = keys
+        got = dest.hexdigests() if plan or derived_keys else {}
+        for name, keys in derived_keys.items():
+            hexes = {got[k] for k in keys}
+            if len(hexes) == 1:
+                ms.derived_hex[name] = hexes.pop()
+            else:
+                ms.underived[name] = f"it was copied whole into {len(keys)} regions that now hold different bytes"
+        for name in ms.underived:
+            delivered.pop(name, None)
+        delivered.update(ms.derived_hex)
         for label, entries in plan.items():
             bad = [f"{s} -> {where}" for d, k, s, where in entries
                    if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
