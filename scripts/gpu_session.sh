@@ -15,6 +15,8 @@
 #   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce.
+#   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
+#           CUDA and benchmarks/bench_boundary.py.
 # Everything is logged under $OUT.
 set -uo pipefail
 stage=${1:?stage}
@@ -37,7 +39,12 @@ print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_d
 PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
-if [ "$stage" = k ]; then
+if [ "$stage" = b ]; then  # first call of a boundary-only session (carry as stage k): no vLLM needed beyond the install
+  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/test_model_boundary.py tests/test_digest_backends.py tests/kernels/test_digest_batch.py \
+    -p no:cacheprovider >"$OUT/boundary-tests.log" 2>&1; echo "boundary tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$OUT/boundary-tests.log" | head -12
+  timeout 200 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1
+  echo "bench_boundary rc=$?"; tail -8 "$OUT/bench_boundary.md" 2>/dev/null || tail -20 "$OUT/bench_boundary.log"
+elif [ "$stage" = k ]; then
   timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/test_digest_vectors.py tests/test_digest_backends.py \
     tests/test_sharded.py -x -p no:cacheprovider >"$OUT/kernel-tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
