@@ -281,7 +281,9 @@ def test_load_error_reported_with_rank(ranks) -> None:
     err = ranks[SRC]["load_error"]["error"]
     assert err["type"] == "RefitReceiveError" and "rank 2" in err["message"] and "load failed for model.norm.weight" in err["message"]
     assert ranks[1]["load_error"]["ok"] and not ranks[2]["load_error"]["ok"]
-    assert err["reports_ok"] == {1: True, 2: True}  # digests were taken before load: bytes arrived intact
+    # rank 2's report carries its load error (so it is not ok); its digests matched (taken before load:
+    # the bytes arrived intact), so the error raised is a RefitReceiveError, not a verification failure
+    assert err["reports_ok"] == {1: True, 2: False}
 
 
 def test_sender_error_aborts_receivers(ranks) -> None:
@@ -306,9 +308,9 @@ def test_error_types_are_exported() -> None:
 
 
 def test_load_error_and_fault_on_different_ranks(ranks) -> None:
-    """The verification error carries the other rank's load error too (its report and message)."""
+    """The verification error carries the other rank's load error too (its report, which is not ok, and message)."""
     err = ranks[SRC]["load_error_and_fault"]["error"]
-    assert err["type"] == "BroadcastVerificationError" and err["failed"] == [2] and err["clean"] == [1]
+    assert err["type"] == "BroadcastVerificationError" and err["failed"] == [1, 2] and err["clean"] == []
     assert err["per_rank"][2]["mismatched"] == ["model.layers.0.mlp.w_int8"]
     assert "worker rank 1" in err["message"] and "load failed for model.norm.weight" in err["message"]
 

@@ -289,7 +289,9 @@ def test_a_drafter_no_refit_feeds_is_stated_not_hidden():
     r = compare_session({"model": digest_tensors(w.items())}, wb.close(sid), version=1)
     assert r.ok and r.verified == 5
     assert r.unchecked == ("drafter: no tensor of this refit was for it; its 3 parameters keep their previous weights "
-                           "(speculative decoding stays lossless; r.add(name, t, module='drafter') to refit and verify it)",)
+                           "(speculative decoding stays lossless; r.add(name, t, module='drafter') to refit and verify it)",
+                           "read-back did not run (readback=False, or no read-back on this worker): what reached load_weights "
+                           "was checked, not what the engine holds after loading")
 
 
 # --------------------------------------------------------------------------- digested where it landed

@@ -33,6 +33,7 @@ _EXPORTS = {
     "RefitConfig": "refit_verify.config",
     "RefitConfigError": "refit_verify.errors",
     "RefitError": "refit_verify.errors",
+    "RefitInputError": "refit_verify.errors",
     "RefitProtocolError": "refit_verify.errors",
     "RefitReceiveError": "refit_verify.errors",
     "RefitReceiver": "refit_verify.transport",
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
     from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
     from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
-                                     RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
+                                     RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
                                      RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
     from refit_verify.manifest import SessionManifest
     from refit_verify.report import VerificationReport, compare_manifests

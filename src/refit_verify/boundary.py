@@ -48,7 +48,7 @@ import torch
 from refit_verify.delivery import ModuleSession, match_any
 from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.manifest import AuditResult, ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
 from refit_verify.placement import LoaderTap
 from refit_verify.stream import check_digest
 
@@ -80,7 +80,7 @@ class ModelBoundary:
         self.extra_params = extra_params
         self.model_ref = weakref.ref(model)
         self.role = role
-        self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route)
+        self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route, self._on_tap_error)
         self.tap.enabled = owner.verifying
         self.session: ModuleSession | None = None
         self.outside = ModuleSession(self, sessioned=False)
@@ -114,6 +114,10 @@ class ModelBoundary:
 
     def _on_write(self, pname, param, loaded, placement) -> None:
         self._target().on_write(pname, param, loaded, placement)
+
+    def _on_tap_error(self, message: str) -> None:
+        logger.error("%s", message)
+        self._target().errors.append(f"{self.role}: {message}")
 
     def _wrap(self, original: Callable) -> Callable:
         boundary = self
@@ -546,8 +550,15 @@ class WorkerBoundary:
             session is kept and reported with the next session's manifest.
         """
         with self._lock:
-            if self.baseline is None or self.snapshotter is None or self.auditor is None:
+            if self.snapshotter is None or self.auditor is None:
                 return None
+            if self.baseline is None:
+                last = self.last
+                if last is None:
+                    return None
+                return AuditResult(worker=self.identity, since_session=last.session, since_version=last.version, changed=[],
+                                   moved=[], trigger=trigger, problems=["the engine-state snapshot at that session's close "
+                                                                        "failed: there is nothing to audit against"])
             res = self.auditor(self.baseline, self.state(), trigger)
             if trigger != "rpc" and not res.ok and self.open_session is None:
                 logger.warning("refit-verify: %s", res.describe())

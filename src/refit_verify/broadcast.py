@@ -48,6 +48,8 @@ Source: ``docs/protocol.md`` (broadcast path), ``docs/scale.md``; the digest is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 import uuid
@@ -352,8 +354,8 @@ class BroadcastSender:
                                            error=g.error, rank=g.rank) for g in results}
         failing = False
         for rep in reports.values():
-            try:
-                act_on(rep, mode)  # log: WARNING per failing rank; enforce: raises
+            try:  # a load error alone is the RefitReceiveError below, not a verification failure
+                act_on(dataclasses.replace(rep, receiver_error=None) if rep.receiver_error else rep, mode)
             except RefitVerificationError:
                 failing = True
         if failing:

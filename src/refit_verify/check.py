@@ -22,6 +22,7 @@ With ``REFIT_VERIFY=off`` (and no ``mode``), :func:`refit` returns a check that 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -31,11 +32,14 @@ import torch
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
 from refit_verify.digest import StreamDigests
 from refit_verify.engines import WorkerChannel, require_channel
-from refit_verify.errors import RefitConfigError, RefitProtocolError
+from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import SessionManifest, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
 
 logger = logging.getLogger("refit_verify")
+
+MODULES = ("model", "drafter")
+"""The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
 
 __all__ = ["RefitCheck", "compare_session", "refit"]
 
@@ -120,6 +124,9 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     engine_bad: list[str] = []
     not_proven: dict[str, str] = {}
     proven = unproven = None
+    if man.engine is None:
+        unchecked.append("read-back did not run (readback=False, or no read-back on this worker): what reached load_weights "
+                         "was checked, not what the engine holds after loading")
     if man.engine is not None:
         proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
         for pname, st in man.engine.params.items():
@@ -164,6 +171,8 @@ class RefitCheck:
         self.version = _check_version(version)
         if not isinstance(partial, bool) or not isinstance(readback, bool):
             raise RefitConfigError(f"partial and readback must be True or False, got {partial!r}, {readback!r}")
+        if isinstance(allow, (str, bytes)):
+            raise RefitConfigError(f"allow must be a list of fnmatch patterns, not one string: allow=[{allow!r}]")
         self.allow = tuple(allow)
         if not all(isinstance(p, str) for p in self.allow):
             raise RefitConfigError(f"allow must be an iterable of fnmatch patterns (str), got {allow!r}")
@@ -188,8 +197,11 @@ class RefitCheck:
             module: ``"model"`` or ``"drafter"`` (the draft / MTP module the tensor is for).
 
         Raises:
-            TypeError: a bad name or an undigestable tensor.
+            RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
+            RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
         """
+        if module not in MODULES:
+            raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
         if not self.mode.verifies:
             return
         self._streams.setdefault(module, StreamDigests()).add(name, tensor)
@@ -223,8 +235,13 @@ class RefitCheck:
         """
         if self._channel is None or self._opened:
             return
-        opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback}
+        opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
+                "deadline": time.time() + self.timeout_s}
         results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        if any(isinstance(r, Mapping) and r.get("expired") for r in results):
+            self._close_quietly(results_known=True)
+            raise RefitTimeoutError(f"refit-verify: session {self.session} reached a worker after {self.timeout_s:g} s "
+                                    "(timeout_s); it was not opened", {"waiting_for": OPEN_METHOD, "timeout_s": self.timeout_s})
         idle = [r for r in results if not (isinstance(r, Mapping) and r.get("verifying"))]
         if idle or not results:
             r = idle[0] if idle else {}

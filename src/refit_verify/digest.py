@@ -18,6 +18,7 @@ import torch
 
 from refit_verify import backends as _backends
 from refit_verify import reference as _ref
+from refit_verify.errors import RefitInputError
 
 _KERNEL_DEVICE_TYPES = frozenset({"cuda"})  # devices whose tensors go to the Triton kernels
 _seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
@@ -69,10 +70,12 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
         TypeError: ``t`` is sparse, nested, not strided or on the meta device.
         ValueError: ``t`` has more than 255 dimensions (spec §3 binds ndim in one byte).
     """
+    if not isinstance(t, torch.Tensor):
+        raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__}")
     if t.layout is not torch.strided or t.is_nested:
-        raise TypeError(f"only dense strided tensors can be digested, got layout {t.layout}")
+        raise RefitInputError(f"only dense strided tensors can be digested, got layout {t.layout}")
     if t.is_meta:
-        raise TypeError("a meta tensor has no bytes to digest")
+        raise RefitInputError("a meta tensor has no bytes to digest")
     if t.dim() > 255:
         raise ValueError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
     if t.is_conj() or t.is_neg():  # conjugate/negative views: digest the values they show
@@ -187,7 +190,7 @@ def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     b = DigestBatch()
     for name, t in items:
         if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {name!r:.100}")
+            raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         if name in b._order:
             raise ValueError(f"{name}: given twice (names must be unique)")
         b.add(name, t)
@@ -284,7 +287,7 @@ class StreamDigests:
             TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
         """
         if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {name!r:.100}")
+            raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         t0 = time.perf_counter()
         self._batch.add(name, tensor)
         self.digest_s += time.perf_counter() - t0

@@ -4,7 +4,9 @@
 runs a worker method on every worker and returns one result per worker:
 
 * an object with a synchronous ``collective_rpc`` (``vllm.LLM``, an engine client): called directly
-  (``timeout=`` bounds it where the method accepts one);
+  (``timeout=`` bounds it where the method accepts one; for a ``vllm.LLM`` whose engine core runs in
+  another process the wait is bounded from a helper thread too, since vLLM's timeout does not count
+  the time a call is queued behind another);
 * a Ray actor handle whose actor owns the engine and exposes ``collective_rpc``, or a list of them
   (one per engine replica): ``handle.collective_rpc.remote(...)``, waited for with ``ray.get(timeout=)``;
 * an HTTP base URL of a ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` (its ``POST /collective_rpc``
@@ -20,14 +22,17 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from refit_verify.errors import RefitConfigError, RefitTimeoutError
+from refit_verify.errors import RefitConfigError, RefitError, RefitProtocolError, RefitTimeoutError
 
 __all__ = ["WorkerChannel", "channel"]
 
 DEFAULT_TIMEOUT_S = 120.0
+GRACE_S = 2.0
+"""Seconds a call into another process may take beyond its own ``timeout`` before it is given up on."""
 
 
 class WorkerChannel:
@@ -46,7 +51,9 @@ class WorkerChannel:
 
         Raises:
             RefitTimeoutError: an engine did not answer within ``timeout_s`` seconds.
-            RefitConfigError: an engine lacks the method (refit-verify not installed there) or the call failed.
+            RefitConfigError: an engine lacks the method (refit-verify not installed there).
+            RefitProtocolError: the method failed on a worker (its message is kept); an in-process
+                worker's own refit-verify error is raised as it is.
         """
         out: list[Any] = []
         for f in self._calls:
@@ -57,12 +64,17 @@ class WorkerChannel:
             except TimeoutError as e:
                 raise RefitTimeoutError(f"refit-verify: {method} did not answer within {timeout_s:g} s through {self.label}",
                                         {"waiting_for": method, "timeout_s": timeout_s}) from e
+            except RefitError:
+                raise  # an in-process worker's own error, as it is
             except Exception as e:
                 if type(e).__name__ == "GetTimeoutError":  # ray.exceptions.GetTimeoutError
                     raise RefitTimeoutError(f"refit-verify: {method} did not answer within {timeout_s:g} s through {self.label}",
                                             {"waiting_for": method, "timeout_s": timeout_s}) from e
-                raise RefitConfigError(f"refit-verify: {method} failed through {self.label} ({type(e).__name__}: {e}); "
-                                       "is refit-verify installed in the vLLM engine's environment?") from e
+                text = f"{type(e).__name__}: {e}"
+                if isinstance(e, AttributeError) or "has no attribute" in text or "not found" in text.lower():
+                    raise RefitConfigError(f"refit-verify: {method} failed through {self.label} ({text}); "
+                                           "is refit-verify installed in the vLLM engine's environment?") from e
+                raise RefitProtocolError(f"refit-verify: {method} failed on a worker through {self.label}: {text}"[:2000]) from e
             out.extend(res or [])
         return out
 
@@ -71,7 +83,43 @@ def _is_ray_handle(obj: Any) -> bool:
     return callable(getattr(getattr(obj, "collective_rpc", None), "remote", None))
 
 
-def _direct(rpc: Callable) -> Callable[[str, tuple, float], list]:
+def _in_other_process(target: Any) -> bool:
+    """True for a ``vllm.LLM`` whose engine core runs in another process (V1 multiprocessing): its
+    ``collective_rpc`` only waits in the calling thread, so the wait can be bounded from another one."""
+    core = getattr(getattr(target, "llm_engine", None), "engine_core", None)
+    return core is not None and type(core).__name__ not in ("InprocClient",)
+
+
+def _bounded(f: Callable[[], list], what: str, timeout_s: float) -> list:
+    """Run ``f`` in a daemon thread and wait at most ``timeout_s + GRACE_S`` seconds for it.
+
+    vLLM's ``collective_rpc(timeout=)`` does not count the time a call waits behind another one
+    (a long generation, another RPC); this bound does. A call given up on may still run later: the
+    worker refuses a session open that arrives after its deadline.
+
+    Raises:
+        TimeoutError: ``f`` did not return in time.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = f()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = e
+
+    th = threading.Thread(target=run, name=f"refit-verify {what}", daemon=True)
+    th.start()
+    th.join(timeout_s + GRACE_S)
+    if th.is_alive():
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s (+{GRACE_S:g} s): the workers may be busy with "
+                           "another collective_rpc or a generation")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
     try:
         takes_timeout = "timeout" in inspect.signature(rpc).parameters
     except (TypeError, ValueError):
@@ -81,6 +129,8 @@ def _direct(rpc: Callable) -> Callable[[str, tuple, float], list]:
         kw: dict[str, Any] = {"args": args} if args else {}
         if takes_timeout:
             kw["timeout"] = timeout_s
+        if threaded:
+            return list(_bounded(lambda: rpc(method, **kw), method, timeout_s))
         return list(rpc(method, **kw))
 
     return call
@@ -125,7 +175,7 @@ def _resolve(target: Any, depth: int = 0) -> tuple[Callable[[str, tuple, float],
         return _ray([target]), "a Ray actor handle"
     rpc = getattr(target, "collective_rpc", None)
     if callable(rpc) and not inspect.iscoroutinefunction(rpc):
-        return _direct(rpc), type(target).__name__
+        return _direct(rpc, threaded=_in_other_process(target)), type(target).__name__
     base_url = getattr(target, "base_url", None)
     if isinstance(base_url, str):
         return _http(base_url), f"HTTP {base_url}"

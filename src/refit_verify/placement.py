@@ -119,9 +119,17 @@ class _CopyRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not args or not isinstance(args[0], torch.Tensor) or self.dest_ptr in (None, 0):
             return out
+        try:
+            self._record(func, args)
+        except Exception as e:  # noqa: BLE001 - a write it cannot describe makes the placement inexact
+            self.other_writes += 1
+            self.why = self.why or f"a write of the loader could not be recorded ({type(e).__name__}: {e})"[:300]
+        return out
+
+    def _record(self, func, args) -> None:
         dst = args[0]
         if _storage_ptr(dst) != self.dest_ptr:
-            return out
+            return
         if func is _aten.copy_.default:
             src = args[1]
             same_src = isinstance(src, torch.Tensor) and self.src_ptr not in (None, 0) and _storage_ptr(src) == self.src_ptr
@@ -140,7 +148,6 @@ class _CopyRecorder(TorchDispatchMode):
         elif getattr(func, "_schema", None) is not None and func._schema.is_mutable:
             self.other_writes += 1
             self.why = self.why or f"the loader writes the parameter with {func} (not a plain copy)"
-        return out
 
     def placement(self) -> Placement:
         total = self.param.numel()
@@ -153,7 +160,9 @@ class _CopyRecorder(TorchDispatchMode):
 
 
 def _key(loaded: Any, rest: tuple, kwargs: dict) -> tuple:
-    shape = tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else None
+    """What a placement depends on: the loaded tensor's shape, strides and dtype (a placement learned
+    from a strided view describes its source regions in that view's strides) and the shard arguments."""
+    shape = (tuple(loaded.shape), tuple(loaded.stride())) if isinstance(loaded, torch.Tensor) else None
     dtype = loaded.dtype if isinstance(loaded, torch.Tensor) else type(loaded)
     extra = tuple(a if isinstance(a, (str, int, float, bool, type(None))) else repr(type(a)) for a in rest)
     kw = tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(type(v))) for k, v in kwargs.items()))
@@ -171,6 +180,8 @@ class LoaderTap:
         on_apply: ``on_apply(pname, param, loaded)`` before such a call (deferred-apply checks).
         on_route: ``on_route(pname, loaded)`` before every call, meta ones included (which delivered
             tensor went to which parameter, also when vLLM's layerwise reload defers the write).
+        on_error: ``on_error(message)`` when a callback raises: the framework's load goes on
+            untouched and the session reports the message (never raised into the loader).
 
     The wrapper keeps the original's signature (``functools.wraps``), so vLLM's layerwise reload,
     which binds arguments against it and buffers them, calls it again at apply time with the
@@ -178,9 +189,9 @@ class LoaderTap:
     """
 
     def __init__(self, default_loader: Callable | None, on_write: Callable, on_apply: Callable | None = None,
-                 on_route: Callable | None = None) -> None:
+                 on_route: Callable | None = None, on_error: Callable[[str], None] | None = None) -> None:
         self.default_loader = default_loader
-        self.on_write, self.on_apply, self.on_route = on_write, on_apply, on_route
+        self.on_write, self.on_apply, self.on_route, self.on_error = on_write, on_apply, on_route, on_error
         self.placements: dict[tuple, Placement] = {}
         self.enabled = True
 
@@ -236,11 +247,11 @@ class LoaderTap:
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
         if self.on_route is not None and isinstance(loaded, torch.Tensor):
-            self.on_route(pname, loaded)
+            self._safely(self.on_route, pname, loaded)
         if not isinstance(param, torch.Tensor) or param.is_meta or not isinstance(loaded, torch.Tensor):
             return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
         if self.on_apply is not None:
-            self.on_apply(pname, param, loaded)
+            self._safely(self.on_apply, pname, param, loaded)
         rest = args[2:]
         kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
         key = (pname, *_key(loaded, rest, kw))
@@ -252,5 +263,14 @@ class LoaderTap:
             placement = self.placements[key] = rec.placement()
         else:
             out = original(*args, **kwargs)
-        self.on_write(pname, param, loaded, placement)
+        self._safely(self.on_write, pname, param, loaded, placement)
         return out
+
+    def _safely(self, callback: Callable, pname: str, *args) -> None:
+        """Run a bookkeeping callback; its failure is reported, never raised into the framework's load."""
+        try:
+            callback(pname, *args)
+        except Exception as e:  # noqa: BLE001 - reported through on_error, the load goes on
+            if self.on_error is None:
+                raise
+            self.on_error(f"refit-verify could not record the load of {pname}: {type(e).__name__}: {e}"[:500])

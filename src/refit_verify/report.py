@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from refit_verify.config import act_on  # noqa: F401  (mode policy lives with the modes)
+from refit_verify.errors import RefitInputError
 
 logger = logging.getLogger("refit_verify")
 
@@ -78,10 +79,11 @@ class VerificationReport:
 
     @property
     def ok(self) -> bool:
-        """True iff both sides have the same names with equal digests, nothing was rejected, and no
-        session check failed (coverage, read-back, identity)."""
+        """True iff both sides have the same names with equal digests, nothing was rejected, no
+        session check failed (coverage, read-back, identity) and the receiver reported no error (a
+        check that failed to run, e.g. a read-back that raised, is never a pass)."""
         return not (self.mismatched or self.missing or self.unexpected or self.rejected or self.unconsumed
-                    or self.unwritten or self.engine_mismatched or self.problems)
+                    or self.unwritten or self.engine_mismatched or self.problems or self.receiver_error)
 
     @property
     def verified(self) -> int:
@@ -145,7 +147,7 @@ _HEX = frozenset("0123456789abcdef")
 
 def _check_manifest(m: object, side: str) -> None:
     if not isinstance(m, Mapping):
-        raise TypeError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
+        raise RefitInputError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
     for k, v in m.items():
         if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
             raise ValueError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -132,7 +134,10 @@ def wrap_wake_up(raw):
 
 _OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": "True or False",
               "allow": "a list of fnmatch patterns (str)", "readback": "True or False",
-              "producer": "None or {'rank': int, 'device': str}"}
+              "producer": "None or {'rank': int, 'device': str}",
+              "deadline": "a finite time.time() in seconds (the trainer's wait ends then)"}
+DEADLINE_SKEW_S = 5.0
+"""Seconds of clock difference between trainer and worker hosts an open's deadline allows."""
 
 
 def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -147,7 +152,8 @@ def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         ok = {"version": v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
               "partial": isinstance(v, bool), "readback": isinstance(v, bool),
               "allow": isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v),
-              "producer": v is None or (isinstance(v, Mapping) and isinstance(v.get("rank"), int) and isinstance(v.get("device", "cpu"), str))}[k]
+              "producer": v is None or (isinstance(v, Mapping) and isinstance(v.get("rank"), int) and isinstance(v.get("device", "cpu"), str)),
+              "deadline": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}[k]
         if not ok:
             raise RefitConfigError(f"session option {k}={v!r} is not accepted; accepted: {_OPEN_KEYS[k]}")
         out[k] = Producer(rank=v["rank"], device=v.get("device", "cpu")) if k == "producer" and v is not None else v
@@ -168,10 +174,13 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
         session_id: the id the trainer chose (a non-empty str of at most 128 characters).
         options: ``version`` (the trainer's step), ``partial`` (not every parameter will be written),
             ``allow`` (fnmatch patterns of names exempt from the coverage checks), ``readback``
-            (read the engine's parameters back at close; default True), ``producer``.
+            (read the engine's parameters back at close; default True), ``producer``, ``deadline``
+            (``time.time()`` after which the trainer no longer waits: a later open is refused, so a
+            call that was queued behind another one never opens a session nobody will close).
 
     Returns:
-        dict: ``rank``, ``verifying``, ``session`` (the id), or ``reason`` when not verifying.
+        dict: ``rank``, ``verifying``, ``session`` (the id), or ``reason`` when not verifying;
+        ``expired`` (True, ``session`` None) when it arrived after its deadline.
 
     Raises:
         RefitConfigError: a bad id or option.
@@ -180,9 +189,14 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
     if not isinstance(session_id, str) or not 0 < len(session_id) <= 128:
         raise RefitConfigError(f"session_id must be a non-empty str of at most 128 characters, got {session_id!r:.80}")
     opts = _open_options(options)
+    deadline = opts.pop("deadline", None)
     wb = boundary_of(self)
     if wb is None:
         return _not_verifying(self)
+    if deadline is not None and time.time() > deadline + DEADLINE_SKEW_S:
+        logger.warning("refit-verify: session %s arrived %.1f s after the trainer stopped waiting; not opened",
+                       session_id, time.time() - deadline)
+        return {"rank": wb.identity.rank, "verifying": True, "session": None, "expired": True}
     attach_models(self, wb)
     sid = wb.open(session_id, opened_by="rpc", explicit=True, **opts)
     return {"rank": wb.identity.rank, "verifying": True, "session": sid}
