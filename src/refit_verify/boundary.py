@@ -532,6 +532,7 @@ class WorkerBoundary:
                 if ms is None:
                     continue
                 digests.update(ms.digests())
+                digests.update(ms.landed_now())  # tensors left to read-back: where they landed, as of now
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
 

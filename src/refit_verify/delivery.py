@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch, DigestBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -292,6 +292,27 @@ class ModuleSession:
         for name, (h, _why) in self.refused.items():
             out.setdefault(name, h)
         return out
+
+    def landed_now(self) -> dict[str, str]:
+        """``{name: 32-hex}`` of the tensors left to read-back, read where they landed, now (the check
+        of a session still open: vLLM's native update before ``finish_weight_update``). A region that
+        cannot be read is left out (missing in that check; the close names it)."""
+        model = self.module.model
+        todo = [n for n in self.derived if n not in self.derived_hex]
+        if model is None or not todo:
+            return {}
+        live = dict(model.named_parameters())
+        batch = DigestBatch()
+        for name in todo:
+            pname, where = self.derived[name][0]
+            p = live.get(pname)
+            if p is None or p.dtype != self.param_dtype.get(pname, p.dtype):
+                continue
+            try:
+                batch.add(name, as_view(p.detach(), where))
+            except (RuntimeError, ValueError):
+                continue
+        return batch.hexdigests()
 
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()
