@@ -561,7 +561,7 @@ def test_another_uid_cannot_get_a_byte_loaded_through_an_abstract_endpoint():
     import json
 
     endpoint = f"ipc://@refit-verify-test-{os.getpid()}-{time.monotonic_ns()}"
-    proc, shm = _impostor(endpoint, 4.0)
+    proc, shm = _impostor(endpoint, 8.0)
     loaded: list = []
     try:
         with RefitReceiver(endpoint, config=RefitConfig.build(connect_timeout_s=10.0, timeout_s=5.0)) as rx:
@@ -570,7 +570,9 @@ def test_another_uid_cannot_get_a_byte_loaded_through_an_abstract_endpoint():
         out, _ = proc.communicate(timeout=30)
     finally:
         _reap(proc, shm)
-    assert json.loads(out.strip().splitlines()[-1]) == {"replies": ["no reply"]} and loaded == []
+    # the stranger's Hello is never answered; on a loaded machine its send may time out before the
+    # receiver's connection is up ("no receiver"): either way it gets no reply and nothing is loaded
+    assert json.loads(out.strip().splitlines()[-1])["replies"] in (["no reply"], ["no receiver"]) and loaded == []
 
 
 @needs_root
