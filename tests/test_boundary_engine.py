@@ -80,7 +80,7 @@ def test_direct_loads_verified_with_every_byte_proven(engine):
     (man,) = r.manifests
     assert man.opened_by == "rpc" and man.worker.rank == 0 and man.modules["model"].written == len(dict(model.named_parameters()))
     # on CUDA every tensor is copied whole into its place by vLLM's loaders, so each is digested where it landed
-    assert man.modules["model"].landed == (list(w) if DEVICE in delivery.DERIVE_DEVICE_TYPES else [])
+    assert man.modules["model"].in_place == (list(w) if DEVICE in delivery.DERIVE_DEVICE_TYPES else [])
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, w[n]) for n in names)
 

@@ -314,7 +314,7 @@ def test_landed_digests_equal_the_trainers_and_iterators_are_digested_on_deliver
     man = _refit(wb, model, w, form=form)
     m = man.modules["model"]
     assert m.digests == digest_tensors(w.items())
-    assert m.landed == ([] if form == "iter" else list(w))  # an iterator may refill a tensor before the next pull
+    assert m.in_place == ([] if form == "iter" else list(w))  # an iterator may refill a tensor before the next pull
     r = compare_session({"model": digest_tensors(w.items())}, man, session="s1", version=1)
     assert r.ok and r.verified == 5 and not r.problems
     assert man.engine.proven_bytes == QKV_BYTES + EMBED_BYTES + NORM_BYTES and man.engine.unproven_bytes == 0
@@ -330,7 +330,7 @@ def test_landed_tensor_keeps_no_reference_after_the_load(landed):
     gc.collect()
     assert ref() is None
     man = wb.close(sid)
-    assert man.modules["model"].landed == ["norm"] and man.modules["model"].digests["norm"] == tensor_digest(model.norm)
+    assert man.modules["model"].in_place == ["norm"] and man.modules["model"].digests["norm"] == tensor_digest(model.norm)
 
 
 def test_landed_flipped_byte_named_with_its_cause(landed):
@@ -407,7 +407,7 @@ def test_without_read_back_nothing_is_left_to_where_it_landed(landed):
     sid = wb.open("s1", version=1, readback=False)
     model.load_weights(list(w.items()))
     man = wb.close(sid)
-    assert man.engine is None and man.modules["model"].landed == [] and man.modules["model"].digests == digest_tensors(w.items())
+    assert man.engine is None and man.modules["model"].in_place == [] and man.modules["model"].digests == digest_tensors(w.items())
 
 
 def test_an_explicit_join_without_read_back_still_reads_back_what_landed(landed):
@@ -419,7 +419,7 @@ def test_an_explicit_join_without_read_back_still_reads_back_what_landed(landed)
     model.load_weights(list(w.items()))
     sid = wb.open("s1", version=1, readback=False)
     man = wb.close(sid)
-    assert man.modules["model"].landed == list(w) and man.engine is not None
+    assert man.modules["model"].in_place == list(w) and man.engine is not None
     assert compare_session({"model": digest_tensors(w.items())}, man, version=1).ok
 
 

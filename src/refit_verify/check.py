@@ -92,7 +92,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         unexpected += [tag(n) for n in r.unexpected]
         if got is None:
             continue
-        landed_bad = [tag(n) for n in got.landed if n in r.mismatched]
+        landed_bad = [tag(n) for n in got.in_place if n in r.mismatched]
         landed_mismatched.update(landed_bad)
         if landed_bad:
             problems.append(f"{len(landed_bad)} tensors were digested where they landed in the engine (not on delivery) and the "

@@ -345,4 +345,4 @@ class ModuleSession:
             unconsumed=[n for n in self.unconsumed if not match_any(n, allow)],
             unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
-            landed=[n for n in self.derived if n in digests and self.delivered[n].hex is None])
+            in_place=[n for n in self.derived if n in digests and self.delivered[n].hex is None])

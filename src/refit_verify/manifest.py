@@ -82,7 +82,7 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
         changed_after_delivery: delivered names whose bytes changed between ``load_weights`` and
             the deferred apply of vLLM's layerwise reload (what landed is not what was digested).
         calls: ``load_weights`` calls. bytes: bytes delivered. digest_s: host seconds digesting.
-        landed: delivered names whose digest in ``digests`` was taken where they landed in the
+        in_place: delivered names whose digest in ``digests`` was taken in place, where they landed in the
             engine, at read-back, instead of on delivery (copied whole and exactly into parameter
             regions on a CUDA worker; :data:`refit_verify.delivery.DERIVE_DEVICE_TYPES`): equal to
             the trainer's digest means the engine holds the trainer's bytes there; a difference is
@@ -99,7 +99,7 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     calls: int = 0
     bytes: int = 0
     digest_s: float = 0.0
-    landed: list[str] = []
+    in_place: list[str] = []
 
 
 class ParamState(msgspec.Struct, **_OPTS):
