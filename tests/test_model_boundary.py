@@ -432,3 +432,27 @@ def test_an_open_sessions_digests_include_what_landed(landed):
     model.load_weights(list(w.items()))
     assert wb.snapshot()[0] == digest_tensors(w.items())
     assert compare_session({"model": digest_tensors(w.items())}, wb.close(sid), version=1).ok
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in another layout: column-major for a matrix, every other element for a vector."""
+    if t.dim() == 2:
+        return t.t().contiguous().t()
+    big = torch.zeros(t.numel() * 2, dtype=t.dtype, device=t.device)
+    big[::2] = t
+    return big[::2]
+
+
+@pytest.mark.parametrize("order", ["strided first", "contiguous first"])
+def test_placements_learned_from_one_layout_are_not_applied_to_another(order):
+    """A placement records its source regions in the loaded tensor's strides: refits of strided views
+    and of contiguous tensors, in either order, all verify and the engine holds the trainer's bytes
+    (a cache keyed without strides crashed the load or reported false engine mismatches)."""
+    wb, model = _worker()
+    layouts = [_strided, lambda t: t] if order == "strided first" else [lambda t: t, _strided]
+    for v, (layout, seed) in enumerate(zip(layouts * 2, (41, 42, 43, 44)), start=1):
+        w = toy_weights(seed)
+        man = _refit(wb, model, {n: layout(t) for n, t in w.items()}, version=v)
+        r = compare_session({"model": digest_tensors(w.items())}, man, version=v)
+        assert r.ok and r.verified == 5 and man.engine.unproven_bytes == 0, (v, r.describe())
+        assert torch.equal(model.norm, w["norm"]) and torch.equal(model.qkv_proj[:Q], w["q_proj"])
