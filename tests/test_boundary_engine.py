@@ -150,6 +150,24 @@ def test_audit_names_changed_and_moved_tensors(engine):
     assert refit_verify.audit(llm, mode="enforce")[0].ok
 
 
+def test_audit_after_a_failed_or_aborted_refit_is_not_a_pass(engine):
+    """Nothing changed since the last session, but that session's refit failed (or was aborted) in
+    this trainer: the audit fails and says why; after a verified refit it passes again."""
+    llm, model, cfg = engine
+    with pytest.raises(RefitVerificationError):
+        _sync(llm, model, _weights(cfg, 7), version=21, corrupt="model.norm.weight")
+    with pytest.raises(refit_verify.AuditError, match="its refit failed verification in this trainer"):
+        refit_verify.audit(llm, mode="enforce")
+    with pytest.raises(KeyError), refit_verify.refit(llm, version=22) as r:
+        model.load_weights([("model.norm.weight", _weights(cfg, 8)["model.norm.weight"])])
+        raise KeyError("the trainer's export broke")
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and a.since_session == r.session and "the refit was aborted (KeyError)" in a.problems[0]
+    _sync(llm, model, _weights(cfg, 9), version=23)
+    (clean,) = refit_verify.audit(llm, mode="enforce")
+    assert clean.ok and clean.since_version == 23 and clean.problems == []
+
+
 def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
     """TRL #5312 class: reload_weights of the base weights after a verified refit. The automatic
     audit names every parameter changed; the next session reports the audit and the loads outside

@@ -2,7 +2,8 @@
 
 * :func:`audit` — re-digest every worker's engine state and name every tensor that changed or
   whose storage moved since the last refit session closed on it (run it before a generation
-  batch; the plugin also audits by itself after ``wake_up`` and ``reload_weights``).
+  batch; the plugin also audits by itself after ``wake_up`` and ``reload_weights``). A baseline left
+  by a refit that failed or aborted in this trainer process fails the audit.
 * :func:`compare_replicas` — data-parallel replicas (and tensor-parallel ranks, for replicated
   tensors) must hold identical bytes; the rank that differs is named.
 * The cold-load canary is :func:`refit_verify.canary` (it starts an engine, so it lives in the plugin).
@@ -16,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from refit_verify.check import FAILED_SESSIONS
 from refit_verify.config import VerifyMode, mode_from_env
 from refit_verify.engine_state import StateComparison, compare_replicas as _compare
 from refit_verify.engines import require_channel
@@ -61,7 +63,12 @@ def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float
         if r.get("audit") is None:
             logger.warning("refit-verify: worker rank %s has no verified refit yet; nothing to audit against", r.get("rank"))
             continue
-        out.append(from_wire(r["audit"], AuditResult))
+        a = from_wire(r["audit"], AuditResult)
+        why = FAILED_SESSIONS.get(a.since_session) if a.since_session is not None else None
+        if why is not None:  # the baseline is the state a failed refit left: unchanged is not verified
+            a = msgspec.structs.replace(a, problems=[*a.problems, f"its baseline is the state left by session {a.since_session}, "
+                                                   f"and {why} in this trainer: the engine does not hold verified weights"])
+        out.append(a)
     failed = [a for a in out if not a.ok]
     if failed:
         if m is VerifyMode.ENFORCE:

@@ -38,6 +38,19 @@ from refit_verify.report import VerificationReport, compare_manifests
 
 logger = logging.getLogger("refit_verify")
 
+FAILED_SESSIONS: dict[str, str] = {}
+"""``{session id: why}`` of the refits this process saw fail or abort (the last
+:data:`MAX_FAILED_SESSIONS`): an audit whose baseline is one of them is not a pass."""
+MAX_FAILED_SESSIONS = 1024
+
+
+def _record_failure(session: str, why: str) -> None:
+    FAILED_SESSIONS.pop(session, None)
+    FAILED_SESSIONS[session] = why
+    while len(FAILED_SESSIONS) > MAX_FAILED_SESSIONS:
+        FAILED_SESSIONS.pop(next(iter(FAILED_SESSIONS)))
+
+
 MODULES = ("model", "drafter")
 """The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
 
@@ -220,6 +233,7 @@ class RefitCheck:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
+            _record_failure(self.session, f"the refit was aborted ({exc_type.__name__})")
             self._close_quietly()
             return False
         self.verify()
@@ -298,6 +312,8 @@ class RefitCheck:
         self.reports = reports
         if all(r.ok for r in reports):
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
+        else:
+            _record_failure(self.session, "its refit failed verification")
         return act_on_all(reports, self.mode)
 
 
