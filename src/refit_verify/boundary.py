@@ -405,20 +405,11 @@ class WorkerBoundary:
             self.open_session = None
             sessions = {role: b.end() for role, b in self.modules.items()}
             errors = list(s.errors)
-            engine = None
-            # read back when asked, and always when a delivered tensor is proven only where it landed
-            if self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values())):
-                try:
-                    engine = self.readback(sessions, self.modules)
-                except Exception as e:  # noqa: BLE001 - reported, never silent
-                    logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
-                    errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
-            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
-            errors += [e for ms in sessions.values() for e in ms.errors]
             for role, ms in sessions.items():
                 prefix = "" if role == "model" else f"{role}:"
                 self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
                 self._written_version.update({prefix + k: s.version for k in ms.written})
+            # the engine state first: read-back takes a parameter written whole from its digest (one pass)
             if self.snapshotter is not None:
                 try:
                     self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
@@ -427,6 +418,17 @@ class WorkerBoundary:
                     logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
                     errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
                     self.baseline = None
+            known = {k: v.digest for k, v in self.baseline.params.items()} if self.baseline is not None else None
+            engine = None
+            # read back when asked, and always when a delivered tensor is proven only where it landed
+            if self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values())):
+                try:
+                    engine = self.readback(sessions, self.modules, known=known)
+                except Exception as e:  # noqa: BLE001 - reported, never silent
+                    logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
+                    errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
+            errors += [e for ms in sessions.values() for e in ms.errors]
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,

@@ -129,6 +129,10 @@ class DigestBatch:
             key = (u8.device if dev is None else dev, backend.digest_views)
             self._queued.setdefault(key, []).append((name, u8, seeds, self._adds))
 
+    def __len__(self) -> int:
+        """Number of names added (each counted once)."""
+        return len(self._order)
+
     def launch(self) -> None:
         """Start the digest kernels of every queued tensor now, without synchronising.
 

@@ -47,7 +47,12 @@ def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
     return None
 
 
-def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
+def _whole(p: torch.Tensor, dest) -> bool:
+    """True iff region ``dest`` of ``p`` is ``p`` itself (same offset, shape and strides)."""
+    return dest[0] == 0 and tuple(dest[1]) == tuple(p.shape) and tuple(dest[2]) == tuple(p.stride())
+
+
+def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
     """Digest every region written in the session and compare it with its source block.
 
     A delivered tensor that was copied whole into the engine and not digested when delivered
@@ -57,6 +62,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
         modules: ``{role: ModelBoundary}``; their models' current parameters are read.
+        known: ``{label: 32-hex}`` of whole parameters digested just before, in the same state (the
+            close's engine-state snapshot): a region that is the whole parameter takes that digest
+            instead of being digested again.
 
     Returns:
         EngineState: per parameter status, proven and unproven bytes (parameter bytes), host seconds.
@@ -76,6 +84,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
         dest = DigestBatch()
         plan: dict[str, list[tuple[str, str, str]]] = {}
         region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key in ``dest``
+        given: dict[str, str] = {}  # digest key -> a known whole-parameter digest
         for pname in sorted(set(ms.written) | set(ms.inexact)):
             p = live.get(pname)
             label = prefix + pname
@@ -104,9 +113,11 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                         padding += copy.numel() * p.element_size()
                         continue
                     block_bytes += copy.numel() * p.element_size()
-                    view = as_view(p.detach(), copy.dest)
                     dkey = f"{label}@{len(plan)}.{len(entries)}"
-                    dest.add(dkey, view)
+                    if known is not None and label in known and _whole(p, copy.dest):
+                        given[dkey] = known[label]
+                    else:
+                        dest.add(dkey, as_view(p.detach(), copy.dest))
                     region_key[(pname, copy.dest)] = dkey
                     entries.append((dkey, key, src, _describe(copy.dest)))
             except (RuntimeError, ValueError) as e:
@@ -140,7 +151,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any]) -> EngineState:
                 keys.append(k)
             else:
                 derived_keys[name] = keys
-        got = dest.hexdigests() if plan or derived_keys else {}
+        got = dest.hexdigests() if len(dest) else {}
+        got.update(given)
         for name, keys in derived_keys.items():
             hexes = {got[k] for k in keys}
             if len(hexes) == 1:
