@@ -456,3 +456,24 @@ def test_placements_learned_from_one_layout_are_not_applied_to_another(order):
         r = compare_session({"model": digest_tensors(w.items())}, man, version=v)
         assert r.ok and r.verified == 5 and man.engine.unproven_bytes == 0, (v, r.describe())
         assert torch.equal(model.norm, w["norm"]) and torch.equal(model.qkv_proj[:Q], w["q_proj"])
+
+
+@pytest.mark.parametrize("mode", ["on delivery", "where landed"])
+def test_whole_parameter_read_back_from_the_snapshot_still_sees_a_changed_parameter(monkeypatch, mode):
+    """With the engine-state snapshot at close, a parameter written whole is read back from the
+    snapshot's digest (one pass): a norm changed after its load is still named."""
+    from refit_verify.engine_state import snapshot
+
+    if mode == "where landed":
+        monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
+    wb, model = _worker()
+    wb.snapshotter = snapshot
+    w = toy_weights(45)
+    sid = wb.open("s1", version=1)
+    model.load_weights(list(w.items()))
+    model.norm.data[0] += 1
+    man = wb.close(sid)
+    r = compare_session({"model": digest_tensors(w.items())}, man, version=1)
+    assert not r.ok and list(r.engine_mismatched) == ["norm"]
+    assert man.engine.params["qkv_proj"].status == "verified" and r.proven_bytes == QKV_BYTES + EMBED_BYTES
+    assert wb.baseline.params["norm"].digest == tensor_digest(model.norm)
