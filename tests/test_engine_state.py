@@ -92,6 +92,9 @@ def test_canary_clean_then_names_the_misplaced_blocks(engines):
     with pytest.raises(RefitVerificationError) as pushed:  # our transport's own session reads back too
         refit_verify.push(a, w3, config=refit_verify.RefitConfig.build(mode="enforce"))
     assert list(pushed.value.report.engine_mismatched) == GATE_UP and pushed.value.report.verified == 21
+    (after,) = refit_verify.audit(a, mode="log")  # nothing changed since, but that push failed in this trainer
+    assert not after.ok and after.since_session == pushed.value.report.session
+    assert "its refit failed verification in this trainer" in after.problems[0]
     with pytest.raises(ReplicaDisagreement) as ei:
         refit_verify.canary(a, w3, config_dir=d, mode="enforce")
     assert sorted(ei.value.comparison.differing) == GATE_UP

@@ -440,3 +440,33 @@ def test_drafter_verified_and_grouped_by_sub_model(engine):
     assert (rep.mismatched, rep.unexpected, rep.unconsumed, rep.problems) == ((),) * 4
     assert rep.verified == 21
     assert engine_differs(e, w2) == [] and engine_differs(e, dw, "drafter") == []  # the drafter still holds the last refit
+
+
+def test_refit_behind_a_busy_worker_times_out_within_its_bound_and_leaves_no_session(engine):
+    """vLLM's collective_rpc timeout does not count time queued behind another call: the open is
+    bounded from a helper thread (timeout_s + GRACE_S), the late open is refused or closed behind,
+    and the next refit verifies (no session left open)."""
+    import threading
+    import time
+
+    from refit_verify.engines import GRACE_S
+    from refit_verify.errors import RefitTimeoutError
+
+    e = engine
+    w = weights(e, seed=900)
+    busy = threading.Thread(target=rpc, args=(e, "fw_sleep", 8.0), daemon=True)
+    busy.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    r = refit_verify.refit(e.llm, version=step(), timeout_s=2.0)
+    with pytest.raises(RefitTimeoutError, match="did not answer within 2 s"):
+        with r:
+            push_skyrl(e, w.items())
+    assert time.monotonic() - t0 < 2.0 + GRACE_S + 1.0
+    busy.join(30)
+    time.sleep(0.5)  # the close queued behind the late open has run
+    with refit_verify.refit(e.llm, version=step()) as r2:
+        for n, t in w.items():
+            r2.add(n, t)
+        push_skyrl(e, w.items())
+    assert r2.reports[0].ok and r2.session != r.session

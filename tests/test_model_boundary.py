@@ -477,3 +477,66 @@ def test_whole_parameter_read_back_from_the_snapshot_still_sees_a_changed_parame
     assert not r.ok and list(r.engine_mismatched) == ["norm"]
     assert man.engine.params["qkv_proj"].status == "verified" and r.proven_bytes == QKV_BYTES + EMBED_BYTES
     assert wb.baseline.params["norm"].digest == tensor_digest(model.norm)
+
+
+class _KIntoV(ToyModel):
+    """A loader bug from the first load: ``k`` is written into ``v``'s rows, ``k``'s rows keep old bytes."""
+
+    def _qkv_loader(self, param, loaded_weight, shard_id):
+        return super()._qkv_loader(param, loaded_weight, "v" if shard_id == "k" else shard_id)
+
+
+@pytest.mark.parametrize("form", ["list", "iter"])
+def test_a_region_written_twice_counts_once_towards_coverage(form):
+    """Coverage is the union of the regions written: k and v both written into v's rows leave k's
+    rows unwritten (summing per placement counted the parameter whole)."""
+    wb, model = _worker(_KIntoV())
+    w = toy_weights(46)
+    r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w, form=form), version=1)
+    assert not r.ok and list(r.unwritten) == [f"qkv_proj ({(Q + KV) * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)"]
+
+
+class _Tied(ToyModel):
+    """``lm_head`` is the embeddings' parameter (tied): a delivered lm_head is written over them."""
+
+    def load_weights(self, weights):
+        return super().load_weights(("embed" if n == "lm_head" else n, t) for n, t in weights)
+
+
+@pytest.mark.parametrize("form", ["list", "iter"])
+def test_two_sources_written_into_one_region_must_both_be_what_it_holds(form):
+    """The trainer sends embed and a different lm_head into one tied parameter: the engine's embed
+    holds lm_head's bytes, so read-back names it (only the region's last writer was checked)."""
+    wb, model = _worker(_Tied())
+    w = toy_weights(47)
+    w["lm_head"] = (w["embed"].float() + 1).to(torch.bfloat16)
+    man = _refit(wb, model, w, form=form)
+    r = compare_session({"model": digest_tensors(w.items())}, man, version=1)
+    assert not r.ok and list(r.engine_mismatched) == ["embed"]
+    assert "also written by 1 other source" in man.engine.params["embed"].why
+    same = dict(w, lm_head=w["embed"].clone())  # truly tied: equal bytes from both names
+    assert compare_session({"model": digest_tensors(same.items())}, _refit(wb, model, same, version=2, form=form), version=2).ok
+
+
+class _IndexCopy(ToyModel):
+    """The norm's loader writes with index_copy_ (not a copy or a fill): which elements it wrote is unknown."""
+
+    def load_weights(self, weights):
+        out = set()
+        for n, t in weights:
+            if n == "norm":
+                self.norm.weight_loader(self.norm, t)
+                out.add(n)
+            else:
+                out |= super().load_weights([(n, t)])
+        return out
+
+
+def test_a_loader_writing_with_another_op_says_its_coverage_is_unknown():
+    model = _IndexCopy()
+    model.norm.weight_loader = lambda p, t: p.data.index_copy_(0, torch.arange(2), t[:2])  # writes 2 of 8 elements
+    wb, _ = _worker(model)
+    w = toy_weights(48)
+    r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
+    assert "norm" in r.not_proven
+    assert any(u.startswith("coverage of norm: the loader writes the parameter with aten.index_copy_") for u in r.unchecked)

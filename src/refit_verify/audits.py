@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from refit_verify.check import FAILED_SESSIONS
+from refit_verify import verdicts
 from refit_verify.config import VerifyMode, mode_from_env
 from refit_verify.engine_state import StateComparison, compare_replicas as _compare
 from refit_verify.engines import require_channel
@@ -64,7 +64,7 @@ def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float
             logger.warning("refit-verify: worker rank %s has no verified refit yet; nothing to audit against", r.get("rank"))
             continue
         a = from_wire(r["audit"], AuditResult)
-        why = FAILED_SESSIONS.get(a.since_session) if a.since_session is not None else None
+        why = verdicts.failed(a.since_session)
         if why is not None:  # the baseline is the state a failed refit left: unchanged is not verified
             a = msgspec.structs.replace(a, problems=[*a.problems, f"its baseline is the state left by session {a.since_session}, "
                                                    f"and {why} in this trainer: the engine does not hold verified weights"])

@@ -22,6 +22,7 @@ With ``REFIT_VERIFY=off`` (and no ``mode``), :func:`refit` returns a check that 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
 from refit_verify.digest import StreamDigests
 from refit_verify.engines import WorkerChannel, require_channel
@@ -37,19 +39,6 @@ from refit_verify.manifest import SessionManifest, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
 
 logger = logging.getLogger("refit_verify")
-
-FAILED_SESSIONS: dict[str, str] = {}
-"""``{session id: why}`` of the refits this process saw fail or abort (the last
-:data:`MAX_FAILED_SESSIONS`): an audit whose baseline is one of them is not a pass."""
-MAX_FAILED_SESSIONS = 1024
-
-
-def _record_failure(session: str, why: str) -> None:
-    FAILED_SESSIONS.pop(session, None)
-    FAILED_SESSIONS[session] = why
-    while len(FAILED_SESSIONS) > MAX_FAILED_SESSIONS:
-        FAILED_SESSIONS.pop(next(iter(FAILED_SESSIONS)))
-
 
 MODULES = ("model", "drafter")
 """The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
@@ -116,6 +105,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
             mismatched += changed
             problems.append(f"{len(changed)} delivered tensors changed between load_weights and vLLM's deferred apply "
                             f"(what landed is not what was delivered): {', '.join(changed[:10])}")
+        for n, why in got.coverage_unknown.items():
+            unchecked.append(f"coverage of {tag(n)}: {why}; which of its elements this refit wrote is unknown")
         unconsumed += [tag(n) for n in got.unconsumed]
         unattributed += [tag(n) for n in got.unattributed]
         if not (partial or man.partial):
@@ -137,7 +128,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     engine_bad: list[str] = []
     not_proven: dict[str, str] = {}
     proven = unproven = None
-    if man.engine is None:
+    if man.engine is None and not any(e.startswith("read-back failed") for e in man.errors):
         unchecked.append("read-back did not run (readback=False, or no read-back on this worker): what reached load_weights "
                          "was checked, not what the engine holds after loading")
     if man.engine is not None:
@@ -233,7 +224,7 @@ class RefitCheck:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
-            _record_failure(self.session, f"the refit was aborted ({exc_type.__name__})")
+            verdicts.record(self.session, False, f"the refit was aborted ({exc_type.__name__})")
             self._close_quietly()
             return False
         self.verify()
@@ -251,7 +242,14 @@ class RefitCheck:
             return
         opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
                 "deadline": time.time() + self.timeout_s}
-        results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        try:
+            results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        except RefitTimeoutError:
+            # the open may still reach the workers later: queue a close behind it, so no session is left open
+            verdicts.record(self.session, False, "its session open timed out")
+            threading.Thread(target=self._close_quietly, kwargs={"results_known": True}, daemon=True,
+                             name=f"refit-verify close {self.session}").start()
+            raise
         if any(isinstance(r, Mapping) and r.get("expired") for r in results):
             self._close_quietly(results_known=True)
             raise RefitTimeoutError(f"refit-verify: session {self.session} reached a worker after {self.timeout_s:g} s "
@@ -297,6 +295,14 @@ class RefitCheck:
         """
         if self._channel is None or not self._opened:
             return []
+        try:
+            return self._verify()
+        except Exception as e:
+            if verdicts.failed(self.session) is None:  # a timeout, a malformed reply: never a pass
+                verdicts.record(self.session, False, f"its verification did not complete ({type(e).__name__})")
+            raise
+
+    def _verify(self) -> list[VerificationReport]:
         results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()
@@ -310,10 +316,10 @@ class RefitCheck:
             self.manifests.append(man)
             reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial))
         self.reports = reports
-        if all(r.ok for r in reports):
+        ok = all(r.ok for r in reports)
+        verdicts.record(self.session, ok)
+        if ok:
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
-        else:
-            _record_failure(self.session, "its refit failed verification")
         return act_on_all(reports, self.mode)
 
 

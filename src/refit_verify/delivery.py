@@ -44,6 +44,36 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * size
 
 
+def _contiguous(shape: tuple, stride: tuple) -> bool:
+    expect = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n != 1 and st != expect:
+            return False
+        expect *= n
+    return True
+
+
+def covered(regions: dict[tuple, int]) -> int:
+    """Elements of a parameter written by ``regions`` (``{dest geometry: numel}``), each counted
+    once: contiguous regions as the union of their element ranges; any other region by its size."""
+    spans, other = [], 0
+    for g, n in regions.items():
+        if len(g) == 3 and isinstance(g[0], int) and _contiguous(tuple(g[1]), tuple(g[2])):
+            spans.append((g[0], g[0] + n))
+        else:
+            other += n
+    spans.sort()
+    total, end = 0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total + other
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
@@ -136,7 +166,8 @@ class ModuleSession:
         self.current: _Call | None = None
         self.unconsumed: list[str] = []
         self.unattributed: list[str] = []
-        self.written: dict[str, dict[tuple, int]] = {}  # pname -> {placement id: numel written}
+        self.written: dict[str, dict[tuple, int]] = {}  # pname -> {dest region: numel written} (see covered)
+        self.opaque: dict[str, str] = {}  # pname -> why which of its elements were written is unknown
         self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
         self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
         self.param_numel: dict[str, int] = {}
@@ -244,7 +275,13 @@ class ModuleSession:
             d.routed = True
         self.param_numel.setdefault(pname, param.numel())
         self.param_dtype.setdefault(pname, param.dtype)
-        self.written.setdefault(pname, {})[id(placement)] = placement.numel
+        regions = self.written.setdefault(pname, {})
+        if placement.opaque:  # which elements it wrote is unknown: counted whole, and said so
+            regions[("opaque",)] = placement.numel
+            self.opaque.setdefault(pname, placement.why or "the loader writes it with an op that is not a copy")
+        else:
+            for c in placement.copies:
+                regions[c.dest] = c.numel()
         if not placement.exact:
             self.inexact.setdefault(pname, placement.why or "not a plain copy")
             if d is not None:
@@ -328,7 +365,7 @@ class ModuleSession:
         hint = self.module.numel_hint
         for pname, p in params.items():
             total = self.param_numel.get(pname) or max(p.numel(), hint.get(pname, 0))
-            got = min(total, sum(self.written.get(pname, {}).values()))
+            got = min(total, covered(self.written.get(pname, {})))
             if got >= total:
                 written += 1
             elif not match_any(pname, allow):
@@ -344,5 +381,6 @@ class ModuleSession:
             digests=digests, params=len(params), written=written,
             unconsumed=[n for n in self.unconsumed if not match_any(n, allow)],
             unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
+            coverage_unknown={n: w for n, w in self.opaque.items() if n in params},
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
             in_place=[n for n in self.derived if n in digests and self.delivered[n].hex is None])

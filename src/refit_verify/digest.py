@@ -67,17 +67,22 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
         torch.Tensor: uint8, shape ``[t.numel() * t.element_size()]``, on ``t.device``.
 
     Raises:
-        TypeError: ``t`` is sparse, nested, not strided or on the meta device.
-        ValueError: ``t`` has more than 255 dimensions (spec §3 binds ndim in one byte).
+        RefitInputError: ``t`` is not a tensor, or is sparse, nested, quantized, not strided or on
+            the meta device, or has more than 255 dimensions (spec §3 binds ndim in one byte).
     """
     if not isinstance(t, torch.Tensor):
         raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__}")
-    if t.layout is not torch.strided or t.is_nested:
+    if t.is_nested:
+        raise RefitInputError("a nested tensor cannot be digested (digest its components)")
+    if t.layout is not torch.strided:
         raise RefitInputError(f"only dense strided tensors can be digested, got layout {t.layout}")
+    if t.is_quantized:  # its integer storage alone does not determine its values (scales, zero points)
+        raise RefitInputError(f"a quantized tensor ({t.dtype}) cannot be digested: digest t.int_repr() and its "
+                              "quantization parameters (q_per_channel_scales() ...) as tensors of their own")
     if t.is_meta:
         raise RefitInputError("a meta tensor has no bytes to digest")
     if t.dim() > 255:
-        raise ValueError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
+        raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
     if t.is_conj() or t.is_neg():  # conjugate/negative views: digest the values they show
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
@@ -240,6 +245,8 @@ class CopyingBatch:
         Raises:
             TypeError / ValueError: as :meth:`DigestBatch.add`.
         """
+        if not isinstance(t, torch.Tensor):
+            raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
         if t.device.type in _KERNEL_DEVICE_TYPES:
             t = snapshot(t)
             self._pending += t.numel() * t.element_size()

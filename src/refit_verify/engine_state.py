@@ -102,24 +102,34 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
                 params[label] = ParamState("not_coverable", why, nbytes)
                 unproven += nbytes
                 continue
-            last: dict[tuple, tuple] = {}
+            # every source written into a region must be what it holds now (the last write of each
+            # source: a name delivered again replaces its earlier write; two names written into one
+            # region, e.g. a tied lm_head over the embeddings, must hold equal bytes)
+            writers: dict[tuple, dict[str, tuple]] = {}
             for copy, key, src in ms.placed.get(pname, []):
-                last[copy.dest] = (copy, key, src)  # a region written twice: the last write is what it holds
+                by_src = writers.setdefault(copy.dest, {})
+                by_src.pop(src, None)
+                by_src[src] = (copy, key, src)
             entries = []
             block_bytes = 0
             try:
-                for copy, key, src in last.values():
-                    if copy.fill:
-                        padding += copy.numel() * p.element_size()
+                for region, by_src in writers.items():
+                    ws = list(by_src.values())
+                    if all(c.fill for c, _, _ in ws):
+                        padding += ws[0][0].numel() * p.element_size()
                         continue
-                    block_bytes += copy.numel() * p.element_size()
+                    block_bytes += ws[0][0].numel() * p.element_size()
                     dkey = f"{label}@{len(plan)}.{len(entries)}"
-                    if known is not None and label in known and _whole(p, copy.dest):
+                    if known is not None and label in known and _whole(p, region):
                         given[dkey] = known[label]
                     else:
-                        dest.add(dkey, as_view(p.detach(), copy.dest))
-                    region_key[(pname, copy.dest)] = dkey
-                    entries.append((dkey, key, src, _describe(copy.dest)))
+                        dest.add(dkey, as_view(p.detach(), region))
+                    region_key[(pname, region)] = dkey
+                    for copy, key, src in ws:
+                        if copy.fill:
+                            continue
+                        where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
+                        entries.append((dkey, key, src, where))
             except (RuntimeError, ValueError) as e:
                 params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
                                            f"(e.g. repacked for a CPU kernel): {e}"[:300], nbytes)
@@ -272,12 +282,16 @@ class StateComparison:
         return not self.differing
 
     def describe(self, what: str, limit: int = 20) -> str:
+        extra = ""
+        if self.not_comparable:
+            nc = list(self.not_comparable.items())
+            extra = (f"; {len(nc)} not comparable, so not checked: " + "; ".join(f"{k} ({v})" for k, v in nc[:limit])
+                     + (f"; … (+{len(nc) - limit})" if len(nc) > limit else ""))
         if self.ok:
-            extra = f"; {len(self.not_comparable)} not comparable" if self.not_comparable else ""
             return f"{what}: {self.compared} tensors identical{extra}"
         items = list(self.differing.items())
         shown = "; ".join(f"{k}: {v}" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
-        return f"{what} disagree on {len(items)} tensors: {shown}"
+        return f"{what} disagree on {len(items)} tensors: {shown}{extra}"
 
 
 def compare_states(a: EngineSnapshot, b: EngineSnapshot, labels: tuple[str, str] = ("refitted", "cold-loaded")) -> StateComparison:

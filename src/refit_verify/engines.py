@@ -84,10 +84,15 @@ def _is_ray_handle(obj: Any) -> bool:
 
 
 def _in_other_process(target: Any) -> bool:
-    """True for a ``vllm.LLM`` whose engine core runs in another process (V1 multiprocessing): its
-    ``collective_rpc`` only waits in the calling thread, so the wait can be bounded from another one."""
-    core = getattr(getattr(target, "llm_engine", None), "engine_core", None)
-    return core is not None and type(core).__name__ not in ("InprocClient",)
+    """True for a ``vllm.LLM``, ``LLMEngine`` or engine-core client whose engine core runs in another
+    process (V1 multiprocessing): its ``collective_rpc`` only waits in the calling thread, so the
+    wait can be bounded from another one. An in-process engine core runs the call in this thread."""
+    core = getattr(getattr(target, "llm_engine", None), "engine_core", None)  # vllm.LLM
+    if core is None:
+        core = getattr(target, "engine_core", None)  # vllm's LLMEngine
+    if core is None and type(target).__name__.endswith("Client"):
+        core = target  # an engine-core client itself (SyncMPClient, ...)
+    return core is not None and type(core).__name__ != "InprocClient"
 
 
 def _bounded(f: Callable[[], list], what: str, timeout_s: float) -> list:

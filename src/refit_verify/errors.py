@@ -4,7 +4,7 @@ builtin, so ``except ValueError`` / ``except TimeoutError`` keep working.
 ``RefitError``                       base of everything
 ├── ``RefitConfigError``             (ValueError) a setting, option or argument is not accepted
 │   └── ``ShardLayoutError``         a shard layout breaks the shard rule
-├── ``RefitInputError``              (TypeError) a value handed in (a tensor, a name, a manifest) cannot be used
+├── ``RefitInputError``              (TypeError, ValueError) a value handed in (a tensor, a name, a manifest) cannot be used
 ├── ``RefitProtocolError``           (RuntimeError) a peer broke the protocol or sent malformed data
 ├── ``RefitReceiveError``            (RuntimeError) the receiver failed to load what it received
 ├── ``RefitAbortedError``            (RuntimeError) the sender aborted the refit
@@ -39,7 +39,7 @@ class RefitConfigError(RefitError, ValueError):
     """A configuration value (``REFIT_VERIFY``, a keyword option, a config key) is not accepted."""
 
 
-class RefitInputError(RefitError, TypeError):
+class RefitInputError(RefitError, TypeError, ValueError):
     """A value handed to refit-verify cannot be used: not a tensor, a tensor with no bytes to digest
     (sparse, nested, meta), a name that is not a str, a manifest that is not a mapping."""
 

@@ -82,6 +82,8 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
         changed_after_delivery: delivered names whose bytes changed between ``load_weights`` and
             the deferred apply of vLLM's layerwise reload (what landed is not what was digested).
         calls: ``load_weights`` calls. bytes: bytes delivered. digest_s: host seconds digesting.
+        coverage_unknown: ``{parameter: why}`` of parameters a loader wrote with an op other than a
+            copy or a fill: counted as written, but which of their elements were written is unknown.
         in_place: delivered names whose digest in ``digests`` was taken in place, where they landed in the
             engine, at read-back, instead of on delivery (copied whole and exactly into parameter
             regions on a CUDA worker; :data:`refit_verify.delivery.DERIVE_DEVICE_TYPES`): equal to
@@ -100,6 +102,7 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     bytes: int = 0
     digest_s: float = 0.0
     in_place: list[str] = []
+    coverage_unknown: dict[str, str] = {}
 
 
 class ParamState(msgspec.Struct, **_OPTS):

@@ -87,12 +87,15 @@ class Placement:
         exact: every non-fill copy is a same-dtype, same-shape copy from a view of the loaded
             tensor, so the destination must equal the source bytewise.
         why: why the placement is not exact, or None.
+        opaque: the loader also wrote the parameter with an op that is not a copy or a fill
+            (``index_copy_``, ``scatter_``...): which elements it wrote is unknown.
     """
 
     copies: tuple[Copy, ...]
     numel: int
     exact: bool
     why: str | None = None
+    opaque: bool = False
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -152,7 +155,7 @@ class _CopyRecorder(TorchDispatchMode):
     def placement(self) -> Placement:
         total = self.param.numel()
         if self.other_writes:
-            return Placement(tuple(self.copies), total, False, self.why)
+            return Placement(tuple(self.copies), total, False, self.why, opaque=True)
         numel = min(total, sum(c.numel() for c in self.copies))
         exact = self.why is None and bool(self.copies)
         why = self.why if self.copies else "the loader wrote nothing recognisable into the parameter"

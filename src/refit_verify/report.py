@@ -150,7 +150,7 @@ def _check_manifest(m: object, side: str) -> None:
         raise RefitInputError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
     for k, v in m.items():
         if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
-            raise ValueError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
+            raise RefitInputError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
 
 
 def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None = None,

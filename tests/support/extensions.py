@@ -113,6 +113,13 @@ class FrameworkSyncExtension:
             return model
         raise ValueError(f"module must be 'model' or 'drafter', got {module!r}")
 
+    def fw_sleep(self, seconds: float) -> float:
+        """Keep this worker busy (a long generation or another RPC ahead of refit-verify's calls)."""
+        import time
+
+        time.sleep(float(seconds))
+        return float(seconds)
+
     def fw_info(self) -> dict[str, Any]:
         """Return ``pid`` and the parameter names of the main model (``params``) and drafter (``drafter_params``, or None)."""
         import os

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from refit_verify import staging as _staging
+from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
@@ -559,6 +560,8 @@ class RefitSender:
         report = receiver_report(sender_manifest, done.manifest, done.session, refit_id=rid, rejected=rejected, error=done.error,
                                  rank=self.rank, producer_rank=self.rank, landed=done.landed if checked else None,
                                  kept=done.kept if checked else None)
+        # the worker's session: the one this transfer joined, else the implicit one named after the refit
+        verdicts.record(getattr(done.session, "session", None) or rid, report.ok)
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
         if done.error is not None:
             raise RefitReceiveError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())

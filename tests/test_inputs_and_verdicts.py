@@ -1,0 +1,90 @@
+"""Bad input gets refit-verify's own error; the trainer's verdicts that audits read; which engines
+get their waits bounded from a helper thread. No vLLM needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import refit_verify
+from refit_verify import verdicts
+from refit_verify.engines import _in_other_process
+from refit_verify.errors import RefitConfigError, RefitInputError
+from refit_verify.report import compare_manifests
+
+HEX = "0" * 32
+
+
+@pytest.mark.parametrize("value", [None, [1, 2], np.ones(3), "tensor"])
+def test_add_of_something_that_is_not_a_tensor_is_refused(value):
+    r = refit_verify.refit(None, mode="off")  # off: no engine needed, but the input is still checked
+    r.mode = refit_verify.VerifyMode.LOG
+    with pytest.raises(RefitInputError, match="only torch tensors can be digested"):
+        r.add("x", value)
+    assert r.expected() == {"model": {}}  # a refused add leaves nothing behind
+
+
+def test_add_names_its_module():
+    r = refit_verify.refit(None, mode="off")
+    with pytest.raises(RefitConfigError, match="module must be one of 'model', 'drafter'"):
+        r.add("x", torch.ones(2), module="bogus")
+
+
+def test_tensors_that_cannot_be_digested_are_refused():
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(RefitInputError, match="quantized tensor"):
+        refit_verify.tensor_digest(q)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(RefitInputError, match="nested tensor"):
+        refit_verify.tensor_digest(nested)
+    with pytest.raises(RefitInputError, match="at most 255 dimensions"):
+        refit_verify.tensor_digest(torch.ones([1] * 256))
+
+
+@pytest.mark.parametrize("bad", [None, {"a": "XYZ"}, {"a": "A" * 32}, {1: HEX}, {"a": None}])
+def test_bad_manifests_are_refused(bad):
+    with pytest.raises(RefitInputError):
+        compare_manifests(bad, {"a": HEX})
+    with pytest.raises(RefitInputError):
+        compare_manifests({"a": HEX}, bad)
+
+
+def test_allow_as_one_string_is_refused():
+    with pytest.raises(RefitConfigError, match="not one string"):
+        refit_verify.refit(None, mode="off", allow="*.lora_*")
+
+
+def test_verdicts_record_failures_and_a_pass_clears_them():
+    verdicts.record("s-test-1", False, "its refit failed verification")
+    assert verdicts.failed("s-test-1") == "its refit failed verification"
+    verdicts.record("s-test-1", True)
+    assert verdicts.failed("s-test-1") is None and verdicts.failed(None) is None
+    for i in range(verdicts.MAX_KEPT + 5):
+        verdicts.record(f"s-many-{i}", False)
+    assert verdicts.failed("s-many-0") is None and verdicts.failed(f"s-many-{verdicts.MAX_KEPT + 4}") is not None
+
+
+class SyncMPClient:
+    pass
+
+
+class InprocClient:
+    pass
+
+
+class _Engine:
+    def __init__(self, core):
+        self.engine_core = core
+
+
+class _LLM:
+    def __init__(self, core):
+        self.llm_engine = _Engine(core)
+
+
+def test_waits_into_another_process_are_bounded_from_a_thread_in_process_ones_are_not():
+    assert _in_other_process(_LLM(SyncMPClient())) and not _in_other_process(_LLM(InprocClient()))
+    assert _in_other_process(_Engine(SyncMPClient())) and not _in_other_process(_Engine(InprocClient()))
+    assert _in_other_process(SyncMPClient()) and not _in_other_process(InprocClient())
+    assert not _in_other_process(object())
