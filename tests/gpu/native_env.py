@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from refit_verify import models
+from tests.support.plugins import restore_env
 
 ROOT = Path(__file__).resolve().parents[2]
 _STUB = '"""Stand-in: vLLM 0.26\'s ipc_engine imports this at module level but needs it only for its ray/http send modes."""\n' \
@@ -56,8 +57,4 @@ def native_llm(tmp_path_factory: pytest.TempPathFactory, backend: str, env: dict
         del llm
     finally:
         sys.path.remove(str(stubs))
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(old)

@@ -106,8 +106,13 @@ def engine_plugin_env(eps: Path, env: dict[str, str], registers=()):
         yield
     finally:
         sys.path.remove(str(eps))
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_env(old)
+
+
+def restore_env(old: dict[str, str | None]) -> None:
+    """Put back the environment variables ``old`` recorded (``None``: the variable was unset)."""
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
