@@ -266,6 +266,8 @@ class BoundaryLane:
         fault = rng.choice(["flip", "stale", "skip", "stale version"])
         names = list(w)
         if fault == "stale version":
+            if self.version == 0:  # a version is stale only after a newer one closed: push one first
+                self._push(self.weights(seed + 1))
             report, err = self._push(w, version=max(0, self.version - 3))
             ok = report is not None and not report.ok and any(p.startswith("stale refit: version") for p in report.problems) \
                 and not report.affected
