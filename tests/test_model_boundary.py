@@ -540,3 +540,15 @@ def test_a_loader_writing_with_another_op_says_its_coverage_is_unknown():
     r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
     assert "norm" in r.not_proven
     assert any(u.startswith("coverage of norm: the loader writes the parameter with aten.index_copy_") for u in r.unchecked)
+
+
+def test_coverage_counts_overlapping_and_column_regions_once():
+    """``covered``: the union of the regions' elements; column slices of a 4x8 parameter ([:, 0:4]
+    and [:, 2:6]) cover 24 of 32, rows 0-2 and 1-3 of it 24, the whole parameter 32 however split."""
+    from refit_verify.delivery import covered
+
+    cols = {(0, (4, 4), (8, 1)): 16, (2, (4, 4), (8, 1)): 16}
+    rows = {(0, (2, 8), (8, 1)): 16, (8, (2, 8), (8, 1)): 16}
+    whole = {(0, (2, 8), (8, 1)): 16, (16, (2, 8), (8, 1)): 16, (0, (4, 4), (8, 1)): 16}
+    assert (covered(cols), covered(rows), covered(whole)) == (24, 24, 32)
+    assert covered({(0, (4,), (2,)): 4}) == 4  # no unit-stride rows: counted by its size

@@ -11,6 +11,7 @@ put back whole. :mod:`refit_verify.boundary` owns the sessions and the wrappers 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import time
 import weakref
 from collections.abc import Iterable
@@ -53,15 +54,41 @@ def _contiguous(shape: tuple, stride: tuple) -> bool:
     return True
 
 
+MAX_COVERAGE_SPANS = 1 << 16
+"""Row spans a non-contiguous region is split into to count its elements exactly (beyond: by size)."""
+
+
+def _spans(g: tuple, n: int) -> list[tuple[int, int]] | None:
+    """Element ranges ``[lo, hi)`` of region ``g`` = (offset, shape, stride); None when it is not a
+    set of unit-stride rows that can be listed within :data:`MAX_COVERAGE_SPANS`."""
+    off, shape, stride = g[0], tuple(g[1]), tuple(g[2])
+    if n == 0:
+        return []
+    if _contiguous(shape, stride):
+        return [(off, off + n)]
+    if stride[-1] != 1 and shape[-1] != 1:
+        return None
+    rows = n // shape[-1]
+    if rows > MAX_COVERAGE_SPANS:
+        return None
+    out = []
+    for idx in itertools.product(*(range(k) for k in shape[:-1])):
+        lo = off + sum(i * st for i, st in zip(idx, stride[:-1]))
+        out.append((lo, lo + shape[-1]))
+    return out
+
+
 def covered(regions: dict[tuple, int]) -> int:
     """Elements of a parameter written by ``regions`` (``{dest geometry: numel}``), each counted
-    once: contiguous regions as the union of their element ranges; any other region by its size."""
+    once: the union of their element ranges (a non-contiguous region as its rows); a region that
+    cannot be listed that way (no unit-stride rows, too many rows, an opaque write) by its size."""
     spans, other = [], 0
     for g, n in regions.items():
-        if len(g) == 3 and isinstance(g[0], int) and _contiguous(tuple(g[1]), tuple(g[2])):
-            spans.append((g[0], g[0] + n))
-        else:
+        rows = _spans(g, n) if len(g) == 3 and isinstance(g[0], int) else None
+        if rows is None:
             other += n
+        else:
+            spans.extend(rows)
     spans.sort()
     total, end = 0, None
     for lo, hi in spans:
