@@ -552,3 +552,75 @@ def test_coverage_counts_overlapping_and_column_regions_once():
     whole = {(0, (2, 8), (8, 1)): 16, (16, (2, 8), (8, 1)): 16, (0, (4, 4), (8, 1)): 16}
     assert (covered(cols), covered(rows), covered(whole)) == (24, 24, 32)
     assert covered({(0, (4,), (2,)): 4}) == 4  # no unit-stride rows: counted by its size
+
+
+class _SharedStorage(torch.nn.Module):
+    """Two parameters that are rows 0-8 and 8-16 of one buffer; ``swap`` makes each loader write the other's rows."""
+
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        buf = torch.zeros(16, HIDDEN, dtype=torch.bfloat16)
+        self.a = torch.nn.Parameter(buf[:8], requires_grad=False)
+        self.b = torch.nn.Parameter(buf[8:], requires_grad=False)
+        self.a.weight_loader = (lambda p, t: p.data.as_strided(p.shape, p.stride(), p.storage_offset() + 8 * HIDDEN).copy_(t)) if swap \
+            else default_weight_loader
+        self.b.weight_loader = (lambda p, t: p.data.as_strided(p.shape, p.stride(), p.storage_offset() - 8 * HIDDEN).copy_(t)) if swap \
+            else default_weight_loader
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for n, t in weights:
+            params[n].weight_loader(params[n], t)
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_write_outside_the_parameter_is_never_counted_or_verified(swap):
+    """A loader that writes its neighbour's rows in the same storage: neither parameter is written, both are named."""
+    model = _SharedStorage(swap)
+    wb, _ = _worker(model)
+    g = torch.Generator().manual_seed(49)
+    w = {n: torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16) for n in ("a", "b")}
+    r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
+    if not swap:
+        assert r.ok and torch.equal(model.a, w["a"])
+        return
+    assert not r.ok and sorted(r.unwritten) == ["a", "b"]
+    assert r.not_proven["a"] == f"the loader wrote outside the parameter (into its storage at +{8 * HIDDEN} elements, shape [8, {HIDDEN}])"
+
+
+def test_a_parameter_re_viewed_after_loading_is_not_read_through_its_old_layout(landed):
+    """``p.data = p.data.t()`` after the load: the bytes are where they were written, the values are not the trainer's."""
+    wb, model = _worker()
+    w = toy_weights(50)
+    sid = wb.open("s1", version=1)
+    model.load_weights(list(w.items()))
+    model.qkv_proj.data = model.qkv_proj.data.t()
+    man = wb.close(sid)
+    st = man.engine.params["qkv_proj"]
+    assert st.status == "not_coverable" and st.why.endswith("shape [16, 8] -> [8, 16]")
+    assert not compare_session({"model": digest_tensors(w.items())}, man, version=1).ok
+
+
+def test_an_open_sessions_in_place_digest_reads_every_region(landed):
+    """A tensor copied whole into two parameters, one changed while the session is open: the open
+    check leaves it out (missing) instead of reading only the first region."""
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+    model.b = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(weights):
+        for _n, t in weights:
+            model.a.weight_loader(model.a, t)
+            model.b.weight_loader(model.b, t)
+        return {"a", "b"}
+
+    model.load_weights = load_weights
+    wb, _ = _worker(model)
+    e = torch.ones(HIDDEN, dtype=torch.bfloat16)
+    sid = wb.open("s1", version=1)
+    model.load_weights([("e", e)])
+    assert wb.snapshot()[0] == {"e": tensor_digest(e)}
+    model.b.data[0] = 7
+    assert wb.snapshot()[0] == {}
+    assert not compare_session({"model": {"e": tensor_digest(e)}}, wb.close(sid), version=1).ok

@@ -66,29 +66,62 @@ def _spans(g: tuple, n: int) -> list[tuple[int, int]] | None:
         return []
     if _contiguous(shape, stride):
         return [(off, off + n)]
-    if stride[-1] != 1 and shape[-1] != 1:
+    unit = [k for k, (m, st) in enumerate(zip(shape, stride)) if st == 1 and m > 1]
+    if not unit:
         return None
-    rows = n // shape[-1]
+    k = unit[0]  # rows along the unit-stride axis (the last one row-major, the first column-major)
+    rows = n // shape[k]
     if rows > MAX_COVERAGE_SPANS:
         return None
+    others = [a for a in range(len(shape)) if a != k]
     out = []
-    for idx in itertools.product(*(range(k) for k in shape[:-1])):
-        lo = off + sum(i * st for i, st in zip(idx, stride[:-1]))
-        out.append((lo, lo + shape[-1]))
+    for idx in itertools.product(*(range(shape[a]) for a in others)):
+        lo = off + sum(i * stride[a] for i, a in zip(idx, others))
+        out.append((lo, lo + shape[k]))
     return out
+
+
+def _inside(dest: tuple, param: torch.Tensor) -> bool:
+    """True iff region ``dest`` (offset relative to ``param``'s storage offset, shape, stride) lies
+    within the elements ``param`` spans (a write elsewhere hits another tensor of its storage)."""
+    off, shape, stride = dest
+    if any(n == 0 for n in shape):
+        return True
+    lo = off + sum((n - 1) * st for n, st in zip(shape, stride) if st < 0)
+    hi = off + sum((n - 1) * st for n, st in zip(shape, stride) if st > 0)
+    p_hi = sum((n - 1) * st for n, st in zip(param.shape, param.stride()) if st > 0) if param.numel() else -1
+    return lo >= 0 and hi <= p_hi
 
 
 def covered(regions: dict[tuple, int]) -> int:
     """Elements of a parameter written by ``regions`` (``{dest geometry: numel}``), each counted
     once: the union of their element ranges (a non-contiguous region as its rows); a region that
     cannot be listed that way (no unit-stride rows, too many rows, an opaque write) by its size."""
-    spans, other = [], 0
+    spans, other, bounds = [], [], []
     for g, n in regions.items():
         rows = _spans(g, n) if len(g) == 3 and isinstance(g[0], int) else None
         if rows is None:
-            other += n
+            other.append((g, n))
         else:
             spans.extend(rows)
+    # a region that cannot be listed counts by its size only when its bounding range overlaps no
+    # other region (else only the largest such counts): never more than the union
+    for g, n in other:
+        if len(g) == 3 and isinstance(g[0], int):
+            lo = g[0] + sum((m - 1) * st for m, st in zip(g[1], g[2]) if st < 0)
+            hi = g[0] + sum((m - 1) * st for m, st in zip(g[1], g[2]) if st > 0) + 1
+        else:
+            lo, hi = -(1 << 62), 1 << 62  # an opaque write: anywhere
+        bounds.append((lo, hi, n))
+    extra = 0
+    if bounds:
+        def overlaps(a, b):
+            return a[0] < b[1] and b[0] < a[1]
+        alone = [b for b in bounds if not any(overlaps(b, c) for c in bounds if c is not b)
+                 and not any(b[0] < hi and lo < b[1] for lo, hi in spans)]
+        extra = sum(b[2] for b in alone)
+        if len(alone) < len(bounds):
+            extra += max(b[2] for b in bounds if b not in alone)
     spans.sort()
     total, end = 0, None
     for lo, hi in spans:
@@ -98,7 +131,7 @@ def covered(regions: dict[tuple, int]) -> int:
         elif hi > end:
             total += hi - end
             end = hi
-    return total + other
+    return total + extra
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -176,6 +209,7 @@ class ModuleSession:
         self.derived_hex: dict[str, str] = {}  # name -> digest of the region it landed in (set by read-back)
         self.underived: dict[str, str] = {}  # name -> why its landed region could not be read back
         self.param_dtype: dict[str, torch.dtype] = {}  # parameter -> its dtype when it was written
+        self.param_geometry: dict[str, tuple] = {}  # parameter -> (shape, stride, storage offset) at its last write
         self.where = "load_weights"  # outside sessions: what was running (e.g. "reload_weights")
         # every CUDA tensor is copied as it is handed over and the copies digested in batches
         # (CopyingBatch): no kernel launch per tensor, and what was digested is what it held then
@@ -302,6 +336,14 @@ class ModuleSession:
             d.routed = True
         self.param_numel.setdefault(pname, param.numel())
         self.param_dtype.setdefault(pname, param.dtype)
+        self.param_geometry[pname] = (tuple(param.shape), tuple(param.stride()), param.storage_offset())
+        outside = [c for c in placement.copies if not _inside(c.dest, param)]
+        if outside:  # into another tensor of the same storage: not this parameter's bytes
+            self.inexact.setdefault(pname, f"the loader wrote outside the parameter (into its storage at "
+                                           f"{outside[0].dest[0]:+d} elements, shape {list(outside[0].dest[1])})")
+            if d is not None:
+                d.other = True
+            return
         regions = self.written.setdefault(pname, {})
         if placement.opaque:  # which elements it wrote is unknown: counted whole, and said so
             regions[("opaque",)] = placement.numel
@@ -368,15 +410,21 @@ class ModuleSession:
         live = dict(model.named_parameters())
         batch = DigestBatch()
         for name in todo:
-            pname, where = self.derived[name][0]
-            p = live.get(pname)
-            if p is None or p.dtype != self.param_dtype.get(pname, p.dtype):
-                continue
-            try:
-                batch.add(name, as_view(p.detach(), where))
-            except (RuntimeError, ValueError):
-                continue
-        return batch.hexdigests()
+            for i, (pname, where) in enumerate(self.derived[name]):
+                p = live.get(pname)
+                if p is None or p.dtype != self.param_dtype.get(pname, p.dtype):
+                    continue
+                try:
+                    batch.add(f"{i}:{name}", as_view(p.detach(), where))
+                except (RuntimeError, ValueError):
+                    continue
+        got = batch.hexdigests()
+        out = {}
+        for name in todo:  # every region it landed in must hold the same bytes, else it is left out
+            hexes = {got.get(f"{i}:{name}") for i in range(len(self.derived[name]))}
+            if len(hexes) == 1 and None not in hexes:
+                out[name] = hexes.pop()
+        return out
 
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()

@@ -44,6 +44,13 @@ def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
     dtype = ms.param_dtype.get(pname)
     if dtype is not None and p.dtype != dtype:
         return f"the parameter was converted after loading ({str(dtype).removeprefix('torch.')} -> {str(p.dtype).removeprefix('torch.')})"
+    geometry = ms.param_geometry.get(pname)
+    if geometry is not None and geometry[0] != tuple(p.shape):
+        return (f"the parameter was replaced or resized after loading (e.g. repacked for a CPU kernel): shape "
+                f"{list(geometry[0])} -> {list(p.shape)}")
+    if geometry is not None and geometry[1:] != (tuple(p.stride()), p.storage_offset()):
+        return (f"the parameter was re-viewed after loading (stride {list(geometry[1])} offset {geometry[2]} -> stride "
+                f"{list(p.stride())} offset {p.storage_offset()}): what was written is not where it is read")
     return None
 
 
