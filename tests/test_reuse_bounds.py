@@ -22,13 +22,13 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from refit_verify import RefitConfig
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.transport.sender import SECOND_PEER_GRACE_S
 from refit_verify.wire import PROTOCOL_VERSION, Abort, Ack, Hello, Reject, Welcome, decode_reply, encode
+from tests.support.zmq_peers import bound_req
 
 SPAWN = mp.get_context("spawn")
 SLACK_S = 1.5
@@ -324,21 +324,11 @@ def test_concurrent_send_on_one_sender_is_named_and_the_running_refit_completes(
     assert first.error is None and first.value.ok and rx.error is None and rx.value.ok
 
 
-def _bound_req(endpoint: str):
-    ctx = zmq.Context()
-    req = ctx.socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.setsockopt(zmq.RCVTIMEO, 5000)
-    req.setsockopt(zmq.REQ_RELAXED, 1)
-    req.bind(endpoint)
-    return ctx, req
-
-
 def test_refit_id_mismatch_is_named_by_the_receiver(tmp_path):
     """A Hello of another refit arrives mid-refit (the sender gave up on the first without an Abort
     reaching this receiver): the receiver rejects it naming both refit ids, and stops at once."""
     endpoint = f"ipc://{tmp_path}/s.sock"
-    ctx, req = _bound_req(endpoint)
+    ctx, req = bound_req(endpoint)
     try:
         rx = Timed(lambda: receive_once(endpoint))
         req.send(encode(Hello(protocol=PROTOCOL_VERSION, refit_id="a" * 32, mode="enforce", alignment=512)))
@@ -357,7 +347,7 @@ def test_an_abort_of_an_earlier_refit_does_not_end_a_new_receivers_wait(tmp_path
     """The tail of a failed refit (its Abort) reaches the next, re-created receiver: acknowledged
     and ignored; the receiver goes on waiting for its Hello and serves the refit."""
     endpoint = f"ipc://{tmp_path}/s.sock"
-    ctx, req = _bound_req(endpoint)
+    ctx, req = bound_req(endpoint)
     try:
         rx = Timed(lambda: receive_once(endpoint))
         req.send(encode(Abort(reason="RefitTimeoutError: an earlier refit")))

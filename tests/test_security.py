@@ -28,13 +28,13 @@ import time
 
 import pytest
 import torch
-import zmq
 
 from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_env
 from refit_verify.transport import guard
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
+from tests.support.zmq_peers import bound_req
 
 
 def rss_bytes() -> int:
@@ -196,16 +196,6 @@ def test_stranger_bytes_to_the_endpoint_are_logged_and_dropped(caplog):
     assert grown < 64 << 20, grown
 
 
-def _bound_req(endpoint: str):
-    ctx = zmq.Context()
-    req = ctx.socket(zmq.REQ)
-    req.setsockopt(zmq.LINGER, 0)
-    req.setsockopt(zmq.RCVTIMEO, 5000)
-    req.setsockopt(zmq.REQ_RELAXED, 1)
-    req.bind(endpoint)
-    return ctx, req
-
-
 HOSTILE_MESSAGES = {
     "pickle": pickle.dumps(Hello(protocol=PROTOCOL_VERSION, refit_id="x", mode="off", alignment=512), protocol=2),
     "garbage": b"\x00\xff" * 1000,
@@ -223,7 +213,7 @@ def test_hostile_messages_get_a_logged_rejection(tmp_path, caplog, name):
     """A local process that speaks ZMQ (here: binding the endpoint the receiver connects to) sends
     a pickle, garbage, or msgpack announcing a huge length: the receiver logs it, answers Reject,
     raises RefitProtocolError; nothing is unpickled, nothing large allocated."""
-    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    ctx, req = bound_req(f"ipc://{tmp_path}/s.sock")
     out: dict = {}
     try:
         rss0 = rss_bytes()
@@ -278,7 +268,7 @@ def test_buffers_naming_foreign_or_fake_shared_memory_are_rejected(tmp_path, cas
         handle = ShmHandle(name="..", nbytes=4096)
     else:
         handle = ShmHandle(name=shm, nbytes=4096)
-    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    ctx, req = bound_req(f"ipc://{tmp_path}/s.sock")
     out: dict = {}
     try:
         th = _receive_in_thread(f"ipc://{tmp_path}/s.sock", out, lambda b: out.setdefault("loaded", []).extend(n for n, _ in b))
@@ -303,7 +293,7 @@ def test_buffers_naming_foreign_or_fake_shared_memory_are_rejected(tmp_path, cas
 def test_receiver_refuses_a_peer_of_another_uid(tmp_path, monkeypatch):
     """SO_PEERCRED says the peer is another user: the receiver cuts it off and raises."""
     monkeypatch.setattr(guard, "peer_cred", lambda fd: (4242, os.geteuid() + 1000))
-    ctx, req = _bound_req(f"ipc://{tmp_path}/s.sock")
+    ctx, req = bound_req(f"ipc://{tmp_path}/s.sock")
     try:
         with RefitReceiver(f"ipc://{tmp_path}/s.sock", config=RefitConfig.build(connect_timeout_s=3.0)) as rx:
             with pytest.raises(RefitProtocolError, match=r"uid \d+, not"):
