@@ -21,6 +21,7 @@ import datetime
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,9 @@ from refit_verify import models
 from refit_verify.boundary import WorkerBoundary, identity_of
 from refit_verify.digest import StreamDigests
 from refit_verify.engine_state import audit, read_back, snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import emit  # noqa: E402
 
 
 def _default_loader(param, loaded_weight):
@@ -131,11 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         med = statistics.median(en)
         ratio = f"{med / off:.3f}" if off > 0.01 else "-"
         lines.append(f"| {s} | {off:.2f} | {q[0]:.2f} | {med:.2f} | {q[2]:.2f} | {med - off:.2f} | {ratio} |")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
     return 0
 
 

@@ -20,6 +20,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,6 +28,9 @@ from refit_verify import models
 from refit_verify.boundary import identity_of
 from refit_verify.digest import DigestBatch
 from refit_verify.engine_state import snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import emit  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -101,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, xs in times.items():
         p25, med, p75 = _q(xs)
         lines.append(f"| {k} | {p25:.3f} | {med:.3f} | {p75:.3f} | {nbytes / med / 1e6:.1f} | {med / base:.4f} |")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, a.out)
     return 0
 
 
