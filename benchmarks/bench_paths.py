@@ -221,6 +221,9 @@ def parse() -> argparse.Namespace:
                          "vLLM's shm message-queue readers busy-spin for 1 s after their last read, and on a small CPU "
                          "machine that idle engine steals the cores from the refit being timed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile; where CUDA "
+                         "synchronised); profiled timings are slower, so use few rounds and not for the tables")
     a = ap.parse_args()
     if a.rounds < 1 or a.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
@@ -305,6 +308,9 @@ def main() -> int:
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
                         "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)]
+                if a.profile and mode != "off":
+                    Path(a.profile).mkdir(parents=True, exist_ok=True)
+                    argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{kind}.txt")]
                 c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{mode}-{kind}.log")
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)

@@ -15,6 +15,7 @@
 #   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce.
+#   stage q (carry as stage t): bench_paths with --profile (cProfile + CUDA syncs of the enforce children), 4 rounds.
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
 #           CUDA and benchmarks/bench_boundary.py.
 # Everything is logged under $OUT.
@@ -61,6 +62,11 @@ elif [ "$stage" = p ]; then
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout 560 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
   echo "bench_paths rc=$?"; tail -45 "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
+elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refit's host time goes, few rounds
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout 500 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-4} --paths ${PATHS_Q:-transport,boundary-per-param,boundary-bucketed,native-packed} \
+    --profile "$OUT/profile" --out "$OUT/bench_paths-profiled.md" >"$OUT/bench_paths-profiled.log" 2>&1
+  echo "bench_paths --profile rc=$?"; ls -la "$OUT/profile"; grep -A12 "^## Wall" "$OUT/bench_paths-profiled.md" | head -14
 elif [ "$stage" = x2a ]; then
   timeout 400 python3 -m pytest -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR|^rank" "$OUT/two-gpu.log" | head -40; echo "two-gpu tests: $(( $(date +%s) - t0 )) s"
