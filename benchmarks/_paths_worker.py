@@ -270,7 +270,9 @@ class Bench:
     def _rpc_snapshot_s(self) -> float:
         """Seconds of one engine-state snapshot on the worker (the same work the session close does), re-run untimed."""
         (res,) = self.llm.collective_rpc("refit_verify_engine_state")
-        return float(res["state"]["digest_s"])
+        from refit_verify.manifest import EngineSnapshot, from_wire
+
+        return float(from_wire(res["state"], EngineSnapshot).digest_s)
 
     def _inproc_manifest(self, chk, ph, counts) -> None:
         from refit_verify.vllm_plugin import sessions

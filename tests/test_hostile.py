@@ -29,7 +29,7 @@ from refit_verify.dist_wire import (BROADCAST_PROTOCOL, MAX_SHARD_MESSAGE_BYTES,
                                     Bucket, RankReport, ShardMeta, ShardRoots, decode_broadcast, decode_rank_report,
                                     decode_shard_meta, decode_shard_roots)
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, from_wire, to_wire
+from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, from_wire, to_text, to_wire
 from refit_verify.wire import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello, Reject,
                                ShmHandle, Welcome, decode_reply, decode_request, encode)
 
@@ -158,9 +158,12 @@ def test_every_decoder_refuses_oversized_input_before_decoding(decoder):
 
 
 def test_from_wire_refuses_hostile_manifests(marker):
-    """Worker manifests arrive as builtins (vLLM's msgpack, JSON over HTTP, Ray): bytes, a pickle,
-    wrong tags, wrong shapes and wrong types are each a RefitProtocolError naming the record."""
+    """Worker manifests arrive as JSON text (``to_text``) or builtins (vLLM's msgpack, JSON over
+    HTTP, Ray): bytes, a pickle, wrong tags, wrong shapes and wrong types are each a
+    RefitProtocolError naming the record."""
     assert from_wire(to_wire(SESSION)) == SESSION
+    text = to_text(SESSION)
+    assert isinstance(text, str) and from_wire(text) == SESSION and from_wire(text.encode()) == SESSION
     payload = live_pickle(marker)
     good = to_wire(SESSION)
     hostile = {name: data for name, data in _cases(payload).items()}
@@ -176,6 +179,11 @@ def test_from_wire_refuses_hostile_manifests(marker):
         "list": [good],
         "none": None,
         "str": "session_manifest",
+        "text-truncated": text[:-1],
+        "text-wrong-tag": text.replace('"type":"session_manifest"', '"type":"rank_report"'),
+        "text-unknown-field": text[:-1] + ',"__reduce__":[1]}',
+        "text-wrong-type": to_text(SESSION).replace('"version":', '"version":"three","x":', 1),
+        "text-other-record": to_text(ModuleManifest(digests={})),
     })
     for name, data in hostile.items():
         with pytest.raises(RefitProtocolError, match="malformed SessionManifest"):

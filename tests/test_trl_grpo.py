@@ -37,6 +37,7 @@ from transformers import TrainerCallback  # noqa: E402
 
 from refit_verify import RefitVerificationError, models  # noqa: E402
 from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
+from refit_verify.manifest import from_wire  # noqa: E402
 from tests.support import trl_setup  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -153,11 +154,11 @@ def test_every_sync_verified_with_the_trainers_step_and_bytes(run):
     assert len(changed) == N_TENSORS
     # the worker's own record of the last session: one load_weights call per parameter (TRL's push)
     (worker,) = gen.llm.collective_rpc("refit_verify_session_manifest")
-    m = worker["manifest"]
-    assert (worker["open"], m["version"], m["session"]) == (None, 1, history[-1][1][0].session)
-    model_rec = m["modules"]["model"]
-    assert (model_rec["calls"], model_rec["bytes"], model_rec["written"], model_rec["params"]) == (N_TENSORS, N_BYTES, 15, 15)
-    assert m["unsessioned"] == [] and m["stale"] is None and m["errors"] == []
+    m = from_wire(worker["manifest"])
+    assert (worker["open"], m.version, m.session) == (None, 1, history[-1][1][0].session)
+    model_rec = m.modules["model"]
+    assert (model_rec.calls, model_rec.bytes, model_rec.written, model_rec.params) == (N_TENSORS, N_BYTES, 15, 15)
+    assert m.unsessioned == [] and m.stale is None and m.errors == []
 
 
 def test_engine_holds_the_step_1_weights(run):

@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from refit_verify.config import mode_from_env
-from refit_verify.manifest import to_wire
+from refit_verify.manifest import to_text
 from refit_verify.vllm_plugin import sessions
 
 logger = logging.getLogger("refit_verify")
@@ -132,7 +132,7 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
         engine), ``session`` (count of ``start_weight_update`` calls), ``active``, ``manifest``
         (``{name: 32-hex}`` of every tensor handed to ``load_weights`` in the update), ``tensors``,
         ``calls`` (``load_weights`` calls), ``digest_s`` (seconds) and ``session_manifest`` (the
-        full :class:`~refit_verify.manifest.SessionManifest` of a finished update, as builtins).
+        full :class:`~refit_verify.manifest.SessionManifest` of a finished update, as JSON text, ``manifest.to_text``).
     """
     engine = getattr(self, "weight_transfer_engine", None)
     state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
@@ -150,7 +150,7 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
         calls = sum(m.calls for m in state.last.modules.values())
         tensors = len(digests)
         digest_s = sum(m.digest_s for m in state.last.modules.values())
-        full = to_wire(state.last)
+        full = to_text(state.last)
     else:
         digests, calls, tensors, digest_s, full = {}, 0, 0, 0.0, None
     out.update(backend=state.backend, token=state.token, session=state.starts, active=state.active, manifest=digests,

@@ -26,7 +26,7 @@ from typing import Any
 from refit_verify.boundary import WorkerBoundary
 from refit_verify.config import mode_from_env
 from refit_verify.errors import RefitConfigError
-from refit_verify.manifest import Producer, to_wire
+from refit_verify.manifest import Producer, to_text
 from refit_verify.vllm_plugin import shims
 
 logger = logging.getLogger("refit_verify")
@@ -210,7 +210,7 @@ def refit_verify_session_close(self, session_id: str) -> dict[str, Any]:
 
     Returns:
         dict: ``rank``, ``verifying`` and, when verifying, ``manifest``: a
-        :class:`~refit_verify.manifest.SessionManifest` as builtins (``from_wire`` rebuilds it).
+        :class:`~refit_verify.manifest.SessionManifest` as JSON text (``manifest.to_text``; ``from_wire`` rebuilds it).
 
     Raises:
         RefitProtocolError: another session is open on this worker, or none was (``manifest`` None
@@ -222,7 +222,7 @@ def refit_verify_session_close(self, session_id: str) -> dict[str, Any]:
     man = wb.close(session_id, explicit=True)
     if man is None:
         man = wb.manifests.get(session_id)
-    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_wire(man) if man is not None else None}
+    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_text(man) if man is not None else None}
 
 
 def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[str, Any]:
@@ -231,12 +231,12 @@ def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[s
     if wb is None:
         return _not_verifying(self)
     man = wb.last if session_id is None else wb.manifests.get(session_id)
-    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_wire(man) if man is not None else None,
+    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_text(man) if man is not None else None,
             "open": wb.current_id()}
 
 
 def refit_verify_engine_state(self) -> dict[str, Any]:
-    """Return this worker's engine state now: an :class:`~refit_verify.manifest.EngineSnapshot` as builtins
+    """Return this worker's engine state now: an :class:`~refit_verify.manifest.EngineSnapshot` as JSON text
     (every parameter and persistent buffer digested, with storage pointers), under ``state``."""
     wb = getattr(self, _ATTR, None) or boundary_of(self)
     if wb is None:  # an explicit request: digest the state even where REFIT_VERIFY is off (the canary's fresh engine)
@@ -247,9 +247,9 @@ def refit_verify_engine_state(self) -> dict[str, Any]:
         if draft is not None:
             modules["drafter"] = draft
         state = engine_state.snapshot(modules, shims.worker_identity(self))
-        return {"rank": getattr(self, "rank", 0), "verifying": False, "state": to_wire(state)}
+        return {"rank": getattr(self, "rank", 0), "verifying": False, "state": to_text(state)}
     attach_models(self, wb)
-    return {"rank": wb.identity.rank, "verifying": True, "state": to_wire(wb.state())}
+    return {"rank": wb.identity.rank, "verifying": True, "state": to_text(wb.state())}
 
 
 def refit_verify_audit(self) -> dict[str, Any]:
@@ -257,10 +257,10 @@ def refit_verify_audit(self) -> dict[str, Any]:
 
     Returns:
         dict: ``rank``, ``verifying``, ``audit`` (an :class:`~refit_verify.manifest.AuditResult` as
-        builtins, or None when no session has closed here yet).
+        JSON text, or None when no session has closed here yet).
     """
     wb = getattr(self, _ATTR, None)
     if wb is None:
         return _not_verifying(self)
     res = wb.audit("rpc")
-    return {"rank": wb.identity.rank, "verifying": True, "audit": to_wire(res) if res is not None else None}
+    return {"rank": wb.identity.rank, "verifying": True, "audit": to_text(res) if res is not None else None}
