@@ -27,248 +27,33 @@ implicitly (vLLM's ``start_weight_update``, our transport's handshake); an impli
 explicit session already open. A ``load_weights`` outside any session is recorded and reported
 with the next session (``SessionManifest.unsessioned``).
 
-What one module received within one session is recorded by :class:`refit_verify.delivery.ModuleSession`.
+:class:`ModelBoundary` (the wrappers of one model) lives in :mod:`refit_verify.model_boundary`; what
+one module received within one session is recorded by :class:`refit_verify.delivery.ModuleSession`.
 Nothing here imports vLLM: the plugin builds the boundaries (:mod:`refit_verify.vllm_plugin`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 import uuid
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from refit_verify.delivery import ModuleSession, match_any
-from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import AuditResult, ExternalDigests, ModuleManifest, Producer, SessionManifest, Unsessioned, WorkerIdentity
-from refit_verify.placement import LoaderTap
-from refit_verify.stream import check_digest
+from refit_verify.manifest import AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.model_boundary import ModelBoundary
 
 logger = logging.getLogger("refit_verify")
 
 __all__ = ["ModelBoundary", "SessionDigests", "WorkerBoundary", "identity_of", "match_any"]
 
-_MARK = "__refit_verify_boundary__"
-MAX_UNSESSIONED_NAMES = 64
 MAX_KEPT_MANIFESTS = 16
-
-
-class ModelBoundary:
-    """The digest point of one model module of a worker (``"model"`` or ``"drafter"``).
-
-    Args:
-        owner: the worker's :class:`WorkerBoundary`.
-        model: the ``torch.nn.Module`` whose ``load_weights`` refits go through.
-        role: ``"model"`` for the main model, ``"drafter"`` for a draft / MTP module.
-        default_loader: vLLM's ``default_weight_loader`` (for parameters with no ``weight_loader``).
-
-    :meth:`install` is idempotent; the wrappers pass every call through unchanged while the owner
-    does not verify.
-    """
-
-    def __init__(self, owner: WorkerBoundary, model: torch.nn.Module, role: str, default_loader: Callable | None,
-                 extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
-        self.owner = owner
-        self.extra_params = extra_params
-        self.model_ref = weakref.ref(model)
-        self.role = role
-        self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route, self._on_tap_error)
-        self.tap.enabled = owner.verifying
-        self.session: ModuleSession | None = None
-        self.outside = ModuleSession(self, sessioned=False)
-        self.numel_hint: dict[str, int] = {}
-
-    @property
-    def model(self) -> torch.nn.Module | None:
-        return self.model_ref()
-
-    def install(self) -> None:
-        """Wrap ``model.load_weights`` (instance level) and every parameter's weight loader."""
-        model = self.model
-        if model is None:
-            return
-        current = vars(model).get("load_weights")
-        if getattr(current, _MARK, None) is not self:
-            original = model.load_weights
-            object.__setattr__(model, "load_weights", self._wrap(original))
-        extra = list(self.extra_params(model)) if self.extra_params is not None else []
-        self.tap.install(model, extra)
-        self.numel_hint = {n: t.numel() for n, t in extra}
-
-    def _target(self) -> ModuleSession:
-        return self.session if self.session is not None else self.outside
-
-    def _on_route(self, pname, loaded) -> None:
-        self._target().on_route(pname, loaded)
-
-    def _on_apply(self, pname, param, loaded) -> None:
-        self._target().on_apply(pname, param, loaded)
-
-    def _on_write(self, pname, param, loaded, placement) -> None:
-        self._target().on_write(pname, param, loaded, placement)
-
-    def _on_tap_error(self, message: str) -> None:
-        logger.error("%s", message)
-        self._target().errors.append(f"{self.role}: {message}")
-
-    def _wrap(self, original: Callable) -> Callable:
-        boundary = self
-
-        def load_weights(*args, **kwargs):
-            if not boundary.owner.verifying:
-                return original(*args, **kwargs)
-            if "weights" not in kwargs and not args:
-                return original(*args, **kwargs)
-            target = boundary._target()
-            weights = kwargs["weights"] if "weights" in kwargs else args[0]
-            pending = boundary.owner.take_expected() if target.sessioned else None
-            if pending is not None and isinstance(weights, (list, tuple)):
-                weights = boundary._checked_first(target, weights, *pending)
-            else:
-                weights = boundary._digesting(weights)
-            if "weights" in kwargs:
-                kwargs["weights"] = weights
-            else:
-                args = (weights, *args[1:])
-            if not target.sessioned and boundary.owner.loading_context:
-                target.where = boundary.owner.loading_context
-            call = target.begin_call(lazy=not isinstance(weights, (list, tuple)))
-            try:
-                return original(*args, **kwargs)
-            except Exception as e:
-                target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
-                raise
-            finally:
-                target.end_call(call)
-
-        functools.update_wrapper(load_weights, original)
-        setattr(load_weights, _MARK, self)
-        load_weights.__refit_verify_original__ = original
-        return load_weights
-
-    def _digesting(self, weights: Any) -> Any:
-        """Return what to hand the model's ``load_weights`` so that every pair is digested as pulled."""
-        if isinstance(weights, (list, tuple)):
-            return _DigestingList(self, weights)
-        return _DigestingIter(self, weights)
-
-    def _checked_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
-                       enforce: bool) -> _DigestingList:
-        """Digest every tensor of one call before the model sees any (one synchronisation), compare
-        with the sender's ``expected`` digests and return what the model may load.
-
-        In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
-        recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
-        sender did not announce are digested as pulled, as usual.
-        """
-        t0 = time.perf_counter()
-        batch = DigestBatch()
-        for item in weights:
-            if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor):
-                batch.add(item[0], item[1])
-        got = batch.hexdigests()  # one synchronisation per device, before anything is loaded
-        target.digest_s += time.perf_counter() - t0
-        keep, pre = [], {}
-        for item in weights:
-            name = item[0] if isinstance(item, tuple) and len(item) == 2 else None
-            if name not in got:
-                keep.append(item)
-                continue
-            why = check_digest(got[name], expected[name])
-            if why is not None and enforce:
-                target.refused[name] = (got[name], why)
-                logger.error("refit-verify: %s refused before loading: %s", name, why)
-                continue
-            pre[id(item[1])] = got[name]
-            keep.append(item)
-        return _DigestingList(self, keep, pre)
-
-    def _pull(self, name: str, tensor: Any, hexd: str | None = None) -> None:
-        target = self._target()
-        if isinstance(tensor, torch.Tensor) and target.current is not None:
-            target.deliver(name, tensor, target.current, hexd)
-
-    def delivered_name(self, t: Any) -> str | None:
-        """The delivered name of the open session that ``t`` is (or is a view of), or None."""
-        if not isinstance(t, torch.Tensor) or self.session is None:
-            return None
-        d = self.session.match(t)
-        return d.name if d is not None else None
-
-    # -- sessions -----------------------------------------------------------------------------
-
-    def begin(self, derive: bool = False) -> None:
-        """Start this module's record of a session; ``derive``: the session's read-back will run
-        (see :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
-        self.install()
-        self.session = ModuleSession(self, sessioned=True, derive=derive)
-
-    def end(self) -> ModuleSession:
-        """Take this module's record of the closing session (read back next, then :meth:`manifest`)."""
-        s = self.session if self.session is not None else ModuleSession(self, True)
-        self.session = None
-        return s
-
-    def manifest(self, s: ModuleSession, allow: Iterable[str]) -> ModuleManifest:
-        model = self.model
-        params = dict(model.named_parameters()) if model is not None else {}
-        return s.manifest(params, allow)
-
-    def take_unsessioned(self) -> Unsessioned | None:
-        o = self.outside
-        if not o.calls:
-            return None
-        names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
-        rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=o.where)
-        self.outside = ModuleSession(self, sessioned=False)
-        return rec
-
-
-class _DigestingList(list):
-    """A list handed to ``load_weights``: iterating it digests each pair (lists stay lists).
-
-    ``pre``: ``{id(tensor): 32-hex}`` of tensors already digested (verify before load)."""
-
-    def __init__(self, boundary: ModelBoundary, items, pre: dict[int, str] | None = None) -> None:
-        super().__init__(items)
-        self._boundary = boundary
-        self._pre = pre or {}
-        self._seen = False
-
-    def __iter__(self):
-        if self._seen:  # a loader iterating twice: digest the pairs once
-            return super().__iter__()
-        self._seen = True
-        return _DigestingIter(self._boundary, super().__iter__(), self._pre)
-
-
-class _DigestingIter:
-    """Yields the pairs of ``inner`` unchanged, digesting each tensor as the loader pulls it."""
-
-    def __init__(self, boundary: ModelBoundary, inner: Iterable, pre: dict[int, str] | None = None) -> None:
-        self._boundary = boundary
-        self._it: Iterator = iter(inner)
-        self._pre = pre or {}
-
-    def __iter__(self) -> _DigestingIter:
-        return self
-
-    def __next__(self):
-        item = next(self._it)
-        try:
-            name, tensor = item
-        except (TypeError, ValueError):
-            return item
-        self._boundary._pull(name, tensor, self._pre.get(id(tensor)))
-        return item
 
 
 class _Open:

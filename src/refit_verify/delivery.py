@@ -25,7 +25,7 @@ from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
 
 if TYPE_CHECKING:
-    from refit_verify.boundary import ModelBoundary
+    from refit_verify.model_boundary import ModelBoundary
 
 __all__ = ["ModuleSession", "match_any"]
 
