@@ -61,7 +61,9 @@ elif [ "$stage" = t ]; then
 elif [ "$stage" = p ]; then
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout 560 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
-  echo "bench_paths rc=$?"; tail -45 "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
+  echo "bench_paths rc=$?"; grep -A8 "^## Wall" "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
+  [ -n "${WITH_BOUNDARY:-}" ] && timeout 120 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1 \
+    && tail -5 "$OUT/bench_boundary.md"
 elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refit's host time goes, few rounds
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout 500 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-4} --paths ${PATHS_Q:-transport,boundary-per-param,boundary-bucketed,native-packed} \
