@@ -208,7 +208,10 @@ class RefitCheck:
             raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
         if not self.mode.verifies:
             return
-        self._streams.setdefault(module, StreamDigests()).add(name, tensor)
+        stream = self._streams.get(module)
+        if stream is None:
+            stream = self._streams[module] = StreamDigests()
+        stream.add(name, tensor)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``named_tensors`` unchanged, recording each tensor as it passes (iterator-style trainers)."""

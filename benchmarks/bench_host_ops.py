@@ -1,0 +1,111 @@
+"""Host cost per tensor of the operations one verified refit repeats per tensor, on CUDA (or CPU).
+
+    python benchmarks/bench_host_ops.py [--rounds 5] [--device auto|cuda|cpu] [--out FILE]
+
+For each of the 310 tensors of the Qwen3-0.6B-like set: tensor attribute reads, the views
+``logical_bytes`` makes, a device copy (``clone``), the cached §3 seed, and the batches built from
+them (``DigestBatch`` without copies, ``CopyingBatch`` / ``StreamDigests`` with one copy per
+tensor, ``engine_state.snapshot`` of a module holding the set). One sample times the host side
+of one pass over the set (``time.perf_counter``, a CUDA synchronisation before the pass, none
+inside it unless the row says so); the table gives the median and quartiles over ``--rounds``
+samples in microseconds per tensor, and each row's ratio to the same run's ``t.view(-1)`` row.
+This is where host time per tensor goes; ``bench_paths.py`` measures what a whole refit costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from refit_verify import models
+from refit_verify.boundary import identity_of
+from refit_verify.digest import CopyingBatch, DigestBatch, StreamDigests, _same_storage, _tensor_seed, logical_bytes
+from refit_verify.engine_state import snapshot
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _tables import emit  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    sd = models.random_state_dict(models.QWEN3_0_6B_LIKE, seed=1, device=dev)
+    ts = list(sd.items())
+    u8s = [logical_bytes(t) for _, t in ts]
+    module = torch.nn.Module()
+    for n, t in ts:
+        module.register_parameter(n.replace(".", "_"), torch.nn.Parameter(t.clone(), requires_grad=False))
+    who = identity_of(0, device=dev)
+
+    def sync() -> None:
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def copying() -> None:
+        b = CopyingBatch()
+        for n, t in ts:
+            b.add(n, t)
+        b.launch()
+
+    def stream() -> None:
+        s = StreamDigests()
+        for n, t in ts:
+            s.add(n, t)
+        s.digests()
+
+    def plain() -> None:
+        b = DigestBatch()
+        for n, t in ts:
+            b.add(n, t)
+        b.hexdigests()
+
+    rows = [
+        ("t.view(-1)", lambda: [t.view(-1) for _, t in ts]),
+        ("t.dtype, t.shape, t.numel()", lambda: [(t.dtype, t.shape, t.numel()) for _, t in ts]),
+        ("t.untyped_storage().data_ptr()", lambda: [t.untyped_storage().data_ptr() for _, t in ts]),
+        ("t.reshape(-1).view(torch.uint8)", lambda: [t.reshape(-1).view(torch.uint8) for _, t in ts]),
+        ("logical_bytes(t) (checks + views)", lambda: [logical_bytes(t) for _, t in ts]),
+        ("cached seed", lambda: [_tensor_seed(t.dtype, t.shape, u.numel()) for u, (_, t) in zip(u8s, ts)]),
+        ("same-storage test", lambda: [_same_storage(u, t) for u, (_, t) in zip(u8s, ts)]),
+        ("u8.clone() (one device copy)", lambda: [u.clone() for u in u8s]),
+        ("DigestBatch: add + hexdigests (incl. sync)", plain),
+        ("CopyingBatch: add + launch", copying),
+        ("StreamDigests: add + digests (incl. sync)", stream),
+        ("engine_state.snapshot of the module (incl. sync)", lambda: snapshot({"model": module}, who)),
+    ]
+    samples: dict[str, list[float]] = {label: [] for label, _ in rows}
+    for r in range(a.rounds + 1):
+        for label, fn in rows:  # interleaved: every row once per round
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            sync()
+            if r:  # round 0 warms up (kernel compile, caches)
+                samples[label].append(dt * 1e6 / len(ts))
+    base = statistics.median(samples[rows[0][0]])
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    lines = [f"# Host cost per tensor ({datetime.date.today()}, {name}, torch {torch.__version__})", "",
+             f"{len(ts)} tensors, {a.rounds} interleaved rounds; µs per tensor (host time of one pass over the set)", "",
+             "| operation | p25 | median | p75 | / t.view(-1) |", "|---|---|---|---|---|"]
+    for label, _ in rows:
+        xs = samples[label]
+        q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+        med = statistics.median(xs)
+        lines.append(f"| {label} | {q[0]:.2f} | {med:.2f} | {q[2]:.2f} | {med / base:.1f} |")
+    emit(lines, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
