@@ -11,6 +11,7 @@ put back whole. :mod:`refit_verify.boundary` owns the sessions and the wrappers 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import time
 import weakref
@@ -39,10 +40,15 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` of ``t`` within its storage."""
     size = t.element_size()
     start = t.storage_offset() * size
-    if t.numel() == 0:
-        return start, start
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return start, start + (last + 1) * size
+    return start, start + _span(tuple(t.shape), tuple(t.stride())) * size
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _span(shape: tuple, stride: tuple) -> int:
+    """Elements from a view's first element to one past its last (0 when it has none)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return sum((n - 1) * st for n, st in zip(shape, stride)) + 1
 
 
 def _contiguous(shape: tuple, stride: tuple) -> bool:
@@ -81,15 +87,17 @@ def _spans(g: tuple, n: int) -> list[tuple[int, int]] | None:
     return out
 
 
-def _inside(dest: tuple, param: torch.Tensor) -> bool:
-    """True iff region ``dest`` (offset relative to ``param``'s storage offset, shape, stride) lies
-    within the elements ``param`` spans (a write elsewhere hits another tensor of its storage)."""
+@functools.lru_cache(maxsize=1 << 14)
+def _inside_of(dest: tuple, pshape: tuple, pstride: tuple) -> bool:
+    """True iff region ``dest`` (offset relative to the parameter's storage offset, shape, stride)
+    lies within the elements a parameter of shape ``pshape`` and strides ``pstride`` spans (a write
+    elsewhere hits another tensor of its storage). Memoised: a loader writes the same regions every refit."""
     off, shape, stride = dest
     if any(n == 0 for n in shape):
         return True
     lo = off + sum((n - 1) * st for n, st in zip(shape, stride) if st < 0)
     hi = off + sum((n - 1) * st for n, st in zip(shape, stride) if st > 0)
-    p_hi = sum((n - 1) * st for n, st in zip(param.shape, param.stride()) if st > 0) if param.numel() else -1
+    p_hi = -1 if any(n == 0 for n in pshape) else sum((n - 1) * st for n, st in zip(pshape, pstride) if st > 0)
     return lo >= 0 and hi <= p_hi
 
 
@@ -334,10 +342,12 @@ class ModuleSession:
         d = self.match(loaded)
         if d is not None:
             d.routed = True
-        self.param_numel.setdefault(pname, param.numel())
-        self.param_dtype.setdefault(pname, param.dtype)
-        self.param_geometry[pname] = (tuple(param.shape), tuple(param.stride()), param.storage_offset())
-        outside = [c for c in placement.copies if not _inside(c.dest, param)]
+        if pname not in self.param_numel:
+            self.param_numel[pname] = param.numel()
+            self.param_dtype[pname] = param.dtype
+        pshape, pstride = tuple(param.shape), tuple(param.stride())
+        self.param_geometry[pname] = (pshape, pstride, param.storage_offset())
+        outside = [c for c in placement.copies if not _inside_of(c.dest, pshape, pstride)]
         if outside:  # into another tensor of the same storage: not this parameter's bytes
             self.inexact.setdefault(pname, f"the loader wrote outside the parameter (into its storage at "
                                            f"{outside[0].dest[0]:+d} elements, shape {list(outside[0].dest[1])})")

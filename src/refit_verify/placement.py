@@ -168,6 +168,8 @@ def _key(loaded: Any, rest: tuple, kwargs: dict) -> tuple:
     from a strided view describes its source regions in that view's strides) and the shard arguments."""
     shape = (tuple(loaded.shape), tuple(loaded.stride())) if isinstance(loaded, torch.Tensor) else None
     dtype = loaded.dtype if isinstance(loaded, torch.Tensor) else type(loaded)
+    if not rest and not kwargs:
+        return (shape, dtype, (), ())
     extra = tuple(a if isinstance(a, (str, int, float, bool, type(None))) else repr(type(a)) for a in rest)
     kw = tuple(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else repr(type(v))) for k, v in kwargs.items()))
     return (shape, dtype, extra, kw)
