@@ -394,3 +394,13 @@ def test_hostile_shard_messages_refused_by_sharded_digest(ranks):
     assert tx["roots_pickle"]["message"].startswith("group rank 1: undecodable shard roots")
     assert tx["roots_too_many"] == {"type": "RefitProtocolError",
                                     "message": "group rank 1 sent 3 chunk roots for its 0 bytes, expected 0"}
+
+
+def test_to_text_falls_back_to_builtins_for_a_string_utf8_cannot_encode():
+    """A record with an unpaired surrogate (a name, an OSError message about a non-UTF-8 path)
+    cannot be JSON text; the worker returns it as builtins, which from_wire reads the same."""
+    rec = SessionManifest(session="s1", version=1, opened_by="rpc", worker=WorkerIdentity(rank=0),
+                          modules={"model": ModuleManifest(digests={"w\udc80": "0" * 32})}, errors=["open('/tmp/\udcff')"])
+    out = to_text(rec)
+    assert isinstance(out, dict) and from_wire(out) == rec
+    assert isinstance(to_text(SESSION), str)

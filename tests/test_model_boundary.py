@@ -624,3 +624,39 @@ def test_an_open_sessions_in_place_digest_reads_every_region(landed):
     model.b.data[0] = 7
     assert wb.snapshot()[0] == {}
     assert not compare_session({"model": {"e": tensor_digest(e)}}, wb.close(sid), version=1).ok
+
+
+class _Redirecting(torch.nn.Parameter):
+    """A parameter class whose ``__torch_function__`` sends every op (the loaders' writes included)
+    to another tensor, ``_live``: its own storage is never written."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def sub(a):
+            return a._live if isinstance(a, _Redirecting) else a
+
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*[sub(a) for a in args], **{k: sub(v) for k, v in (kwargs or {}).items()})
+
+
+def test_parameter_class_redirecting_its_writes_is_not_coverable_never_verified():
+    """Read-back reads a parameter's own storage; a class whose ops reach other memory is named
+    not coverable with the reason when its placement is learned, in every session after, and is
+    never reported verified, whatever that other memory holds."""
+    model = ToyModel("cpu")
+    w = toy_weights(21)
+    s = _Redirecting(torch.zeros_like(model.qkv_proj), requires_grad=False)
+    s._live = torch.zeros_like(model.qkv_proj)
+    s.weight_loader = model.qkv_proj.weight_loader
+    model.qkv_proj = s
+    wb, _ = _worker(model)
+    for version in (1, 2):
+        man = _refit(wb, model, w, version=version)
+        if version == 2:
+            s._live[3, 3] += 1  # what the model computes with changes; its own storage does not
+        r = compare_session({"model": digest_tensors(w.items())}, man, session=f"s{version}", version=version)
+        st = man.engine.params["qkv_proj"]
+        assert st.status == "not_coverable" and "sends its tensor ops to other memory than its own storage" in st.why
+        assert "qkv_proj" in r.not_proven and r.verified == 5
+        assert {k: v.status for k, v in man.engine.params.items()} == {"qkv_proj": "not_coverable", "embed": "verified",
+                                                                       "norm": "verified"}

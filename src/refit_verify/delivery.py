@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch, DigestBatch
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch, DigestBatch, plain_tensor_ops
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -273,6 +273,7 @@ class ModuleSession:
                 continue
             (self.unattributed if call.unattributed else self.unconsumed).append(name)
 
+    @plain_tensor_ops
     def deliver(self, name: str, t: torch.Tensor, call: _Call, hexd: str | None = None) -> None:
         """Digest one delivered tensor (launched in stream order now; no reference is kept).
 

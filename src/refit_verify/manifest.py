@@ -283,15 +283,20 @@ def to_wire(obj: msgspec.Struct) -> dict[str, Any]:
 _JSON = msgspec.json.Encoder()
 
 
-def to_text(obj: msgspec.Struct) -> str:
+def to_text(obj: msgspec.Struct) -> str | dict[str, Any]:
     """Return ``obj`` as JSON text (msgspec): what the worker RPCs return.
 
     One ``str`` rather than nested builtins: vLLM's multiprocess ``collective_rpc`` decodes a
     result object by object (a type lookup and an import per value; about 30 ms for a 310-tensor
     session manifest on vLLM 0.26), a string in one step; HTTP and Ray carry it unchanged.
-    :func:`from_wire` reads it back.
+    :func:`from_wire` reads it back. A record holding a string UTF-8 cannot encode (an unpaired
+    surrogate, e.g. from an ``OSError`` about a non-UTF-8 path) is returned as builtins
+    (:func:`to_wire`) instead, which ``from_wire`` reads as well.
     """
-    return _JSON.encode(obj).decode()
+    try:
+        return _JSON.encode(obj).decode()
+    except UnicodeEncodeError:
+        return to_wire(obj)
 
 
 def from_wire(data: Any, cls: type = SessionManifest):

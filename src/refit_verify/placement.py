@@ -274,7 +274,15 @@ class LoaderTap:
             rec = _CopyRecorder(param, loaded)
             with rec:
                 out = original(*args, **kwargs)
-            placement = self.placements[key] = rec.placement()
+            placement = rec.placement()
+            with _PLAIN():
+                own = _storage_ptr(param)
+            if own != rec.dest_ptr:  # the loader's ops reached other memory than the parameter's own storage
+                placement = Placement(placement.copies, placement.numel, False,
+                                      f"the parameter's class ({type(param).__name__}) sends its tensor ops to other memory "
+                                      "than its own storage (__torch_function__): what read-back reads is not what the "
+                                      "loader wrote", placement.opaque)
+            self.placements[key] = placement
         else:
             out = original(*args, **kwargs)
         self._safely(self.on_write, pname, param, loaded, placement)
