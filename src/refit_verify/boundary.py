@@ -105,12 +105,15 @@ class WorkerBoundary:
         self._lock = threading.RLock()
 
     def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
-               extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> ModelBoundary | None:
+               extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None,
+               refresh: bool = True) -> ModelBoundary | None:
         """Add (or refresh) the boundary of ``model`` under ``role``; idempotent.
 
         Args:
             extra_params: ``f(model) -> [(name, tensor)]`` of parameters a reload will swap in (vLLM's
                 layerwise reload restores meta copies recorded at load time); their loaders are wrapped too.
+            refresh: re-wrap the parameters of an already attached model (False when a session
+                opens next: :meth:`open` wraps them anyway).
         """
         if model is None or not callable(getattr(model, "load_weights", None)):
             return None
@@ -120,6 +123,8 @@ class WorkerBoundary:
                 return b  # a proxy standing in for the attached model (SkyRL's _LoadWeightsProxy): keep the model's boundary
             if b is None or b.model is not model:
                 b = self.modules[role] = ModelBoundary(self, model, role, default_loader, extra_params)
+            elif not refresh:
+                return b
             b.install()
             return b
 

@@ -58,15 +58,16 @@ def boundary_of(worker: Any) -> WorkerBoundary | None:
     return wb
 
 
-def attach_models(worker: Any, wb: WorkerBoundary) -> None:
-    """Attach the main model and the drafter of ``worker`` to ``wb`` (idempotent)."""
+def attach_models(worker: Any, wb: WorkerBoundary, refresh: bool = True) -> None:
+    """Attach the main model and the drafter of ``worker`` to ``wb`` (idempotent; ``refresh``: see
+    :meth:`WorkerBoundary.attach`)."""
     default = shims.default_weight_loader()
     try:
         model = worker.get_model()
     except Exception:  # noqa: BLE001 - no model loaded yet
         model = None
     for role, m in (("model", model), ("drafter", shims.draft_model(worker))):
-        if m is not None and wb.attach(role, m, default, shims.layerwise_restore_params) is not None:
+        if m is not None and wb.attach(role, m, default, shims.layerwise_restore_params, refresh=refresh) is not None:
             _BY_MODEL[m] = wb
 
 
@@ -200,7 +201,7 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
         logger.warning("refit-verify: session %s arrived %.1f s after the trainer stopped waiting; not opened",
                        session_id, time.time() - deadline)
         return {"rank": wb.identity.rank, "verifying": True, "session": None, "expired": True}
-    attach_models(self, wb)
+    attach_models(self, wb, refresh=False)  # the open wraps every module's parameters itself
     sid = wb.open(session_id, opened_by="rpc", explicit=True, **opts)
     return {"rank": wb.identity.rank, "verifying": True, "session": sid}
 
