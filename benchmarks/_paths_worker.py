@@ -475,43 +475,28 @@ class Bench:
 
 
 class Profile:
-    """cProfile of the counted refits of each path, and where CUDA synchronised (``--profile``).
+    """cProfile of the counted refits of each path (``--profile``).
 
     Profiled runs are slower than measured ones: use a separate run with few rounds.
     """
 
-    def __init__(self, out: str, cuda: bool) -> None:
+    def __init__(self, out: str) -> None:
         import cProfile
 
-        self.out, self.cuda = out, cuda
+        self.out = out
         self.prof: dict[str, cProfile.Profile] = {}
-        self.syncs: dict[str, dict[str, int]] = {}
         self.runs: dict[str, int] = {}
 
     def run(self, path: str, fn):
         import cProfile
-        import warnings
-
-        import torch
 
         p = self.prof.setdefault(path, cProfile.Profile())
-        seen = self.syncs.setdefault(path, {})
         self.runs[path] = self.runs.get(path, 0) + 1
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if self.cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            p.enable()
-            try:
-                return fn(path)
-            finally:
-                p.disable()
-                if self.cuda:
-                    torch.cuda.set_sync_debug_mode("default")
-        for w in caught:
-            if "synchroniz" in str(w.message):
-                where = f"{w.filename}:{w.lineno}"
-                seen[where] = seen.get(where, 0) + 1
+        p.enable()
+        try:
+            return fn(path)
+        finally:
+            p.disable()
 
     def write(self) -> None:
         import io
@@ -519,10 +504,7 @@ class Profile:
 
         buf = io.StringIO()
         for path, p in self.prof.items():
-            n = self.runs[path]
-            buf.write(f"\n===== {path}: {n} profiled refits =====\nCUDA synchronisations per refit, by caller:\n")
-            for where, k in sorted(self.syncs[path].items(), key=lambda kv: -kv[1]):
-                buf.write(f"  {k / n:8.1f}  {where}\n")
+            buf.write(f"\n===== {path}: {self.runs[path]} profiled refits =====\n")
             st = pstats.Stats(p, stream=buf)
             st.sort_stats("tottime").print_stats(45)
             st.sort_stats("cumulative").print_stats("refit_verify", 60)
@@ -556,7 +538,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--files-dir", default=None, help="where the CPU native test backend writes its files (default: a temp dir)")
-    ap.add_argument("--profile", default=None, help="profile the counted refits (cProfile, CUDA syncs) into this file")
+    ap.add_argument("--profile", default=None, help="profile the counted refits (cProfile) into this file")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log
@@ -573,7 +555,7 @@ def main() -> None:
         send(Reply(op="ready", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
         return
     send(ready)
-    prof = Profile(a.profile, bench.cuda) if a.profile else None
+    prof = Profile(a.profile) if a.profile else None
     for line in sys.stdin.buffer:
         try:
             cmd = CMD.decode(line)

@@ -222,8 +222,8 @@ def parse() -> argparse.Namespace:
                          "machine that idle engine steals the cores from the refit being timed")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile; where CUDA "
-                         "synchronised); profiled timings are slower, so use few rounds and not for the tables")
+                    help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
+                         "timings are slower, so use few rounds and not for the tables")
     a = ap.parse_args()
     if a.rounds < 1 or a.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")

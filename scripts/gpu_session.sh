@@ -15,7 +15,7 @@
 #   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce.
-#   stage q (carry as stage t): bench_paths with --profile (cProfile + CUDA syncs of the enforce children), 4 rounds.
+#   stage q (carry as stage t): bench_paths with --profile (cProfile of the enforce children), 4 rounds.
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
 #           CUDA and benchmarks/bench_boundary.py.
 # Everything is logged under $OUT.
