@@ -16,7 +16,6 @@ Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|c
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import sys
@@ -31,7 +30,7 @@ from refit_verify.digest import StreamDigests
 from refit_verify.engine_state import audit, read_back, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import emit  # noqa: E402
+from _tables import emit, parse  # noqa: E402
 
 
 def _default_loader(param, loaded_weight):
@@ -65,12 +64,7 @@ def _sync(dev: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    a, dev = parse(__doc__, argv, rounds=20)
     cfg = models.QWEN3_0_6B_LIKE if dev == "cuda" else models.load_config(models.packaged_config_dir())
     sd = models.random_state_dict(cfg, seed=1, device=dev)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())

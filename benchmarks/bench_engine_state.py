@@ -13,7 +13,6 @@ The 310-tensor, 1.11 GiB Qwen3-0.6B-like set is the default on CUDA, the tiny Ll
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import hashlib
 import platform
@@ -30,7 +29,7 @@ from refit_verify.digest import DigestBatch
 from refit_verify.engine_state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import emit  # noqa: E402
+from _tables import emit, parse  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -64,13 +63,8 @@ def _q(xs: list[float]) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=("qwen3-0.6b-like", "tiny"), default=None)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    a, device = parse(__doc__, argv, rounds=20,
+                      extra=lambda ap: ap.add_argument("--model", choices=("qwen3-0.6b-like", "tiny"), default=None))
     name = a.model or ("qwen3-0.6b-like" if device == "cuda" else "tiny")
     cfg = models.QWEN3_0_6B_LIKE if name == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
     sd = models.random_state_dict(cfg, seed=0, device=device)

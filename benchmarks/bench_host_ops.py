@@ -14,7 +14,6 @@ This is where host time per tensor goes; ``bench_paths.py`` measures what a whol
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import sys
@@ -29,16 +28,11 @@ from refit_verify.digest import CopyingBatch, DigestBatch, StreamDigests, _same_
 from refit_verify.engine_state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _tables import emit  # noqa: E402
+from _tables import emit, parse  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    a, dev = parse(__doc__, argv, rounds=5)
     sd = models.random_state_dict(models.QWEN3_0_6B_LIKE, seed=1, device=dev)
     ts = list(sd.items())
     u8s = [logical_bytes(t) for _, t in ts]

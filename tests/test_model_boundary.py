@@ -20,6 +20,7 @@ from refit_verify.digest import digest_tensors, tensor_digest
 from refit_verify.engine_state import read_back
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import Producer, SessionManifest, from_wire, to_wire
+from tests.support.subclasses import RedirectingParameter
 from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: copies digested in batches (CopyingBatch)
@@ -626,26 +627,13 @@ def test_an_open_sessions_in_place_digest_reads_every_region(landed):
     assert not compare_session({"model": {"e": tensor_digest(e)}}, wb.close(sid), version=1).ok
 
 
-class _Redirecting(torch.nn.Parameter):
-    """A parameter class whose ``__torch_function__`` sends every op (the loaders' writes included)
-    to another tensor, ``_live``: its own storage is never written."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def sub(a):
-            return a._live if isinstance(a, _Redirecting) else a
-
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*[sub(a) for a in args], **{k: sub(v) for k, v in (kwargs or {}).items()})
-
-
 def test_parameter_class_redirecting_its_writes_is_not_coverable_never_verified():
     """Read-back reads a parameter's own storage; a class whose ops reach other memory is named
     not coverable with the reason when its placement is learned, in every session after, and is
     never reported verified, whatever that other memory holds."""
     model = ToyModel("cpu")
     w = toy_weights(21)
-    s = _Redirecting(torch.zeros_like(model.qkv_proj), requires_grad=False)
+    s = RedirectingParameter(torch.zeros_like(model.qkv_proj), requires_grad=False)
     s._live = torch.zeros_like(model.qkv_proj)
     s.weight_loader = model.qkv_proj.weight_loader
     model.qkv_proj = s

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from refit_verify import digest as dg  # noqa: E402
 from refit_verify import reference as ref  # noqa: E402
 from refit_verify.kernels import digest as kd  # noqa: E402
+from tests.support.subclasses import RedirectingTensor  # noqa: E402
 
 DEV = "cpu" if kd._INTERPRETED else "cuda"
 
@@ -108,24 +109,12 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
         assert (now != want[n]) == (n in nonzero), n
 
 
-class _Redirecting(torch.Tensor):
-    """A subclass whose ``__torch_function__`` sends every op to another tensor (``_live``)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def sub(a):
-            return a._live if isinstance(a, _Redirecting) else a
-
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*[sub(a) for a in args], **{k: sub(v) for k, v in (kwargs or {}).items()})
-
-
 def test_copying_batch_copies_the_own_bytes_of_a_redirecting_subclass(monkeypatch):
     """Every read of ``add`` is a plain tensor op: a subclass that redirects ``untyped_storage()``
     cannot make the "is it a view of t?" test fail and leave t's own memory uncopied."""
     monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
     own = torch.arange(16, dtype=torch.float32, device=DEV)
-    t = own.as_subclass(_Redirecting)
+    t = own.as_subclass(RedirectingTensor)
     t._live = own.clone() + 100
     want = dg.tensor_digest(own.clone())  # the tensor's own bytes at add
     b = dg.CopyingBatch()
