@@ -92,13 +92,17 @@ def _inside_of(dest: tuple, pshape: tuple, pstride: tuple) -> bool:
     """True iff region ``dest`` (offset relative to the parameter's storage offset, shape, stride)
     lies within the elements a parameter of shape ``pshape`` and strides ``pstride`` spans (a write
     elsewhere hits another tensor of its storage). Memoised: a loader writes the same regions every refit."""
-    off, shape, stride = dest
-    if any(n == 0 for n in shape):
+    if any(n == 0 for n in dest[1]):
         return True
-    lo = off + sum((n - 1) * st for n, st in zip(shape, stride) if st < 0)
-    hi = off + sum((n - 1) * st for n, st in zip(shape, stride) if st > 0)
-    p_hi = -1 if any(n == 0 for n in pshape) else sum((n - 1) * st for n, st in zip(pshape, pstride) if st > 0)
-    return lo >= 0 and hi <= p_hi
+    lo, hi = _bounds(dest)
+    return lo >= 0 and not any(n == 0 for n in pshape) and hi <= _bounds((0, pshape, pstride))[1]
+
+
+def _bounds(g: tuple) -> tuple[int, int]:
+    """First and last element (inclusive) that region ``g`` = (offset, shape, stride) touches."""
+    off, shape, stride = g
+    return (off + sum((n - 1) * st for n, st in zip(shape, stride) if st < 0),
+            off + sum((n - 1) * st for n, st in zip(shape, stride) if st > 0))
 
 
 def covered(regions: dict[tuple, int]) -> int:
@@ -116,8 +120,8 @@ def covered(regions: dict[tuple, int]) -> int:
     # other region (else only the largest such counts): never more than the union
     for g, n in other:
         if len(g) == 3 and isinstance(g[0], int):
-            lo = g[0] + sum((m - 1) * st for m, st in zip(g[1], g[2]) if st < 0)
-            hi = g[0] + sum((m - 1) * st for m, st in zip(g[1], g[2]) if st > 0) + 1
+            lo, last = _bounds(g)
+            hi = last + 1
         else:
             lo, hi = -(1 << 62), 1 << 62  # an opaque write: anywhere
         bounds.append((lo, hi, n))

@@ -237,6 +237,11 @@ def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[s
     return b.hexdigests()
 
 
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True iff ``a`` and ``b`` are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     """Return a copy of ``t``'s bytes in its dtype and shape, owned by nobody else (one device copy).
 
@@ -245,7 +250,7 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     ``t`` is copied once (by :func:`logical_bytes`), a contiguous one once more.
     """
     u8 = logical_bytes(t)
-    if u8.numel() and u8.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+    if u8.numel() and _same_storage(u8, t):
         u8 = u8.clone()
     return u8.view(t.dtype).reshape(t.shape)
 
@@ -260,8 +265,8 @@ class CopyingBatch:
     tensor, digests what each tensor held when it was added, and holds at most ``flush_bytes`` of
     copies on the device. CPU tensors are digested at once (no copy).
 
-    Host cost of one CUDA ``add`` (H200 host, torch 2.11): the checks of :func:`logical_bytes`
-    (≈ 3.6 µs), the copy launch (≈ 9 µs), the cached seed and the queueing.
+    Host cost of one CUDA ``add``: the checks of :func:`logical_bytes`, one copy launch, the cached
+    seed and the queueing (``benchmarks/bench_host_ops.py``; ``docs/performance.md`` has the figures).
 
     Args:
         flush_bytes: bytes of pending copies at which they are launched (default 256 MiB).
@@ -309,11 +314,6 @@ class CopyingBatch:
 
     def __len__(self) -> int:
         return len(self._batch._order)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True iff ``a`` and ``b`` are views of one storage."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class StreamDigests:

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from refit_verify.digest import _PLAIN  # our bookkeeping on plain tensor ops (see digest.plain_tensor_ops)
+
 __all__ = ["Copy", "LoaderTap", "Placement", "as_view", "geometry"]
 
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
 """(element offset from the base tensor's own storage offset, shape, stride) of a view."""
 
 _TAP_MARK = "__refit_verify_tap__"
-_PLAIN = torch._C.DisableTorchFunctionSubclass  # our bookkeeping on plain tensor ops (see digest.plain_tensor_ops)
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
 
