@@ -1,6 +1,6 @@
 """What verification costs on every refit path: REFIT_VERIFY=off vs enforce, side by side in one run.
 
-    python benchmarks/bench_paths.py [--rounds 20] [--device auto|cpu|cuda] [--model tiny|qwen3-0.6b-like]
+    python benchmarks/bench_paths.py [--rounds 20] [--device auto|cpu|cuda] [--model tiny|qwen3-0.6b-like|qwen3-shaped-small]
                                      [--paths transport,boundary-per-param,boundary-bucketed,native] [--out FILE.md]
 
 ``REFIT_VERIFY`` is read per process when vLLM loads the plugin, so each mode gets engines of its
@@ -208,8 +208,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--model", default=None, choices=["tiny", "qwen3-0.6b-like"],
-                    help="default: qwen3-0.6b-like on CUDA, tiny on CPU")
+    ap.add_argument("--model", default=None, choices=["tiny", "qwen3-0.6b-like", "qwen3-shaped-small"],
+                    help="default: qwen3-0.6b-like on CUDA, tiny on CPU; qwen3-shaped-small: its 310 tensors in 2 MiB "
+                         "(per-tensor host cost on a CPU)")
     ap.add_argument("--paths", default="transport,boundary-per-param,boundary-bucketed,native",
                     help=f"comma-separated of {', '.join(PATHS)}, native (= both native paths)")
     ap.add_argument("--bucket-mib", type=float, default=None, help="bucket / packed-buffer size (default 64; tiny: 0.1875)")
@@ -285,7 +286,8 @@ def main() -> int:
     a = parse()
     work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
     shm = Path(tempfile.mkdtemp(prefix="refit-verify-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
-    cfg = models.QWEN3_0_6B_LIKE if a.model == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
+    cfg = {"qwen3-0.6b-like": models.QWEN3_0_6B_LIKE, "qwen3-shaped-small": models.QWEN3_0_6B_SHAPED_SMALL}.get(a.model) \
+        or models.load_config(models.packaged_config_dir())
     (work / "model").mkdir()
     (work / "model" / "config.json").write_text(json.dumps(cfg))
     envs = build_env(a, work)

@@ -247,3 +247,32 @@ def test_engine_bytes_changed_after_load_are_named(run):
     assert (r.proven_bytes, r.unproven_bytes) == (N_BYTES - qkv_bytes, qkv_bytes)
     assert str(err).endswith("(21 of 21 verified): 1 engine parameters holding other bytes than delivered (read-back): "
                              f"{QKV}")
+
+
+def test_plain_model_is_digested_without_a_copy_and_a_changed_parameter_is_named(run):
+    """A plain model (no PEFT, FSDP or ZeRO-3): refit-verify holds TRL's pushed tensors and digests them at the
+    end of the sync, with no copy (``refit(copy=False)``). A trainer tensor written in place after its push (the
+    engine got the bytes before the write) is named as not digestable as pushed: a failure, never a pass."""
+    from refit_verify.integrations import trl as rv_trl
+
+    trainer, _, _, out_dir, _ = run
+    assert rv_trl._holds(trainer.vllm_generation) is True
+
+    def wrap(boundary):
+        @functools.wraps(boundary)
+        def then_write(weights, *a, **k):
+            weights = list(weights)
+            out = boundary(weights, *a, **k)
+            if weights[0][0] == TARGET:
+                weights[0][1].add_(1.0)  # the trainer's own tensor, written after the engine copied it
+            return out
+
+        return then_write
+
+    err = _train_step_3_through(trainer, out_dir, wrap)
+    r = err.report
+    (problem,) = r.problems
+    assert problem.startswith(f"the trainer's {TARGET} could not be digested as pushed: it was modified in place after it "
+                              "was added (0 -> 1 writes through it)")
+    assert TARGET not in r.sender and r.unexpected == (TARGET,) and r.verified == N_TENSORS - 1
+    assert (r.mismatched, r.missing, r.engine_mismatched) == ((), (), ())

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,6 +50,8 @@ class Backend:
         chunk_roots_u8: ``u8 -> [(root_0, root_1), ...]``, the §6 chunk roots of a standalone
             byte string (for ``refit_verify.sharded``), Python ints.
         fallback_reason: why this is not the fast backend of its device type (``None`` if it is).
+        plan_views, run_plan: batched backends that can keep a launch plan for the same memory
+            (``kernels.digest.plan_views`` / ``run_plan``); ``None`` otherwise.
     """
 
     name: str
@@ -56,6 +59,8 @@ class Backend:
     digest_views: Callable[[list[torch.Tensor], list[Words]], torch.Tensor] | None
     chunk_roots_u8: Callable[[torch.Tensor], list[Words]]
     fallback_reason: str | None = None
+    plan_views: Callable[[list[torch.Tensor], list[Words]], Any] | None = None
+    run_plan: Callable[[Any], torch.Tensor] | None = None
 
 
 _CHOSEN: dict[tuple[str, bool], Backend] = {}
@@ -99,7 +104,7 @@ def _pick(device_type: str, kernel: bool) -> Backend:
         except Exception as e:  # noqa: BLE001 - any import failure means: no kernels here
             return _torch(f"the Triton kernels are unavailable ({type(e).__name__}: {e}); the torch path is "
                           "roughly 100x slower on a GPU and synchronises once per tensor")
-        return Backend("triton", None, kd.digest_views, _kernel_roots)
+        return Backend("triton", None, kd.digest_views, _kernel_roots, plan_views=kd.plan_views, run_plan=kd.run_plan)
     if device_type == "cpu":
         try:
             from refit_verify import _numba_digest as nd

@@ -49,7 +49,8 @@ OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_c
 
 
 def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
-                    version: int | None = None, partial: bool = False, producer_rank: int | None = None) -> VerificationReport:
+                    version: int | None = None, partial: bool = False, producer_rank: int | None = None,
+                 sender_problems: Iterable[str] = ()) -> VerificationReport:
     """Compare one worker's session manifest with what the trainer pushed.
 
     Args:
@@ -59,6 +60,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         version: the weight version the trainer pushed (another one in the manifest is a failure).
         partial: the refit does not write every parameter: unwritten parameters are not failures.
         producer_rank: for multi-producer transports, the trainer rank that sent this payload.
+        sender_problems: what the trainer could not digest as it pushed it (a held tensor that
+            changed before the end of the refit); each is a failure.
 
     Returns:
         VerificationReport: digests compared per module; coverage, identity and read-back checks in
@@ -72,7 +75,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     unconsumed: list[str] = []
     unwritten: list[str] = []
     unattributed: list[str] = []
-    problems: list[str] = []
+    problems: list[str] = list(sender_problems)
     unchecked: list[str] = []
     landed_mismatched: set[str] = set()  # digested where they landed, and not what the trainer sent
     for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
@@ -170,11 +173,13 @@ class RefitCheck:
     """
 
     def __init__(self, engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
-                 allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None) -> None:
+                 allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
+                 copy: bool = True) -> None:
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self.version = _check_version(version)
-        if not isinstance(partial, bool) or not isinstance(readback, bool):
-            raise RefitConfigError(f"partial and readback must be True or False, got {partial!r}, {readback!r}")
+        if not isinstance(partial, bool) or not isinstance(readback, bool) or not isinstance(copy, bool):
+            raise RefitConfigError(f"partial, readback and copy must be True or False, got {partial!r}, {readback!r}, {copy!r}")
+        self.copy = copy
         if isinstance(allow, (str, bytes)):
             raise RefitConfigError(f"allow must be a list of fnmatch patterns, not one string: allow=[{allow!r}]")
         self.allow = tuple(allow)
@@ -210,7 +215,7 @@ class RefitCheck:
             return
         stream = self._streams.get(module)
         if stream is None:
-            stream = self._streams[module] = StreamDigests()
+            stream = self._streams[module] = StreamDigests(copy=self.copy)
         stream.add(name, tensor)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
@@ -286,6 +291,18 @@ class RefitCheck:
         """``{module: {name: 32-hex}}`` of everything added (collects the trainer's digests)."""
         return {m: s.digests() for m, s in self._streams.items()}
 
+    def _sender_problems(self) -> list[str]:
+        """Held tensors (``copy=False``) that changed before their digests were taken (after :meth:`expected`)."""
+        out = []
+        for m, s in self._streams.items():
+            for name, why in list(s.changed.items())[:20]:
+                label = name if m == "model" else f"{m}:{name}"
+                out.append(f"the trainer's {label} could not be digested as pushed: {why} (refit(copy=False) holds the "
+                           "tensors until the refit ends; pass copy=True when the trainer changes or frees them before)")
+            if len(s.changed) > 20:
+                out.append(f"… and {len(s.changed) - 20} more tensors of {m} changed after r.add")
+        return out
+
     def verify(self) -> list[VerificationReport]:
         """Close the sessions, compare every worker's manifest, act on the mode (what ``with`` does on exit).
 
@@ -309,6 +326,7 @@ class RefitCheck:
         results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()
+        held = self._sender_problems()
         reports = []
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
@@ -317,7 +335,8 @@ class RefitCheck:
                                          f"{self.session!r} (was it restarted?)")
             man = from_wire(data)
             self.manifests.append(man)
-            reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial))
+            reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
+                                           sender_problems=held))
         self.reports = reports
         ok = all(r.ok for r in reports)
         verdicts.record(self.session, ok)
@@ -327,7 +346,8 @@ class RefitCheck:
 
 
 def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
-          allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None) -> RefitCheck:
+          allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
+          copy: bool = True) -> RefitCheck:
     """Return a context manager that verifies one refit of ``engine`` at its model boundary.
 
     Args:
@@ -343,9 +363,15 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
         readback: read the engine's parameters back in its own layout at the end (default True).
         timeout_s: bound, in seconds, on each call to the workers (default 120).
         session_id: the session id (default: a fresh random one).
+        copy: ``True`` (default): each added CUDA tensor is copied as it is added (one device copy),
+            so the trainer may change, free or reuse it right after pushing. ``False``: the trainer
+            promises to leave every added tensor untouched until the ``with`` block exits (its live
+            parameters, no PEFT merge/unmerge or sharded gather in between); nothing is copied and
+            the digests are taken at exit (:class:`~refit_verify.digest.HeldBatch`). A held tensor
+            that changed anyway is reported, never passed.
 
     Raises:
         RefitConfigError: a bad argument, or ``engine`` reaches no workers (only checked when verifying).
     """
     return RefitCheck(engine, version=version, mode=mode, partial=partial, allow=allow, readback=readback,
-                      timeout_s=timeout_s, session_id=session_id)
+                      timeout_s=timeout_s, session_id=session_id, copy=copy)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from refit_verify import backends as _backends
@@ -30,7 +33,7 @@ def _tensor_seed(dtype: torch.dtype, shape: torch.Size, nbytes: int) -> tuple[in
     return _seed(dtype_name(dtype), tuple(shape), nbytes)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
-__all__ = ["plain_tensor_ops", "backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "CopyingBatch", "DigestBatch", "StreamDigests", "snapshot"]
+__all__ = ["plain_tensor_ops", "backend_for", "dtype_name", "logical_bytes", "tensor_digest", "digest_tensors", "CopyingBatch", "DigestBatch", "HeldBatch", "StreamDigests", "snapshot"]
 
 
 _PLAIN = torch._C.DisableTorchFunctionSubclass
@@ -80,6 +83,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def _check(t: torch.Tensor) -> None:
+    """Raise :class:`RefitInputError` unless ``t`` is a tensor :func:`logical_bytes` can read."""
+    if not isinstance(t, torch.Tensor):
+        raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__}")
+    if t.is_nested:
+        raise RefitInputError("a nested tensor cannot be digested (digest its components)")
+    if t.layout is not torch.strided:
+        raise RefitInputError(f"only dense strided tensors can be digested, got layout {t.layout}")
+    if t.is_quantized:  # its integer storage alone does not determine its values (scales, zero points)
+        raise RefitInputError(f"a quantized tensor ({t.dtype}) cannot be digested: digest t.int_repr() and its "
+                              "quantization parameters (q_per_channel_scales() ...) as tensors of their own")
+    if t.is_meta:
+        raise RefitInputError("a meta tensor has no bytes to digest")
+    if t.dim() > 255:
+        raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
+
+
 @plain_tensor_ops
 def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     """Return ``t``'s bytes in logical row-major element order as a 1-D uint8 tensor.
@@ -97,19 +117,7 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
         RefitInputError: ``t`` is not a tensor, or is sparse, nested, quantized, not strided or on
             the meta device, or has more than 255 dimensions (spec §3 binds ndim in one byte).
     """
-    if not isinstance(t, torch.Tensor):
-        raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__}")
-    if t.is_nested:
-        raise RefitInputError("a nested tensor cannot be digested (digest its components)")
-    if t.layout is not torch.strided:
-        raise RefitInputError(f"only dense strided tensors can be digested, got layout {t.layout}")
-    if t.is_quantized:  # its integer storage alone does not determine its values (scales, zero points)
-        raise RefitInputError(f"a quantized tensor ({t.dtype}) cannot be digested: digest t.int_repr() and its "
-                              "quantization parameters (q_per_channel_scales() ...) as tensors of their own")
-    if t.is_meta:
-        raise RefitInputError("a meta tensor has no bytes to digest")
-    if t.dim() > 255:
-        raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
+    _check(t)
     if t.is_conj() or t.is_neg():  # conjugate/negative views: digest the values they show
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
@@ -122,6 +130,17 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+_PLANNED: OrderedDict[tuple, Any] = OrderedDict()
+_PLANNED_MAX = 32
+"""Launch plans kept per set of tensors (device, addresses, shapes, strides, dtypes): a refit digests
+the same memory every time (an engine's parameters, a trainer's, their regions), so its plan is built once."""
+
+
+def _hexes(words: torch.Tensor) -> str:
+    """All rows of int64 ``[N, 2]`` words as one string of ``32 * N`` hex characters (§9), one copy to the host."""
+    return np.ascontiguousarray(words.cpu().numpy()).view(np.uint64).astype(">u8").tobytes().hex()
+
+
 class DigestBatch:
     """Accumulates digests of many tensors with no per-tensor synchronisation.
 
@@ -130,16 +149,23 @@ class DigestBatch:
     device, no synchronisation); :meth:`hexdigests` launches what is left, copies the words of all
     launched groups of a device to the host at once and formats every digest once.
 
-    Host cost of one ``add``: a few attribute reads, the cached seed (:func:`reference.seed` runs once
-    per (dtype, shape)) and, on the CPU, the digest itself; no imports, no hex formatting.
+    A queued contiguous tensor is read when it is launched (its bytes, shape and strides then), so
+    it must not be modified, resized or given other storage before; a non-contiguous one is copied
+    to its logical bytes at ``add``. A launch of tensors that are all contiguous keeps its plan for
+    the same memory (:data:`_PLANNED`): the next launch over the same addresses, shapes and dtypes
+    (an engine's parameters at every refit) does no per-tensor planning.
+
+    Host cost of one ``add`` on the kernel path: the input checks and a list append; of a launch: a
+    key of four attribute reads per tensor when its plan is known (``benchmarks/bench_host_ops.py``).
     """
 
     def __init__(self) -> None:
         self._order: dict[str, int] = {}  # name -> number of its latest add, names in first-insertion order
         self._adds = 0
-        self._done: dict[str, tuple[int, int]] = {}  # name -> finalised words (h0, h1)
-        # (device, the backend's digest_views) -> queued (name, bytes, seeds, add number)
-        self._queued: dict[tuple[torch.device, Callable], list[tuple[str, torch.Tensor, tuple[int, int], int]]] = {}
+        self._done: dict[str, str] = {}  # name -> 32-hex digest
+        # device type -> queued (name, tensor, seeds or None, add number): seeds None = a contiguous
+        # tensor read at launch; else its logical bytes (a copy) and the seeds of the tensor they came from
+        self._queued: dict[Any, list[tuple[str, torch.Tensor, tuple[int, int] | None, int]]] = {}
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
     @plain_tensor_ops
@@ -149,6 +175,15 @@ class DigestBatch:
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
+        _check(t)
+        dtype = "cuda" if t.is_cuda else t.device.type
+        if dtype in _KERNEL_DEVICE_TYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            backend = backend_for(dtype)
+            if backend.digest_views is not None:
+                self._adds += 1
+                self._order[name] = self._adds
+                self._queued.setdefault((t.get_device(), backend), []).append((name, t, None, self._adds))
+                return
         u8 = logical_bytes(t)
         self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
 
@@ -157,27 +192,50 @@ class DigestBatch:
         ``name`` with the §3 ``seeds`` of the tensor they came from."""
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
-        dev = None if u8.is_cpu else u8.device  # (no torch.device object on the CPU path)
-        backend = backend_for("cpu" if dev is None else dev.type)
+        dtype = "cpu" if u8.is_cpu else u8.device.type
+        backend = backend_for(dtype)
         if backend.digest_words is not None:
-            self._done[name] = backend.digest_words(u8, seeds)
+            self._done[name] = _ref.hexdigest(*backend.digest_words(u8, seeds))
         else:
-            key = (u8.device if dev is None else dev, backend.digest_views)
-            self._queued.setdefault(key, []).append((name, u8, seeds, self._adds))
+            self._queued.setdefault((u8.get_device(), backend), []).append((name, u8, seeds, self._adds))
 
     def __len__(self) -> int:
         """Number of names added (each counted once)."""
         return len(self._order)
 
+    @plain_tensor_ops
     def launch(self) -> None:
         """Start the digest kernels of every queued tensor now, without synchronising.
 
         Afterwards the batch holds no reference to the queued tensors: the kernels read them in
         stream order, so a caller that reuses the memory synchronises (or orders its streams) first.
         """
-        for (_, digest_views), items in self._queued.items():
-            words = digest_views([u for _, u, _, _ in items], [s for _, _, s, _ in items])
-            self._launched.append(([(n, k) for n, _, _, k in items], words))
+        for (dev, backend), items in self._queued.items():
+            keys = [(n, k) for n, _, _, k in items]
+            if backend.plan_views is not None and all(s is None for _, _, s, _ in items):
+                sig = (dev, backend.name, *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for _, t, _, _ in items])
+                planned = _PLANNED.get(sig)
+                if planned is None:
+                    views = [logical_bytes(t) for _, t, _, _ in items]
+                    seeds = [_tensor_seed(t.dtype, t.shape, u.numel()) for (_, t, _, _), u in zip(items, views)]
+                    planned = backend.plan_views(views, seeds)
+                    _PLANNED[sig] = planned
+                    if len(_PLANNED) > _PLANNED_MAX:
+                        _PLANNED.popitem(last=False)
+                else:
+                    _PLANNED.move_to_end(sig)
+                self._launched.append((keys, backend.run_plan(planned)))
+                continue
+            views, seeds = [], []
+            for _, t, s, _ in items:
+                if s is None:
+                    u = logical_bytes(t)
+                    views.append(u)
+                    seeds.append(_tensor_seed(t.dtype, t.shape, u.numel()))
+                else:
+                    views.append(t)
+                    seeds.append(s)
+            self._launched.append((keys, backend.digest_views(views, seeds)))
         self._queued.clear()
 
     def hexdigests(self) -> dict[str, str]:
@@ -186,15 +244,17 @@ class DigestBatch:
         by_device: dict[torch.device, list[tuple[list[tuple[str, int]], torch.Tensor]]] = {}
         for keys, words in self._launched:
             by_device.setdefault(words.device, []).append((keys, words))
-        m = _ref.MASK64
+        order, done = self._order, self._done
         for groups in by_device.values():
-            rows = iter(torch.cat([w for _, w in groups]).cpu().tolist())
+            hx = _hexes(torch.cat([w for _, w in groups]))
+            i = 0
             for keys, _ in groups:
-                for (n, k), (a, b) in zip(keys, rows):
-                    if self._order[n] == k:  # the latest add of n
-                        self._done[n] = (a & m, b & m)
+                for n, k in keys:
+                    if order.get(n) == k:  # the latest add of n (a name dropped since has none)
+                        done[n] = hx[i : i + 32]
+                    i += 32
         self._launched.clear()
-        return {n: _ref.hexdigest(*self._done[n]) for n in self._order}
+        return {n: done[n] for n in order}
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -316,12 +376,104 @@ class CopyingBatch:
         return len(self._batch._order)
 
 
+class HeldBatch:
+    """Digests of tensors their owner leaves untouched until the digests are read: no copy at all.
+
+    For a trainer that exports tensors it does not modify, free or reuse before the refit ends
+    (its live parameters, outside PEFT merges and sharded gathers): :meth:`add` records the tensor
+    (a reference, its address and its version counter) and the digests are launched over the
+    tensors themselves, every :attr:`flush_bytes` and at :meth:`hexdigests`, with the batch's kept
+    plan when the same memory is exported again (no per-tensor planning, no copy).
+
+    Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
+    place through it), whose address changed or whose storage no longer holds it (freed or resized,
+    as FSDP1 does after a gather) is not read and is named in :attr:`changed` with the reason. A
+    write through another alias of its memory (``param.data``, which has a version counter of its
+    own) is not seen by the counter: the tensor is then digested as it is at the flush, which the
+    engine's copy does not match (a false failure, never a false pass).
+
+    Host cost of one ``add``: the input checks, three attribute reads and an append
+    (``benchmarks/bench_host_ops.py``).
+
+    Args:
+        flush_bytes: bytes held at which their digests are launched (default 256 MiB).
+
+    Attributes:
+        changed: ``{name: why}`` of tensors not digested because they changed after their add.
+    """
+
+    def __init__(self, flush_bytes: int = 256 << 20) -> None:
+        self.flush_bytes = flush_bytes
+        self._batch = DigestBatch()
+        self._held: list[tuple[str, torch.Tensor, int | None, int]] = []  # (name, tensor, version, data_ptr)
+        self._pending = 0
+        self.changed: dict[str, str] = {}
+
+    @plain_tensor_ops
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Hold ``t`` under ``name`` until the next flush (a later add of the same name replaces it).
+
+        Raises:
+            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
+        """
+        _check(t)
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: its address is checked
+            version = None
+        self.changed.pop(name, None)
+        self._held.append((name, t, version, t.data_ptr()))
+        self._pending += t.numel() * t.element_size()
+        if self._pending >= self.flush_bytes:
+            self.launch()
+
+    @plain_tensor_ops
+    def launch(self) -> None:
+        """Check the held tensors and launch their digests now (no synchronisation)."""
+        latest = {name: i for i, (name, _, _, _) in enumerate(self._held)}
+        for i, (name, t, version, ptr) in enumerate(self._held):
+            if latest[name] != i:
+                continue  # added again later: the later add is what counts
+            why = _changed(t, version, ptr)
+            if why is not None:
+                self.changed[name] = why
+                self._batch._order.pop(name, None)
+                continue
+            self._batch.add(name, t)
+        self._held.clear()
+        self._pending = 0
+        self._batch.launch()
+
+    def hexdigests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""
+        self.launch()
+        return self._batch.hexdigests()
+
+    def __len__(self) -> int:
+        return len(self._batch._order) + len({n for n, _, _, _ in self._held} - set(self._batch._order))
+
+
+def _changed(t: torch.Tensor, version: int | None, ptr: int) -> str | None:
+    """Why held tensor ``t`` no longer holds what it held when it was added (None: it does)."""
+    if version is not None and t._version != version:
+        return f"it was modified in place after it was added ({version} -> {t._version} writes through it)"
+    if t.numel():
+        need = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        if t.untyped_storage().nbytes() < need:
+            return f"its storage was freed or resized after it was added ({t.untyped_storage().nbytes()} of {need} bytes left)"
+    if t.data_ptr() != ptr:
+        return "its memory was replaced after it was added"
+    return None
+
+
 class StreamDigests:
     """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
 
-    Each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
+    By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
     :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
-    at once. One synchronisation when :meth:`digests` is read.
+    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`): the caller
+    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. One
+    synchronisation when :meth:`digests` is read.
 
     Attributes:
         digest_s: host seconds spent digesting.
@@ -329,10 +481,15 @@ class StreamDigests:
 
     FLUSH_BYTES = 256 << 20
 
-    def __init__(self) -> None:
-        self._batch = CopyingBatch(self.FLUSH_BYTES)
+    def __init__(self, copy: bool = True) -> None:
+        self.copy = copy
+        self._batch = self._new()
         self._done: dict[str, str] = {}
+        self.changed: dict[str, str] = {}
         self.digest_s = 0.0
+
+    def _new(self) -> CopyingBatch | HeldBatch:
+        return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
@@ -350,8 +507,14 @@ class StreamDigests:
         """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
         t0 = time.perf_counter()
         if len(self._batch):
-            self._done.update(self._batch.hexdigests())
-            self._batch = CopyingBatch(self.FLUSH_BYTES)
+            got = self._batch.hexdigests()
+            for name in got:
+                self.changed.pop(name, None)
+            self._done.update(got)
+            for name, why in getattr(self._batch, "changed", {}).items():
+                self._done.pop(name, None)
+                self.changed[name] = why
+            self._batch = self._new()
         self.digest_s += time.perf_counter() - t0
         return dict(self._done)
 

@@ -89,3 +89,16 @@ QWEN3_0_6B_LIKE = {
     "eos_token_id": 2,
 }
 """The 310-tensor, 1.11 GiB Qwen3-0.6B-like layout of the benchmarks (dummy weights only)."""
+
+QWEN3_0_6B_SHAPED_SMALL = {
+    **QWEN3_0_6B_LIKE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+"""The same 310 tensors (names, kinds, fused blocks) as :data:`QWEN3_0_6B_LIKE` with 2 MiB of weights:
+per-tensor host cost on a CPU, where digesting 1.11 GiB would hide it (benchmarks only)."""

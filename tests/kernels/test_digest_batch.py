@@ -121,3 +121,54 @@ def test_copying_batch_copies_the_own_bytes_of_a_redirecting_subclass(monkeypatc
     b.add("t", t)
     own.fill_(-1)  # its own memory changes right after the add
     assert b.hexdigests() == {"t": want}
+
+
+def test_kept_plan_reads_the_memory_as_it_is_at_each_launch(kernel_batch):
+    """A launch over the same memory (same addresses, shapes, strides, dtypes) reuses its kept plan,
+    and the plan holds addresses, not bytes: each launch digests what the memory holds then."""
+    g = torch.Generator().manual_seed(11)
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(DEV) for n in (8192, 999, 17)]
+    ts.append(ts[0][:4096].view(torch.bfloat16).view(32, 64))  # a view of another's memory
+    def batch_hex():
+        b = dg.DigestBatch()
+        for i, t in enumerate(ts):
+            b.add(f"t{i}", t)
+        return b.hexdigests()
+    def want():
+        return {f"t{i}": ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+                for i, t in enumerate(ts)}
+    dg._PLANNED.clear()
+    first = batch_hex()
+    assert first == want() and len(dg._PLANNED) == 1
+    plan = next(iter(dg._PLANNED.values()))
+    ts[0][100:200] += 1  # same memory, other bytes (t3 is a view of them too)
+    second = batch_hex()
+    assert len(dg._PLANNED) == 1 and next(iter(dg._PLANNED.values())) is plan  # the kept plan ran
+    assert second == want()
+    assert second["t0"] != first["t0"] and second["t3"] != first["t3"] and second["t1"] == first["t1"]
+    ts[2] = ts[2].view(torch.int8)  # same address, another dtype: another plan
+    assert batch_hex() == want() and len(dg._PLANNED) == 2
+
+
+def test_held_batch_digests_at_the_flush_and_names_what_changed(monkeypatch):
+    """HeldBatch copies nothing: what it digests is each tensor at the flush; a tensor modified in
+    place through itself, given other memory or freed (FSDP1's resize to 0) is named, not read."""
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    g = torch.Generator().manual_seed(12)
+    ts = {n: torch.randint(0, 256, (k,), dtype=torch.uint8, generator=g).to(DEV) for n, k in
+          (("kept", 333), ("bumped", 100), ("moved", 64), ("freed", 4096), ("late", 50), ("readded", 70))}
+    hb = dg.HeldBatch()
+    for n, t in ts.items():
+        hb.add(n, t)
+    ts["late"][1:][0] ^= 1  # a write through a view: views share their base's version counter
+    ts["bumped"].add_(1)
+    ts["moved"].data = torch.zeros(64, dtype=torch.uint8, device=DEV)
+    ts["freed"].untyped_storage().resize_(0)
+    again = torch.arange(70, dtype=torch.uint8, device=DEV)
+    ts["readded"].add_(1)  # changed, but added again afterwards: the later add counts
+    hb.add("readded", again)
+    got = hb.hexdigests()
+    assert set(hb.changed) == {"bumped", "moved", "freed", "late"}
+    assert "modified in place" in hb.changed["bumped"] and "replaced" in hb.changed["moved"]
+    assert "freed or resized" in hb.changed["freed"]
+    assert got == {"kept": dg.tensor_digest(ts["kept"].cpu()), "readded": dg.tensor_digest(again.cpu())}

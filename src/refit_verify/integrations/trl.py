@@ -6,7 +6,9 @@ to ``log`` or ``enforce``, the plugin wraps ``VLLMGeneration.sync_weights`` (pat
 ``trl-sync-weights``): each sync runs inside :func:`refit_verify.refit` on ``self.llm``, every
 ``(name, param)`` TRL's ``_iter_named_params`` yields is digested as the trainer's side before TRL
 pushes it, and the model boundary digests what ``load_weights`` receives. At the end of the sync
-the manifests are compared: ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError`
+the manifests are compared (a plain model's parameters are digested at the end of the sync, with no
+copy: TRL leaves them untouched until then; under PEFT, FSDP or ZeRO-3 each is copied as it is
+pushed, see :func:`_holds`): ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError`
 out of ``sync_weights`` (and so out of the training step); ``log`` warns.
 
 The weight version is the trainer's ``state.global_step``: the trainer is the caller of
@@ -78,6 +80,25 @@ def _version(gen: Any) -> int:
     return n
 
 
+def _holds(gen: Any) -> bool:
+    """True iff TRL pushes the trainer's live parameters and leaves them untouched until the sync
+    ends: no PEFT (merged before, unmerged after the walk), no FSDP (freed after each gather), no
+    DeepSpeed ZeRO-3 (repartitioned after each gather). Then the trainer's digests are taken from
+    the parameters themselves at the end of the sync, without a copy (``refit(copy=False)``);
+    anything unknown copies."""
+    dist = getattr(gen, "_dist", None)
+    if dist is None or getattr(dist, "is_fsdp", True) or getattr(dist, "is_zero3", True):
+        return False
+    is_peft = getattr(sys.modules.get(type(gen).__module__), "is_peft_model", None)
+    model = getattr(gen, "model", None)
+    if not callable(is_peft) or model is None:
+        return False
+    try:
+        return not is_peft(model)
+    except Exception:  # noqa: BLE001 - unknown: copy
+        return False
+
+
 def _wrap_sync(raw):
     @functools.wraps(raw)
     def sync_weights(self, *args, **kwargs):
@@ -87,7 +108,7 @@ def _wrap_sync(raw):
         from refit_verify.check import refit
 
         version = _version(self)
-        check = refit(self.llm, version=version, mode=mode)
+        check = refit(self.llm, version=version, mode=mode, copy=not _holds(self))
         inner = self._iter_named_params
         self._iter_named_params = lambda: check.wrap(inner())
         try:

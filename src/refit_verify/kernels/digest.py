@@ -38,7 +38,7 @@ from refit_verify.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fas
 from refit_verify.kernels._mix import KM, MID_N, SCR_N
 from refit_verify.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
 
-__all__ = ["chunk_roots", "digest_views", "to_hex"]
+__all__ = ["Planned", "chunk_roots", "digest_views", "plan_views", "run_plan", "to_hex"]
 
 # Launch shape of the general leaf kernel: a [256] uint64 row over 8 warps = 1 lane per thread per row.
 LEAF_WARPS = 8
@@ -180,13 +180,31 @@ def chunk_roots(views: list[torch.Tensor]) -> torch.Tensor:
     return _launch(views, [(0, 0)] * len(views), chain=False)
 
 
-def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool,
-            fast: tuple[int, FastLaunch] | None = None) -> torch.Tensor:
-    """Plan and launch the leaf and upper kernels, then the chain (``chain``) or a copy of the roots.
+class Planned:
+    """A launch plan of one set of views, kept to digest the same memory again (:func:`plan_views`).
 
-    ``fast``: ``(align, launch)`` replacing the production FAST launch (``_launch_fast``, align 8):
-    the view alignment a fast program needs, and the launch (``benchmarks/digest_variants.py``).
+    Attributes:
+        plan: int64 plan on the views' device (see :func:`_plan`).
+        P, F, C, V: leaf programs, fast leaf programs, chunks, views.
+        device: the views' device.
     """
+
+    __slots__ = ("plan", "P", "F", "C", "V", "device")
+
+    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
+        self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
+
+
+def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8) -> Planned:
+    """Check ``views`` and build (or take from the memo) their launch plan, for :func:`run_plan`.
+
+    The plan holds the views' addresses, not the views: running it later digests whatever that
+    memory holds then, so the caller keeps the memory alive and knows it is the same tensors.
+
+    Args / Raises: as :func:`digest_views` (``views`` non-empty).
+    """
+    if len(views) != len(seeds):
+        raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
     dev = views[0].device
     u8 = torch.uint8
     addrs, sizes = [], []
@@ -199,13 +217,21 @@ def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool
         raise ValueError("all views of one digest_views call must be on one device")
     if dev.type == "cpu" and not _INTERPRETED:
         raise ValueError("CPU views need TRITON_INTERPRET=1 (use refit_verify._torch_digest for CPU tensors)")
-    align, launch_fast = fast or (8, _launch_fast)
     plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align)
-    V = len(views)
+    return Planned(plan, P, F, C, len(views), dev)
+
+
+def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = None) -> torch.Tensor:
+    """Launch the kernels of plan ``p`` (<= 4 launches, no synchronisation).
+
+    Returns:
+        torch.Tensor: as :func:`digest_views` (``chain``) or :func:`chunk_roots` (not ``chain``).
+    """
+    dev, V, P, F, C, plan = p.device, p.V, p.P, p.F, p.C, p.plan
     work = torch.empty(max(1, 2 * C * (MID_N + SCR_N + 1)), dtype=torch.int64, device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         if F:
-            launch_fast(plan, work, V, C, 8 * V, F)
+            (launch_fast or _launch_fast)(plan, work, V, C, 8 * V, F)
         if P > F:
             _digest_leaf_kernel[(P - F,)](plan, work, V, C, 8 * V + F, FAST=False, num_warps=LEAF_WARPS)
         if C:
@@ -216,6 +242,17 @@ def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool
         out = torch.empty((V, 2), dtype=torch.int64, device=dev)
         _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
     return out
+
+
+def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool,
+            fast: tuple[int, FastLaunch] | None = None) -> torch.Tensor:
+    """Plan and launch the leaf and upper kernels, then the chain (``chain``) or a copy of the roots.
+
+    ``fast``: ``(align, launch)`` replacing the production FAST launch (``_launch_fast``, align 8):
+    the view alignment a fast program needs, and the launch (``benchmarks/digest_variants.py``).
+    """
+    align, launch_fast = fast or (8, None)
+    return run_plan(plan_views(views, seeds, align), chain, launch_fast)
 
 
 def _launch_fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> list:
