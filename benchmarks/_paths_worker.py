@@ -348,7 +348,7 @@ class Bench:
         import refit_verify
 
         t0 = pc()
-        with refit_verify.refit(self.llm, version=self._next_version()) as chk:
+        with refit_verify.refit(self.llm, version=self._next_version(), copy=self.a.trainer_copy) as chk:
             t_open = pc()
             for n, t in self.items:
                 a = pc()
@@ -394,7 +394,7 @@ class Bench:
             return pc() - t0, ph, {"calls": len(self.buckets)}
         import refit_verify
 
-        with refit_verify.refit(self.llm, version=self._next_version()) as chk:
+        with refit_verify.refit(self.llm, version=self._next_version(), copy=self.a.trainer_copy) as chk:
             ph["open"] = pc() - t0
             body(chk)
             t_body = pc()
@@ -539,6 +539,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--files-dir", default=None, help="where the CPU native test backend writes its files (default: a temp dir)")
     ap.add_argument("--profile", default=None, help="profile the counted refits (cProfile) into this file")
+    ap.add_argument("--trainer-copy", action="store_true", help="boundary paths: refit(copy=True), a copy per r.add")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log

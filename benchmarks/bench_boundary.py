@@ -8,10 +8,13 @@ trainer's ``StreamDigests``):
 
 * ``per-param``: one ``load_weights([(name, t)])`` per tensor (TRL colocate, OpenRLHF);
 * ``bucketed``: lists of about 64 MiB (verl);
-* ``trainer``: the trainer side alone, ``StreamDigests.add`` per exported tensor, then ``digests()``.
+* ``trainer``: the trainer side alone, ``StreamDigests.add`` per exported tensor, then ``digests()``
+  (a device copy per tensor: ``refit(copy=True)``, the default);
+* ``trainer-held``: the same with ``StreamDigests(copy=False)`` (``refit(copy=False)``: held, no copy).
 
 Prints a Markdown table (median, quartiles, ratio to the same run's ``off`` median).
-Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|cpu] [--out FILE]``.
+Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|cpu] [--model NAME] [--out FILE]``
+(``--model qwen3-shaped-small``: the same 310 tensors in 2 MiB, per-tensor host cost on a CPU).
 """
 
 from __future__ import annotations
@@ -64,8 +67,11 @@ def _sync(dev: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a, dev = parse(__doc__, argv, rounds=20)
-    cfg = models.QWEN3_0_6B_LIKE if dev == "cuda" else models.load_config(models.packaged_config_dir())
+    a, dev = parse(__doc__, argv, rounds=20, extra=lambda ap: ap.add_argument(
+        "--model", choices=("qwen3-0.6b-like", "qwen3-shaped-small", "tiny"), default=None))
+    name = a.model or ("qwen3-0.6b-like" if dev == "cuda" else "tiny")
+    cfg = {"qwen3-0.6b-like": models.QWEN3_0_6B_LIKE, "qwen3-shaped-small": models.QWEN3_0_6B_SHAPED_SMALL}.get(name) \
+        or models.load_config(models.packaged_config_dir())
     sd = models.random_state_dict(cfg, seed=1, device=dev)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     buckets, cur, size = [], [], 0
@@ -85,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     step = [0]
 
     def refit(model, mode, shape):
-        if shape == "trainer":
+        if shape in ("trainer", "trainer-held"):
             if mode == "enforce":
-                s = StreamDigests()
+                s = StreamDigests(copy=shape == "trainer")
                 for n, t in sd.items():
                     s.add(n, t)
                 s.digests()
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             man = wb.close(sid)
             assert man.engine is not None and man.engine.unproven_bytes == 0 and not man.modules["model"].unwritten
 
-    shapes = ("per-param", "bucketed", "trainer")
+    shapes = ("per-param", "bucketed", "trainer", "trainer-held")
     times = {(s, m): [] for s in shapes for m in ("off", "enforce")}
     for r in range(a.rounds + 1):
         for s in shapes:
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     times[(s, m)].append((time.perf_counter() - t0) * 1e3)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     lines = [f"# Model boundary and trainer digests without vLLM ({datetime.date.today()}, {name}, torch {torch.__version__})", "",
-             f"{len(sd)} tensors, {nbytes / 2**30:.3f} GiB, {len(buckets)} buckets, {a.rounds} interleaved rounds; ms", "",
+             f"{name}: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB, {len(buckets)} buckets, {a.rounds} interleaved rounds; ms", "",
              "| path | off median | enforce p25 | enforce median | enforce p75 | added ms | enforce/off |", "|---|---|---|---|---|---|---|"]
     for s in shapes:
         off = statistics.median(times[(s, "off")])

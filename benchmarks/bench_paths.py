@@ -17,8 +17,10 @@ Paths (each a refit of the whole state dict, timed in the child around the refit
 * ``transport``: ``refit_verify.push(llm, weights, sender=...)`` with one sender reused (shm staging on
   CPU, CUDA IPC on GPU), into an engine whose worker runs in its own process.
 * ``boundary-per-param``: TRL / OpenRLHF style, one ``model.load_weights([(name, t)])`` per tensor in
-  an in-process engine; enforce inside ``refit_verify.refit(llm, version=r)`` with ``r.add``; off is
-  the same loop with no refit-verify call at all.
+  an in-process engine; enforce inside ``refit_verify.refit(llm, version=r, copy=False)`` with ``r.add``
+  (the trainer's state dict is untouched until the refit ends, as TRL's integration holds a plain
+  model's parameters; ``--trainer-copy``: ``copy=True``); off is the same loop with no refit-verify
+  call at all.
 * ``boundary-bucketed``: verl style, buckets of ``--bucket-mib`` through ``model.load_weights(list)``
   inside ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``; enforce as above.
 * ``native-unpacked``, ``native-packed`` (``native`` = both): vLLM's weight-transfer API, the ``ipc``
@@ -222,6 +224,9 @@ def parse() -> argparse.Namespace:
                          "vLLM's shm message-queue readers busy-spin for 1 s after their last read, and on a small CPU "
                          "machine that idle engine steals the cores from the refit being timed")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trainer-copy", action="store_true",
+                    help="boundary paths: refit(copy=True), one device copy per r.add (default copy=False: the trainer's state "
+                         "dict is untouched until the refit ends, as TRL's integration holds a plain model's parameters)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
                          "timings are slower, so use few rounds and not for the tables")
@@ -309,7 +314,7 @@ def main() -> int:
                 argv = [sys.executable, str(ROOT / "benchmarks" / "_paths_worker.py"), "--mode", mode, "--kind", kind,
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                        "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)]
+                        "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else [])
                 if a.profile and mode != "off":
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{kind}.txt")]
@@ -408,6 +413,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
              f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
              f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
              f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
+             f"- trainer side of the boundary paths: `refit(copy={a.trainer_copy})` "
+             + ("(one device copy per `r.add`)" if a.trainer_copy else "(tensors held and digested at the end, no copy)"),
              "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
              "(transport, native)"]

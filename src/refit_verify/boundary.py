@@ -193,6 +193,7 @@ class WorkerBoundary:
             if not explicit and s.explicit:
                 return None
             self.open_session = None
+            self._refresh_indexes()  # once per close: snapshot, read-back and the manifests use them as they are
             sessions = {role: b.end() for role, b in self.modules.items()}
             errors = list(s.errors)
             for role, ms in sessions.items():
@@ -328,8 +329,13 @@ class WorkerBoundary:
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
 
+    def _refresh_indexes(self) -> None:
+        for b in self.modules.values():
+            b.index()
+
     def state(self) -> Any:
         """Digest the engine state now (every parameter and persistent buffer, storage pointers)."""
+        self._refresh_indexes()
         last = self.last
         return self.snapshotter(self.modules, self.identity, last.session if last else None, last.version if last else None,
                                 dict(self._replicated), dict(self._written_version))

@@ -153,6 +153,41 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
+class _WritePlan:
+    """What one loader write means for the session, given its placement and the tensors' geometry
+    (:func:`_write_plan`): the same for every refit that loads the same way."""
+
+    __slots__ = ("placement", "outside", "regions", "replicated", "copies")
+
+    def __init__(self, placement: Placement, pshape: tuple, pstride: tuple, lshape: tuple, lstride: tuple) -> None:
+        self.placement = placement  # held: the key's id() stays this placement's
+        out = [c for c in placement.copies if not _inside_of(c.dest, pshape, pstride)]
+        self.outside = (f"the loader wrote outside the parameter (into its storage at {out[0].dest[0]:+d} elements, shape "
+                        f"{list(out[0].dest[1])})") if out else None
+        self.regions = {("opaque",): placement.numel} if placement.opaque else {c.dest: c.numel() for c in placement.copies}
+        c0 = placement.copies[0] if placement.copies else None
+        self.replicated = (len(placement.copies) == 1 and c0.src is not None and c0.src[0] == 0
+                           and c0.src[1] == lshape == pshape)
+        whole = (0, lshape, lstride)
+        self.copies = tuple((c, c.fill, c.src == whole) for c in placement.copies)
+
+
+_PLANS: dict[tuple, _WritePlan] = {}
+_PLANS_MAX = 1 << 16
+
+
+def _write_plan(placement: Placement, pshape: torch.Size, pstride: tuple, lshape: torch.Size, lstride: tuple) -> _WritePlan:
+    """The memoised :class:`_WritePlan` of a write, keyed by the placement object (the plan holds it)
+    and the parameter's and loaded tensor's shapes and strides."""
+    key = (id(placement), pshape, pstride, lshape, lstride)
+    plan = _PLANS.get(key)
+    if plan is None or plan.placement is not placement:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _WritePlan(placement, tuple(pshape), tuple(pstride), tuple(lshape), tuple(lstride))
+    return plan
+
+
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
@@ -347,25 +382,23 @@ class ModuleSession:
         d = self.match(loaded)
         if d is not None:
             d.routed = True
+        pshape, pstride = param.shape, param.stride()
         if pname not in self.param_numel:
             self.param_numel[pname] = param.numel()
             self.param_dtype[pname] = param.dtype
-        pshape, pstride = tuple(param.shape), tuple(param.stride())
-        self.param_geometry[pname] = (pshape, pstride, param.storage_offset())
-        outside = [c for c in placement.copies if not _inside_of(c.dest, pshape, pstride)]
-        if outside:  # into another tensor of the same storage: not this parameter's bytes
-            self.inexact.setdefault(pname, f"the loader wrote outside the parameter (into its storage at "
-                                           f"{outside[0].dest[0]:+d} elements, shape {list(outside[0].dest[1])})")
+        self.param_geometry[pname] = (tuple(pshape), pstride, param.storage_offset())
+        plan = _write_plan(placement, pshape, pstride, loaded.shape, loaded.stride())
+        if plan.outside is not None:  # into another tensor of the same storage: not this parameter's bytes
+            self.inexact.setdefault(pname, plan.outside)
             if d is not None:
                 d.other = True
             return
-        regions = self.written.setdefault(pname, {})
+        regions = self.written.get(pname)
+        if regions is None:
+            regions = self.written[pname] = {}
+        regions.update(plan.regions)
         if placement.opaque:  # which elements it wrote is unknown: counted whole, and said so
-            regions[("opaque",)] = placement.numel
             self.opaque.setdefault(pname, placement.why or "the loader writes it with an op that is not a copy")
-        else:
-            for c in placement.copies:
-                regions[c.dest] = c.numel()
         if not placement.exact:
             self.inexact.setdefault(pname, placement.why or "not a plain copy")
             if d is not None:
@@ -374,15 +407,17 @@ class ModuleSession:
         if d is None:
             self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
             return
-        shape = tuple(loaded.shape)
-        self.replicated[pname] = len(placement.copies) == 1 and placement.copies[0].src is not None \
-            and placement.copies[0].src[0] == 0 and placement.copies[0].src[1] == shape == tuple(param.shape)
+        self.replicated[pname] = plan.replicated
         t0 = time.perf_counter()
-        for c in placement.copies:
-            if c.fill:
-                self.placed.setdefault(pname, []).append((c, None, d.name))
+        placed = self.placed.get(pname)
+        if placed is None:
+            placed = self.placed[pname] = []
+        itself = d.ref() is loaded
+        for c, fill, whole in plan.copies:
+            if fill:
+                placed.append((c, None, d.name))
                 continue
-            if d.ref() is loaded and c.src == (0, shape, tuple(loaded.stride())):
+            if whole and itself:
                 key = WHOLE + d.name  # the block is the delivered tensor itself: its own digest is the expected one
                 d.regions.append((pname, c.dest))
             else:
@@ -390,7 +425,7 @@ class ModuleSession:
                 self.n_blocks += 1
                 key = f"{pname}#{self.n_blocks}"
                 self.blocks.add(key, as_view(loaded, c.src))
-            self.placed.setdefault(pname, []).append((c, key, d.name))
+            placed.append((c, key, d.name))
         self.digest_s += time.perf_counter() - t0
 
     # -- close --------------------------------------------------------------------------------
@@ -418,11 +453,11 @@ class ModuleSession:
         """``{name: 32-hex}`` of the tensors left to read-back, read where they landed, now (the check
         of a session still open: vLLM's native update before ``finish_weight_update``). A region that
         cannot be read is left out (missing in that check; the close names it)."""
-        model = self.module.model
+        idx = self.module.index()
         todo = [n for n in self.derived if n not in self.derived_hex]
-        if model is None or not todo:
+        if idx is None or not todo:
             return {}
-        live = dict(model.named_parameters())
+        live = idx.params
         batch = DigestBatch()
         for name in todo:
             for i, (pname, where) in enumerate(self.derived[name]):

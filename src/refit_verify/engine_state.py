@@ -20,6 +20,7 @@ cold-load canary's comparison.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,16 +28,27 @@ from typing import Any
 import torch
 
 from refit_verify.delivery import WHOLE
-from refit_verify.digest import DigestBatch, plain_tensor_ops
+from refit_verify.digest import DigestBatch, dtype_name, plain_tensor_ops
 from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
+from refit_verify.model_index import ModelIndex
 from refit_verify.placement import as_view
 
 __all__ = ["StateComparison", "audit", "compare_replicas", "compare_states", "read_back", "snapshot"]
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def _describe(dest) -> str:
+    """A region as the manifest names it (memoised: a loader writes the same regions every refit)."""
     off, shape, stride = dest
     return f"offset {off} shape {list(shape)} stride {list(stride)}"
+
+
+def _live(b: Any) -> dict[str, torch.Tensor] | None:
+    """``{name: parameter}`` of a ModelBoundary's model (its index, checked by the caller) or of a module."""
+    if isinstance(b, torch.nn.Module):
+        return dict(b.named_parameters())
+    idx = b.index(refresh=False) if b is not None else None
+    return idx.params if idx is not None else None
 
 
 def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
@@ -81,10 +93,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     params: dict[str, ParamState] = {}
     proven = unproven = padding = 0
     for role, ms in sessions.items():
-        model = modules[role].model if role in modules else None
-        if model is None:
+        live = _live(modules.get(role))
+        if live is None:
             continue
-        live = dict(model.named_parameters())
         prefix = "" if role == "model" else f"{role}:"
         expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
         delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
@@ -199,19 +210,20 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
 
 
 def _named_state(modules: dict[str, Any]):
-    """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module."""
+    """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module
+    (a ModelBoundary's checked index, or an ``nn.Module`` walked now)."""
     for role, b in modules.items():
-        model = b if isinstance(b, torch.nn.Module) else b.model  # an nn.Module or a ModelBoundary
-        if model is None:
+        if isinstance(b, torch.nn.Module):
+            idx = ModelIndex(b)
+        else:
+            idx = b.index(refresh=False) if b.model is not None else None
+        if idx is None:
             continue
-        prefix = "" if role == "model" else f"{role}:"
-        for name, p in model.named_parameters():
-            yield prefix + name, p, "param"
-        for mname, module in model.named_modules():
-            for bname, buf in module.named_buffers(recurse=False):
-                if buf is None or bname in module._non_persistent_buffers_set:
-                    continue
-                yield prefix + (f"{mname}.{bname}" if mname else bname), buf, "buffer"
+        if role == "model":
+            yield from idx.state
+        else:
+            for name, t, kind in idx.state:
+                yield f"{role}:{name}", t, kind
 
 
 @plain_tensor_ops
@@ -220,7 +232,8 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     """Digest every parameter and persistent buffer of ``modules`` (one batch, one sync per device).
 
     Args:
-        modules: ``{role: ModelBoundary or nn.Module}``.
+        modules: ``{role: ModelBoundary or nn.Module}`` (a ModelBoundary's index is used as it
+            is: the caller checks it, :meth:`WorkerBoundary.close` once per close).
         worker: the :class:`~refit_verify.manifest.WorkerIdentity` to record.
         session, version: the session this state follows.
         replicated: ``{label: bool}`` from the session's placements (written whole).
@@ -232,20 +245,21 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     """
     t0 = time.perf_counter()
     batch = DigestBatch()
-    meta: dict[str, tuple[str, int, str, list[int]]] = {}
+    meta: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
     for label, t, kind in _named_state(modules):
-        key = f"{kind}:{label}"
+        key = (kind, label)
         if key in meta:
             continue
-        batch.add(key, t.detach())
-        meta[key] = (label, t.untyped_storage().data_ptr() if t.numel() else 0, str(t.dtype).removeprefix("torch."), list(t.shape))
+        batch.add(key, t)
+        meta[key] = (t, t.untyped_storage().data_ptr() if t.numel() else 0)
     digests = batch.hexdigests()
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
     rep, wv = replicated or {}, written or {}
-    for key, (label, ptr, dtype, shape) in meta.items():
-        st = TensorState(digests[key], ptr, dtype, shape, bool(rep.get(label, False)), wv.get(label))
-        (params if key.startswith("param:") else buffers)[label] = st
+    for key, (t, ptr) in meta.items():
+        kind, label = key
+        st = TensorState(digests[key], ptr, dtype_name(t.dtype), list(t.shape), bool(rep.get(label, False)), wv.get(label))
+        (params if kind == "param" else buffers)[label] = st
     return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
                           digest_s=time.perf_counter() - t0)
 

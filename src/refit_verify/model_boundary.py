@@ -25,6 +25,7 @@ import torch
 from refit_verify.delivery import ModuleSession
 from refit_verify.digest import DigestBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
+from refit_verify.model_index import ModelIndex, index_of
 from refit_verify.placement import LoaderTap
 from refit_verify.stream import check_digest
 
@@ -68,6 +69,17 @@ class ModelBoundary:
     def model(self) -> torch.nn.Module | None:
         return self.model_ref()
 
+    def index(self, refresh: bool = True) -> ModelIndex | None:
+        """The model's :class:`~refit_verify.model_index.ModelIndex` (None when the model is gone);
+        ``refresh``: re-check it against the model first (False: the caller checked it in this
+        step, e.g. once per session close)."""
+        model = self.model
+        if model is None:
+            return None
+        if not refresh and getattr(self, "_index", None) is not None:
+            return self._index
+        return index_of(self, model)
+
     def install(self) -> None:
         """Wrap ``model.load_weights`` (instance level) and every parameter's weight loader."""
         model = self.model
@@ -78,7 +90,7 @@ class ModelBoundary:
             original = model.load_weights
             object.__setattr__(model, "load_weights", self._wrap(original))
         extra = list(self.extra_params(model)) if self.extra_params is not None else []
-        self.tap.install(model, extra)
+        self.tap.install(self.index().all_params, extra)
         self.numel_hint = {n: t.numel() for n, t in extra}
 
     def _target(self) -> ModuleSession:
@@ -196,9 +208,8 @@ class ModelBoundary:
         return s
 
     def manifest(self, s: ModuleSession, allow: Iterable[str]) -> ModuleManifest:
-        model = self.model
-        params = dict(model.named_parameters()) if model is not None else {}
-        return s.manifest(params, allow)
+        idx = self.index(refresh=False)
+        return s.manifest(idx.params if idx is not None else {}, allow)
 
     def take_unsessioned(self) -> Unsessioned | None:
         o = self.outside

