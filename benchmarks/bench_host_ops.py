@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
             s.add(n, t)
         s.digests()
 
+    def held() -> None:
+        s = StreamDigests(copy=False)
+        for n, t in ts:
+            s.add(n, t)
+        s.digests()
+
     def plain() -> None:
         b = DigestBatch()
         for n, t in ts:
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         ("DigestBatch: add + hexdigests (incl. sync)", plain),
         ("CopyingBatch: add + launch", copying),
         ("StreamDigests: add + digests (incl. sync)", stream),
+        ("StreamDigests(copy=False): add + digests (incl. sync)", held),
         ("engine_state.snapshot of the module (incl. sync)", lambda: snapshot({"model": module}, who)),
     ]
     samples: dict[str, list[float]] = {label: [] for label, _ in rows}

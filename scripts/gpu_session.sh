@@ -55,7 +55,7 @@ elif [ "$stage" = k ]; then
 elif [ "$stage" = t ]; then
   timeout 170 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
   timeout 380 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py tests/test_boundary_engine.py \
-    tests/test_model_boundary.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
+    tests/test_model_boundary.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = p ]; then
@@ -63,7 +63,9 @@ elif [ "$stage" = p ]; then
   timeout 560 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
   echo "bench_paths rc=$?"; grep -A8 "^## Wall" "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
   [ -n "${WITH_BOUNDARY:-}" ] && timeout 120 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1 \
-    && tail -5 "$OUT/bench_boundary.md"
+    && tail -6 "$OUT/bench_boundary.md"
+  [ -n "${WITH_BOUNDARY:-}" ] && timeout 60 python3 benchmarks/bench_host_ops.py --rounds 5 --out "$OUT/bench_host_ops.md" \
+    >"$OUT/bench_host_ops.log" 2>&1 && tail -12 "$OUT/bench_host_ops.md"
 elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refit's host time goes, few rounds
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout 500 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-4} --paths ${PATHS_Q:-transport,boundary-per-param,boundary-bucketed,native-packed} \
