@@ -405,7 +405,8 @@ class HeldBatch:
     def __init__(self, flush_bytes: int = 256 << 20) -> None:
         self.flush_bytes = flush_bytes
         self._batch = DigestBatch()
-        self._held: list[tuple[str, torch.Tensor, int | None, int]] = []  # (name, tensor, version, data_ptr)
+        # (name, tensor, version counter, data_ptr, storage bytes) at the add
+        self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._pending = 0
         self.changed: dict[str, str] = {}
 
@@ -422,19 +423,20 @@ class HeldBatch:
         except RuntimeError:  # an inference tensor has no version counter: its address is checked
             version = None
         self.changed.pop(name, None)
-        self._held.append((name, t, version, t.data_ptr()))
-        self._pending += t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        self._held.append((name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0))
+        self._pending += nbytes
         if self._pending >= self.flush_bytes:
             self.launch()
 
     @plain_tensor_ops
     def launch(self) -> None:
         """Check the held tensors and launch their digests now (no synchronisation)."""
-        latest = {name: i for i, (name, _, _, _) in enumerate(self._held)}
-        for i, (name, t, version, ptr) in enumerate(self._held):
+        latest = {h[0]: i for i, h in enumerate(self._held)}
+        for i, (name, t, version, ptr, size) in enumerate(self._held):
             if latest[name] != i:
                 continue  # added again later: the later add is what counts
-            why = _changed(t, version, ptr)
+            why = _changed(t, version, ptr, size)
             if why is not None:
                 self.changed[name] = why
                 self._batch._order.pop(name, None)
@@ -450,17 +452,16 @@ class HeldBatch:
         return self._batch.hexdigests()
 
     def __len__(self) -> int:
-        return len(self._batch._order) + len({n for n, _, _, _ in self._held} - set(self._batch._order))
+        return len(self._batch._order) + len({h[0] for h in self._held} - set(self._batch._order))
 
 
-def _changed(t: torch.Tensor, version: int | None, ptr: int) -> str | None:
-    """Why held tensor ``t`` no longer holds what it held when it was added (None: it does)."""
+def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:
+    """Why held tensor ``t`` no longer holds what it held when it was added (None: it does): its
+    version counter, address or storage size (``size`` bytes at the add; 0 for an empty tensor) moved."""
     if version is not None and t._version != version:
         return f"it was modified in place after it was added ({version} -> {t._version} writes through it)"
-    if t.numel():
-        need = (t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
-        if t.untyped_storage().nbytes() < need:
-            return f"its storage was freed or resized after it was added ({t.untyped_storage().nbytes()} of {need} bytes left)"
+    if size and t.untyped_storage().nbytes() != size:
+        return f"its storage was freed or resized after it was added ({size} -> {t.untyped_storage().nbytes()} bytes)"
     if t.data_ptr() != ptr:
         return "its memory was replaced after it was added"
     return None
