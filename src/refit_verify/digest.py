@@ -11,6 +11,7 @@ Source: ``docs/digest-spec.md``.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -131,6 +132,7 @@ def logical_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 _PLANNED: OrderedDict[tuple, Any] = OrderedDict()
+_PLANNED_LOCK = threading.Lock()
 _PLANNED_MAX = 32
 """Launch plans kept per set of tensors (device, addresses, shapes, strides, dtypes): a refit digests
 the same memory every time (an engine's parameters, a trainer's, their regions), so its plan is built once."""
@@ -213,17 +215,26 @@ class DigestBatch:
         for (dev, backend), items in self._queued.items():
             keys = [(n, k) for n, _, _, k in items]
             if backend.plan_views is not None and all(s is None for _, _, s, _ in items):
-                sig = (dev, backend.name, *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for _, t, _, _ in items])
-                planned = _PLANNED.get(sig)
+                sig = (dev, backend.name, *[(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
+                                            for _, t, _, _ in items])
+                with _PLANNED_LOCK:
+                    planned = _PLANNED.get(sig)
+                    if planned is not None:
+                        _PLANNED.move_to_end(sig)
                 if planned is None:
                     views = [logical_bytes(t) for _, t, _, _ in items]
                     seeds = [_tensor_seed(t.dtype, t.shape, u.numel()) for (_, t, _, _), u in zip(items, views)]
                     planned = backend.plan_views(views, seeds)
-                    _PLANNED[sig] = planned
-                    if len(_PLANNED) > _PLANNED_MAX:
-                        _PLANNED.popitem(last=False)
-                else:
-                    _PLANNED.move_to_end(sig)
+                    # kept only when every view is the tensor's own memory: a tensor made non-contiguous
+                    # since its add was copied by logical_bytes, and that copy is freed after this launch
+                    if all(u.data_ptr() == t.data_ptr() for (_, t, _, _), u in zip(items, views)):
+                        with _PLANNED_LOCK:
+                            _PLANNED[sig] = planned
+                            if len(_PLANNED) > _PLANNED_MAX:
+                                _PLANNED.popitem(last=False)
+                    self._launched.append((keys, backend.run_plan(planned)))
+                    del views
+                    continue
                 self._launched.append((keys, backend.run_plan(planned)))
                 continue
             views, seeds = [], []

@@ -172,3 +172,18 @@ def test_held_batch_digests_at_the_flush_and_names_what_changed(monkeypatch):
     assert "modified in place" in hb.changed["bumped"] and "replaced" in hb.changed["moved"]
     assert "freed or resized" in hb.changed["freed"]
     assert got == {"kept": dg.tensor_digest(ts["kept"].cpu()), "readded": dg.tensor_digest(again.cpu())}
+
+
+def test_a_tensor_made_non_contiguous_after_its_add_is_digested_as_it_is_and_its_copy_not_kept(kernel_batch):
+    """A contiguous tensor queued as is, transposed in place before the launch: digested as it is at the
+    launch (through a copy of its logical bytes), and no plan over that freed copy is kept for its memory."""
+    t = torch.arange(64, dtype=torch.float32, device=DEV).view(8, 8).clone()
+    dg._PLANNED.clear()
+    for _ in range(2):
+        b = dg.DigestBatch()
+        b.add("t", t)
+        t.t_()  # now non-contiguous, same memory
+        want = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+        assert b.hexdigests() == {"t": want}
+        assert not dg._PLANNED
+        t.t_()  # back to contiguous for the next round
