@@ -201,10 +201,12 @@ class _Delivered:
         except TypeError:
             self.ref = lambda: None
         self.ptr = _storage_ptr(t)
-        self.extent = _extent(t)
+        size = t.element_size()
+        start = t.storage_offset() * size
+        self.extent = (start, start + _span(t.shape, t.stride()) * size)
         self.routed = False
         self.rechecked = False
-        self.nbytes = t.numel() * t.element_size()
+        self.nbytes = t.numel() * size
         self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
         self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
 
@@ -323,17 +325,21 @@ class ModuleSession:
         old = self.delivered.get(name)
         if old is not None:  # a second delivery of a name: the later one is what lands
             self.by_id.pop(id(old.ref()), None)
+            self.derived.pop(name, None)
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
-        self.derived.pop(name, None)
         if hexd is None:
-            if self.derive and not call.lazy and t.device.type in DERIVE_DEVICE_TYPES:
+            if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
                 call.pending.append((d, t))  # a list's tensors stay as they are for the call
             else:
                 self.batch.add(name, t)
         self.delivered[name] = d
         self.by_id[id(t)] = d
-        self.by_ptr.setdefault(d.ptr, []).append(d)
+        cands = self.by_ptr.get(d.ptr)
+        if cands is None:
+            self.by_ptr[d.ptr] = [d]
+        else:
+            cands.append(d)
         call.names.append(name)
         self.tensors += 1
         self.bytes += d.nbytes

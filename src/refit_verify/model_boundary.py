@@ -59,11 +59,12 @@ class ModelBoundary:
         self.extra_params = extra_params
         self.model_ref = weakref.ref(model)
         self.role = role
-        self.tap = LoaderTap(default_loader, self._on_write, self._on_apply, self._on_route, self._on_tap_error)
+        self.tap = LoaderTap(default_loader, on_write=lambda *a: None, on_error=self._on_tap_error)  # callbacks: _bind
         self.tap.enabled = owner.verifying
         self.session: ModuleSession | None = None
         self.outside = ModuleSession(self, sessioned=False)
         self.numel_hint: dict[str, int] = {}
+        self._bind()
 
     @property
     def model(self) -> torch.nn.Module | None:
@@ -93,17 +94,13 @@ class ModelBoundary:
         self.tap.install(self.index().all_params, extra)
         self.numel_hint = {n: t.numel() for n, t in extra}
 
+    def _bind(self) -> None:
+        """Point the tap's callbacks straight at the record in use (the session's, or the unsessioned one)."""
+        t = self._target()
+        self.tap.on_write, self.tap.on_apply, self.tap.on_route = t.on_write, t.on_apply, t.on_route
+
     def _target(self) -> ModuleSession:
         return self.session if self.session is not None else self.outside
-
-    def _on_route(self, pname, loaded) -> None:
-        self._target().on_route(pname, loaded)
-
-    def _on_apply(self, pname, param, loaded) -> None:
-        self._target().on_apply(pname, param, loaded)
-
-    def _on_write(self, pname, param, loaded, placement) -> None:
-        self._target().on_write(pname, param, loaded, placement)
 
     def _on_tap_error(self, message: str) -> None:
         logger.error("%s", message)
@@ -119,7 +116,8 @@ class ModelBoundary:
                 return original(*args, **kwargs)
             target = boundary._target()
             weights = kwargs["weights"] if "weights" in kwargs else args[0]
-            pending = boundary.owner.take_expected() if target.sessioned else None
+            s = boundary.owner.open_session
+            pending = boundary.owner.take_expected() if target.sessioned and s is not None and s.expected is not None else None
             if pending is not None and isinstance(weights, (list, tuple)):
                 weights = boundary._checked_first(target, weights, *pending)
             else:
@@ -200,11 +198,13 @@ class ModelBoundary:
         (see :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
         self.install()
         self.session = ModuleSession(self, sessioned=True, derive=derive)
+        self._bind()
 
     def end(self) -> ModuleSession:
         """Take this module's record of the closing session (read back next, then :meth:`manifest`)."""
         s = self.session if self.session is not None else ModuleSession(self, True)
         self.session = None
+        self._bind()
         return s
 
     def manifest(self, s: ModuleSession, allow: Iterable[str]) -> ModuleManifest:
@@ -218,6 +218,7 @@ class ModelBoundary:
         names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
         rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=o.where)
         self.outside = ModuleSession(self, sessioned=False)
+        self._bind()
         return rec
 
 
