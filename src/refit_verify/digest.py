@@ -165,8 +165,8 @@ class DigestBatch:
         self._order: dict[str, int] = {}  # name -> number of its latest add, names in first-insertion order
         self._adds = 0
         self._done: dict[str, str] = {}  # name -> 32-hex digest
-        # device type -> queued (name, tensor, seeds or None, add number): seeds None = a contiguous
-        # tensor read at launch; else its logical bytes (a copy) and the seeds of the tensor they came from
+        # (device index, backend) -> queued (name, tensor, seeds or None, add number): seeds None = a
+        # contiguous tensor read at launch; else its logical bytes (a copy) and the seeds of the tensor they came from
         self._queued: dict[Any, list[tuple[str, torch.Tensor, tuple[int, int] | None, int]]] = {}
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
