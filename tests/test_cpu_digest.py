@@ -181,3 +181,17 @@ def test_digest_words_equal_reference_and_torch(nbytes: int, offset: int) -> Non
     assert nd.digest_words(u8, seeds) == want
     assert _torch_digest.digest_words(u8, seeds) == want
     assert reference.hexdigest(*want) == _numba(u8) == _ref(u8)
+
+
+def test_digesting_a_cpu_tensor_leaves_its_storage_resizable():
+    """The CPU path reads the bytes through DLPack: Tensor.numpy() would pin the storage as not resizable,
+    and a trainer that frees a pushed tensor's storage (resize_(0), as FSDP does) would fail after r.add."""
+    from refit_verify.digest import StreamDigests, tensor_digest
+
+    t = torch.arange(1001, dtype=torch.uint8)
+    want = tensor_digest(t.clone())
+    s = StreamDigests()
+    s.add("t", t)
+    assert s.digests() == {"t": want}
+    t.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable" before
+    assert t.untyped_storage().nbytes() == 0

@@ -403,9 +403,16 @@ def chunk_roots_lanes(lanes, has_tail, tail, par):
 # Python entry points
 
 
+def _host_view(u8: torch.Tensor) -> np.ndarray:
+    """The bytes of CPU tensor ``u8`` as a numpy array, no copy. Through DLPack: ``Tensor.numpy()``
+    would mark the tensor's storage as not resizable for good, and a trainer that frees it after a
+    push (``untyped_storage().resize_(0)``, as FSDP does) would then fail."""
+    return np.from_dlpack(u8)
+
+
 def _lanes_and_tail(u8: torch.Tensor) -> tuple[np.ndarray, bool, np.uint64]:
     """Zero-copy ``uint64`` view of the whole lanes of ``u8`` plus the zero-padded tail lane."""
-    buf = u8.numpy()
+    buf = _host_view(u8)
     nb = buf.shape[0]
     rem = nb & 7
     if not rem and u8.data_ptr() & 7 == 0:  # the common case: whole lanes, aligned start
@@ -461,7 +468,7 @@ def digest_words(u8: torch.Tensor, seeds: tuple[int, int]) -> tuple[int, int]:
     Returns:
         tuple[int, int]: equal to ``reference.chain_and_finalise`` of the reference's roots.
     """
-    buf = u8.numpy()
+    buf = _host_view(u8)
     if buf.shape[0] & 7 or u8.data_ptr() & 7:  # a partial last lane or a misaligned start
         lanes, has_tail, tail = _lanes_and_tail(u8)
     else:
