@@ -648,3 +648,40 @@ def test_parameter_class_redirecting_its_writes_is_not_coverable_never_verified(
         assert "qkv_proj" in r.not_proven and r.verified == 5
         assert {k: v.status for k, v in man.engine.params.items()} == {"qkv_proj": "not_coverable", "embed": "verified",
                                                                        "norm": "verified"}
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_partial_refit_names_unwritten_parameters_that_changed_since_the_last_session(when):
+    """A partial refit writes q/k/v only; the norm, which it does not write, was changed outside any load
+    (before the session, or during it after the loads). The close compares what the session did not write
+    with the state the last session left: the report names norm, so the change never becomes the
+    new baseline unnoticed. A clean partial refit passes."""
+    from refit_verify.engine_state import audit, snapshot
+
+    wb, model = _worker()
+    wb.snapshotter, wb.auditor = snapshot, audit
+    w1 = toy_weights(1)
+    man = _refit(wb, model, w1, version=1)
+    assert compare_session({"model": digest_tensors(w1.items())}, man).ok
+
+    w2 = {n: t for n, t in toy_weights(2).items() if n in ("q_proj", "k_proj", "v_proj")}
+
+    def partial(version, corrupt_during=False):
+        sid = wb.open(f"s{version}", version=version, partial=True)
+        model.load_weights(list(w2.items()))
+        if corrupt_during:
+            model.norm.data[3] += 1
+        return compare_session({"model": digest_tensors(w2.items())}, wb.close(sid), partial=True)
+
+    clean = partial(2)
+    assert clean.ok, clean.describe()
+    if when == "before":
+        model.norm.data[3] += 1
+    r = partial(3, corrupt_during=when == "during")
+    assert not r.ok and r.verified == 3 and not r.mismatched
+    (problem,) = r.problems
+    assert problem.startswith("the engine's state changed since the last session, in parameters this session did not "
+                              "write (audit (parameters this session did not write) of worker rank 3")
+    assert "1 changed: norm" in problem
+    again = partial(4)  # the change was reported once; the next refit compares with the state it left
+    assert again.ok, again.describe()

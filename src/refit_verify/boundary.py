@@ -46,7 +46,7 @@ import torch
 
 from refit_verify.delivery import ModuleSession, match_any
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.manifest import CLOSE_AUDIT, AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
 from refit_verify.model_boundary import ModelBoundary
 
 logger = logging.getLogger("refit_verify")
@@ -196,10 +196,13 @@ class WorkerBoundary:
             self._refresh_indexes()  # once per close: snapshot, read-back and the manifests use them as they are
             sessions = {role: b.end() for role, b in self.modules.items()}
             errors = list(s.errors)
+            written: set[str] = set()
             for role, ms in sessions.items():
                 prefix = "" if role == "model" else f"{role}:"
                 self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
                 self._written_version.update({prefix + k: s.version for k in ms.written})
+                written.update(prefix + k for k in ms.written)
+            previous = self.baseline
             # the engine state first: read-back takes a parameter written whole from its digest (one pass)
             if self.snapshotter is not None:
                 try:
@@ -220,6 +223,7 @@ class WorkerBoundary:
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             errors += [e for ms in sessions.values() for e in ms.errors]
+            self._audit_unwritten(previous, written)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
@@ -232,6 +236,23 @@ class WorkerBoundary:
                 self.manifests.pop(next(iter(self.manifests)))
             self.last = man
             return man
+
+    def _audit_unwritten(self, previous: Any, written: set[str]) -> None:
+        """Compare the parameters this session did not write with the state the last session left
+        (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
+        changed outside any load the new baseline unnoticed. What changed is reported with this
+        session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
+        names an automatic audit already reported are left out."""
+        now = self.baseline
+        if previous is None or now is None:
+            return
+        seen = {n for a in self.pending_audits for n in a.changed}
+        changed = [n for n, st in now.params.items() if n not in written and n not in seen
+                   and n in previous.params and previous.params[n].digest != st.digest]
+        if changed:
+            self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
+                                                   since_version=previous.version, changed=changed, moved=[],
+                                                   trigger=CLOSE_AUDIT, tensors=len(now.params)))
 
     def abandon(self, session_id: str, why: str) -> None:
         """End an implicit session whose closing call never came (its manifest records ``why``)."""

