@@ -50,7 +50,7 @@ OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_c
 
 def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
                     version: int | None = None, partial: bool = False, producer_rank: int | None = None,
-                 sender_problems: Iterable[str] = ()) -> VerificationReport:
+                 sender_problems: Iterable[str] = (), undigested: Iterable[str] = ()) -> VerificationReport:
     """Compare one worker's session manifest with what the trainer pushed.
 
     Args:
@@ -62,6 +62,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         producer_rank: for multi-producer transports, the trainer rank that sent this payload.
         sender_problems: what the trainer could not digest as it pushed it (a held tensor that
             changed before the end of the refit); each is a failure.
+        undigested: the names those problems are about (drafter ones as ``"drafter:name"``): the
+            worker's digests of them are not reported again as unexpected.
 
     Returns:
         VerificationReport: digests compared per module; coverage, identity and read-back checks in
@@ -76,6 +78,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     unwritten: list[str] = []
     unattributed: list[str] = []
     problems: list[str] = list(sender_problems)
+    skip = set(undigested)
     unchecked: list[str] = []
     landed_mismatched: set[str] = set()  # digested where they landed, and not what the trainer sent
     for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
@@ -94,7 +97,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         receiver.update({tag(k): v for k, v in digests.items()})
         mismatched += [tag(n) for n in r.mismatched]
         missing += [tag(n) for n in r.missing]
-        unexpected += [tag(n) for n in r.unexpected]
+        unexpected += [tag(n) for n in r.unexpected if tag(n) not in skip]
         if got is None:
             continue
         landed_bad = [tag(n) for n in got.in_place if n in r.mismatched]
@@ -329,6 +332,7 @@ class RefitCheck:
         self._opened = False
         expected = self.expected()
         held = self._sender_problems()
+        undigested = [n if m == "model" else f"{m}:{n}" for m, st in self._streams.items() for n in st.changed]
         reports = []
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
@@ -338,7 +342,7 @@ class RefitCheck:
             man = from_wire(data)
             self.manifests.append(man)
             reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
-                                           sender_problems=held))
+                                           sender_problems=held, undigested=undigested))
         self.reports = reports
         ok = all(r.ok for r in reports)
         verdicts.record(self.session, ok)
