@@ -70,7 +70,10 @@ def register_swap_gate_up() -> None:
         return
 
     def _swapping_loader(self, param, loaded_weight, loaded_shard_id=None):
-        if not param.is_meta and loaded_shard_id in (0, 1):
+        # checked per call too: vLLM also runs the plugins in the process that builds the engine (here
+        # the pytest process), whose environment is restored after the engine started; the patch must
+        # not leak into the engines that process builds later
+        if os.environ.get(SWAP_GATE_UP_ENV) == "1" and not param.is_meta and loaded_shard_id in (0, 1):
             n = self.__dict__.get("_rv_real_loads", 0) + 1
             self.__dict__["_rv_real_loads"] = n
             if n > 2:
