@@ -45,29 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         if dev == "cuda":
             torch.cuda.synchronize()
 
-    def copying() -> None:
-        b = CopyingBatch()
-        for n, t in ts:
-            b.add(n, t)
-        b.launch()
+    def filled(make, finish: str):
+        """Add every tensor to ``make()``, then call its ``finish`` method."""
+        def run() -> None:
+            b = make()
+            for n, t in ts:
+                b.add(n, t)
+            getattr(b, finish)()
+        return run
 
-    def stream() -> None:
-        s = StreamDigests()
-        for n, t in ts:
-            s.add(n, t)
-        s.digests()
-
-    def held() -> None:
-        s = StreamDigests(copy=False)
-        for n, t in ts:
-            s.add(n, t)
-        s.digests()
-
-    def plain() -> None:
-        b = DigestBatch()
-        for n, t in ts:
-            b.add(n, t)
-        b.hexdigests()
+    copying = filled(CopyingBatch, "launch")
+    stream = filled(StreamDigests, "digests")
+    held = filled(lambda: StreamDigests(copy=False), "digests")
+    plain = filled(DigestBatch, "hexdigests")
 
     rows = [
         ("t.view(-1)", lambda: [t.view(-1) for _, t in ts]),

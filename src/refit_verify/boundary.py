@@ -276,6 +276,9 @@ class WorkerBoundary:
 
     def take_expected(self) -> tuple[dict[str, str | None], bool] | None:
         """The digests :meth:`expect` left for this call (taken once), or None."""
+        s = self.open_session
+        if s is None or s.expected is None:  # the common case, read without the lock: nothing to take
+            return None
         with self._lock:
             s = self.open_session
             if s is None or s.expected is None:

@@ -296,17 +296,20 @@ class RefitCheck:
         """``{module: {name: 32-hex}}`` of everything added (collects the trainer's digests)."""
         return {m: s.digests() for m, s in self._streams.items()}
 
-    def _sender_problems(self) -> list[str]:
-        """Held tensors (``copy=False``) that changed before their digests were taken (after :meth:`expected`)."""
-        out = []
+    def _sender_problems(self) -> tuple[list[str], list[str]]:
+        """Held tensors (``copy=False``) that changed before their digests were taken (after
+        :meth:`expected`): ``(problems, their labels)``, drafter labels as ``"drafter:name"``."""
+        out, labels = [], []
         for m, s in self._streams.items():
-            for name, why in list(s.changed.items())[:20]:
+            for i, (name, why) in enumerate(s.changed.items()):
                 label = name if m == "model" else f"{m}:{name}"
-                out.append(f"the trainer's {label} could not be digested as pushed: {why} (refit(copy=False) holds the "
-                           "tensors until the refit ends; pass copy=True when the trainer changes or frees them before)")
+                labels.append(label)
+                if i < 20:
+                    out.append(f"the trainer's {label} could not be digested as pushed: {why} (refit(copy=False) holds the "
+                               "tensors until the refit ends; pass copy=True when the trainer changes or frees them before)")
             if len(s.changed) > 20:
                 out.append(f"… and {len(s.changed) - 20} more tensors of {m} changed after r.add")
-        return out
+        return out, labels
 
     def verify(self) -> list[VerificationReport]:
         """Close the sessions, compare every worker's manifest, act on the mode (what ``with`` does on exit).
@@ -331,8 +334,7 @@ class RefitCheck:
         results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()
-        held = self._sender_problems()
-        undigested = [n if m == "model" else f"{m}:{n}" for m, st in self._streams.items() for n in st.changed]
+        held, undigested = self._sender_problems()
         reports = []
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None

@@ -40,7 +40,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range ``[start, end)`` of ``t`` within its storage."""
     size = t.element_size()
     start = t.storage_offset() * size
-    return start, start + _span(tuple(t.shape), tuple(t.stride())) * size
+    return start, start + _span(t.shape, t.stride()) * size
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -201,12 +201,10 @@ class _Delivered:
         except TypeError:
             self.ref = lambda: None
         self.ptr = _storage_ptr(t)
-        size = t.element_size()
-        start = t.storage_offset() * size
-        self.extent = (start, start + _span(t.shape, t.stride()) * size)
+        self.extent = _extent(t)
         self.routed = False
         self.rechecked = False
-        self.nbytes = t.numel() * size
+        self.nbytes = t.numel() * t.element_size()
         self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
         self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
 

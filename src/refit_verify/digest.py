@@ -232,10 +232,7 @@ class DigestBatch:
                             _PLANNED[sig] = planned
                             if len(_PLANNED) > _PLANNED_MAX:
                                 _PLANNED.popitem(last=False)
-                    self._launched.append((keys, backend.run_plan(planned)))
-                    del views
-                    continue
-                self._launched.append((keys, backend.run_plan(planned)))
+                self._launched.append((keys, backend.run_plan(planned)))  # (a copy in views lives until launched)
                 continue
             views, seeds = [], []
             for _, t, s, _ in items:
@@ -463,7 +460,7 @@ class HeldBatch:
         return self._batch.hexdigests()
 
     def __len__(self) -> int:
-        return len(self._batch._order) + len({h[0] for h in self._held} - set(self._batch._order))
+        return len(self._batch._order.keys() | {h[0] for h in self._held})
 
 
 def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:

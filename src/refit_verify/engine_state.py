@@ -213,10 +213,7 @@ def _named_state(modules: dict[str, Any]):
     """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module
     (a ModelBoundary's checked index, or an ``nn.Module`` walked now)."""
     for role, b in modules.items():
-        if isinstance(b, torch.nn.Module):
-            idx = ModelIndex(b)
-        else:
-            idx = b.index(refresh=False) if b.model is not None else None
+        idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
         if idx is None:
             continue
         if role == "model":

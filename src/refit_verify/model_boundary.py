@@ -25,7 +25,7 @@ import torch
 from refit_verify.delivery import ModuleSession
 from refit_verify.digest import DigestBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
-from refit_verify.model_index import ModelIndex, index_of
+from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
 from refit_verify.stream import check_digest
 
@@ -64,6 +64,7 @@ class ModelBoundary:
         self.session: ModuleSession | None = None
         self.outside = ModuleSession(self, sessioned=False)
         self.numel_hint: dict[str, int] = {}
+        self._index: ModelIndex | None = None
         self._bind()
 
     @property
@@ -77,9 +78,10 @@ class ModelBoundary:
         model = self.model
         if model is None:
             return None
-        if not refresh and getattr(self, "_index", None) is not None:
-            return self._index
-        return index_of(self, model)
+        idx = self._index
+        if idx is None or (refresh and not idx.fresh(model)):
+            idx = self._index = ModelIndex(model)
+        return idx
 
     def install(self) -> None:
         """Wrap ``model.load_weights`` (instance level) and every parameter's weight loader."""
@@ -116,8 +118,7 @@ class ModelBoundary:
                 return original(*args, **kwargs)
             target = boundary._target()
             weights = kwargs["weights"] if "weights" in kwargs else args[0]
-            s = boundary.owner.open_session
-            pending = boundary.owner.take_expected() if target.sessioned and s is not None and s.expected is not None else None
+            pending = boundary.owner.take_expected() if target.sessioned else None
             if pending is not None and isinstance(weights, (list, tuple)):
                 weights = boundary._checked_first(target, weights, *pending)
             else:

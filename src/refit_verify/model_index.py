@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelIndex", "index_of"]
+__all__ = ["ModelIndex"]
 
 
 def _shape_of(m: torch.nn.Module) -> tuple:
@@ -69,11 +69,3 @@ class ModelIndex:
                 return False
         return True
 
-
-def index_of(holder: Any, model: torch.nn.Module) -> ModelIndex:
-    """The fresh :class:`ModelIndex` of ``model`` kept on ``holder`` (``holder._index``), rebuilt when stale."""
-    idx = getattr(holder, "_index", None)
-    if idx is None or not idx.fresh(model):
-        idx = ModelIndex(model)
-        holder._index = idx
-    return idx
