@@ -201,7 +201,18 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
     The plan holds the views' addresses, not the views: running it later digests whatever that
     memory holds then, so the caller keeps the memory alive and knows it is the same tensors.
 
-    Args / Raises: as :func:`digest_views` (``views`` non-empty).
+    Args:
+        views: non-empty list of 1-D contiguous uint8 tensors on one device (as :func:`digest_views`).
+        seeds: per view, the two 64-bit chain seeds (ints in [0, 2**64)).
+        align: view address alignment in bytes a FAST leaf program needs (8; 16 for ``vec`` variants).
+
+    Returns:
+        Planned: the int64 plan on the views' device and its program / chunk counts.
+
+    Raises:
+        ValueError: views and seeds differ in length; views on different devices; CPU views
+            without the Triton interpreter.
+        TypeError: a view is not a 1-D contiguous uint8 tensor.
     """
     if len(views) != len(seeds):
         raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
