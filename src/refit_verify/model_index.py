@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any
 
 import torch
 
