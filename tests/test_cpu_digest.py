@@ -195,3 +195,29 @@ def test_digesting_a_cpu_tensor_leaves_its_storage_resizable():
     assert s.digests() == {"t": want}
     t.untyped_storage().resize_(0)  # raised "Trying to resize storage that is not resizable" before
     assert t.untyped_storage().nbytes() == 0
+
+
+def test_stream_digests_holds_parameters_and_copies_the_rest():
+    """StreamDigests(hold_parameters=True): an nn.Parameter is held (a write after the add is caught by
+    its version counter and the name left out), any other tensor is taken as it was at the add, and
+    the latest add of a name decides which of the two it is."""
+    from refit_verify.digest import StreamDigests, tensor_digest
+
+    p = torch.nn.Parameter(torch.arange(64, dtype=torch.float32), requires_grad=False)
+    t = torch.arange(64, dtype=torch.float32) * 3
+    want_p, want_t = tensor_digest(p.detach().clone()), tensor_digest(t.clone())
+    s = StreamDigests(hold_parameters=True)
+    s.add("p", p)
+    s.add("t", t)
+    t.add_(1)  # copied (on CPU: digested) at the add
+    assert s.digests() == {"p": want_p, "t": want_t} and s.changed == {}
+    s.add("p", p)
+    with torch.no_grad():
+        p.add_(1)
+    assert s.digests() == {"t": want_t}
+    assert list(s.changed) == ["p"] and "modified in place" in s.changed["p"]
+    s.add("p", p.detach().clone())  # the same name again, now a plain tensor: copied, and it wins
+    assert s.digests() == {"p": tensor_digest(p.detach()), "t": want_t} and s.changed == {}
+    s.add("q", torch.zeros(3))
+    s.add("q", p)  # a plain tensor first, then a parameter: the held one is what counts
+    assert s.digests()["q"] == tensor_digest(p.detach())

@@ -433,3 +433,32 @@ def test_drain_before_fetching_manifests_is_bounded(monkeypatch):
         stuck.set()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     native._wait_for_device()  # drained: returns
+
+
+def test_exported_parameter_written_before_verify_is_a_failure(monkeypatch):
+    """The sender holds exported parameters (no copy) until verify(): one written in place after its
+    send is named as a sender problem, never compared as if it were what was sent; plain tensors
+    of the same export are copied, so writing them after the send changes nothing."""
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setattr(NCCLWeightTransferEngine, "trainer_send_weights",
+                        native._wrap_static_sender(NCCLWeightTransferEngine.__dict__["trainer_send_weights"]), raising=False)
+    params = {f"p{i}": torch.nn.Parameter(torch.randn(4, 8), requires_grad=False) for i in range(3)}
+    temp = {"t0": torch.randn(4, 8)}
+    pairs = {**params, **temp}
+    llm = _FakeLLM()
+    v = native.NativeSendVerifier(llm)
+    NCCLWeightTransferEngine.trainer_send_weights(v.wrap(pairs.items()), {"group": _FakeGroup(llm, list(pairs))})
+    temp["t0"].add_(1)  # copied at the send: what was sent is what is compared
+    (report,) = v.verify()
+    assert report.ok and report.verified == 4
+    v = native.NativeSendVerifier(llm)
+    llm.got.clear()
+    NCCLWeightTransferEngine.trainer_send_weights(v.wrap(pairs.items()), {"group": _FakeGroup(llm, list(pairs))})
+    with torch.no_grad():
+        params["p1"].mul_(2)  # an optimizer step before verify(): the held parameter is not what was sent
+    with pytest.raises(RefitVerificationError) as ei:
+        v.verify()
+    (report,) = native.last_reports()
+    assert not report.ok and report.verified == 3 and report.unexpected == () and report.mismatched == ()
+    assert len(report.problems) == 1 and "p1 could not be digested as exported: it was modified in place" in report.problems[0]
+    assert "p1" in str(ei.value)

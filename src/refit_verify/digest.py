@@ -481,18 +481,30 @@ class StreamDigests:
     By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
     :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
     at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`): the caller
-    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. One
-    synchronisation when :meth:`digests` is read.
+    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
+    ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
+    and any other tensor copied: a parameter is the model's own memory, not a temporary of the
+    export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
+    when :meth:`digests` is read.
+
+    Args:
+        copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
+        hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
 
     Attributes:
         digest_s: host seconds spent digesting.
+        changed: ``{name: why}`` of held tensors that changed before their digests were taken
+            (not in :meth:`digests`; see :class:`HeldBatch`).
     """
 
     FLUSH_BYTES = 256 << 20
 
-    def __init__(self, copy: bool = True) -> None:
+    def __init__(self, copy: bool = True, hold_parameters: bool = False) -> None:
         self.copy = copy
+        self.hold_parameters = hold_parameters and copy
         self._batch = self._new()
+        self._held = HeldBatch(self.FLUSH_BYTES) if self.hold_parameters else None
+        self._last: dict[str, bool] = {}  # name -> held (True) or copied, of its latest add (hold_parameters only)
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
         self.digest_s = 0.0
@@ -509,23 +521,39 @@ class StreamDigests:
         if not isinstance(name, str):
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         t0 = time.perf_counter()
-        self._batch.add(name, tensor)
+        if self._held is not None:
+            held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
+            (self._held if held else self._batch).add(name, tensor)
+        else:
+            self._batch.add(name, tensor)
         self.digest_s += time.perf_counter() - t0
+
+    def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
+        """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went
+        to this batch, True for the held one; None: every name)."""
+        got = batch.hexdigests()
+        for name, h in got.items():
+            if held is None or self._last.get(name) is held:
+                self.changed.pop(name, None)
+                self._done[name] = h
+        for name, why in getattr(batch, "changed", {}).items():
+            if held is None or self._last.get(name) is held:
+                self._done.pop(name, None)
+                self.changed[name] = why
 
     def digests(self) -> dict[str, str]:
         """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
         t0 = time.perf_counter()
+        mixed = self._held is not None
         if len(self._batch):
-            got = self._batch.hexdigests()
-            for name in got:
-                self.changed.pop(name, None)
-            self._done.update(got)
-            for name, why in getattr(self._batch, "changed", {}).items():
-                self._done.pop(name, None)
-                self.changed[name] = why
+            self._collect(self._batch, False if mixed else None)
             self._batch = self._new()
+        if mixed and len(self._held):
+            self._collect(self._held, True)
+            self._held = HeldBatch(self.FLUSH_BYTES)
         self.digest_s += time.perf_counter() - t0
         return dict(self._done)
 
     def __len__(self) -> int:
-        return len(self._done) + len(self._batch)
+        pending = len(self._batch) + (len(self._held) if self._held is not None else 0)
+        return len(self._done) + pending

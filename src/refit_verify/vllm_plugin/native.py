@@ -145,7 +145,7 @@ class NativeSendVerifier:
 
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self.target = target
-        self._stream = StreamDigests()
+        self._stream = StreamDigests(hold_parameters=True)  # the model's parameters held, temporaries copied
         self.engines: list[weakref.ref] = []
         self.open_updates = False
 
@@ -258,8 +258,11 @@ class NativeSendVerifier:
         with _LOCK:
             if _LAST["key"] == key:  # a further send into the same worker update
                 sender = {**_LAST["sender"], **sender}
+                for name in self._stream.changed:  # what this send exported under it is unknown
+                    sender.pop(name, None)
             _LAST.update(key=key, sender=sender)
-        reports = [self._compare(sender, w) for w in workers]
+        problems = self._sender_problems()
+        reports = [self._compare(sender, w, problems) for w in workers]
         self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
@@ -268,15 +271,26 @@ class NativeSendVerifier:
         return act_on_all(reports, self.mode)
 
 
-    @staticmethod
-    def _compare(sender: dict[str, str], w: dict[str, Any]) -> VerificationReport:
+    def _sender_problems(self) -> list[str]:
+        """The exported parameters (held, not copied) that changed before their digests were taken."""
+        changed = self._stream.changed
+        out = [f"the trainer's {name} could not be digested as exported: {why} (a parameter handed to the send is "
+               "held until verify(); leave it untouched until then)" for name, why in list(changed.items())[:20]]
+        if len(changed) > 20:
+            out.append(f"… and {len(changed) - 20} more exported parameters changed before verify()")
+        return out
+
+    def _compare(self, sender: dict[str, str], w: dict[str, Any], problems: list[str]) -> VerificationReport:
         """A finished update is compared as a whole session (coverage, apply-time digests, read-back);
         one still open (0.26: the send runs between start and finish) by its delivered digests, and
-        the report says what it could not check yet."""
+        the report says what it could not check yet. ``problems``: the sender's own (each a failure)."""
+        changed = tuple(self._stream.changed)
         data = w.get("session_manifest")
         if data is not None and not w.get("active"):
-            return compare_session({"model": sender}, from_wire(data))
+            return compare_session({"model": sender}, from_wire(data), sender_problems=problems, undigested=changed)
         r = compare_manifests(sender, w.get("manifest") or {}, rank=w.get("rank"))
+        r = dataclasses.replace(r, unexpected=tuple(n for n in r.unexpected if n not in changed),
+                                problems=(*r.problems, *problems))
         return dataclasses.replace(r, unchecked=(
             "coverage, apply-time digests and read-back: the worker's update was still open (checked again when "
             "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",))
