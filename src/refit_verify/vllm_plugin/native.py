@@ -15,7 +15,7 @@ every process that builds an engine; elsewhere call ``refit_verify.vllm_plugin.r
   in-process engine an update went to (or is open on), for senders whose arguments name no
   client (``nccl``: a process group only).
 
-:class:`NativeSendVerifier` is the same logic as an explicit helper, for trainers that run where
+:class:`NativeSendVerifier` (:mod:`refit_verify.vllm_plugin.native_sender`) is the same logic as an explicit helper, for trainers that run where
 vLLM's plugins are never loaded (a Ray actor) or use a client refit-verify cannot reach the
 workers through. ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError` naming the
 parameters and the worker rank; ``log`` logs a warning. The mode is read from ``REFIT_VERIFY`` at
@@ -26,20 +26,27 @@ Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.p
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
+from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
-from refit_verify.check import compare_session
-from refit_verify.manifest import from_wire
-from refit_verify.report import VerificationReport, compare_manifests
+from refit_verify.report import VerificationReport
 from refit_verify.vllm_plugin import shims
+from refit_verify.vllm_plugin.native_sender import (  # noqa: F401  (FETCH_TIMEOUT_S: re-exported)
+    _ACTIVE,
+    _LAST,
+    _LOCK,
+    _OPEN,
+    _PENDING,
+    FETCH_TIMEOUT_S,
+    NativeSendVerifier,
+    _Wrapped,
+)
 from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
@@ -50,15 +57,7 @@ UNSUPPORTED_BACKENDS = frozenset({"sparse_nccl", "sharded_rdt", "nccl_m2n", "mod
 """Trainer backends that ship deltas or partial shards, or load without ``model.load_weights``:
 the worker's loaded tensors are not the exported ones, so their digests cannot be compared."""
 
-FETCH_TIMEOUT_S = 300.0
-"""Bound, in seconds, on fetching the workers' manifests after a send."""
-
-_LOCK = threading.RLock()
 _STATE: dict[str, Any] = {"installed": False, "mode": None, "version": None, "sender_paths": ()}
-_ACTIVE: list[NativeSendVerifier] = []  # sends in progress in this process (for engine tracking)
-_LAST: dict[str, Any] = {"reports": [], "key": None, "sender": {}}
-_OPEN: list[weakref.ref] = []  # in-process LLMs between start_weight_update and finish_weight_update
-_PENDING: list[NativeSendVerifier] = []  # static sends checked by digests, whose whole session is checked at finish
 STATIC_SENDERS = {"vllm.distributed.weight_transfer.ipc_engine": "IPCWeightTransferEngine",
                   "vllm.distributed.weight_transfer.nccl_engine": "NCCLWeightTransferEngine"}
 """vLLM 0.26's static ``trainer_send_weights`` entries (module -> engine class) that get wrapped."""
@@ -112,188 +111,6 @@ def _uninstall() -> None:
         from refit_verify.vllm_plugin import patches
 
         patches.reset()
-
-
-# --------------------------------------------------------------------------- sender
-
-
-class NativeSendVerifier:
-    """Sender half of a verified native weight update: digest what is exported, then compare.
-
-    The automatic wrappers use it; call it yourself where they cannot run (a trainer process in
-    which vLLM's plugins are never loaded, e.g. a Ray actor):
-
-    .. code-block:: python
-
-        v = NativeSendVerifier(llm)                  # or a Ray handle, an HTTP base URL, a client
-        llm.start_weight_update()
-        IPCWeightTransferEngine.trainer_send_weights(v.wrap(model.named_parameters()), args)  # 0.26
-        llm.finish_weight_update()
-        v.verify()                                   # raises in enforce, warns in log
-
-    Args:
-        target: where the workers are: an object with ``collective_rpc`` (``LLM``), a Ray actor
-            handle or a list of them, an HTTP base URL (``VLLM_SERVER_DEV_MODE=1`` server), a
-            ``VLLMWeightSyncClient`` (Ray, HTTP, or one holding such an object as an attribute),
-            or None: then the in-process ``LLM`` engines that received ``update_weights`` while
-            the verifier was entered (``with v:``) are asked.
-        mode: verification mode; default ``REFIT_VERIFY``.
-    """
-
-    def __init__(self, target: Any = None, *, mode: VerifyMode | str | None = None) -> None:
-        from refit_verify.digest import StreamDigests
-
-        self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
-        self.target = target
-        self._stream = StreamDigests(hold_parameters=True)  # the model's parameters held, temporaries copied
-        self.engines: list[weakref.ref] = []
-        self.open_updates = False
-
-    @property
-    def digests(self) -> dict[str, str]:
-        """``{name: 32-hex}`` of every tensor added so far (collects launched CUDA digests first)."""
-        return self._stream.digests()
-
-    @property
-    def digest_s(self) -> float:
-        """Host seconds spent digesting."""
-        return self._stream.digest_s
-
-    def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor (:class:`refit_verify.digest.StreamDigests`: launched now, no per-tensor sync)."""
-        self._stream.add(name, tensor)
-
-    def wrap(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """Yield ``pairs`` unchanged, digesting each tensor before it is handed on.
-
-        A vLLM 0.26 static ``trainer_send_weights`` that is handed this iterator leaves the
-        verification to this verifier (no second digest, no automatic ``verify``)."""
-        return _Wrapped(self, pairs)
-
-    # -- engine tracking
-    def __enter__(self) -> NativeSendVerifier:
-        with _LOCK:
-            _ACTIVE.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with _LOCK:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
-
-    def _saw_engine(self, llm: Any) -> None:
-        if not any(r() is llm for r in self.engines):
-            self.engines.append(weakref.ref(llm))
-
-    # -- comparing
-    def fetch(self) -> list[dict[str, Any]]:
-        """Return every worker's ``refit_verify_native_manifest`` result.
-
-        Raises:
-            RefitConfigError: no way to reach the workers; no target and more than one in-process
-                engine could have received this send; or a worker lacks the method.
-        """
-        from refit_verify.engines import channel
-
-        chans = [c for c in (channel(self.target),) if c is not None]
-        if not chans:
-            seen = [llm for llm in (r() for r in self.engines) if llm is not None]
-            how = "received update_weights during this send"
-            if not seen:  # e.g. nccl: the update went out before this send began; use the open updates
-                with _LOCK:
-                    seen = [llm for llm in (r() for r in _OPEN) if llm is not None]
-                how = "have an open weight update (start_weight_update without finish_weight_update)"
-            if len(seen) > 1:  # which one this send fed is unknown: comparing with all would blame the others
-                raise RefitConfigError(
-                    f"refit-verify cannot tell which of {len(seen)} in-process vLLM engines this send updated (all {how}); "
-                    "pass the engine explicitly: NativeSendVerifier(target=llm) with trainer_send_weights(v.wrap(params), args)")
-            for llm in seen:
-                self._saw_engine(llm)
-            chans = [c for c in (channel(llm) for llm in seen) if c is not None]
-        if not chans:
-            raise RefitConfigError(
-                f"refit-verify cannot reach the vLLM workers to fetch their manifests (client: {type(self.target).__name__}). "
-                "Use a client with collective_rpc, a Ray or HTTP client, an in-process LLM, or "
-                "refit_verify.vllm_plugin.native.NativeSendVerifier(target=...)."
-            )
-        results: list[dict[str, Any]] = []
-        for ch in chans:
-            results.extend(ch.call(MANIFEST_METHOD, timeout_s=FETCH_TIMEOUT_S))
-        return results
-
-    def verify(self) -> list[VerificationReport]:
-        """Fetch the worker manifests, compare each with the sender's, act on the mode.
-
-        Every worker receives full tensors, so each manifest is compared with the whole sender
-        manifest. Digests of several sends into one worker update (0.26: more than one
-        ``trainer_send_weights`` between start and finish) are merged.
-
-        Returns:
-            list[VerificationReport]: one per worker, in worker order.
-
-        Raises:
-            RefitVerificationError: ``enforce`` and a worker's manifest differs; names the
-                parameters and the worker rank (other failing workers are logged first).
-            RefitConfigError: a worker does not verify (``REFIT_VERIFY`` off in the server), or
-                the workers cannot be reached (``enforce``; ``log`` logs it).
-        """
-        if not self.mode.verifies:
-            return []
-        try:
-            workers = self.fetch()
-            idle = [w for w in workers if not w.get("verifying")]
-            if idle or not workers:
-                w = idle[0] if idle else {}
-                raise RefitConfigError(
-                    f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank {w.get('rank')} does not "
-                    f"verify ({w.get('reason', 'no workers answered')}); set REFIT_VERIFY in the vLLM server's environment too"
-                )
-        except RefitConfigError as e:
-            if self.mode is VerifyMode.ENFORCE:
-                raise
-            logger.warning("%s", e)
-            return []
-        key = tuple(sorted((str(w.get("token")), int(w.get("session", 0))) for w in workers))
-        sender = dict(self.digests)
-        with _LOCK:
-            if _LAST["key"] == key:  # a further send into the same worker update
-                sender = {**_LAST["sender"], **sender}
-                for name in self._stream.changed:  # what this send exported under it is unknown
-                    sender.pop(name, None)
-            _LAST.update(key=key, sender=sender)
-        problems = self._sender_problems()
-        reports = [self._compare(sender, w, problems) for w in workers]
-        self.open_updates = any(w.get("active") for w in workers)
-        with _LOCK:
-            _LAST["reports"] = reports
-        if all(r.ok for r in reports):
-            logger.info("refit verified (native weight transfer): %d tensors on %d worker(s)", len(sender), len(reports))
-        return act_on_all(reports, self.mode)
-
-
-    def _sender_problems(self) -> list[str]:
-        """The exported parameters (held, not copied) that changed before their digests were taken."""
-        changed = self._stream.changed
-        out = [f"the trainer's {name} could not be digested as exported: {why} (a parameter handed to the send is "
-               "held until verify(); leave it untouched until then)" for name, why in list(changed.items())[:20]]
-        if len(changed) > 20:
-            out.append(f"… and {len(changed) - 20} more exported parameters changed before verify()")
-        return out
-
-    def _compare(self, sender: dict[str, str], w: dict[str, Any], problems: list[str]) -> VerificationReport:
-        """A finished update is compared as a whole session (coverage, apply-time digests, read-back);
-        one still open (0.26: the send runs between start and finish) by its delivered digests, and
-        the report says what it could not check yet. ``problems``: the sender's own (each a failure)."""
-        changed = tuple(self._stream.changed)
-        data = w.get("session_manifest")
-        if data is not None and not w.get("active"):
-            return compare_session({"model": sender}, from_wire(data), sender_problems=problems, undigested=changed)
-        r = compare_manifests(sender, w.get("manifest") or {}, rank=w.get("rank"))
-        r = dataclasses.replace(r, unexpected=tuple(n for n in r.unexpected if n not in changed),
-                                problems=(*r.problems, *problems))
-        return dataclasses.replace(r, unchecked=(
-            "coverage, apply-time digests and read-back: the worker's update was still open (checked again when "
-            "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",))
 
 
 # -- vLLM >= 0.27 trainer engines
@@ -401,22 +218,6 @@ def _digesting_source(inner: Any, verifier: NativeSendVerifier) -> Any:
     return cls(inner, verifier)
 
 
-class _Wrapped:
-    """Iterator returned by :meth:`NativeSendVerifier.wrap` (marks iterators already verified)."""
-
-    def __init__(self, verifier: NativeSendVerifier, pairs: Iterable[tuple[str, Any]]) -> None:
-        self.verifier, self._it = verifier, iter(pairs)
-
-    def __iter__(self) -> _Wrapped:
-        return self
-
-    def __next__(self) -> tuple[str, Any]:
-        name, tensor = next(self._it)
-        if tensor is not None:
-            self.verifier.add(name, tensor)
-        return name, tensor
-
-
 # -- vLLM 0.26 static senders (ipc, nccl)
 
 
@@ -442,6 +243,10 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
+        if verifier._finishes_here():  # its finish_weight_update checks the whole session: nothing to fetch now
+            with _LOCK:
+                _PENDING.append(verifier)
+            return out
         _wait_for_device()
         verifier.verify()  # delivered digests now (fails fast); the whole session at finish_weight_update
         if verifier.open_updates:
@@ -533,6 +338,14 @@ def _patch_llm_tracking(module: Any) -> None:
 def _wrap_llm_start(raw: Callable) -> Callable:
     @functools.wraps(raw)
     def start_weight_update(self, *args, **kwargs):
+        with _LOCK:
+            stale = [v for v in _PENDING if v._feeds(self)]
+            _PENDING[:] = [v for v in _PENDING if v not in stale]
+        if stale:  # sends into an update that was never finished: checked now, as far as an open update allows
+            logger.error("refit-verify: a weight update of this LLM was started again before finish_weight_update closed "
+                         "the previous one; its sends are checked as far as an open update allows")
+            stale[-1]._earlier = stale[:-1]
+            stale[-1].verify()
         out = raw(self, *args, **kwargs)
         with _LOCK:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self] + [weakref.ref(self)]
@@ -546,11 +359,11 @@ def _wrap_llm_finish(raw: Callable) -> Callable:
     def finish_weight_update(self, *args, **kwargs):
         with _LOCK:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
-            mine = [v for v in _PENDING if v.target is self or getattr(v.target, "__self__", None) is self
-                    or any(r() is self for r in v.engines)]
+            mine = [v for v in _PENDING if v._feeds(self)]
             _PENDING[:] = [v for v in _PENDING if v not in mine]
         out = raw(self, *args, **kwargs)
         if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
+            mine[-1]._earlier = mine[:-1]  # every send into it
             mine[-1].verify()
         return out
 
