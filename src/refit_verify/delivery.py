@@ -366,14 +366,12 @@ class ModuleSession:
         elif self.current is not None:
             self.current.unattributed += 1
 
-    def on_apply(self, pname: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        d = self.match(loaded)
-        if d is None or d.rechecked:
-            return
+    def _applied(self, d: _Delivered) -> None:
+        """Delivered tensor ``d`` was just written into a parameter: if another tensor was pulled since
+        it was (vLLM's layerwise reload deferring a layer, within the delivering call or after it
+        returned), its source may have been refilled since, so it is digested again now."""
         if self.current is not None and self.current.id == d.call and d.seq == self.pulls:
             return  # applied right after it was pulled, nothing pulled since: an immediate write
-        # applied after another tensor was pulled (vLLM's layerwise reload deferring a layer, within
-        # the delivering call or after it returned): the source may have been refilled since
         tensor = d.ref()
         if tensor is None:
             return
@@ -383,9 +381,13 @@ class ModuleSession:
         self.digest_s += time.perf_counter() - t0
 
     def on_write(self, pname: str, param: torch.Tensor, loaded: torch.Tensor, placement: Placement) -> None:
+        """One weight-loader call wrote ``loaded`` into ``param`` as ``placement`` says: route it to its
+        delivered tensor, check when it was applied (:meth:`_applied`) and record the write."""
         d = self.match(loaded)
         if d is not None:
             d.routed = True
+            if not d.rechecked:
+                self._applied(d)
         pshape, pstride = param.shape, param.stride()
         if pname not in self.param_numel:
             self.param_numel[pname] = param.numel()

@@ -99,7 +99,7 @@ class ModelBoundary:
     def _bind(self) -> None:
         """Point the tap's callbacks straight at the record in use (the session's, or the unsessioned one)."""
         t = self._target()
-        self.tap.on_write, self.tap.on_apply, self.tap.on_route = t.on_write, t.on_apply, t.on_route
+        self.tap.on_write, self.tap.on_route = t.on_write, t.on_route
 
     def _target(self) -> ModuleSession:
         return self.session if self.session is not None else self.outside

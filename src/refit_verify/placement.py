@@ -183,10 +183,12 @@ class LoaderTap:
         default_loader: the loader vLLM uses for a parameter with no ``weight_loader`` attribute
             (``vllm.model_executor.model_loader.weight_utils.default_weight_loader``).
         on_write: ``on_write(pname, param, loaded, placement)`` after every loader call that wrote a
-            real (non-meta) parameter; ``placement`` is the cached :class:`Placement`.
-        on_apply: ``on_apply(pname, param, loaded)`` before such a call (deferred-apply checks).
-        on_route: ``on_route(pname, loaded)`` before every call, meta ones included (which delivered
-            tensor went to which parameter, also when vLLM's layerwise reload defers the write).
+            real (non-meta) parameter; ``placement`` is the cached :class:`Placement`. It is the one
+            callback of such a call: which delivered tensor went where, the deferred-apply check and
+            the write itself (one call of ours per load, not three).
+        on_route: ``on_route(pname, loaded)`` before a call on a meta parameter, or with no real
+            parameter (vLLM's layerwise reload buffering the load: which delivered tensor went to
+            which parameter, while its write comes later).
         on_error: ``on_error(message)`` when a callback raises: the framework's load goes on
             untouched and the session reports the message (never raised into the loader).
 
@@ -195,10 +197,10 @@ class LoaderTap:
     materialised parameter; its buffering calls on meta parameters pass straight through.
     """
 
-    def __init__(self, default_loader: Callable | None, on_write: Callable, on_apply: Callable | None = None,
-                 on_route: Callable | None = None, on_error: Callable[[str], None] | None = None) -> None:
+    def __init__(self, default_loader: Callable | None, on_write: Callable, on_route: Callable | None = None,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.default_loader = default_loader
-        self.on_write, self.on_apply, self.on_route, self.on_error = on_write, on_apply, on_route, on_error
+        self.on_write, self.on_route, self.on_error = on_write, on_route, on_error
         self.placements: dict[tuple, Placement] = {}
         self.enabled = True
 
@@ -253,7 +255,7 @@ class LoaderTap:
         return tapped
 
     def _call(self, pname: str, original: Callable, args: tuple, kwargs: dict):
-        """Run one loader call: route, record the placement (first time), report the write.
+        """Run one loader call: record the placement (first time), report the write (a meta call: its route).
 
         The bookkeeping runs on plain tensor ops (:func:`~refit_verify.digest.plain_tensor_ops`: vLLM's
         parameter classes make every attribute read a Python call); the loader itself runs as it is."""
@@ -261,15 +263,13 @@ class LoaderTap:
             return original(*args, **kwargs)
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-        meta = True
         with _PLAIN():
-            if isinstance(loaded, torch.Tensor):
-                if self.on_route is not None:
+            tensor = isinstance(loaded, torch.Tensor)
+            meta = not tensor or not isinstance(param, torch.Tensor) or param.is_meta
+            if meta:
+                if tensor and self.on_route is not None:
                     self._run(self.on_route, pname, loaded)
-                meta = not isinstance(param, torch.Tensor) or param.is_meta
-            if not meta:
-                if self.on_apply is not None:
-                    self._run(self.on_apply, pname, param, loaded)
+            else:
                 rest = args[2:]
                 kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")} if kwargs else {}
                 key = (pname, *_key(loaded, rest, kw))
