@@ -221,3 +221,50 @@ def test_stream_digests_holds_parameters_and_copies_the_rest():
     s.add("q", torch.zeros(3))
     s.add("q", p)  # a plain tensor first, then a parameter: the held one is what counts
     assert s.digests()["q"] == tensor_digest(p.detach())
+
+
+def test_digest_many_equals_one_call_per_string():
+    """``digest_arrays_many``: one compiled call over many strings equals ``digest_words`` string by
+    string (every length 0..80, lane and block edges, the largest length it takes), and it refuses a
+    misaligned address or a length out of range before reading anything."""
+    from refit_verify import _numba_digest as nd
+    from refit_verify.digest import _tensor_seed
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [*range(81), 127, 128, 129, 4095, 4096, 4097, 16 * 256 * 8 + 8, nd.MANY_MAX_BYTES - 1]
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in lengths]
+    items = [(t.data_ptr(), t.numel(), _tensor_seed(torch.bfloat16, (t.numel(), 1), t.numel())) for t in ts]
+    assert all(a % 8 == 0 for a, _, _ in items)
+    assert nd.digest_words_many(items) == [nd.digest_words(t, s) for t, (_, _, s) in zip(ts, items)]
+    assert nd.digest_words_many([]) == []
+    big = torch.zeros(nd.MANY_MAX_BYTES, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        nd.digest_words_many([(ts[20].data_ptr() + 1, 3, (0, 0))])
+    with pytest.raises(ValueError, match="MANY_MAX_BYTES"):
+        nd.digest_words_many([(big.data_ptr(), nd.MANY_MAX_BYTES, (0, 0))])
+
+
+def test_held_cpu_batch_reads_at_launch_and_matches_tensor_digest():
+    """``DigestBatch(hold_cpu=True)`` gives ``tensor_digest`` of each tensor as it is at the launch,
+    whatever the tensor (empty, odd length, misaligned view, strided, complex, conjugate, bool, one
+    too big for the batched call, a name added twice); the default batch digests at ``add``."""
+    from refit_verify.digest import DigestBatch, tensor_digest
+
+    ts = {"w": torch.randn(64, 32, dtype=torch.bfloat16), "odd": torch.arange(13, dtype=torch.uint8),
+          "empty": torch.zeros(0), "mis": torch.arange(40, dtype=torch.uint8)[3:20],
+          "strided": torch.arange(64.).reshape(8, 8).t(), "cplx": torch.randn(5, dtype=torch.complex64),
+          "conj": torch.randn(5, dtype=torch.complex64).conj(), "bool": torch.tensor([True, False, True]),
+          "big": torch.randn(1 << 18)}
+    b = DigestBatch(hold_cpu=True)
+    for n, t in ts.items():
+        b.add(n, t)
+    b.add("odd", ts["w"])  # the later add of a name is what counts
+    ts["w"][0, 0] += 1  # read at the launch: the digest is of the tensor as it is then
+    want = {n: tensor_digest(t) for n, t in ts.items()}
+    want["odd"] = want["w"]
+    assert b.hexdigests() == want
+    now = DigestBatch()
+    before = tensor_digest(ts["w"])
+    now.add("w", ts["w"])
+    ts["w"][0, 0] += 1
+    assert now.hexdigests() == {"w": before}

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_verify import _torch_digest
+from refit_verify import _numba_digest, _torch_digest
 from refit_verify import reference as ref
 from refit_verify import tensor_digest
-from refit_verify.digest import dtype_name, logical_bytes
+from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -114,6 +114,18 @@ def test_tensor_digest_cpu(v):
     t = make_tensor(v)
     assert dtype_name(t.dtype) == v["dtype"] and list(t.shape) == v["shape"]
     assert tensor_digest(t) == v["digest"]
+
+
+def test_batched_cpu_path_reproduces_every_vector():
+    """``DigestBatch(hold_cpu=True)``: every vector's tensor in one batch (the small ones in one
+    ``digest_many`` call, the rest one by one) reproduces every vector."""
+    vs = [v for v in VECTORS if v["nbytes"] <= FAST_NBYTES]
+    b = DigestBatch(hold_cpu=True)
+    for i, v in enumerate(vs):
+        b.add(str(i), make_tensor(v))
+    got = b.hexdigests()
+    assert [got[str(i)] for i in range(len(vs))] == [v["digest"] for v in vs]
+    assert sum(v["nbytes"] < _numba_digest.MANY_MAX_BYTES for v in vs) > 10  # the batched call did most of them
 
 
 @pytest.mark.parametrize("v", _params(big_is_slow=False))

@@ -37,7 +37,7 @@ logger = logging.getLogger("refit_verify")
 Words = tuple[int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per device type: hashed and compared by identity (a dict key per add)
 class Backend:
     """One digest implementation, as :class:`refit_verify.digest.DigestBatch` calls it.
 
@@ -52,6 +52,11 @@ class Backend:
         fallback_reason: why this is not the fast backend of its device type (``None`` if it is).
         plan_views, run_plan: batched backends that can keep a launch plan for the same memory
             (``kernels.digest.plan_views`` / ``run_plan``); ``None`` otherwise.
+        digest_many: immediate backends that digest many small strings in one call:
+            ``[(address, nbytes, seeds)] -> (h0s, h1s)``, two ``uint64 [N]`` numpy arrays
+            (``_numba_digest.digest_arrays_many``: 8-byte aligned host addresses,
+            ``nbytes < many_max_bytes``); ``None`` otherwise.
+        many_max_bytes: the length bound of ``digest_many`` (0 without it).
     """
 
     name: str
@@ -61,6 +66,8 @@ class Backend:
     fallback_reason: str | None = None
     plan_views: Callable[[list[torch.Tensor], list[Words]], Any] | None = None
     run_plan: Callable[[Any], torch.Tensor] | None = None
+    digest_many: Callable[[list[tuple[int, int, Words]]], tuple[Any, Any]] | None = None
+    many_max_bytes: int = 0
 
 
 _CHOSEN: dict[tuple[str, bool], Backend] = {}
@@ -116,10 +123,14 @@ def _pick(device_type: str, kernel: bool) -> Backend:
             got = nd.digest_words(probe, seeds)
             if got != want:
                 raise RuntimeError(f"probe digest {got} differs from the reference {want}")
+            aligned = torch.arange(16, dtype=torch.uint8)[:13].clone()  # its own (aligned) allocation
+            if aligned.data_ptr() % 8 == 0 and nd.digest_words_many([(aligned.data_ptr(), 13, seeds)]) != [want]:
+                raise RuntimeError("the batched probe digest differs from the reference")
         except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
             return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
                           "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
-        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8)
+        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nd.digest_arrays_many,
+                       many_max_bytes=nd.MANY_MAX_BYTES)
     return _torch(None)  # no faster implementation exists for this device type
 
 

@@ -464,7 +464,7 @@ class ModuleSession:
         if idx is None or not todo:
             return {}
         live = idx.params
-        batch = DigestBatch()
+        batch = DigestBatch(hold_cpu=True)
         for name in todo:
             for i, (pname, where) in enumerate(self.derived[name]):
                 p = live.get(pname)

@@ -157,11 +157,22 @@ class DigestBatch:
     the same memory (:data:`_PLANNED`): the next launch over the same addresses, shapes and dtypes
     (an engine's parameters at every refit) does no per-tensor planning.
 
+    CPU tensors are digested at ``add`` by default. With ``hold_cpu=True`` a contiguous CPU tensor
+    (8-byte aligned, below the backend's ``many_max_bytes``) is queued like a kernel-device one and
+    read when the batch launches, all of them in one compiled call (``Backend.digest_many``: one
+    call instead of one per tensor, whose fixed cost is most of a small tensor's digest); for
+    callers whose tensors stay unchanged until the digests are read (read-back, the engine-state
+    snapshot, held trainer tensors, a check before loading).
+
     Host cost of one ``add`` on the kernel path: the input checks and a list append; of a launch: a
     key of four attribute reads per tensor when its plan is known (``benchmarks/bench_host_ops.py``).
+
+    Args:
+        hold_cpu: queue CPU tensors until the launch (see above) instead of digesting them at ``add``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_cpu: bool = False) -> None:
+        self.hold_cpu = hold_cpu
         self._order: dict[str, int] = {}  # name -> number of its latest add, names in first-insertion order
         self._adds = 0
         self._done: dict[str, str] = {}  # name -> 32-hex digest
@@ -185,6 +196,13 @@ class DigestBatch:
                 self._adds += 1
                 self._order[name] = self._adds
                 self._queued.setdefault((t.get_device(), backend), []).append((name, t, None, self._adds))
+                return
+        elif self.hold_cpu and dtype == "cpu" and t.is_contiguous():  # the rest is checked at the launch
+            backend = _CPU[0] or _cpu_backend()
+            if backend.digest_many is not None:
+                self._adds += 1
+                self._order[name] = self._adds
+                self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
                 return
         u8 = logical_bytes(t)
         self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
@@ -213,6 +231,9 @@ class DigestBatch:
         stream order, so a caller that reuses the memory synchronises (or orders its streams) first.
         """
         for (dev, backend), items in self._queued.items():
+            if backend.digest_many is not None:
+                self._launch_cpu(backend, items)
+                continue
             keys = [(n, k) for n, _, _, k in items]
             if backend.plan_views is not None and all(s is None for _, _, s, _ in items):
                 sig = (dev, backend.name, *[(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
@@ -246,6 +267,29 @@ class DigestBatch:
             self._launched.append((keys, backend.digest_views(views, seeds)))
         self._queued.clear()
 
+    def _launch_cpu(self, backend: _backends.Backend, items: list) -> None:
+        """Digest queued CPU tensors now: one ``digest_many`` call for those still contiguous, aligned
+        and small (each re-checked: a tensor changed since its add is read as it is now), the rest one by one."""
+        order, done, most = self._order, self._done, backend.many_max_bytes
+        many, names = [], []
+        for name, t, _, k in items:
+            if order.get(name) != k:
+                continue  # added again later: the later add is what counts
+            if _many_ok(t, most):
+                nbytes = t.numel() * t.element_size()
+                many.append((t.data_ptr(), nbytes, _tensor_seed(t.dtype, t.shape, nbytes)))
+                names.append(name)
+            else:
+                u8 = logical_bytes(t)
+                done[name] = _ref.hexdigest(*backend.digest_words(u8, _tensor_seed(t.dtype, t.shape, u8.numel())))
+        if many:
+            h0, h1 = backend.digest_many(many)  # the tensors in items stay alive for the call
+            w = np.empty((len(names), 2), ">u8")
+            w[:, 0], w[:, 1] = h0, h1
+            hx = w.tobytes().hex()  # §9: channel 0 then channel 1, each big-endian
+            for i, name in enumerate(names):
+                done[name] = hx[32 * i : 32 * i + 32]
+
     def hexdigests(self) -> dict[str, str]:
         """Return ``{name: 32-hex digest}`` in insertion order (one device-to-host copy per device)."""
         self.launch()
@@ -263,6 +307,22 @@ class DigestBatch:
                     i += 32
         self._launched.clear()
         return {n: done[n] for n in order}
+
+
+_CPU: list[_backends.Backend | None] = [None]  # the CPU backend, once chosen
+
+
+def _cpu_backend() -> _backends.Backend:
+    b = _CPU[0] = backend_for("cpu")
+    return b
+
+
+def _many_ok(t: torch.Tensor, max_bytes: int) -> bool:
+    """True iff CPU tensor ``t``'s memory is its logical bytes and ``Backend.digest_many`` can read it
+    (contiguous, no conjugate / negative bit, 8-byte aligned, fewer than ``max_bytes``)."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.data_ptr() & 7:
+        return False
+    return t.numel() * t.element_size() < max_bytes
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -290,12 +350,16 @@ def tensor_digest(t: torch.Tensor) -> str:
 def digest_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Return ``{name: tensor_digest(t)}`` for many tensors, with one synchronisation per device.
 
+    Every tensor is read after the last one is taken from ``named_tensors`` (small CPU tensors in
+    one compiled call, CUDA ones in one launch): an iterator that refills a tensor it yielded
+    before must digest each one itself (:func:`tensor_digest`).
+
     Raises:
         TypeError: a name is not a str, or a tensor cannot be digested (see :func:`tensor_digest`).
         ValueError: a name is given twice.
     """
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    b = DigestBatch()
+    b = DigestBatch(hold_cpu=True)
     for name, t in items:
         if not isinstance(name, str):
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
@@ -412,7 +476,7 @@ class HeldBatch:
 
     def __init__(self, flush_bytes: int = 256 << 20) -> None:
         self.flush_bytes = flush_bytes
-        self._batch = DigestBatch()
+        self._batch = DigestBatch(hold_cpu=True)  # checked unchanged right before the launch reads them
         # (name, tensor, version counter, data_ptr, storage bytes) at the add
         self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._pending = 0

@@ -100,7 +100,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
         delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
         delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
-        dest = DigestBatch()
+        dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
         plan: dict[str, list[tuple[str, str, str]]] = {}
         region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key in ``dest``
         given: dict[str, str] = {}  # digest key -> a known whole-parameter digest
@@ -241,7 +241,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         emptied prepacked weights) are recorded with their (empty) digest: their bytes live elsewhere.
     """
     t0 = time.perf_counter()
-    batch = DigestBatch()
+    batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
     meta: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
     for label, t, kind in _named_state(modules):
         key = (kind, label)

@@ -159,7 +159,7 @@ class ModelBoundary:
         sender did not announce are digested as pulled, as usual.
         """
         t0 = time.perf_counter()
-        batch = DigestBatch()
+        batch = DigestBatch(hold_cpu=True)  # read before the model sees any
         for item in weights:
             if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor):
                 batch.add(item[0], item[1])

@@ -455,7 +455,7 @@ class ReceiveState:
                 expect(expected, enforce)  # the boundary checks the tensors of the next load_weights call first
         elif first and self.batch is not None:
             t0 = time.perf_counter()
-            group = DigestBatch()
+            group = DigestBatch(hold_cpu=True)  # read before anything is loaded
             for name, v in views:
                 group.add(name, v)
             got = group.hexdigests()  # one synchronisation per group on CUDA, before anything is loaded
