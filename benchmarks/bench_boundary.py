@@ -29,7 +29,7 @@ import torch
 
 from refit_verify import models
 from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.digest import StreamDigests
+from refit_verify.digest_stream import StreamDigests
 from refit_verify.engine_state import audit, read_back, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -24,7 +24,8 @@ import torch
 
 from refit_verify import models
 from refit_verify.boundary import identity_of
-from refit_verify.digest import CopyingBatch, DigestBatch, StreamDigests, _same_storage, _tensor_seed, logical_bytes
+from refit_verify.digest import DigestBatch, _tensor_seed, logical_bytes
+from refit_verify.digest_stream import CopyingBatch, StreamDigests, _same_storage
 from refit_verify.engine_state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

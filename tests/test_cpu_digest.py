@@ -186,7 +186,8 @@ def test_digest_words_equal_reference_and_torch(nbytes: int, offset: int) -> Non
 def test_digesting_a_cpu_tensor_leaves_its_storage_resizable():
     """The CPU path reads the bytes through DLPack: Tensor.numpy() would pin the storage as not resizable,
     and a trainer that frees a pushed tensor's storage (resize_(0), as FSDP does) would fail after r.add."""
-    from refit_verify.digest import StreamDigests, tensor_digest
+    from refit_verify.digest import tensor_digest
+    from refit_verify.digest_stream import StreamDigests
 
     t = torch.arange(1001, dtype=torch.uint8)
     want = tensor_digest(t.clone())
@@ -201,7 +202,8 @@ def test_stream_digests_holds_parameters_and_copies_the_rest():
     """StreamDigests(hold_parameters=True): an nn.Parameter is held (a write after the add is caught by
     its version counter and the name left out), any other tensor is taken as it was at the add, and
     the latest add of a name decides which of the two it is."""
-    from refit_verify.digest import StreamDigests, tensor_digest
+    from refit_verify.digest import tensor_digest
+    from refit_verify.digest_stream import StreamDigests
 
     p = torch.nn.Parameter(torch.arange(64, dtype=torch.float32), requires_grad=False)
     t = torch.arange(64, dtype=torch.float32) * 3
@@ -227,21 +229,21 @@ def test_digest_many_equals_one_call_per_string():
     """``digest_arrays_many``: one compiled call over many strings equals ``digest_words`` string by
     string (every length 0..80, lane and block edges, the largest length it takes), and it refuses a
     misaligned address or a length out of range before reading anything."""
-    from refit_verify import _numba_digest as nd
+    from refit_verify import _numba_many as nm
     from refit_verify.digest import _tensor_seed
 
     g = torch.Generator().manual_seed(5)
-    lengths = [*range(81), 127, 128, 129, 4095, 4096, 4097, 16 * 256 * 8 + 8, nd.MANY_MAX_BYTES - 1]
+    lengths = [*range(81), 127, 128, 129, 4095, 4096, 4097, 16 * 256 * 8 + 8, nm.MANY_MAX_BYTES - 1]
     ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in lengths]
     items = [(t.data_ptr(), t.numel(), _tensor_seed(torch.bfloat16, (t.numel(), 1), t.numel())) for t in ts]
     assert all(a % 8 == 0 for a, _, _ in items)
-    assert nd.digest_words_many(items) == [nd.digest_words(t, s) for t, (_, _, s) in zip(ts, items)]
-    assert nd.digest_words_many([]) == []
-    big = torch.zeros(nd.MANY_MAX_BYTES, dtype=torch.uint8)
+    assert nm.digest_words_many(items) == [nd.digest_words(t, s) for t, (_, _, s) in zip(ts, items)]
+    assert nm.digest_words_many([]) == []
+    big = torch.zeros(nm.MANY_MAX_BYTES, dtype=torch.uint8)
     with pytest.raises(ValueError, match="8-byte aligned"):
-        nd.digest_words_many([(ts[20].data_ptr() + 1, 3, (0, 0))])
+        nm.digest_words_many([(ts[20].data_ptr() + 1, 3, (0, 0))])
     with pytest.raises(ValueError, match="MANY_MAX_BYTES"):
-        nd.digest_words_many([(big.data_ptr(), nd.MANY_MAX_BYTES, (0, 0))])
+        nm.digest_words_many([(big.data_ptr(), nm.MANY_MAX_BYTES, (0, 0))])
 
 
 def test_held_cpu_batch_reads_at_launch_and_matches_tensor_digest():

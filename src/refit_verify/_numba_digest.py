@@ -32,14 +32,11 @@ import sys
 
 import numpy as np
 import torch
-from numba import carray, njit, prange, set_parallel_chunksize, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange, set_parallel_chunksize
 
 from refit_verify import reference as ref
 
-__all__ = ["digest_u8", "digest_words", "digest_words_many", "digest_arrays_many", "digest_lanes", "digest_many", "chunk_roots_u8",
-           "chunk_roots_lanes", "warmup", "MANY_MAX_BYTES"]
+__all__ = ["digest_u8", "digest_words", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes", "warmup"]
 
 if sys.byteorder != "little":  # lanes are read as native uint64; the spec says little-endian
     raise ImportError("refit_verify._numba_digest needs a little-endian host")
@@ -392,83 +389,6 @@ def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
     return h0, h1
 
 
-# ---------------------------------------------------------------------------------------------
-# many small tensors in one call (no parallel region anywhere in this call graph, so it is cached
-# on disk like digest_lanes; see the note on chunk_roots_lanes below)
-
-
-@_jit()
-def _partial_root_ser(lanes, n, has_tail, tail):
-    """:func:`_partial_chunk_root` of ``lanes[:n]`` (+ ``tail``) on the calling thread only."""
-    n = n + (1 if has_tail else 0)
-    if n == 1:
-        v = tail if has_tail else lanes[0]
-        return v, v
-    w = min(_STRIDE, (n + 15) // 16)
-    m = (n + 16 * w - 1) // (16 * w) * w
-    s0 = np.empty(m, np.uint64)
-    s1 = np.empty(m, np.uint64)
-    n = _level_ser(lanes, lanes, _I0, n, w, _F0, s0, s1, has_tail, tail)
-    f = _F1
-    while n > 1:
-        w = min(_STRIDE, (n + 15) // 16)
-        m = (n + 16 * w - 1) // (16 * w) * w
-        d0 = np.empty(m, np.uint64)
-        d1 = np.empty(m, np.uint64)
-        n = _level_ser(s0, s1, _I0, n, w, f, d0, d1, _NO, _Z)
-        s0 = d0
-        s1 = d1
-        f += 1
-    return s0[0], s1[0]
-
-
-@intrinsic
-def _voidptr(typingctx, addr):
-    """The integer ``addr`` as a ``void*`` (to view memory numba did not allocate with ``carray``)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(addr), codegen
-
-
-@_jit()
-def digest_many(addrs, nbytes, seeds0, seeds1, out0, out1):
-    """Digest words of many byte strings of at most one chunk each, in one call (§5-§8).
-
-    Args:
-        addrs: ``uint64 [N]`` host addresses of the bytes, each 8-byte aligned; the memory must
-            stay alive and unchanged for the call.
-        nbytes: ``int64 [N]`` byte lengths, each below ``8 * CHUNK_LANES`` (one partial chunk).
-        seeds0, seeds1: ``uint64 [N]`` §3 seeds of the tensors the bytes came from.
-        out0, out1: ``uint64 [N]`` where the finalised channel values go.
-
-    Equal, string by string, to :func:`digest_lanes` of the same bytes and seeds.
-    """
-    c0 = _tweak(0, _CHAIN)
-    c1 = _tweak(1, _CHAIN)
-    for i in range(addrs.shape[0]):
-        nb = nbytes[i]
-        nav = nb >> 3
-        rem = nb & 7
-        tail = _Z
-        if rem:
-            b = carray(_voidptr(addrs[i] + _U(nav * 8)), (rem,), np.uint8)
-            for k in range(rem):
-                tail |= _U(b[k]) << _U(8 * k)
-        h0 = seeds0[i]
-        h1 = seeds1[i]
-        if nav > 0 or rem:
-            r0, r1 = _partial_root_ser(carray(_voidptr(addrs[i]), (nav,), np.uint64), nav, rem > 0, tail)
-            h0 = _node0(h0, r0, c0)
-            h1 = _node1(h1, r1, c1)
-        h0 = _mix0(h0 ^ _tweak(0, _FIN0))
-        h0 = _mix0(h0 ^ _tweak(0, _FIN1))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN0))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN1))
-        out0[i] = h0
-        out1[i] = h1
-
-
 # Not cached on disk (``cache=False``), and compiled only after ``digest_lanes`` (see
 # ``_digest_path_first``): with numba 0.65, a cached function compiled in a process that had loaded
 # its callees from the cache (they contain parallel regions) segfaulted when a later process loaded
@@ -579,49 +499,6 @@ def digest_words(u8: torch.Tensor, seeds: tuple[int, int]) -> tuple[int, int]:
     return int(h0), int(h1)
 
 
-MANY_MAX_BYTES = 8 * PARALLEL_MIN_LANES
-"""Bytes below which a CPU tensor goes to :func:`digest_words_many` (larger ones: :func:`digest_words`,
-whose parallel region pays off; both are far below one chunk)."""
-
-
-def digest_arrays_many(items: list[tuple[int, int, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
-    """Finalised channel values of many byte strings in one compiled call (:func:`digest_many`).
-
-    The batched entry of ``DigestBatch`` for CPU tensors: one call instead of one per tensor, whose
-    fixed cost (DLPack, argument boxing, dispatch: about 10 µs) dwarfs the bytes of a small tensor.
-
-    Args:
-        items: ``(address, nbytes, seeds)`` per string: a host address, 8-byte aligned, of bytes
-            that stay alive and unchanged for the call; ``0 <= nbytes < MANY_MAX_BYTES``; the §3
-            seeds (ints in [0, 2**64)).
-
-    Returns:
-        tuple[np.ndarray, np.ndarray]: ``uint64 [N]`` channel 0 and channel 1 values; string ``i``
-        equal to :func:`digest_words` of the same bytes.
-
-    Raises:
-        ValueError: an address is not 8-byte aligned or a length is out of range (nothing is read).
-    """
-    n = len(items)
-    addrs = np.fromiter((a for a, _, _ in items), np.uint64, n)
-    nbytes = np.fromiter((b for _, b, _ in items), np.int64, n)
-    if n and (int((addrs & _U(7)).max()) or int(nbytes.min()) < 0 or int(nbytes.max()) >= MANY_MAX_BYTES):
-        raise ValueError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
-    s0 = np.fromiter((s[0] for _, _, s in items), np.uint64, n)
-    s1 = np.fromiter((s[1] for _, _, s in items), np.uint64, n)
-    o0 = np.empty(n, np.uint64)
-    o1 = np.empty(n, np.uint64)
-    if n:
-        digest_many(addrs, nbytes, s0, s1, o0, o1)
-    return o0, o1
-
-
-def digest_words_many(items: list[tuple[int, int, tuple[int, int]]]) -> list[tuple[int, int]]:
-    """:func:`digest_arrays_many` as ``[(h0, h1)]`` Python ints, one pair per string."""
-    o0, o1 = digest_arrays_many(items)
-    return list(zip(o0.tolist(), o1.tolist()))
-
-
 def digest_u8(u8: torch.Tensor, dtype_name: str, shape: tuple[int, ...]) -> str:
     """Digest of a 1-D contiguous CPU uint8 tensor holding a tensor's logical bytes.
 
@@ -675,5 +552,7 @@ def warmup() -> None:
     """Compile (or load from the cache) every specialisation ``digest_u8`` uses."""
     for n in (0, 13, 8 * (PARALLEL_MIN_LANES + 1)):
         digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
+    from refit_verify import _numba_many
+
     z = torch.zeros(16, dtype=torch.uint8)
-    digest_words_many([(z.data_ptr(), 13, (0, 0))])
+    _numba_many.digest_words_many([(z.data_ptr(), 13, (0, 0))])

@@ -54,7 +54,7 @@ class Backend:
             (``kernels.digest.plan_views`` / ``run_plan``); ``None`` otherwise.
         digest_many: immediate backends that digest many small strings in one call:
             ``[(address, nbytes, seeds)] -> (h0s, h1s)``, two ``uint64 [N]`` numpy arrays
-            (``_numba_digest.digest_arrays_many``: 8-byte aligned host addresses,
+            (``_numba_many.digest_arrays_many``: 8-byte aligned host addresses,
             ``nbytes < many_max_bytes``); ``None`` otherwise.
         many_max_bytes: the length bound of ``digest_many`` (0 without it).
     """
@@ -123,14 +123,16 @@ def _pick(device_type: str, kernel: bool) -> Backend:
             got = nd.digest_words(probe, seeds)
             if got != want:
                 raise RuntimeError(f"probe digest {got} differs from the reference {want}")
+            from refit_verify import _numba_many as nm
+
             aligned = torch.arange(16, dtype=torch.uint8)[:13].clone()  # its own (aligned) allocation
-            if aligned.data_ptr() % 8 == 0 and nd.digest_words_many([(aligned.data_ptr(), 13, seeds)]) != [want]:
+            if aligned.data_ptr() % 8 == 0 and nm.digest_words_many([(aligned.data_ptr(), 13, seeds)]) != [want]:
                 raise RuntimeError("the batched probe digest differs from the reference")
         except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
             return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
                           "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
-        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nd.digest_arrays_many,
-                       many_max_bytes=nd.MANY_MAX_BYTES)
+        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nm.digest_arrays_many,
+                       many_max_bytes=nm.MANY_MAX_BYTES)
     return _torch(None)  # no faster implementation exists for this device type
 
 

@@ -32,7 +32,7 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
-from refit_verify.digest import StreamDigests
+from refit_verify.digest_stream import StreamDigests
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire
@@ -375,7 +375,7 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
             so the trainer may change, free or reuse it right after pushing. ``False``: the trainer
             promises to leave every added tensor untouched until the ``with`` block exits (its live
             parameters, no PEFT merge/unmerge or sharded gather in between); nothing is copied and
-            the digests are taken at exit (:class:`~refit_verify.digest.HeldBatch`). A held tensor
+            the digests are taken at exit (:class:`~refit_verify.digest_stream.HeldBatch`). A held tensor
             that changed anyway is reported, never passed.
 
     Raises:

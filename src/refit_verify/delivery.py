@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import _KERNEL_DEVICE_TYPES, CopyingBatch, DigestBatch, plain_tensor_ops
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, plain_tensor_ops
+from refit_verify.digest_stream import CopyingBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from refit_verify import digest as dg  # noqa: E402
+from refit_verify import digest_stream as ds  # noqa: E402
 from refit_verify import reference as ref  # noqa: E402
 from refit_verify.kernels import digest as kd  # noqa: E402
 from tests.support.subclasses import RedirectingTensor  # noqa: E402
@@ -87,7 +88,7 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
     logical_bytes' own copy; each digest is of the bytes at add time, however the original changes
     afterwards, across mid-way launches."""
     monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
-    cb = dg.CopyingBatch(flush_bytes=10000)
+    cb = ds.CopyingBatch(flush_bytes=10000)
     ts = [(n, t.to(DEV).clone()) for n, t in _tensors()]  # clones: their memory is ours to overwrite
     g = torch.Generator().manual_seed(9)
     ts += [(f"small{i}", torch.randint(0, 256, (97 + 211 * i,), dtype=torch.uint8, generator=g).to(DEV)) for i in range(12)]
@@ -117,7 +118,7 @@ def test_copying_batch_copies_the_own_bytes_of_a_redirecting_subclass(monkeypatc
     t = own.as_subclass(RedirectingTensor)
     t._live = own.clone() + 100
     want = dg.tensor_digest(own.clone())  # the tensor's own bytes at add
-    b = dg.CopyingBatch()
+    b = ds.CopyingBatch()
     b.add("t", t)
     own.fill_(-1)  # its own memory changes right after the add
     assert b.hexdigests() == {"t": want}
@@ -157,7 +158,7 @@ def test_held_batch_digests_at_the_flush_and_names_what_changed(monkeypatch):
     g = torch.Generator().manual_seed(12)
     ts = {n: torch.randint(0, 256, (k,), dtype=torch.uint8, generator=g).to(DEV) for n, k in
           (("kept", 333), ("bumped", 100), ("moved", 64), ("freed", 4096), ("late", 50), ("readded", 70))}
-    hb = dg.HeldBatch()
+    hb = ds.HeldBatch()
     for n, t in ts.items():
         hb.add(n, t)
     ts["late"][1:][0] ^= 1  # a write through a view: views share their base's version counter

@@ -195,7 +195,7 @@ def shutdown(trainer) -> None:
 
 def _off_run(work: Path) -> dict:
     """Train 2 steps with ``REFIT_VERIFY=off``; return what refit-verify touched (nothing, if off is off)."""
-    from refit_verify import digest
+    from refit_verify import digest, digest_stream
 
     calls = {"digests": 0}
 
@@ -208,7 +208,7 @@ def _off_run(work: Path) -> dict:
 
         setattr(cls, attr, f)
 
-    for cls in (digest.DigestBatch, digest.StreamDigests):
+    for cls in (digest.DigestBatch, digest_stream.StreamDigests):
         counting(cls, "add")
     with plugin_env(work, "off"):
         model_dir = make_model_dir(work / "model")

@@ -1,7 +1,7 @@
 """The sender half of a verified native weight update: :class:`NativeSendVerifier`.
 
 It digests what a trainer exports through vLLM's weight-transfer API (the model's parameters held,
-other tensors copied: :class:`~refit_verify.digest.StreamDigests` with ``hold_parameters``), fetches
+other tensors copied: :class:`~refit_verify.digest_stream.StreamDigests` with ``hold_parameters``), fetches
 every worker's manifest (``refit_verify_native_manifest``, :mod:`refit_verify.vllm_plugin.native_worker`)
 and compares. :mod:`refit_verify.vllm_plugin.native` installs the wrappers that use it with no user
 code; this module holds it and the state those wrappers share (which in-process engines have an
@@ -62,7 +62,7 @@ class NativeSendVerifier:
     """
 
     def __init__(self, target: Any = None, *, mode: VerifyMode | str | None = None) -> None:
-        from refit_verify.digest import StreamDigests
+        from refit_verify.digest_stream import StreamDigests
 
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self.target = target
@@ -82,7 +82,7 @@ class NativeSendVerifier:
         return self._stream.digest_s
 
     def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor (:class:`refit_verify.digest.StreamDigests`: launched now, no per-tensor sync)."""
+        """Digest one exported tensor (:class:`refit_verify.digest_stream.StreamDigests`: launched now, no per-tensor sync)."""
         self._stream.add(name, tensor)
 
     def wrap(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:

@@ -1,0 +1,158 @@
+"""Digest v1 of many small CPU byte strings in one compiled call (numba), for ``DigestBatch``.
+
+One call of :func:`refit_verify._numba_digest.digest_words` costs about 10 µs before it reads a byte
+(DLPack, argument boxing, dispatch), most of the digest of a small tensor: the 310 tensors of the
+Qwen3-0.6B-shaped set took 5 ms on 2 cores, 0.3 ms of it bandwidth. :func:`digest_many` digests a
+table of (address, length, seeds) in one call, each string as one partial chunk (§6) folded on
+the calling thread, then chained and finalised (§7, §8) exactly as ``digest_lanes`` does.
+
+No parallel region is anywhere in this call graph, so it is cached on disk like ``digest_lanes``
+(see the note on ``_numba_digest.chunk_roots_lanes`` for what a parallel callee does to the cache).
+
+Source: ``docs/digest-spec.md`` §5-§8; the serial fold helpers are ``_numba_digest``'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from refit_verify._numba_digest import (
+    _CHAIN,
+    _F0,
+    _F1,
+    _FIN0,
+    _FIN1,
+    _I0,
+    _NO,
+    _STRIDE,
+    _U,
+    _Z,
+    PARALLEL_MIN_LANES,
+    _jit,
+    _level_ser,
+    _mix0,
+    _mix1,
+    _node0,
+    _node1,
+    _tweak,
+)
+
+__all__ = ["MANY_MAX_BYTES", "digest_arrays_many", "digest_many", "digest_words_many"]
+
+
+@_jit()
+def _partial_root_ser(lanes, n, has_tail, tail):
+    """``_numba_digest._partial_chunk_root`` of ``lanes[:n]`` (+ ``tail``) on the calling thread only."""
+    n = n + (1 if has_tail else 0)
+    if n == 1:
+        v = tail if has_tail else lanes[0]
+        return v, v
+    w = min(_STRIDE, (n + 15) // 16)
+    m = (n + 16 * w - 1) // (16 * w) * w
+    s0 = np.empty(m, np.uint64)
+    s1 = np.empty(m, np.uint64)
+    n = _level_ser(lanes, lanes, _I0, n, w, _F0, s0, s1, has_tail, tail)
+    f = _F1
+    while n > 1:
+        w = min(_STRIDE, (n + 15) // 16)
+        m = (n + 16 * w - 1) // (16 * w) * w
+        d0 = np.empty(m, np.uint64)
+        d1 = np.empty(m, np.uint64)
+        n = _level_ser(s0, s1, _I0, n, w, f, d0, d1, _NO, _Z)
+        s0 = d0
+        s1 = d1
+        f += 1
+    return s0[0], s1[0]
+
+
+@intrinsic
+def _voidptr(typingctx, addr):
+    """The integer ``addr`` as a ``void*`` (to view memory numba did not allocate with ``carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(addr), codegen
+
+
+@_jit()
+def digest_many(addrs, nbytes, seeds0, seeds1, out0, out1):
+    """Digest words of many byte strings of at most one chunk each, in one call (§5-§8).
+
+    Args:
+        addrs: ``uint64 [N]`` host addresses of the bytes, each 8-byte aligned; the memory must
+            stay alive and unchanged for the call.
+        nbytes: ``int64 [N]`` byte lengths, each below ``8 * CHUNK_LANES`` (one partial chunk).
+        seeds0, seeds1: ``uint64 [N]`` §3 seeds of the tensors the bytes came from.
+        out0, out1: ``uint64 [N]`` where the finalised channel values go.
+
+    Equal, string by string, to :func:`digest_lanes` of the same bytes and seeds.
+    """
+    c0 = _tweak(0, _CHAIN)
+    c1 = _tweak(1, _CHAIN)
+    for i in range(addrs.shape[0]):
+        nb = nbytes[i]
+        nav = nb >> 3
+        rem = nb & 7
+        tail = _Z
+        if rem:
+            b = carray(_voidptr(addrs[i] + _U(nav * 8)), (rem,), np.uint8)
+            for k in range(rem):
+                tail |= _U(b[k]) << _U(8 * k)
+        h0 = seeds0[i]
+        h1 = seeds1[i]
+        if nav > 0 or rem:
+            r0, r1 = _partial_root_ser(carray(_voidptr(addrs[i]), (nav,), np.uint64), nav, rem > 0, tail)
+            h0 = _node0(h0, r0, c0)
+            h1 = _node1(h1, r1, c1)
+        h0 = _mix0(h0 ^ _tweak(0, _FIN0))
+        h0 = _mix0(h0 ^ _tweak(0, _FIN1))
+        h1 = _mix1(h1 ^ _tweak(1, _FIN0))
+        h1 = _mix1(h1 ^ _tweak(1, _FIN1))
+        out0[i] = h0
+        out1[i] = h1
+
+
+MANY_MAX_BYTES = 8 * PARALLEL_MIN_LANES
+"""Bytes below which a CPU tensor goes to :func:`digest_words_many` (larger ones: :func:`digest_words`,
+whose parallel region pays off; both are far below one chunk)."""
+
+
+def digest_arrays_many(items: list[tuple[int, int, tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """Finalised channel values of many byte strings in one compiled call (:func:`digest_many`).
+
+    The batched entry of ``DigestBatch`` for CPU tensors: one call instead of one per tensor, whose
+    fixed cost (DLPack, argument boxing, dispatch: about 10 µs) dwarfs the bytes of a small tensor.
+
+    Args:
+        items: ``(address, nbytes, seeds)`` per string: a host address, 8-byte aligned, of bytes
+            that stay alive and unchanged for the call; ``0 <= nbytes < MANY_MAX_BYTES``; the §3
+            seeds (ints in [0, 2**64)).
+
+    Returns:
+        tuple[np.ndarray, np.ndarray]: ``uint64 [N]`` channel 0 and channel 1 values; string ``i``
+        equal to :func:`digest_words` of the same bytes.
+
+    Raises:
+        ValueError: an address is not 8-byte aligned or a length is out of range (nothing is read).
+    """
+    n = len(items)
+    addrs = np.fromiter((a for a, _, _ in items), np.uint64, n)
+    nbytes = np.fromiter((b for _, b, _ in items), np.int64, n)
+    if n and (int((addrs & _U(7)).max()) or int(nbytes.min()) < 0 or int(nbytes.max()) >= MANY_MAX_BYTES):
+        raise ValueError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
+    s0 = np.fromiter((s[0] for _, _, s in items), np.uint64, n)
+    s1 = np.fromiter((s[1] for _, _, s in items), np.uint64, n)
+    o0 = np.empty(n, np.uint64)
+    o1 = np.empty(n, np.uint64)
+    if n:
+        digest_many(addrs, nbytes, s0, s1, o0, o1)
+    return o0, o1
+
+
+def digest_words_many(items: list[tuple[int, int, tuple[int, int]]]) -> list[tuple[int, int]]:
+    """:func:`digest_arrays_many` as ``[(h0, h1)]`` Python ints, one pair per string."""
+    o0, o1 = digest_arrays_many(items)
+    return list(zip(o0.tolist(), o1.tolist()))

@@ -1,0 +1,280 @@
+"""Digests of tensors added one at a time: a trainer exporting its parameters, a loader pulling them.
+
+:class:`CopyingBatch` copies each CUDA tensor as it is added (what it held then is what is
+digested), :class:`HeldBatch` holds the tensors themselves and checks, before reading them, that
+they did not change, and :class:`StreamDigests` is the trainer's face of both (``copy=True`` /
+``copy=False`` / ``hold_parameters=True``). All of them launch in batches (:class:`~refit_verify.digest.DigestBatch`),
+never one kernel per tensor, and synchronise once when the digests are read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.digest import (
+    DigestBatch,
+    _check,
+    _tensor_seed,
+    logical_bytes,
+    plain_tensor_ops,
+)
+from refit_verify.errors import RefitInputError
+
+__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "snapshot"]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True iff ``a`` and ``b`` are views of one storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """Return a copy of ``t``'s bytes in its dtype and shape, owned by nobody else (one device copy).
+
+    The copy is launched on the current stream now, so it holds the bytes as they are at this
+    point of the stream, whatever later writes the memory of ``t`` receives. A non-contiguous
+    ``t`` is copied once (by :func:`logical_bytes`), a contiguous one once more.
+    """
+    u8 = logical_bytes(t)
+    if u8.numel() and _same_storage(u8, t):
+        u8 = u8.clone()
+    return u8.view(t.dtype).reshape(t.shape)
+
+
+class CopyingBatch:
+    """A :class:`DigestBatch` for tensors whose memory may change after they are added.
+
+    Each CUDA tensor's logical bytes are copied as it is added (one device copy on the current
+    stream) and the copies are digested together: one batched launch per :attr:`flush_bytes` of
+    copies, none in between. So a consumer that adds tensors one at a time (a trainer exporting
+    parameters, a loader pulling them, a layerwise reload applying them) pays no kernel launch per
+    tensor, digests what each tensor held when it was added, and holds at most ``flush_bytes`` of
+    copies on the device. CPU tensors are digested at once (no copy).
+
+    Host cost of one CUDA ``add``: the checks of :func:`logical_bytes`, one copy launch, the cached
+    seed and the queueing (``benchmarks/bench_host_ops.py``; ``docs/performance.md`` has the figures).
+
+    Args:
+        flush_bytes: bytes of pending copies at which they are launched (default 256 MiB).
+    """
+
+    def __init__(self, flush_bytes: int = 256 << 20) -> None:
+        self.flush_bytes = flush_bytes
+        self._batch = DigestBatch()
+        self._pending = 0
+
+    @plain_tensor_ops
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it).
+
+        Raises:
+            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
+        """
+        if not isinstance(t, torch.Tensor):
+            raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
+        if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
+            self._batch.add(name, t)
+            return
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        seeds = _tensor_seed(t.dtype, t.shape, n)
+        if n and _same_storage(u8, t):
+            u8 = u8.clone()  # a view of t's memory (a non-contiguous t was already copied by logical_bytes)
+        self._pending += n
+        self._batch._queue(name, u8, seeds)
+        if self._pending >= self.flush_bytes:
+            self.launch()
+
+    def launch(self) -> None:
+        """Launch the digests of the pending copies now (the copies are freed after, in stream order)."""
+        self._pending = 0
+        self._batch.launch()
+
+    def hexdigests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` in insertion order (launches what is pending; one synchronisation per device)."""
+        self._pending = 0
+        return self._batch.hexdigests()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._batch._order
+
+    def __len__(self) -> int:
+        return len(self._batch._order)
+
+
+class HeldBatch:
+    """Digests of tensors their owner leaves untouched until the digests are read: no copy at all.
+
+    For a trainer that exports tensors it does not modify, free or reuse before the refit ends
+    (its live parameters, outside PEFT merges and sharded gathers): :meth:`add` records the tensor
+    (a reference, its address and its version counter) and the digests are launched over the
+    tensors themselves, every :attr:`flush_bytes` and at :meth:`hexdigests`, with the batch's kept
+    plan when the same memory is exported again (no per-tensor planning, no copy).
+
+    Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
+    place through it), whose address changed or whose storage no longer holds it (freed or resized,
+    as FSDP1 does after a gather) is not read and is named in :attr:`changed` with the reason. A
+    write through another alias of its memory (``param.data``, which has a version counter of its
+    own) is not seen by the counter: the tensor is then digested as it is at the flush, which the
+    engine's copy does not match (a false failure, never a false pass).
+
+    Host cost of one ``add``: the input checks, three attribute reads and an append
+    (``benchmarks/bench_host_ops.py``).
+
+    Args:
+        flush_bytes: bytes held at which their digests are launched (default 256 MiB).
+
+    Attributes:
+        changed: ``{name: why}`` of tensors not digested because they changed after their add.
+    """
+
+    def __init__(self, flush_bytes: int = 256 << 20) -> None:
+        self.flush_bytes = flush_bytes
+        self._batch = DigestBatch(hold_cpu=True)  # checked unchanged right before the launch reads them
+        # (name, tensor, version counter, data_ptr, storage bytes) at the add
+        self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
+        self._pending = 0
+        self.changed: dict[str, str] = {}
+
+    @plain_tensor_ops
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Hold ``t`` under ``name`` until the next flush (a later add of the same name replaces it).
+
+        Raises:
+            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
+        """
+        _check(t)
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version counter: its address is checked
+            version = None
+        self.changed.pop(name, None)
+        nbytes = t.numel() * t.element_size()
+        self._held.append((name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0))
+        self._pending += nbytes
+        if self._pending >= self.flush_bytes:
+            self.launch()
+
+    @plain_tensor_ops
+    def launch(self) -> None:
+        """Check the held tensors and launch their digests now (no synchronisation)."""
+        latest = {h[0]: i for i, h in enumerate(self._held)}
+        for i, (name, t, version, ptr, size) in enumerate(self._held):
+            if latest[name] != i:
+                continue  # added again later: the later add is what counts
+            why = _changed(t, version, ptr, size)
+            if why is not None:
+                self.changed[name] = why
+                self._batch._order.pop(name, None)
+                continue
+            self._batch.add(name, t)
+        self._held.clear()
+        self._pending = 0
+        self._batch.launch()
+
+    def hexdigests(self) -> dict[str, str]:
+        """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""
+        self.launch()
+        return self._batch.hexdigests()
+
+    def __len__(self) -> int:
+        return len(self._batch._order.keys() | {h[0] for h in self._held})
+
+
+def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:
+    """Why held tensor ``t`` no longer holds what it held when it was added (None: it does): its
+    version counter, address or storage size (``size`` bytes at the add; 0 for an empty tensor) moved."""
+    if version is not None and t._version != version:
+        return f"it was modified in place after it was added ({version} -> {t._version} writes through it)"
+    if size and t.untyped_storage().nbytes() != size:
+        return f"its storage was freed or resized after it was added ({size} -> {t.untyped_storage().nbytes()} bytes)"
+    if t.data_ptr() != ptr:
+        return "its memory was replaced after it was added"
+    return None
+
+
+class StreamDigests:
+    """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
+
+    By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
+    :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
+    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`): the caller
+    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
+    ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
+    and any other tensor copied: a parameter is the model's own memory, not a temporary of the
+    export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
+    when :meth:`digests` is read.
+
+    Args:
+        copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
+        hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
+
+    Attributes:
+        digest_s: host seconds spent digesting.
+        changed: ``{name: why}`` of held tensors that changed before their digests were taken
+            (not in :meth:`digests`; see :class:`HeldBatch`).
+    """
+
+    FLUSH_BYTES = 256 << 20
+
+    def __init__(self, copy: bool = True, hold_parameters: bool = False) -> None:
+        self.copy = copy
+        self.hold_parameters = hold_parameters and copy
+        self._batch = self._new()
+        self._held = HeldBatch(self.FLUSH_BYTES) if self.hold_parameters else None
+        self._last: dict[str, bool] = {}  # name -> held (True) or copied, of its latest add (hold_parameters only)
+        self._done: dict[str, str] = {}
+        self.changed: dict[str, str] = {}
+        self.digest_s = 0.0
+
+    def _new(self) -> CopyingBatch | HeldBatch:
+        return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
+
+        Raises:
+            TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
+        """
+        if not isinstance(name, str):
+            raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
+        t0 = time.perf_counter()
+        if self._held is not None:
+            held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
+            (self._held if held else self._batch).add(name, tensor)
+        else:
+            self._batch.add(name, tensor)
+        self.digest_s += time.perf_counter() - t0
+
+    def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
+        """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went
+        to this batch, True for the held one; None: every name)."""
+        got = batch.hexdigests()
+        for name, h in got.items():
+            if held is None or self._last.get(name) is held:
+                self.changed.pop(name, None)
+                self._done[name] = h
+        for name, why in getattr(batch, "changed", {}).items():
+            if held is None or self._last.get(name) is held:
+                self._done.pop(name, None)
+                self.changed[name] = why
+
+    def digests(self) -> dict[str, str]:
+        """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
+        t0 = time.perf_counter()
+        mixed = self._held is not None
+        if len(self._batch):
+            self._collect(self._batch, False if mixed else None)
+            self._batch = self._new()
+        if mixed and len(self._held):
+            self._collect(self._held, True)
+            self._held = HeldBatch(self.FLUSH_BYTES)
+        self.digest_s += time.perf_counter() - t0
+        return dict(self._done)
+
+    def __len__(self) -> int:
+        pending = len(self._batch) + (len(self._held) if self._held is not None else 0)
+        return len(self._done) + pending
