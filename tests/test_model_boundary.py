@@ -7,6 +7,7 @@ and compare with :func:`refit_verify.check.compare_session`, the way the trainer
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -685,3 +686,30 @@ def test_a_partial_refit_names_unwritten_parameters_that_changed_since_the_last_
     assert "1 changed: norm" in problem
     again = partial(4)  # the change was reported once; the next refit compares with the state it left
     assert again.ok, again.describe()
+
+
+def test_cpu_list_tensors_are_digested_together_at_the_end_of_the_call(monkeypatch):
+    """The CPU tensors of a list handed to ``load_weights`` are digested together when the call
+    returns (one batched call for the small ones); a name delivered again later, in the same list
+    or pulled from an iterator, is digested as that later delivery."""
+    from refit_verify import digest as dg
+
+    backend = dg._CPU[0] or dg._cpu_backend()
+    batched: list[int] = []
+
+    def spy(items):
+        batched.append(len(items))
+        return backend.digest_many(items)
+
+    monkeypatch.setattr(dg, "_CPU", [dataclasses.replace(backend, digest_many=spy)])
+    wb, model = _worker()
+    w, w2 = toy_weights(4), toy_weights(5)
+    sid = wb.open("s", version=1)
+    model.load_weights([*w.items(), ("norm", w2["norm"])])  # norm twice: the later one lands
+    assert batched == [5]  # at the end of the call, in one batched call (5 names)
+    model.load_weights(iter([("k_proj", w2["k_proj"])]))  # an iterator: digested as it is pulled
+    man = wb.close(sid)
+    want = dict(digest_tensors(w.items()), norm=tensor_digest(w2["norm"]), k_proj=tensor_digest(w2["k_proj"]))
+    assert man.modules["model"].digests == want
+    r = compare_session({"model": want}, man, session="s", version=1)
+    assert r.ok and r.verified == 5
