@@ -713,3 +713,37 @@ def test_cpu_list_tensors_are_digested_together_at_the_end_of_the_call(monkeypat
     assert man.modules["model"].digests == want
     r = compare_session({"model": want}, man, session="s", version=1)
     assert r.ok and r.verified == 5
+
+
+class _DeferredWithinCall(ToyModel):
+    """Applies a list's loads only after its last pair was taken, still inside the call (a layer that
+    completes within the bucket that delivered it, as vLLM's layerwise reload does)."""
+
+    def load_weights(self, weights) -> set[str]:
+        return ToyModel.load_weights(self, list(weights))
+
+
+def test_apply_within_the_delivering_list_call_needs_no_second_digest():
+    """A deferred apply inside the list call that delivered the tensor reads what the list held (a
+    list stays as it is for its call): no apply-time digest is taken, and the refit verifies; one
+    after the call returned is digested again (the refilled case above)."""
+    model = _DeferredWithinCall()
+    wb = WorkerBoundary(identity_of(0))
+    wb.readback = read_back
+    wb.attach("model", model, default_weight_loader)
+    w = toy_weights(12)
+    sid = wb.open("s", version=1)
+    model.load_weights(list(w.items()))
+    ms = wb.modules["model"].session
+    assert len(ms.recheck) == 0 and ms.calls == 1
+    man = wb.close(sid)
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s", version=1)
+    assert r.ok and r.verified == 5 and man.modules["model"].changed_after_delivery == []
+    deferred = _Deferred()
+    wb2 = WorkerBoundary(identity_of(0))
+    wb2.attach("model", deferred, default_weight_loader)
+    sid = wb2.open("s2", version=1)
+    deferred.load_weights(list(w.items()))
+    deferred.finalize()  # after the call returned: every apply is digested again
+    assert len(wb2.modules["model"].session.recheck) == 5
+    wb2.close(sid)

@@ -380,11 +380,14 @@ class ModuleSession:
             self.current.unattributed += 1
 
     def _applied(self, d: _Delivered) -> None:
-        """Delivered tensor ``d`` was just written into a parameter: if another tensor was pulled since
-        it was (vLLM's layerwise reload deferring a layer, within the delivering call or after it
-        returned), its source may have been refilled since, so it is digested again now."""
-        if self.current is not None and self.current.id == d.call and d.seq == self.pulls:
-            return  # applied right after it was pulled, nothing pulled since: an immediate write
+        """Delivered tensor ``d`` was just written into a parameter: if another tensor was pulled from
+        an iterator since it was (vLLM's layerwise reload deferring a layer), or its delivering call
+        returned, its source may have been refilled since, so it is digested again now."""
+        cur = self.current
+        if cur is not None and cur.id == d.call and (d.seq == self.pulls or not cur.lazy):
+            # applied right after it was pulled (nothing pulled since: an immediate write), or within
+            # the list call that delivered it (a list's tensors stay as they are for the call)
+            return
         tensor = d.ref()
         if tensor is None:
             return
