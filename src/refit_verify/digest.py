@@ -270,7 +270,8 @@ class DigestBatch:
     def _launch_cpu(self, backend: _backends.Backend, items: list) -> None:
         """Digest queued CPU tensors now: one ``digest_many`` call for those still contiguous, aligned
         and small (each re-checked: a tensor changed since its add is read as it is now), the rest one by one."""
-        order, done, most = self._order, self._done, backend.many_max_bytes
+        order, done = self._order, self._done
+        most = backend.many_max_bytes if len(items) >= _MANY_MIN else 0  # a few: one call each is cheaper
         many, names = [], []
         for name, t, _, k in items:
             if order.get(name) != k:
@@ -310,6 +311,8 @@ class DigestBatch:
 
 
 _CPU: list[_backends.Backend | None] = [None]  # the CPU backend, once chosen
+_MANY_MIN = 4
+"""Queued CPU tensors from which one ``digest_many`` call is cheaper than one call per tensor."""
 
 
 def _cpu_backend() -> _backends.Backend:
