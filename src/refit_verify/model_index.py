@@ -23,14 +23,13 @@ __all__ = ["ModelIndex"]
 
 
 def _shape_of(m: torch.nn.Module) -> tuple:
+    """Module ``m``'s own structure: its parameter, buffer and child names in order, the objects
+    bound to them by identity (``id``: the index holds every one of them, so no id is reused while
+    it lives), and its non-persistent buffer names. Equal tuples (C-level str / int compares, never
+    a tensor ``==``) mean nothing was added, removed or replaced."""
     p, b, c = m._parameters, m._buffers, m._modules
-    return (tuple(p), tuple(p.values()), tuple(b), tuple(b.values()), tuple(c), tuple(c.values()),
-            frozenset(m._non_persistent_buffers_set))
-
-
-def _unchanged(d: dict, keys: tuple, values: tuple) -> bool:
-    """True iff dict ``d`` has exactly ``keys`` in order, bound to ``values`` (by identity: never a tensor ``==``)."""
-    return len(d) == len(keys) and all(map(operator.eq, d, keys)) and all(map(operator.is_, d.values(), values))
+    return (tuple(p), tuple(map(id, p.values())), tuple(b), tuple(map(id, b.values())), tuple(c),
+            tuple(map(id, c.values())), frozenset(m._non_persistent_buffers_set))
 
 
 class ModelIndex:
@@ -47,6 +46,8 @@ class ModelIndex:
         self._model = weakref.ref(model)
         self._modules = [m for _, m in model.named_modules(remove_duplicate=False)]
         self._shapes = [_shape_of(m) for m in self._modules]
+        # the objects whose ids _shapes records, held so that no id is reused while this index lives
+        self._held = [(tuple(m._parameters.values()), tuple(m._buffers.values())) for m in self._modules]
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.all_params: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
         state: list[tuple[str, torch.Tensor, str]] = [(n, p, "param") for n, p in self.params.items()]
@@ -62,9 +63,5 @@ class ModelIndex:
         were added, removed or replaced since the walk."""
         if self._model() is not model:
             return False
-        for m, sh in zip(self._modules, self._shapes):
-            if not (_unchanged(m._parameters, sh[0], sh[1]) and _unchanged(m._buffers, sh[2], sh[3])
-                    and _unchanged(m._modules, sh[4], sh[5]) and m._non_persistent_buffers_set == sh[6]):
-                return False
-        return True
+        return all(map(operator.eq, map(_shape_of, self._modules), self._shapes))
 

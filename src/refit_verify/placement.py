@@ -215,22 +215,21 @@ class LoaderTap:
         """
         n = 0
         named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model
-        for pname, param in itertools.chain(named, extra):
-            with _PLAIN():
-                empty = param.numel() == 0
-            if empty:
-                continue
-            loader = getattr(param, "weight_loader", None)
-            if getattr(loader, _TAP_MARK, None) is self:
-                continue
-            original = loader if callable(loader) else self.default_loader
-            if original is None:
-                continue
-            try:
-                param.weight_loader = self._wrap(pname, original)
-            except (AttributeError, TypeError):  # a parameter type that refuses the attribute
-                continue
-            n += 1
+        with _PLAIN():  # numel on plain tensor ops; the loader attributes are read and set as they are
+            for pname, param in itertools.chain(named, extra):
+                if param.numel() == 0:
+                    continue
+                loader = getattr(param, "weight_loader", None)
+                if getattr(loader, _TAP_MARK, None) is self:
+                    continue
+                original = loader if callable(loader) else self.default_loader
+                if original is None:
+                    continue
+                try:
+                    param.weight_loader = self._wrap(pname, original)
+                except (AttributeError, TypeError):  # a parameter type that refuses the attribute
+                    continue
+                n += 1
         return n
 
     def _wrap(self, pname: str, original: Callable) -> Callable:
