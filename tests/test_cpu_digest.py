@@ -270,3 +270,30 @@ def test_held_cpu_batch_reads_at_launch_and_matches_tensor_digest():
     now.add("w", ts["w"])
     ts["w"][0, 0] += 1
     assert now.hexdigests() == {"w": before}
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_never_read():
+    """A storage freed or shrunk under its tensor (``resize_(0)``, as FSDP does) leaves ``data_ptr`` at
+    nothing: reading it digested other memory (numpy's DLPack import gave an array elsewhere). Refused
+    with a clear error at add, and at the launch of a batch that queued the tensor before."""
+    from refit_verify.digest import DigestBatch, tensor_digest
+    from refit_verify.errors import RefitInputError
+
+    t = torch.randn(1000)
+    t.untyped_storage().resize_(0)
+    with pytest.raises(RefitInputError, match="freed or resized"):
+        tensor_digest(t)
+    v = torch.randn(64)[8:40]  # a view: its span ends inside the storage
+    assert tensor_digest(v) == tensor_digest(v.clone())
+    shrunk = torch.randn(64)
+    view = shrunk[32:]
+    shrunk.untyped_storage().resize_(32 * 4)  # the view's elements now lie past the storage's end
+    with pytest.raises(RefitInputError, match="fewer than the 256"):
+        tensor_digest(view)
+    b = DigestBatch(hold_cpu=True)
+    u = torch.randn(1000)
+    b.add("u", u)
+    u.untyped_storage().resize_(0)  # after the add, before the read
+    with pytest.raises(RefitInputError, match="freed or resized"):
+        b.hexdigests()
+    assert tensor_digest(torch.zeros(3, 1).expand(3, 5)) == tensor_digest(torch.zeros(3, 5))  # stride 0 spans less

@@ -99,6 +99,24 @@ def _check(t: torch.Tensor) -> None:
         raise RefitInputError("a meta tensor has no bytes to digest")
     if t.dim() > 255:
         raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
+    _check_storage(t)
+
+
+def _check_storage(t: torch.Tensor) -> None:
+    """Raise :class:`RefitInputError` unless ``t``'s storage holds every element ``t`` spans: a
+    storage freed or shrunk under the tensor (``untyped_storage().resize_(0)``, as FSDP does after a
+    gather) leaves ``data_ptr`` pointing at nothing, and reading it would digest other memory."""
+    n = t.numel()
+    if not n:
+        return
+    span = 1
+    for size, stride in zip(t.shape, t.stride()):
+        span += (size - 1) * stride
+    need = (t.storage_offset() + span) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        raise RefitInputError(f"the tensor's storage holds {have} bytes, fewer than the {need} its elements span: it was "
+                              "freed or resized under the tensor (e.g. untyped_storage().resize_(0)); nothing was read")
 
 
 @plain_tensor_ops
@@ -276,6 +294,7 @@ class DigestBatch:
         for name, t, _, k in items:
             if order.get(name) != k:
                 continue  # added again later: the later add is what counts
+            _check_storage(t)  # re-checked at the read: freed or resized since the add, it is never read
             if _many_ok(t, most):
                 nbytes = t.numel() * t.element_size()
                 many.append((t.data_ptr(), nbytes, _tensor_seed(t.dtype, t.shape, nbytes)))
