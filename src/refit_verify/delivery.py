@@ -192,7 +192,7 @@ def _write_plan(placement: Placement, pshape: torch.Size, pstride: tuple, lshape
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
-    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "regions", "other", "listed",
+    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "regions", "other",
                  "__weakref__")
 
     def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0, hexd: str | None = None) -> None:
@@ -208,7 +208,6 @@ class _Delivered:
         self.nbytes = t.numel() * t.element_size()
         self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
         self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
-        self.listed = False  # a CPU tensor of a list, digested at the end of its call (ModuleSession.listed)
 
 
 class _Call:
@@ -223,8 +222,7 @@ class _Call:
         self.names: list[str] = []
         self.unattributed = 0
         self.lazy = lazy
-        # digests decided at the end of the call: (delivered, tensor, may be digested where it landed)
-        self.pending: list[tuple[_Delivered, torch.Tensor, bool]] = []
+        self.pending: list[tuple[_Delivered, torch.Tensor]] = []  # digests decided at the end of the call
 
 
 WORKER_FLUSH_BYTES = 64 << 20
@@ -264,9 +262,6 @@ class ModuleSession:
         # every CUDA tensor is copied as it is handed over and the copies digested in batches
         # (CopyingBatch): no kernel launch per tensor, and what was digested is what it held then
         self.batch = CopyingBatch(WORKER_FLUSH_BYTES)  # delivered digests
-        # CPU tensors of a list handed to load_weights: they stay as they are for the call, so they
-        # are digested together at its end (one compiled call for the small ones, DigestBatch(hold_cpu))
-        self.listed = DigestBatch(hold_cpu=True)
         self.blocks = CopyingBatch(WORKER_FLUSH_BYTES)  # partial source blocks of exact placements, for read-back
         self.recheck = CopyingBatch(WORKER_FLUSH_BYTES)  # apply-time digests of deferred loads
         self.delivered: dict[str, _Delivered] = {}
@@ -302,22 +297,15 @@ class ModuleSession:
         if self.current is call:
             self.current = None
         t0 = time.perf_counter()
-        listed = False
-        for d, t, derive in call.pending:
+        for d, t in call.pending:
             if self.delivered.get(d.name) is not d:
                 continue  # delivered again later in the call: the later one is what lands
-            if derive and d.regions and not d.other:
+            if d.regions and not d.other:
                 self.derived[d.name] = list(d.regions)  # digested where it landed, at close
             else:
                 self.derived.pop(d.name, None)
-                if t.is_cpu:
-                    d.listed = listed = True
-                    self.listed.add(d.name, t)
-                else:
-                    self.batch.add(d.name, t)
+                self.batch.add(d.name, t)
         call.pending.clear()
-        if listed:
-            self.listed.launch()  # read now, while the call's list still holds them
         self.digest_s += time.perf_counter() - t0
         for name in call.names:
             d = self.delivered.get(name)
@@ -340,8 +328,8 @@ class ModuleSession:
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
         if hexd is None:
-            if not call.lazy and (t.is_cpu or self.derive):  # a list's tensors stay as they are for the call
-                call.pending.append((d, t, self.derive and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES))
+            if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
+                call.pending.append((d, t))  # a list's tensors stay as they are for the call
             else:
                 self.batch.add(name, t)
         self.delivered[name] = d
@@ -404,6 +392,8 @@ class ModuleSession:
             d.routed = True
             if not d.rechecked:
                 self._applied(d)
+        elif self.current is not None:  # transformed by the model's load_weights before its loader (a cast, a permute)
+            self.current.unattributed += 1
         pshape, pstride = param.shape, param.stride()
         if pname not in self.param_numel:
             self.param_numel[pname] = param.numel()
@@ -457,7 +447,6 @@ class ModuleSession:
         refused before loading (the digest of what arrived: the verdict names it mismatched); a
         withheld name (delivered, never landed) is left out."""
         pulled = self.batch.hexdigests()
-        listed = self.listed.hexdigests() if len(self.listed) else {}
         out: dict[str, str] = {}
         for name, d in self.delivered.items():
             if d.hex is not None:
@@ -465,7 +454,7 @@ class ModuleSession:
             elif name in self.derived:  # landed whole: what the engine holds where it landed (None: unread)
                 h = self.derived_hex.get(name)
             else:
-                h = listed.get(name) if d.listed else pulled.get(name)
+                h = pulled.get(name)
             if h is not None and name not in self.withheld:
                 out[name] = h
         for name, (h, _why) in self.refused.items():

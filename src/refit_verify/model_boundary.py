@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from refit_verify import delivery as _delivery  # its DERIVE_DEVICE_TYPES read at each use
 from refit_verify.delivery import ModuleSession
-from refit_verify.digest import DigestBatch
+from refit_verify.digest import _PLAIN, DigestBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
@@ -121,6 +122,8 @@ class ModelBoundary:
             pending = boundary.owner.take_expected() if target.sessioned else None
             if pending is not None and isinstance(weights, (list, tuple)):
                 weights = boundary._checked_first(target, weights, *pending)
+            elif isinstance(weights, (list, tuple)):
+                weights = _DigestingList(boundary, weights, boundary._cpu_first(target, weights))
             else:
                 weights = boundary._digesting(weights)
             if "weights" in kwargs:
@@ -179,6 +182,27 @@ class ModelBoundary:
             pre[id(item[1])] = got[name]
             keep.append(item)
         return _DigestingList(self, keep, pre)
+
+    def _cpu_first(self, target: ModuleSession, weights: list | tuple) -> dict[int, str] | None:
+        """``{id(tensor): 32-hex}`` of the CPU tensors of a list, digested together before the model
+        sees any (one compiled call for the small ones: ``DigestBatch(hold_cpu=True)``), as each is
+        when handed over, before a loader could change it; None when the list has none (or the
+        session digests CPU tensors where they land, :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
+        if target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES:
+            return None
+        t0 = time.perf_counter()
+        batch, keys = DigestBatch(hold_cpu=True), {}
+        with _PLAIN():
+            for item in weights:
+                t = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+                if isinstance(t, torch.Tensor) and t.is_cpu and id(t) not in keys:
+                    keys[id(t)] = key = str(len(keys))
+                    batch.add(key, t)
+        if not keys:
+            return None
+        got = batch.hexdigests()
+        target.digest_s += time.perf_counter() - t0
+        return {i: got[k] for i, k in keys.items()}
 
     def _pull(self, name: str, tensor: Any, hexd: str | None = None) -> None:
         target = self._target()

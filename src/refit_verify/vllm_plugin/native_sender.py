@@ -107,15 +107,6 @@ class NativeSendVerifier:
         if not any(r() is llm for r in self.engines):
             self.engines.append(weakref.ref(llm))
 
-    def _finishes_here(self) -> bool:
-        """True iff every engine this send can have fed is an in-process ``LLM`` with an open weight
-        update: its (wrapped) ``finish_weight_update`` verifies the whole session, in this process,
-        before the update's weights serve a request, so the send's own fetch would only repeat it."""
-        engines = [self.target] if self.target is not None else [r() for r in self.engines]
-        with _LOCK:
-            open_ = [r() for r in _OPEN]
-        return bool(engines) and all(e is not None and any(o is e for o in open_) for e in engines)
-
     def _feeds(self, llm: Any) -> bool:
         """True iff this send went to in-process engine ``llm``."""
         return self.target is llm or getattr(self.target, "__self__", None) is llm or any(r() is llm for r in self.engines)
