@@ -711,10 +711,7 @@ def test_cpu_list_tensors_are_digested_together_before_the_model_sees_any(monkey
             return done
 
     monkeypatch.setattr(dg, "_CPU", [dataclasses.replace(backend, digest_many=spy)])
-    model = _Zeroing()
-    wb = WorkerBoundary(identity_of(0))
-    wb.readback = read_back
-    wb.attach("model", model, default_weight_loader)
+    wb, model = _worker(_Zeroing())
     w, w2 = toy_weights(4), toy_weights(5)
     want = dict(digest_tensors(w.items()), norm=tensor_digest(w2["norm"]), k_proj=tensor_digest(w2["k_proj"]))
     sid = wb.open("s", version=1)
@@ -740,10 +737,7 @@ def test_apply_within_the_delivering_list_call_needs_no_second_digest():
     """A deferred apply inside the list call that delivered the tensor reads what the list held (a
     list stays as it is for its call): no apply-time digest is taken, and the refit verifies; one
     after the call returned is digested again (the refilled case above)."""
-    model = _DeferredWithinCall()
-    wb = WorkerBoundary(identity_of(0))
-    wb.readback = read_back
-    wb.attach("model", model, default_weight_loader)
+    wb, model = _worker(_DeferredWithinCall())
     w = toy_weights(12)
     sid = wb.open("s", version=1)
     model.load_weights(list(w.items()))
@@ -773,10 +767,7 @@ def test_a_tensor_transformed_before_its_loader_is_unattributed_not_unconsumed()
     """The loader wrote something derived from a delivered tensor, not the tensor itself: its
     consumption cannot be attributed (said so, and its parameter is not proven bytewise), but it was
     not dropped: no "consumed by no parameter" failure."""
-    model = _Casting()
-    wb = WorkerBoundary(identity_of(0))
-    wb.readback = read_back
-    wb.attach("model", model, default_weight_loader)
+    wb, model = _worker(_Casting())
     w = toy_weights(13)
     sid = wb.open("s", version=1)
     model.load_weights(list(w.items()))

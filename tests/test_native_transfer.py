@@ -280,8 +280,8 @@ class _FakeEngine:
         return [{"rank": 3, "verifying": True, "token": str(id(self)), "session": self.session, "manifest": digest_tensors(self.got.items())}]
 
 
-def test_static_sender_of_vllm_026(monkeypatch):
-    """vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights, wrapped the same way (shape of 0.26's API)."""
+def _static_ipc(monkeypatch):
+    """The shape of vLLM 0.26's static IPCWeightTransferEngine, its trainer_send_weights wrapped as the plugin does (enforce)."""
 
     class IPCWeightTransferEngine:
         @staticmethod
@@ -291,6 +291,13 @@ def test_static_sender_of_vllm_026(monkeypatch):
 
     monkeypatch.setenv("REFIT_VERIFY", "enforce")
     IPCWeightTransferEngine.trainer_send_weights = native._wrap_static_sender(IPCWeightTransferEngine.__dict__["trainer_send_weights"])
+    return IPCWeightTransferEngine
+
+
+def test_static_sender_of_vllm_026(monkeypatch):
+    """vLLM 0.26's static IPCWeightTransferEngine.trainer_send_weights, wrapped the same way (shape of 0.26's API)."""
+
+    IPCWeightTransferEngine = _static_ipc(monkeypatch)
     weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
     clean = _FakeEngine()
     IPCWeightTransferEngine.trainer_send_weights(iterator=iter(weights.items()), trainer_args={"send_mode": clean.send})
@@ -469,14 +476,7 @@ def test_static_send_is_checked_at_the_send_and_a_failed_finish_keeps_its_sessio
     digests), whatever closes the update later; a finish_weight_update that raises keeps the send
     pending, so the retried finish still checks the whole session."""
 
-    class IPCWeightTransferEngine:
-        @staticmethod
-        def trainer_send_weights(iterator, trainer_args):
-            for name, tensor in iterator:
-                trainer_args["send_mode"].__self__.send(name, tensor)
-
-    monkeypatch.setenv("REFIT_VERIFY", "enforce")
-    IPCWeightTransferEngine.trainer_send_weights = native._wrap_static_sender(IPCWeightTransferEngine.__dict__["trainer_send_weights"])
+    IPCWeightTransferEngine = _static_ipc(monkeypatch)
     weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
     bad = _FakeLLM(corrupt="w1")
     bad.start_weight_update()

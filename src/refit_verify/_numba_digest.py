@@ -324,28 +324,36 @@ def _full_chunk_roots(lanes, nchunks, r0, r1, par):
 
 
 @_jit()
+def _level_buffers(n):
+    """The stride ``w`` of a fold level over ``n`` values and its two output buffers (uninitialised: the level writes every value)."""
+    w = min(_STRIDE, (n + 15) // 16)
+    m = (n + 16 * w - 1) // (16 * w) * w
+    return w, np.empty(m, np.uint64), np.empty(m, np.uint64)
+
+
+@_jit()
+def _upper_levels(s0, s1, n, f):
+    """Fold the ``n`` values of ``s0``/``s1`` at levels ``f``, ``f + 1``, ... down to the root pair
+    (at most 1/16 of a chunk's work: on the calling thread)."""
+    while n > 1:
+        w, d0, d1 = _level_buffers(n)
+        n = _level_ser(s0, s1, _I0, n, w, f, d0, d1, _NO, _Z)
+        s0 = d0
+        s1 = d1
+        f += 1
+    return s0[0], s1[0]
+
+
+@_jit()
 def _partial_chunk_root(lanes, start, navail, has_tail, tail, par):
     """Root pair of the chunk ``lanes[start : start + navail]`` (+ ``tail`` lane if ``has_tail``)."""
     n = navail + (1 if has_tail else 0)
     if n == 1:  # a one-lane chunk is its own root (no fold level)
         v = tail if has_tail else lanes[start]
         return v, v
-    w = min(_STRIDE, (n + 15) // 16)
-    m = (n + 16 * w - 1) // (16 * w) * w
-    s0 = np.empty(m, np.uint64)
-    s1 = np.empty(m, np.uint64)
+    w, s0, s1 = _level_buffers(n)
     n = _level(lanes, lanes, start, n, w, _F0, s0, s1, par, has_tail, tail)
-    f = _F1
-    while n > 1:
-        w = min(_STRIDE, (n + 15) // 16)
-        m = (n + 16 * w - 1) // (16 * w) * w
-        d0 = np.empty(m, np.uint64)
-        d1 = np.empty(m, np.uint64)
-        n = _level(s0, s1, _I0, n, w, f, d0, d1, _NO, _NO, _Z)  # <= 1/16 of the work
-        s0 = d0
-        s1 = d1
-        f += 1
-    return s0[0], s1[0]
+    return _upper_levels(s0, s1, n, _F1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,13 +26,13 @@ from refit_verify._numba_digest import (
     _FIN0,
     _FIN1,
     _I0,
-    _NO,
-    _STRIDE,
     _U,
     _Z,
     PARALLEL_MIN_LANES,
     _jit,
+    _level_buffers,
     _level_ser,
+    _upper_levels,
     _mix0,
     _mix1,
     _node0,
@@ -48,24 +48,9 @@ def _partial_root_ser(lanes, n, has_tail, tail):
     """``_numba_digest._partial_chunk_root`` of ``lanes[:n]`` (+ ``tail``) on the calling thread only."""
     n = n + (1 if has_tail else 0)
     if n == 1:
-        v = tail if has_tail else lanes[0]
-        return v, v
-    w = min(_STRIDE, (n + 15) // 16)
-    m = (n + 16 * w - 1) // (16 * w) * w
-    s0 = np.empty(m, np.uint64)
-    s1 = np.empty(m, np.uint64)
-    n = _level_ser(lanes, lanes, _I0, n, w, _F0, s0, s1, has_tail, tail)
-    f = _F1
-    while n > 1:
-        w = min(_STRIDE, (n + 15) // 16)
-        m = (n + 16 * w - 1) // (16 * w) * w
-        d0 = np.empty(m, np.uint64)
-        d1 = np.empty(m, np.uint64)
-        n = _level_ser(s0, s1, _I0, n, w, f, d0, d1, _NO, _Z)
-        s0 = d0
-        s1 = d1
-        f += 1
-    return s0[0], s1[0]
+        return (tail, tail) if has_tail else (lanes[0], lanes[0])
+    w, s0, s1 = _level_buffers(n)
+    return _upper_levels(s0, s1, _level_ser(lanes, lanes, _I0, n, w, _F0, s0, s1, has_tail, tail), _F1)
 
 
 @intrinsic

@@ -109,9 +109,12 @@ def _check_storage(t: torch.Tensor) -> None:
     n = t.numel()
     if not n:
         return
-    span = 1
-    for size, stride in zip(t.shape, t.stride()):
-        span += (size - 1) * stride
+    if t.is_contiguous():
+        span = n
+    else:
+        span = 1
+        for size, stride in zip(t.shape, t.stride()):
+            span += (size - 1) * stride
     need = (t.storage_offset() + span) * t.element_size()
     have = t.untyped_storage().nbytes()
     if have < need:

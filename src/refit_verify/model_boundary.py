@@ -191,12 +191,14 @@ class ModelBoundary:
         if target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES:
             return None
         t0 = time.perf_counter()
-        batch, keys = DigestBatch(hold_cpu=True), {}
+        batch, keys, used = DigestBatch(hold_cpu=True), {}, set()
         with _PLAIN():
             for item in weights:
                 t = item[1] if isinstance(item, tuple) and len(item) == 2 else None
                 if isinstance(t, torch.Tensor) and t.is_cpu and id(t) not in keys:
-                    keys[id(t)] = key = str(len(keys))
+                    key = item[0] if isinstance(item[0], str) and item[0] not in used else (len(keys),)  # never a name
+                    used.add(key)
+                    keys[id(t)] = key
                     batch.add(key, t)
         if not keys:
             return None
