@@ -24,7 +24,7 @@ import torch
 
 from refit_verify import delivery as _delivery  # its DERIVE_DEVICE_TYPES read at each use
 from refit_verify.delivery import ModuleSession
-from refit_verify.digest import _PLAIN, DigestBatch
+from refit_verify.digest import _MANY_MIN, _PLAIN, DigestBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
@@ -187,9 +187,10 @@ class ModelBoundary:
         """``{id(tensor): 32-hex}`` of the CPU tensors of a list, digested together before the model
         sees any (one compiled call for the small ones: ``DigestBatch(hold_cpu=True)``), as each is
         when handed over, before a loader could change it; None when the list has none (or the
-        session digests CPU tensors where they land, :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
-        if target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES:
-            return None
+        session digests CPU tensors where they land, :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`), or
+        when it is shorter than ``digest._MANY_MIN`` (then each is digested as it is pulled)."""
+        if len(weights) < _MANY_MIN or (target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES):
+            return None  # a few (TRL's one per call): digested as pulled, one call each, is cheaper
         t0 = time.perf_counter()
         batch, keys, used = DigestBatch(hold_cpu=True), {}, set()
         with _PLAIN():
