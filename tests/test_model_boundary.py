@@ -777,3 +777,54 @@ def test_a_tensor_transformed_before_its_loader_is_unattributed_not_unconsumed()
     assert man.engine.params["norm"].status == "not_coverable"
     r = compare_session({"model": digest_tensors(w.items())}, man, session="s", version=1)
     assert r.ok and r.unattributed == ("norm",) and "norm" in r.not_proven
+
+
+class _ScalingSharded(torch.nn.Module):
+    """TP=2 rank 0 of a column-parallel weight (its loader copies rows [0:4) of the delivered (8, 8)
+    tensor), whose ``load_weights`` scales the delivered tensor in place before the loader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 8), requires_grad=False)
+        self.w.weight_loader = lambda p, t: p.data.copy_(t.narrow(0, 0, 4))
+
+    def load_weights(self, weights) -> set[str]:
+        for _n, t in weights:
+            t.mul_(2)
+            self.w.weight_loader(self.w, t)
+        return {"w"}
+
+
+@pytest.mark.parametrize("form", ["list", "iter"])
+def test_a_tensor_changed_in_place_before_its_loader_is_never_verified(form):
+    """The model's load_weights changed the delivered tensor (its version counter moved) before the
+    loader copied a shard of it: the shard read at the write is not what was delivered, so the
+    parameter is not coverable (was: verified against the changed shard while the delivered digest
+    matched the trainer's, a false pass)."""
+    wb = WorkerBoundary(identity_of(rank=0, tp=2))
+    wb.readback = read_back
+    model = _ScalingSharded()
+    wb.attach("model", model, default_weight_loader)
+    w = {"w": torch.randn(8, 8)}
+    want = digest_tensors(w.items())
+    sid = wb.open("s", version=1)
+    model.load_weights(list(w.items()) if form == "list" else iter(list(w.items())))
+    man = wb.close(sid)
+    assert man.engine.params["w"].status == "not_coverable"
+    assert man.engine.params["w"].why == delivery.CHANGED_IN_PLACE and man.engine.proven_bytes == 0
+    r = compare_session({"model": want}, man, session="s", version=1)
+    assert "w" in r.not_proven and r.proven_bytes == 0
+
+
+def test_an_undigestable_tensor_in_a_list_is_named_by_the_session():
+    """A list holding a tensor that cannot be digested: the call raises at that tensor's pull and the
+    session says why (the batched digest at the call's start does not swallow the reason)."""
+    wb, model = _worker()
+    w = toy_weights(14)
+    sid = wb.open("s", version=1)
+    bad = [*w.items()][:3] + [("norm", torch.zeros([1] * 256))]
+    with pytest.raises(Exception, match="at most 255 dimensions"):
+        model.load_weights(bad)
+    man = wb.close(sid)
+    assert any("at most 255 dimensions" in e for e in man.errors)
+    assert not compare_session({"model": digest_tensors(w.items())}, man, session="s", version=1).ok

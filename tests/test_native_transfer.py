@@ -507,5 +507,6 @@ def test_static_send_is_checked_at_the_send_and_a_failed_finish_keeps_its_sessio
     with pytest.raises(RuntimeError, match="transient"):
         llm.finish_weight_update()
     assert llm.rpcs == 1 and any(v._feeds(llm) for v in native._PENDING)  # kept for the retry
+    assert any(r() is llm for r in native._OPEN)  # and the update is still open
     llm.finish_weight_update()
     assert llm.rpcs == 2 and not any(v._feeds(llm) for v in native._PENDING)

@@ -154,6 +154,18 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+CHANGED_IN_PLACE = ("the model's load_weights changed the delivered tensor in place before its loader wrote it (its "
+                    "version counter moved): what landed cannot be compared with what was delivered")
+"""Why a parameter written from a delivered tensor the model changed in place first is not coverable."""
+
+
 class _WritePlan:
     """What one loader write means for the session, given its placement and the tensors' geometry
     (:func:`_write_plan`): the same for every refit that loads the same way."""
@@ -192,7 +204,7 @@ def _write_plan(placement: Placement, pshape: torch.Size, pstride: tuple, lshape
 class _Delivered:
     """One delivered tensor of a session (a weak reference only)."""
 
-    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "regions", "other",
+    __slots__ = ("name", "call", "seq", "ref", "ptr", "extent", "routed", "rechecked", "nbytes", "hex", "regions", "other", "version",
                  "__weakref__")
 
     def __init__(self, name: str, t: torch.Tensor, call: int, seq: int = 0, hexd: str | None = None) -> None:
@@ -208,6 +220,7 @@ class _Delivered:
         self.nbytes = t.numel() * t.element_size()
         self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
         self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
+        self.version = _version_of(t)  # its version counter when delivered (None: an inference tensor has none)
 
 
 class _Call:
@@ -411,8 +424,11 @@ class ModuleSession:
         regions.update(plan.regions)
         if placement.opaque:  # which elements it wrote is unknown: counted whole, and said so
             self.opaque.setdefault(pname, placement.why or "the loader writes it with an op that is not a copy")
-        if not placement.exact:
-            self.inexact.setdefault(pname, placement.why or "not a plain copy")
+        # changed in place since its delivery (the model's load_weights scaled or zeroed it before the
+        # loader): the source blocks read now are not the delivered bytes, so nothing here is proven
+        changed = d is not None and d.version is not None and _version_of(loaded) != d.version
+        if not placement.exact or changed:
+            self.inexact.setdefault(pname, (placement.why or "not a plain copy") if not placement.exact else CHANGED_IN_PLACE)
             if d is not None:
                 d.other = True
             return

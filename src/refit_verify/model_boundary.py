@@ -123,7 +123,11 @@ class ModelBoundary:
             if pending is not None and isinstance(weights, (list, tuple)):
                 weights = boundary._checked_first(target, weights, *pending)
             elif isinstance(weights, (list, tuple)):
-                weights = _DigestingList(boundary, weights, boundary._cpu_first(target, weights))
+                try:
+                    pre = boundary._cpu_first(target, weights)
+                except Exception:  # noqa: BLE001 - e.g. a tensor that cannot be digested: it raises at its pull,
+                    pre = None  # inside the call, where the session records why
+                weights = _DigestingList(boundary, weights, pre)
             else:
                 weights = boundary._digesting(weights)
             if "weights" in kwargs:

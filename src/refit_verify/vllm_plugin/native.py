@@ -352,14 +352,17 @@ def _wrap_llm_finish(raw: Callable) -> Callable:
     @functools.wraps(raw)
     def finish_weight_update(self, *args, **kwargs):
         with _LOCK:
+            was_open = any(r() is self for r in _OPEN)
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
             mine = [v for v in _PENDING if v._feeds(self)]
             _PENDING[:] = [v for v in _PENDING if v not in mine]
         try:
             out = raw(self, *args, **kwargs)
         except BaseException:
-            with _LOCK:  # the update did not close: a retried finish checks them
+            with _LOCK:  # the update did not close: it stays open, and a retried finish checks its sends
                 _PENDING[:] = mine + [v for v in _PENDING if v not in mine]
+                if was_open and not any(r() is self for r in _OPEN):
+                    _OPEN.append(weakref.ref(self))
             raise
         if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
             mine[-1]._earlier = mine[:-1]  # every send into it
