@@ -382,3 +382,24 @@ def test_a_reused_sender_after_a_timed_out_refit_serves_the_next_receiver():
         report, err, send_s = timed_send(tx)
         rx2.join(TIMEOUT_S)
         assert err is None and report.ok and rx2.error is None
+
+
+def test_push_whose_workers_fail_raises_the_senders_error_caused_by_the_workers():
+    """push: the workers' receive fails at once (here: a channel that raises) and the sender then
+    times out waiting for them. The raised error is the sender's, bounded by its timeout, and the
+    workers' own error is its cause, never dropped."""
+    import refit_verify
+
+    class Broken:
+        def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+            raise RuntimeError("worker exploded while mapping the staging memory")
+
+    sender = RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=1, connect_timeout_s=1), device="cpu")
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RefitTimeoutError, match="could not send Hello within 1 s") as ei:
+            refit_verify.push(Broken(), {"w": torch.zeros(4)}, sender=sender)
+    finally:
+        sender.close()
+    assert time.perf_counter() - t0 < 1 + SLACK_S
+    assert isinstance(ei.value.__cause__, RefitProtocolError) and "worker exploded" in str(ei.value.__cause__)

@@ -93,10 +93,10 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
     th.start()
     try:
         workers = ch.call(RECEIVE_METHOD, sender.endpoint, opts, timeout_s=bound)
-    except BaseException:
+    except BaseException as worker_error:
         th.join(bound)
-        if "error" in out:
-            raise out["error"] from None
+        if "error" in out:  # the sender's view (e.g. "receiver disconnected"), caused by the workers' own error
+            raise out["error"] from worker_error
         raise
     finally:
         if own and not th.is_alive():
