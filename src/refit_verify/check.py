@@ -32,7 +32,7 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
-from refit_verify.digest_stream import StreamDigests
+from refit_verify.digest_stream import StreamDigests, changed_problems
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire
@@ -301,14 +301,11 @@ class RefitCheck:
         :meth:`expected`): ``(problems, their labels)``, drafter labels as ``"drafter:name"``."""
         out, labels = [], []
         for m, s in self._streams.items():
-            for i, (name, why) in enumerate(s.changed.items()):
-                label = name if m == "model" else f"{m}:{name}"
-                labels.append(label)
-                if i < 20:
-                    out.append(f"the trainer's {label} could not be digested as pushed: {why} (refit(copy=False) holds the "
-                               "tensors until the refit ends; pass copy=True when the trainer changes or frees them before)")
-            if len(s.changed) > 20:
-                out.append(f"… and {len(s.changed) - 20} more tensors of {m} changed after r.add")
+            label = (lambda n: n) if m == "model" else (lambda n, m=m: f"{m}:{n}")
+            labels += [label(n) for n in s.changed]
+            out += changed_problems(s.changed, verb="pushed", label=label, more=f"more tensors of {m} changed after r.add",
+                                    hint="refit(copy=False) holds the tensors until the refit ends; pass copy=True when "
+                                         "the trainer changes or frees them before")
         return out, labels
 
     def verify(self) -> list[VerificationReport]:

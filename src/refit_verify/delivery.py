@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, plain_tensor_ops
-from refit_verify.digest_stream import CopyingBatch
+from refit_verify.digest_stream import CopyingBatch, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -154,13 +154,6 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
-def _version_of(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
-
-
 CHANGED_IN_PLACE = ("the model's load_weights changed the delivered tensor in place before its loader wrote it (its "
                     "version counter moved): what landed cannot be compared with what was delivered")
 """Why a parameter written from a delivered tensor the model changed in place first is not coverable."""
@@ -220,7 +213,7 @@ class _Delivered:
         self.nbytes = t.numel() * t.element_size()
         self.regions: list[tuple[str, tuple]] = []  # (parameter, dest) it was copied to whole, in this call
         self.other = False  # some write of it was not a whole exact copy (a block, a conversion)
-        self.version = _version_of(t)  # its version counter when delivered (None: an inference tensor has none)
+        self.version = version_of(t)  # its version counter when delivered (None: an inference tensor has none)
 
 
 class _Call:
@@ -426,7 +419,7 @@ class ModuleSession:
             self.opaque.setdefault(pname, placement.why or "the loader writes it with an op that is not a copy")
         # changed in place since its delivery (the model's load_weights scaled or zeroed it before the
         # loader): the source blocks read now are not the delivered bytes, so nothing here is proven
-        changed = d is not None and d.version is not None and _version_of(loaded) != d.version
+        changed = d is not None and d.version is not None and version_of(loaded) != d.version
         if not placement.exact or changed:
             self.inexact.setdefault(pname, (placement.why or "not a plain copy") if not placement.exact else CHANGED_IN_PLACE)
             if d is not None:

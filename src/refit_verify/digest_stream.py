@@ -23,7 +23,7 @@ from refit_verify.digest import (
 )
 from refit_verify.errors import RefitInputError
 
-__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "snapshot"]
+__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "snapshot", "version_of"]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,10 +147,7 @@ class HeldBatch:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
         _check(t)
-        try:
-            version = t._version
-        except RuntimeError:  # an inference tensor has no version counter: its address is checked
-            version = None
+        version = version_of(t)  # None for an inference tensor: its address is checked
         self.changed.pop(name, None)
         nbytes = t.numel() * t.element_size()
         self._held.append((name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0))
@@ -182,6 +179,31 @@ class HeldBatch:
 
     def __len__(self) -> int:
         return len(self._batch._order.keys() | {h[0] for h in self._held})
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (writes through it or its views so far), or None for an inference
+    tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+MAX_NAMED_CHANGED = 20
+"""Held tensors named one by one in a report before the rest are counted."""
+
+
+def changed_problems(changed: dict[str, str], *, verb: str, hint: str, more: str, label=lambda n: n) -> list[str]:
+    """Report lines for held tensors that changed before their digests were taken (``changed``:
+    ``{name: why}``, from :attr:`StreamDigests.changed`): one per tensor for the first
+    :data:`MAX_NAMED_CHANGED` (``the trainer's {label(name)} could not be digested as {verb}: {why}
+    ({hint})``), then ``… and N {more}``."""
+    out = [f"the trainer's {label(name)} could not be digested as {verb}: {why} ({hint})"
+           for name, why in list(changed.items())[:MAX_NAMED_CHANGED]]
+    if len(changed) > MAX_NAMED_CHANGED:
+        out.append(f"… and {len(changed) - MAX_NAMED_CHANGED} {more}")
+    return out
 
 
 def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from refit_verify.check import compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
+from refit_verify.digest_stream import changed_problems
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import from_wire
 from refit_verify.report import VerificationReport, compare_manifests
@@ -215,11 +216,8 @@ class NativeSendVerifier:
     @staticmethod
     def _sender_problems(changed: dict[str, str]) -> list[str]:
         """The exported parameters (held, not copied) that changed before their digests were taken."""
-        out = [f"the trainer's {name} could not be digested as exported: {why} (a parameter handed to the send is "
-               "held until verify(); leave it untouched until then)" for name, why in list(changed.items())[:20]]
-        if len(changed) > 20:
-            out.append(f"… and {len(changed) - 20} more exported parameters changed before verify()")
-        return out
+        return changed_problems(changed, verb="exported", more="more exported parameters changed before verify()",
+                                hint="a parameter handed to the send is held until verify(); leave it untouched until then")
 
     @staticmethod
     def _compare(sender: dict[str, str], w: dict[str, Any], problems: list[str], changed: tuple[str, ...]) -> VerificationReport:
