@@ -19,6 +19,7 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from refit_verify.errors import RefitInputError
 from refit_verify._numba_digest import (
     _CHAIN,
     _F0,
@@ -121,13 +122,14 @@ def digest_arrays_many(items: list[tuple[int, int, tuple[int, int]]]) -> tuple[n
         equal to :func:`digest_words` of the same bytes.
 
     Raises:
-        ValueError: an address is not 8-byte aligned or a length is out of range (nothing is read).
+        RefitInputError: (a ``ValueError``) an address is not 8-byte aligned or a length is out of
+            range; nothing is read.
     """
     n = len(items)
     addrs = np.fromiter((a for a, _, _ in items), np.uint64, n)
     nbytes = np.fromiter((b for _, b, _ in items), np.int64, n)
     if n and (int((addrs & _U(7)).max()) or int(nbytes.min()) < 0 or int(nbytes.max()) >= MANY_MAX_BYTES):
-        raise ValueError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
+        raise RefitInputError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
     s0 = np.fromiter((s[0] for _, _, s in items), np.uint64, n)
     s1 = np.fromiter((s[1] for _, _, s in items), np.uint64, n)
     o0 = np.empty(n, np.uint64)
@@ -138,6 +140,10 @@ def digest_arrays_many(items: list[tuple[int, int, tuple[int, int]]]) -> tuple[n
 
 
 def digest_words_many(items: list[tuple[int, int, tuple[int, int]]]) -> list[tuple[int, int]]:
-    """:func:`digest_arrays_many` as ``[(h0, h1)]`` Python ints, one pair per string."""
+    """:func:`digest_arrays_many` as ``[(h0, h1)]``, one pair of Python ints in [0, 2**64) per string.
+
+    Raises:
+        RefitInputError: as :func:`digest_arrays_many`.
+    """
     o0, o1 = digest_arrays_many(items)
     return list(zip(o0.tolist(), o1.tolist()))
