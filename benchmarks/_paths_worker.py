@@ -265,6 +265,7 @@ class Bench:
         ph["m.engine"] = man.engine.digest_s if man.engine is not None else 0.0
         ph["snapshot"] = snapshot_s
         counts["calls"] = sum(m.calls for m in man.modules.values())
+        counts["replayed"] = sum(m.replayed for m in man.modules.values())  # refit_plan: loader tap off
         if man.engine is not None:
             counts["proven_bytes"] = man.engine.proven_bytes
         if man.errors:
@@ -530,6 +531,10 @@ def _buckets(items: list, nbytes: int) -> list[list]:
 
 
 def main() -> None:
+    if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu (this process runs the inproc engine)
+        from refit_verify import delivery
+
+        delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["off", "enforce"])
     ap.add_argument("--kind", required=True, choices=["inproc", "mp"])

@@ -233,6 +233,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--native-tensors", action="store_true",
                     help="native paths: the trainer exports plain tensors (a state_dict: copied per tensor by the sender's "
                          "digests; default: its nn.Parameters, as model.named_parameters() yields them, held)")
+    ap.add_argument("--no-replay", action="store_true",
+                    help="REFIT_VERIFY_REPLAY=0 in every child: every enforce refit is watched by the loader tap "
+                         "(default: a steady-state refit replays the last watched one's plan, refit_verify.refit_plan)")
+    ap.add_argument("--landed-cpu", action="store_true",
+                    help="CPU, boundary paths: digest delivered tensors where they landed and replay plans, as CUDA workers "
+                         "do (delivery.DERIVE_DEVICE_TYPES; the engines keep plain linear weights, so it can be read back)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
                          "timings are slower, so use few rounds and not for the tables")
@@ -287,6 +293,10 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
     for mode in MODES:
         for kind in ("inproc", "mp"):
             env = {**base, "REFIT_VERIFY": mode}
+            if a.no_replay:
+                env["REFIT_VERIFY_REPLAY"] = "0"
+            if a.landed_cpu:
+                env["REFIT_BENCH_LANDED_CPU"] = "1"
             if kind == "inproc":
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             out[f"{mode}/{kind}"] = env
@@ -415,6 +425,9 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
              f"- torch {info.get('torch', '?')}, vLLM {info.get('vllm', '?')}, triton {info.get('triton', '?')}, "
              f"Python {info.get('python', '?')}",
              f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",
+             "- plan replay (refit_verify.refit_plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
+                                                          else "on (a steady-state refit replays the last watched one's plan)")
+             + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; per round and path one refit in each mode, the mode that "
              f"goes first alternating round by round; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
              f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
@@ -445,7 +458,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
             continue
         mo, me = pct(off, .5), pct(enf, .5)
         last = res[p]["enforce"][-1].counts
-        ver = f"{last.get('verified', '?')}/{len(shapes)} tensors, {last.get('proven_bytes', 0) / 2**20:.2f} MiB read back"
+        ver = f"{last.get('verified', '?')}/{len(shapes)} tensors, {last.get('proven_bytes', 0) / 2**20:.2f} MiB read back" + (
+            f", {last['replayed']} replayed" if last.get("replayed") else "")
         lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(me)} | {ms(pct(enf, .25))}–{ms(pct(enf, .75))} "
                      f"| {me / mo:.3f} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} | {len(off)} | {ver} |")
     notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]

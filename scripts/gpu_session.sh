@@ -55,7 +55,7 @@ elif [ "$stage" = k ]; then
 elif [ "$stage" = t ]; then
   timeout 170 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
   timeout 380 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py tests/test_boundary_engine.py \
-    tests/test_model_boundary.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
+    tests/test_model_boundary.py tests/test_refit_plan.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = p ]; then

@@ -58,6 +58,7 @@ def _weights(cfg, seed):
 
 def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
     """TRL-style: one load_weights call per parameter inside the trainer API."""
+    kw.pop("replay", None)
     with refit_verify.refit(llm, version=version, **kw) as r:
         for name, t in weights.items():
             r.add(name, t)
@@ -188,3 +189,28 @@ def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
     assert not rep.ok and rep.verified == 21
     assert any("changed outside any refit" in p and "audit (reload_weights)" in p for p in rep.problems)
     assert any("21 tensors were loaded into model outside any session (1 reload_weights calls" in p for p in rep.problems)
+
+
+def test_steady_state_refits_replay_the_plan(engine, monkeypatch):
+    """After a watched refit, the next ones replay its plan (refit_verify.refit_plan: the loader tap
+    off, every tensor read back where it landed); a corrupted push is still named, and the refit
+    after a failed one is watched again. On CPU the landing digests are switched on for the test."""
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    first = _sync(llm, model, _weights(cfg, 40), version=40, replay=None)
+    assert first.reports[0].ok
+    w = _weights(cfg, 41)
+    r = _sync(llm, model, w, version=41)
+    (rep,), (man,) = r.reports, r.manifests
+    m = man.modules["model"]
+    assert rep.ok and rep.verified == 21 and rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0
+    assert m.replayed == 21 and m.replay_left is None and sorted(m.in_place) == sorted(w)
+    assert m.written == len(dict(model.named_parameters()))
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, _weights(cfg, 42), version=42, corrupt="model.layers.1.self_attn.o_proj.weight")
+    assert ei.value.mismatched == ["model.layers.1.self_attn.o_proj.weight"]
+    assert ei.value.report is not None and ei.value.report.verified == 20
+    watched = _sync(llm, model, _weights(cfg, 43), version=43)  # after a failure: replay=False in the open
+    assert watched.reports[0].ok and watched.manifests[0].modules["model"].replayed == 0
+    again = _sync(llm, model, _weights(cfg, 44), version=44)
+    assert again.reports[0].ok and again.manifests[0].modules["model"].replayed == 21

@@ -48,6 +48,7 @@ from refit_verify.delivery import ModuleSession, match_any
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import CLOSE_AUDIT, AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
 from refit_verify.model_boundary import ModelBoundary
+from refit_verify.refit_plan import replay_from_env
 
 logger = logging.getLogger("refit_verify")
 
@@ -60,9 +61,10 @@ class _Open:
     """The session in progress on one worker."""
 
     def __init__(self, session_id: str, version: int | None, opened_by: str, producer: Producer | None, partial: bool,
-                 allow: tuple[str, ...], readback: bool, explicit: bool) -> None:
+                 allow: tuple[str, ...], readback: bool, explicit: bool, replay: bool = True) -> None:
         self.id, self.version, self.opened_by = session_id, version, opened_by
         self.producer, self.partial, self.allow, self.readback = producer, partial, allow, readback
+        self.replay = replay
         self.explicit = explicit
         self.depth = 1
         self.unsessioned: list[Unsessioned] = []
@@ -132,8 +134,12 @@ class WorkerBoundary:
 
     def open(self, session_id: str | None = None, *, version: int | None = None, opened_by: str = "rpc",
              producer: Producer | None = None, partial: bool = False, allow: Iterable[str] = (), readback: bool = True,
-             explicit: bool = True) -> str:
+             explicit: bool = True, replay: bool = True) -> str:
         """Open a session (or join the one open, for an implicit open); return its id.
+
+        ``replay``: a module may replay the plan its last session left (:mod:`refit_verify.refit_plan`;
+        False: every load is watched by the loader tap and the plan is learned again). Replay needs
+        the read-back and the engine-state snapshot, and ``REFIT_VERIFY_REPLAY`` not ``0``.
 
         Raises:
             RefitProtocolError: an explicit open while another explicit session is open (close it first),
@@ -162,14 +168,16 @@ class WorkerBoundary:
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
                                          f"still open; close it before opening {session_id!r}")
             sid = session_id or uuid.uuid4().hex[:16]
-            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
+            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit, replay)
             if version is not None and self.max_version is not None and version < self.max_version:
                 s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
+            derive = readback and self.readback is not None
+            replay = replay and derive and self.snapshotter is not None and replay_from_env()
             for b in self.modules.values():
                 rec = b.take_unsessioned()
                 if rec is not None:
                     s.unsessioned.append(rec)
-                b.begin(derive=readback and self.readback is not None)
+                b.begin(derive=derive, replay=replay)
             self.open_session = s
             return sid
 
@@ -221,6 +229,8 @@ class WorkerBoundary:
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            for role, ms in sessions.items():
+                self.modules[role].learn(ms)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             errors += [e for ms in sessions.values() for e in ms.errors]
             self._audit_unwritten(previous, written)

@@ -168,6 +168,20 @@ def _check_version(version: Any) -> int | None:
     return version
 
 
+_RELEARN: set[Any] = set()
+"""Engines (:func:`_engine_key`) whose last verified refit failed: their next session is watched by
+the loader tap again instead of replaying a refit plan (``replay=False``; :mod:`refit_verify.refit_plan`),
+so its report can tell a corrupted delivery from a misplaced write."""
+
+
+def _engine_key(engine: Any) -> Any:
+    if isinstance(engine, str):
+        return engine
+    if isinstance(engine, (list, tuple)):
+        return tuple(id(e) for e in engine)
+    return id(engine)
+
+
 class RefitCheck:
     """One verified refit of an engine, whatever moves the bytes (returned by :func:`refit`).
 
@@ -197,6 +211,7 @@ class RefitCheck:
         self.manifests: list[SessionManifest] = []
         self._streams: dict[str, StreamDigests] = {}
         self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
+        self._key = _engine_key(engine)
         self._opened = False
         self._workers = 0
 
@@ -238,6 +253,7 @@ class RefitCheck:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             verdicts.record(self.session, False, f"the refit was aborted ({exc_type.__name__})")
+            _RELEARN.add(self._key)
             self._close_quietly()
             return False
         self.verify()
@@ -254,7 +270,7 @@ class RefitCheck:
         if self._channel is None or self._opened:
             return
         opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
-                "deadline": time.time() + self.timeout_s}
+                "deadline": time.time() + self.timeout_s, "replay": self._key not in _RELEARN}
         try:
             results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
         except RefitTimeoutError:
@@ -282,6 +298,7 @@ class RefitCheck:
             self._channel = None
             return
         self._opened, self._workers = True, len(results)
+        _RELEARN.discard(self._key)
 
     def _close_quietly(self, results_known: bool = False) -> None:
         if self._channel is None or not (self._opened or results_known):
@@ -323,6 +340,7 @@ class RefitCheck:
         try:
             return self._verify()
         except Exception as e:
+            _RELEARN.add(self._key)
             if verdicts.failed(self.session) is None:  # a timeout, a malformed reply: never a pass
                 verdicts.record(self.session, False, f"its verification did not complete ({type(e).__name__})")
             raise
@@ -345,6 +363,8 @@ class RefitCheck:
         self.reports = reports
         ok = all(r.ok for r in reports)
         verdicts.record(self.session, ok)
+        if not ok:
+            _RELEARN.add(self._key)
         if ok:
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
         return act_on_all(reports, self.mode)

@@ -25,6 +25,7 @@ from refit_verify.digest_stream import CopyingBatch, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
+from refit_verify.refit_plan import RefitPlan, spec_of
 
 if TYPE_CHECKING:
     from refit_verify.model_boundary import ModelBoundary
@@ -255,10 +256,17 @@ loading, which would leave such a tensor proven nowhere (that is reported, never
 class ModuleSession:
     """What one module received within one session (or, outside sessions, the unsessioned record)."""
 
-    def __init__(self, module: ModelBoundary, sessioned: bool, derive: bool = False) -> None:
+    def __init__(self, module: ModelBoundary, sessioned: bool, derive: bool = False, plan: RefitPlan | None = None) -> None:
         self.module = module
         self.sessioned = sessioned
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
+        self.plan = plan  # replayed while not None (refit_plan): the loader tap is off
+        self.replayed: dict[str, None] = {}  # names recorded from the plan, not watched
+        self.replay_left: str | None = None  # why this session stopped replaying its plan
+        self.spec: dict[str, tuple] = {}  # name -> refit_plan.spec_of(tensor), when derive
+        self.nbytes: dict[str, int] = {}  # name -> bytes delivered, when derive
+        self.lazy_calls = 0
+        self.redelivered = 0
         self.derived: dict[str, list[tuple[str, tuple]]] = {}  # name -> [(parameter, dest)] (see DERIVE_DEVICE_TYPES)
         self.derived_hex: dict[str, str] = {}  # name -> digest of the region it landed in (set by read-back)
         self.underived: dict[str, str] = {}  # name -> why its landed region could not be read back
@@ -296,6 +304,7 @@ class ModuleSession:
 
     def begin_call(self, lazy: bool = True) -> _Call:
         self.calls += 1
+        self.lazy_calls += lazy
         self.current = _Call(self.calls, lazy)
         return self.current
 
@@ -328,11 +337,16 @@ class ModuleSession:
         if not isinstance(name, str):
             raise RefitProtocolError(f"load_weights was handed a name that is not a str: {name!r:.80}")
         old = self.delivered.get(name)
-        if old is not None:  # a second delivery of a name: the later one is what lands
-            self.by_id.pop(id(old.ref()), None)
+        if old is not None or name in self.replayed:  # a second delivery of a name: the later one is what lands
+            if old is not None:
+                self.by_id.pop(id(old.ref()), None)
+            self.replayed.pop(name, None)
             self.derived.pop(name, None)
+            self.redelivered += 1
         self.pulls += 1
         d = _Delivered(name, t, call.id, self.pulls, hexd)
+        if self.derive:
+            self.spec[name], self.nbytes[name] = spec_of(t), d.nbytes
         if hexd is None:
             if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
                 call.pending.append((d, t))  # a list's tensors stay as they are for the call
@@ -466,6 +480,10 @@ class ModuleSession:
                 h = pulled.get(name)
             if h is not None and name not in self.withheld:
                 out[name] = h
+        for name in self.replayed:  # from the plan: what the engine holds where it lands (None: unread)
+            h = self.derived_hex.get(name)
+            if h is not None:
+                out[name] = h
         for name, (h, _why) in self.refused.items():
             out.setdefault(name, h)
         return out
@@ -529,4 +547,5 @@ class ModuleSession:
             unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
             coverage_unknown={n: w for n, w in self.opaque.items() if n in params},
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
-            in_place=[n for n in self.derived if n in digests and self.delivered[n].hex is None])
+            in_place=[n for n in self.derived if n in digests and (n in self.replayed or self.delivered[n].hex is None)],
+            replayed=len(self.replayed), replay_left=self.replay_left)

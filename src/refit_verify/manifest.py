@@ -89,6 +89,11 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
             regions on a CUDA worker; :data:`refit_verify.delivery.DERIVE_DEVICE_TYPES`): equal to
             the trainer's digest means the engine holds the trainer's bytes there; a difference is
             a corrupted delivery or a loader that put the tensor elsewhere, not told apart.
+        replayed: how many of ``in_place`` were recorded from the module's refit plan with the loader
+            tap off (:mod:`refit_verify.refit_plan`): read back where the last watched session saw
+            them land.
+        replay_left: why this session stopped replaying its plan (None: it replayed throughout, or
+            had no plan); the call named and the later ones were watched by the loader tap.
     """
 
     digests: dict[str, str]
@@ -103,6 +108,8 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     digest_s: float = 0.0
     in_place: list[str] = []
     coverage_unknown: dict[str, str] = {}
+    replayed: int = 0
+    replay_left: str | None = None
 
 
 class ParamState(msgspec.Struct, **_OPTS):

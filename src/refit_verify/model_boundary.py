@@ -28,6 +28,7 @@ from refit_verify.digest import _MANY_MIN, _PLAIN, DigestBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
+from refit_verify.refit_plan import RefitPlan, learn, replay_call
 from refit_verify.stream import check_digest
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class ModelBoundary:
         self.outside = ModuleSession(self, sessioned=False)
         self.numel_hint: dict[str, int] = {}
         self._index: ModelIndex | None = None
+        self.plan: RefitPlan | None = None  # the last watched session's, replayed by the next (refit_plan)
+        self.plan_why = "no session has closed yet"  # why there is none
         self._bind()
 
     @property
@@ -84,8 +87,8 @@ class ModelBoundary:
             idx = self._index = ModelIndex(model)
         return idx
 
-    def install(self) -> None:
-        """Wrap ``model.load_weights`` (instance level) and every parameter's weight loader."""
+    def install(self, loaders: bool = True) -> None:
+        """Wrap ``model.load_weights`` (instance level) and, with ``loaders``, every parameter's weight loader."""
         model = self.model
         if model is None:
             return
@@ -93,6 +96,8 @@ class ModelBoundary:
         if getattr(current, _MARK, None) is not self:
             original = model.load_weights
             object.__setattr__(model, "load_weights", self._wrap(original))
+        if not loaders:
+            return
         extra = list(self.extra_params(model)) if self.extra_params is not None else []
         self.tap.install(self.index().all_params, extra)
         self.numel_hint = {n: t.numel() for n, t in extra}
@@ -120,7 +125,9 @@ class ModelBoundary:
             target = boundary._target()
             weights = kwargs["weights"] if "weights" in kwargs else args[0]
             pending = boundary.owner.take_expected() if target.sessioned else None
-            if pending is not None and isinstance(weights, (list, tuple)):
+            if target.plan is not None and boundary._replayed(target, weights, pending):
+                pass  # recorded from the plan: the model gets the list as it is, the tap stays off
+            elif pending is not None and isinstance(weights, (list, tuple)):
                 weights = boundary._checked_first(target, weights, *pending)
             elif isinstance(weights, (list, tuple)):
                 try:
@@ -149,6 +156,34 @@ class ModelBoundary:
         setattr(load_weights, _MARK, self)
         load_weights.__refit_verify_original__ = original
         return load_weights
+
+    def _replayed(self, target: ModuleSession, weights: Any, pending: Any) -> bool:
+        """Record one call of a replayed session from the plan (True), or end the replay (False:
+        the call and the later ones are watched by the loader tap; the manifest says why)."""
+        if pending is not None:
+            why = "the sender's digests came ahead of the bytes (checked before loading)"
+        elif not isinstance(weights, (list, tuple)):
+            why = f"load_weights was handed {type(weights).__name__}, not a list"
+        else:
+            with _PLAIN():
+                why = replay_call(target, target.plan, weights)
+            if why is None:
+                return True
+        target.plan, target.replay_left = None, why
+        self.install()
+        self.tap.enabled = self.owner.verifying
+        return False
+
+    def learn(self, s: ModuleSession) -> None:
+        """Keep the plan of closed session ``s`` (read back already) for the next session to replay,
+        or none, with why (:func:`refit_plan.learn`)."""
+        if s.plan is not None and not s.errors and not s.underived:
+            return  # replayed throughout (a partial refit too), cleanly: the same plan
+        try:
+            self.plan, self.plan_why = learn(s, self._index)
+        except Exception as e:  # noqa: BLE001 - the plan only saves work: the next session is watched
+            logger.exception("refit-verify: learning the refit plan of %s failed", self.role)
+            self.plan, self.plan_why = None, f"learning the plan failed: {type(e).__name__}: {e}"[:300]
 
     def _digesting(self, weights: Any) -> Any:
         """Return what to hand the model's ``load_weights`` so that every pair is digested as pulled."""
@@ -225,17 +260,26 @@ class ModelBoundary:
 
     # -- sessions -----------------------------------------------------------------------------
 
-    def begin(self, derive: bool = False) -> None:
+    def begin(self, derive: bool = False, replay: bool = False) -> None:
         """Start this module's record of a session; ``derive``: the session's read-back will run
-        (see :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`)."""
-        self.install()
-        self.session = ModuleSession(self, sessioned=True, derive=derive)
+        (see :data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`); ``replay``: replay the plan the last
+        session left, if it is still the model's (:mod:`refit_verify.refit_plan`)."""
+        plan = self.plan if derive and replay else None
+        if plan is not None:
+            self.install(loaders=False)
+            if self.index() is not plan.index:
+                plan, self.plan, self.plan_why = None, None, "the model's parameters changed"
+        if plan is None:
+            self.install()
+        self.session = ModuleSession(self, sessioned=True, derive=derive, plan=plan)
+        self.tap.enabled = self.owner.verifying and plan is None
         self._bind()
 
     def end(self) -> ModuleSession:
         """Take this module's record of the closing session (read back next, then :meth:`manifest`)."""
         s = self.session if self.session is not None else ModuleSession(self, True)
         self.session = None
+        self.tap.enabled = self.owner.verifying  # loads outside sessions are watched
         self._bind()
         return s
 

@@ -136,7 +136,8 @@ def wrap_wake_up(raw):
 _OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": "True or False",
               "allow": "a list of fnmatch patterns (str)", "readback": "True or False",
               "producer": "None or {'rank': int, 'device': str}",
-              "deadline": "a finite time.time() in seconds (the trainer's wait ends then)"}
+              "deadline": "a finite time.time() in seconds (the trainer's wait ends then)",
+              "replay": "True or False (False: watch every load and learn the refit plan again)"}
 DEADLINE_SKEW_S = 1.0
 """Seconds past its deadline an open is still taken (clock differences between hosts). Below the
 trainer's own grace (``engines.GRACE_S``), so on one host an open the trainer stopped waiting for is
@@ -154,7 +155,7 @@ def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         if k not in _OPEN_KEYS:
             raise RefitConfigError(f"unknown session option {k!r}; accepted: {', '.join(_OPEN_KEYS)}")
         ok = {"version": v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-              "partial": isinstance(v, bool), "readback": isinstance(v, bool),
+              "partial": isinstance(v, bool), "readback": isinstance(v, bool), "replay": isinstance(v, bool),
               "allow": isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v),
               "producer": v is None or (isinstance(v, Mapping) and isinstance(v.get("rank"), int) and isinstance(v.get("device", "cpu"), str)),
               "deadline": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}[k]
@@ -178,7 +179,8 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
         session_id: the id the trainer chose (a non-empty str of at most 128 characters).
         options: ``version`` (the trainer's step), ``partial`` (not every parameter will be written),
             ``allow`` (fnmatch patterns of names exempt from the coverage checks), ``readback``
-            (read the engine's parameters back at close; default True), ``producer``, ``deadline``
+            (read the engine's parameters back at close; default True), ``replay`` (a module may replay
+            the refit plan its last session left, :mod:`refit_verify.refit_plan`; default True), ``producer``, ``deadline``
             (``time.time()`` after which the trainer no longer waits: a later open is refused, so a
             call that was queued behind another one never opens a session nobody will close).
 

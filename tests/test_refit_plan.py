@@ -1,0 +1,268 @@
+"""Plan replay (refit_verify.refit_plan): a steady-state refit verified with the loader tap off.
+
+The toy model's loaders behave like vLLM's (tests/support/toy_model.py). Landing digests are switched
+on for the CPU (delivery.DERIVE_DEVICE_TYPES), as on CUDA workers, so the replay logic runs in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refit_verify import delivery, engine_state
+from refit_verify.boundary import WorkerBoundary, identity_of
+from refit_verify.check import compare_session
+from refit_verify.digest import digest_tensors
+from refit_verify.errors import RefitConfigError
+from refit_verify.refit_plan import replay_from_env
+from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
+
+QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
+EMBED_BYTES = 13 * HIDDEN * 2
+NORM_BYTES = HIDDEN * 2
+ALL = QKV_BYTES + EMBED_BYTES + NORM_BYTES
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def landed(monkeypatch):
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """Counts the loader tap's reports of real writes (every watched loader call makes one)."""
+    seen = []
+    orig = delivery.ModuleSession.on_write
+
+    def on_write(self, pname, *a):
+        seen.append(pname)
+        return orig(self, pname, *a)
+
+    monkeypatch.setattr(delivery.ModuleSession, "on_write", on_write)
+    return seen
+
+
+class _Faulty(ToyModel):
+    """``skip``: names its load_weights drops; ``scribble``: it also changes ``norm`` in place."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__(device)
+        self.skip: set[str] = set()
+        self.scribble = False
+
+    def load_weights(self, weights):
+        out = super().load_weights((n, t) for n, t in weights if n not in self.skip)
+        if self.scribble:
+            self.norm.data[0] += 1
+        return out
+
+
+def _worker(device: str = "cpu") -> tuple[WorkerBoundary, ToyModel]:
+    model = _Faulty(device)
+    wb = WorkerBoundary(identity_of(rank=0, device=device))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    wb.attach("model", model, default_weight_loader)
+    return wb, model
+
+
+def _refit(wb, model, w, version, *, per_param=False, replay=True, items=None, form=list):
+    sid = wb.open(f"s{version}", version=version, replay=replay)
+    items = list(w.items()) if items is None else items
+    if per_param:
+        for it in items:
+            model.load_weights([it])
+    else:
+        model.load_weights(form(items))
+    return wb.close(sid)
+
+
+def _ok(w, man, version):
+    return compare_session({"model": digest_tensors(w.items())}, man, session=f"s{version}", version=version)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_param", [False, True], ids=["bucket", "per-param"])
+def test_second_refit_replays_the_plan_with_the_tap_off(writes, per_param, device):
+    wb, model = _worker(device)
+    w1 = toy_weights(1, device=device)
+    m1 = _refit(wb, model, w1, 1, per_param=per_param)
+    assert m1.modules["model"].replayed == 0 and len(writes) == 5  # watched: q, k, v, embed, norm
+    assert wb.modules["model"].plan is not None and len(wb.modules["model"].plan) == 5
+    for v in (2, 3):
+        w = toy_weights(v, device=device)
+        writes.clear()
+        man = _refit(wb, model, w, v, per_param=per_param)
+        m = man.modules["model"]
+        assert writes == []  # the tap stayed off
+        assert m.replayed == 5 and m.replay_left is None and sorted(m.in_place) == sorted(w)
+        assert m.digests == digest_tensors(w.items()) and m.written == 3 and m.unwritten == []
+        assert m.calls == (5 if per_param else 1) and m.bytes == sum(t.numel() * 2 for t in w.values())
+        r = _ok(w, man, v)
+        assert r.ok and r.verified == 5 and not r.problems and r.proven_bytes == ALL
+        assert man.engine.proven_bytes == ALL and man.engine.padding_bytes == 3 * HIDDEN * 2
+        assert torch.equal(model.qkv_proj[Q:Q + KV], w["k_proj"])
+    assert wb.modules["model"].tap.enabled  # loads outside sessions are watched again
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replayed_loader_that_misplaces_blocks_is_caught(device):
+    """swap_halves_after: the loader writes k into v's rows and v into k's on a later load; the tap
+    is off, yet both names read back other bytes than the trainer sent."""
+    wb, model = _worker(device)
+    _refit(wb, model, toy_weights(1, device=device), 1)
+    model.swap_halves_after = model.qkv_loads
+    w = toy_weights(2, device=device)
+    man = _refit(wb, model, w, 2)
+    assert man.modules["model"].replayed == 5
+    r = _ok(w, man, 2)
+    assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
+
+
+def test_replayed_loader_that_skips_a_name_is_caught():
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    model.skip = {"norm"}
+    w = toy_weights(2)
+    man = _refit(wb, model, w, 2)
+    assert man.modules["model"].replayed == 5
+    r = _ok(w, man, 2)
+    assert not r.ok and list(r.mismatched) == ["norm"]  # it still holds version 1's bytes
+    # the trainer's failure makes its next session watched (replay=False): the skip is named then
+    w3 = toy_weights(3)
+    r3 = _ok(w3, _refit(wb, model, w3, 3, replay=False), 3)
+    assert not r3.ok and list(r3.unconsumed) == ["norm"]
+    # bytes equal to what the engine holds are a pass: the engine holds the trainer's bytes
+    model.skip = set()
+    _refit(wb, model, w3, 4)
+    model.skip = {"norm"}
+    w5 = dict(toy_weights(5), norm=w3["norm"])
+    man = _refit(wb, model, w5, 5)
+    assert man.modules["model"].replayed == 5 and _ok(w5, man, 5).ok
+
+
+def test_flipped_byte_in_transit_is_caught_while_replaying():
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = toy_weights(2)
+    bad = dict(w, embed=w["embed"].clone())
+    bad["embed"].view(-1).view(torch.uint8)[3] ^= 0x01
+    man = _refit(wb, model, bad, 2)
+    assert man.modules["model"].replayed == 5
+    r = _ok(w, man, 2)
+    assert not r.ok and list(r.mismatched) == ["embed"]
+
+
+def test_write_outside_the_plan_is_reported_by_the_close_audit():
+    """A partial plan (norm not refitted): a replayed load that also scribbles on norm is seen by the
+    snapshot at close (a parameter no session write covers changed)."""
+    wb, model = _worker()
+    w1 = {n: t for n, t in toy_weights(1).items() if n != "norm"}
+    _refit(wb, model, w1, 1)
+    model.scribble = True
+    w2 = {n: t for n, t in toy_weights(2).items() if n != "norm"}
+    man = _refit(wb, model, w2, 2)
+    assert man.modules["model"].replayed == 4
+    r = compare_session({"model": digest_tensors(w2.items())}, man, session="s2", version=2, partial=True)
+    assert not r.ok and any("norm" in p for p in r.problems)
+
+
+@pytest.mark.parametrize("change", ["unknown name", "twice", "shape", "dtype", "iterator"])
+def test_what_the_plan_does_not_describe_is_watched_and_said(writes, change):
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = toy_weights(2)
+    items = list(w.items())
+    form = list
+    if change == "unknown name":
+        items.insert(2, ("layers.0.mlp.down_proj.bias", torch.ones(3, dtype=torch.bfloat16)))
+    elif change == "twice":
+        items.append(("norm", w["norm"]))
+    elif change == "shape":
+        items[-1] = ("norm", w["norm"].reshape(2, HIDDEN // 2))
+    elif change == "dtype":
+        items[-1] = ("norm", w["norm"].float())
+    else:
+        form = iter
+    writes.clear()
+    if change == "shape":
+        sid = wb.open("s2", version=2)
+        with pytest.raises(RuntimeError):
+            model.load_weights(items)
+        man = wb.close(sid)
+    else:
+        man = _refit(wb, model, w, 2, items=items, form=form)
+    m = man.modules["model"]
+    assert m.replayed == 0 and m.replay_left  # the whole call was watched
+    assert len(writes) >= 4
+    why = {"unknown name": "not a name of the plan", "twice": "delivered twice", "shape": "another type, shape",
+           "dtype": "another type, shape", "iterator": "not a list"}[change]
+    assert why in m.replay_left
+    r = _ok(w, man, 2)
+    if change in ("iterator", "twice"):
+        assert r.ok and r.verified == 5 and r.proven_bytes == ALL
+    elif change == "unknown name":
+        assert not r.ok and list(r.unexpected) == ["layers.0.mlp.down_proj.bias"]
+    elif change == "dtype":  # a conversion the tap saw: norm cannot be proven bytewise, and the digest differs
+        assert not r.ok and "norm" in r.not_proven and list(r.mismatched) == ["norm"]
+    # a session that could not replay is not learned from: the next one is watched
+    writes.clear()
+    m3 = _refit(wb, model, toy_weights(3), 3).modules["model"]
+    assert m3.replayed == 0 and len(writes) == 5
+
+
+def test_fallback_in_a_later_call_keeps_what_was_replayed(writes):
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1, per_param=True)
+    w = toy_weights(2)
+    sid = wb.open("s2", version=2)
+    items = list(w.items())
+    for it in items[:3]:
+        model.load_weights([it])
+    writes.clear()
+    model.load_weights(iter(items[3:]))  # an iterator: watched from here on
+    man = wb.close(sid)
+    m = man.modules["model"]
+    assert m.replayed == 3 and "not a list" in m.replay_left and len(writes) == 2
+    r = _ok(w, man, 2)
+    assert r.ok and r.verified == 5 and r.proven_bytes == ALL
+
+
+def test_replay_false_and_env_off_watch_every_load(writes, monkeypatch):
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    writes.clear()
+    assert _refit(wb, model, toy_weights(2), 2, replay=False).modules["model"].replayed == 0 and len(writes) == 5
+    monkeypatch.setenv("REFIT_VERIFY_REPLAY", "0")
+    writes.clear()
+    assert _refit(wb, model, toy_weights(3), 3).modules["model"].replayed == 0 and len(writes) == 5
+    monkeypatch.setenv("REFIT_VERIFY_REPLAY", "yes")
+    with pytest.raises(RefitConfigError, match="REFIT_VERIFY_REPLAY"):
+        replay_from_env()
+
+
+def test_no_replay_without_the_snapshot_or_after_the_model_changed(writes):
+    wb, model = _worker()
+    wb.snapshotter = None  # a write outside the plan would go unseen: never replayed
+    _refit(wb, model, toy_weights(1), 1)
+    writes.clear()
+    assert _refit(wb, model, toy_weights(2), 2).modules["model"].replayed == 0 and len(writes) == 5
+    wb.snapshotter = engine_state.snapshot
+    model.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)  # a new parameter object
+    writes.clear()
+    m = _refit(wb, model, toy_weights(3), 3).modules["model"]
+    assert m.replayed == 0 and len(writes) == 5
+    assert wb.modules["model"].plan is not None
+    writes.clear()
+    assert _refit(wb, model, toy_weights(4), 4).modules["model"].replayed == 5 and writes == []
+
+
+def test_sharded_or_converted_loads_are_never_replayed(writes):
+    """A tensor delivered as float32 into a bf16 parameter is a conversion: not exact, no plan."""
+    wb, model = _worker()
+    w = dict(toy_weights(1), norm=toy_weights(1)["norm"].float())
+    _refit(wb, model, w, 1)
+    assert wb.modules["model"].plan is None and "conversion" in wb.modules["model"].plan_why
+    writes.clear()
+    assert _refit(wb, model, w, 2).modules["model"].replayed == 0 and len(writes) == 5
