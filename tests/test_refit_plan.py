@@ -266,3 +266,84 @@ def test_sharded_or_converted_loads_are_never_replayed(writes):
     assert wb.modules["model"].plan is None and "conversion" in wb.modules["model"].plan_why
     writes.clear()
     assert _refit(wb, model, w, 2).modules["model"].replayed == 0 and len(writes) == 5
+
+
+def test_the_plan_keeps_no_replaced_parameter_alive():
+    """A model whose parameter objects are replaced between sessions: the kept plan refers to its
+    model index weakly, so the old parameters are freed, and the next session is watched."""
+    import gc
+    import weakref
+
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    old = weakref.ref(model.qkv_proj)
+    model.qkv_proj = torch.nn.Parameter(torch.zeros_like(model.qkv_proj), requires_grad=False)
+    model.qkv_proj.weight_loader = model._qkv_loader
+    wb.audit()  # rebuilds the index (the engine state is read through it)
+    gc.collect()
+    assert old() is None and wb.modules["model"].plan is not None
+    w = toy_weights(2)
+    man = _refit(wb, model, w, 2)
+    assert man.modules["model"].replayed == 0 and _ok(w, man, 2).ok
+
+
+def test_explicit_open_with_replay_false_joining_an_implicit_one_watches(writes):
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    sid = wb.open("implicit", explicit=False)  # e.g. vLLM's start_weight_update
+    wb.open("s2", version=2, replay=False)  # the trainer's open after a failed refit takes it over
+    writes.clear()
+    model.load_weights(list(toy_weights(2).items()))
+    wb.close("s2")
+    assert wb.close(sid, explicit=False) is None and len(writes) == 5
+
+
+def test_no_plan_from_a_session_whose_read_back_failed():
+    wb, model = _worker()
+
+    def boom(*a, **k):
+        raise RuntimeError("read-back crashed")
+
+    wb.readback = boom
+    man = _refit(wb, model, toy_weights(1), 1)
+    assert any("read-back failed" in e for e in man.errors)
+    assert wb.modules["model"].plan is None and wb.modules["model"].plan_why == "the session's read-back failed"
+
+
+def test_after_a_failed_snapshot_no_replay_and_unwritten_parameters_are_said(writes):
+    """The last close's snapshot failed: the next session is watched (a write outside the plan could
+    not be audited), and the parameters it does not write are reported as not compared."""
+    wb, model = _worker()
+    part = {n: t for n, t in toy_weights(1).items() if n != "norm"}
+    _refit(wb, model, part, 1)
+    calls = []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient snapshot failure")
+        return engine_state.snapshot(*a, **k)
+
+    wb.snapshotter = flaky
+    assert any("snapshot failed" in e for e in _refit(wb, model, part, 2).errors) and wb.baseline is None
+    model.scribble = True
+    writes.clear()
+    w3 = {n: t for n, t in toy_weights(3).items() if n != "norm"}
+    man = _refit(wb, model, w3, 3)
+    assert man.modules["model"].replayed == 0 and len(writes) == 4
+    r = compare_session({"model": digest_tensors(w3.items())}, man, session="s3", version=3, partial=True)
+    assert not r.ok and any("snapshot at the close of session 's2' failed: the 1 parameters" in p for p in r.problems)
+
+
+def test_a_partial_refit_says_what_it_does_not_compare():
+    """Only q_proj is refitted: the rest of qkv_proj is neither written nor audited (the close audit
+    compares whole parameters), and the report says so."""
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = {"q_proj": toy_weights(2)["q_proj"]}
+    man = _refit(wb, model, w, 2)
+    assert man.modules["model"].replayed == 1
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s2", version=2, partial=True)
+    assert r.ok and r.unchecked == ("1 parameters were written in part by this partial refit; their other elements are not "
+                                    "compared with what the last session left (the close audit compares whole parameters "
+                                    f"only): qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)

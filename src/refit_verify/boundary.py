@@ -164,6 +164,10 @@ class WorkerBoundary:
                     cur.explicit, cur.id = True, session_id or cur.id
                     cur.version = version if version is not None else cur.version
                     cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
+                    if not replay:
+                        cur.replay = False
+                        for b in self.modules.values():
+                            b.end_replay("the session was opened with replay=False (after a failed refit)")
                     return cur.id
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
                                          f"still open; close it before opening {session_id!r}")
@@ -172,7 +176,8 @@ class WorkerBoundary:
             if version is not None and self.max_version is not None and version < self.max_version:
                 s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
             derive = readback and self.readback is not None
-            replay = replay and derive and self.snapshotter is not None and replay_from_env()
+            # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
+            replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
             for b in self.modules.values():
                 rec = b.take_unsessioned()
                 if rec is not None:
@@ -230,7 +235,7 @@ class WorkerBoundary:
                     logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
             for role, ms in sessions.items():
-                self.modules[role].learn(ms)
+                self.modules[role].learn(ms, read_back=engine is not None)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             errors += [e for ms in sessions.values() for e in ms.errors]
             self._audit_unwritten(previous, written)
@@ -254,7 +259,17 @@ class WorkerBoundary:
         session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
         names an automatic audit already reported are left out."""
         now = self.baseline
-        if previous is None or now is None:
+        if now is None:
+            return
+        if previous is None:  # a session closed before, but its snapshot failed: nothing to compare with
+            last = self.last
+            unwritten = [n for n in now.params if n not in written] if last is not None else []
+            if unwritten:
+                self.pending_audits.append(AuditResult(
+                    worker=self.identity, since_session=last.session, since_version=last.version, changed=[], moved=[],
+                    trigger=CLOSE_AUDIT, tensors=len(now.params),
+                    problems=[f"the engine-state snapshot at the close of session {last.session!r} failed: the "
+                              f"{len(unwritten)} parameters this session did not write are not compared with what it left"]))
             return
         seen = {n for a in self.pending_audits for n in a.changed}
         changed = [n for n, st in now.params.items() if n not in written and n not in seen

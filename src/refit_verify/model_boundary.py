@@ -169,16 +169,26 @@ class ModelBoundary:
                 why = replay_call(target, target.plan, weights)
             if why is None:
                 return True
-        target.plan, target.replay_left = None, why
-        self.install()
-        self.tap.enabled = self.owner.verifying
+        self.end_replay(why)
         return False
 
-    def learn(self, s: ModuleSession) -> None:
+    def end_replay(self, why: str) -> None:
+        """Watch the rest of the open session with the loader tap (what was replayed stays recorded)."""
+        s = self.session
+        if s is None or s.plan is None:
+            return
+        s.plan, s.replay_left = None, why
+        self.install()
+        self.tap.enabled = self.owner.verifying
+
+    def learn(self, s: ModuleSession, read_back: bool = True) -> None:
         """Keep the plan of closed session ``s`` (read back already) for the next session to replay,
-        or none, with why (:func:`refit_plan.learn`)."""
-        if s.plan is not None and not s.errors and not s.underived:
-            return  # replayed throughout (a partial refit too), cleanly: the same plan
+        or none, with why (:func:`refit_plan.learn`); ``read_back``: the session's read-back completed."""
+        if not read_back:
+            self.plan, self.plan_why = None, "the session's read-back failed"
+            return
+        if s.plan is not None and not s.errors and not s.underived and s.plan.index() is self._index:
+            return  # replayed throughout (a partial refit too), cleanly, on the same model: the same plan
         try:
             self.plan, self.plan_why = learn(s, self._index)
         except Exception as e:  # noqa: BLE001 - the plan only saves work: the next session is watched
@@ -267,7 +277,7 @@ class ModelBoundary:
         plan = self.plan if derive and replay else None
         if plan is not None:
             self.install(loaders=False)
-            if self.index() is not plan.index:
+            if self.index() is not plan.index():
                 plan, self.plan, self.plan_why = None, None, "the model's parameters changed"
         if plan is None:
             self.install()

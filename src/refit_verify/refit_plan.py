@@ -40,6 +40,7 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,8 +79,9 @@ class RefitPlan:
     """Where one module's loads put each delivered tensor (learned from a watched session).
 
     Attributes:
-        index: the :class:`~refit_verify.model_index.ModelIndex` it was learned on (identity: a
-            rebuilt index, i.e. a model whose parameters changed, ends the plan).
+        index: a weak reference to the :class:`~refit_verify.model_index.ModelIndex` it was learned
+            on (identity: a rebuilt index, i.e. a model whose parameters changed, ends the plan; the
+            plan keeps no parameter alive).
         spec: ``{name: spec_of(tensor)}``.
         nbytes: ``{name: bytes delivered}``.
         writes: ``{name: ((parameter, Copy, block key, numel), ...)}``: every placed write of that name.
@@ -90,7 +92,8 @@ class RefitPlan:
     __slots__ = ("index", "nbytes", "params", "regions", "spec", "writes")
 
     def __init__(self, index: Any, spec: dict, nbytes: dict, writes: dict, regions: dict, params: dict) -> None:
-        self.index, self.spec, self.nbytes = index, spec, nbytes
+        self.index = weakref.ref(index) if index is not None else (lambda: None)
+        self.spec, self.nbytes = spec, nbytes
         self.writes, self.regions, self.params = writes, regions, params
 
     def __len__(self) -> int:
