@@ -401,6 +401,10 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
             the digests are taken at exit (:class:`~refit_verify.digest_stream.HeldBatch`). A held tensor
             that changed anyway is reported, never passed.
 
+    A steady-state refit replays the plan of the last watched one on each worker (the loader tap
+    off, every landed region read back: :mod:`refit_verify.refit_plan`); after a refit of
+    ``engine`` failed or was aborted in this process, its next session is watched again.
+
     Raises:
         RefitConfigError: a bad argument, or ``engine`` reaches no workers (only checked when verifying).
     """
