@@ -61,10 +61,9 @@ class _Open:
     """The session in progress on one worker."""
 
     def __init__(self, session_id: str, version: int | None, opened_by: str, producer: Producer | None, partial: bool,
-                 allow: tuple[str, ...], readback: bool, explicit: bool, replay: bool = True) -> None:
+                 allow: tuple[str, ...], readback: bool, explicit: bool) -> None:
         self.id, self.version, self.opened_by = session_id, version, opened_by
         self.producer, self.partial, self.allow, self.readback = producer, partial, allow, readback
-        self.replay = replay
         self.explicit = explicit
         self.depth = 1
         self.unsessioned: list[Unsessioned] = []
@@ -165,14 +164,13 @@ class WorkerBoundary:
                     cur.version = version if version is not None else cur.version
                     cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
                     if not replay:
-                        cur.replay = False
                         for b in self.modules.values():
                             b.end_replay("the session was opened with replay=False (after a failed refit)")
                     return cur.id
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
                                          f"still open; close it before opening {session_id!r}")
             sid = session_id or uuid.uuid4().hex[:16]
-            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit, replay)
+            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
             if version is not None and self.max_version is not None and version < self.max_version:
                 s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
             derive = readback and self.readback is not None

@@ -133,7 +133,7 @@ def _unlearnable(ms: ModuleSession) -> str | None:
     for bad, why in checks:
         if bad:
             return why
-    from refit_verify.delivery import DERIVE_DEVICE_TYPES  # read at each use (tests switch the CPU on)
+    from refit_verify.delivery import DERIVE_DEVICE_TYPES, WHOLE  # read at each use (tests switch the CPU on)
 
     for name, d in ms.delivered.items():
         if name not in ms.spec or ms.spec[name][4].type not in DERIVE_DEVICE_TYPES:
@@ -144,7 +144,7 @@ def _unlearnable(ms: ModuleSession) -> str | None:
             return f"{name} was not copied whole and exactly into the engine"
     for entries in ms.placed.values():
         for c, key, src in entries:
-            if not c.fill and key != "=" + src:
+            if not c.fill and key != WHOLE + src:
                 return "a parameter region was written from part of a delivered tensor"
     return None
 
