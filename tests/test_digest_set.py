@@ -1,0 +1,232 @@
+"""DigestSet (refit_verify.digest_set) and the close's kept paths built on it (engine_state).
+
+A kept set must give exactly tensor_digest's digests of the bytes the tensors hold at each call,
+and must refuse (None) as soon as a tensor's memory is not where it was when the set was built.
+The engine-state snapshot and a replayed session's read-back keep their work on the model index:
+their results must equal the general path's, and a parameter given other memory must never be
+read where it used to be.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel path on CPU tensors, as tests/kernels
+
+import pytest
+import torch
+
+from refit_verify import delivery, engine_state
+from refit_verify import digest as dg
+from refit_verify.boundary import WorkerBoundary, identity_of
+from refit_verify.check import compare_session
+from refit_verify.digest import digest_tensors, tensor_digest
+from refit_verify.digest_set import DigestSet, signature
+from refit_verify.errors import RefitInputError
+from refit_verify.manifest import WorkerIdentity
+from tests.support.toy_model import ToyModel, default_weight_loader, toy_weights
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _tensors(device: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    out = [torch.randn(n, generator=g).to(dtype) for n, dtype in
+           ((1, torch.float32), (13, torch.bfloat16), (4096, torch.float16), (3, torch.int64), (300_000, torch.float32))]
+    out += [torch.empty(0), torch.zeros((), dtype=torch.bfloat16), torch.randn(5, 7, generator=g).to(torch.bfloat16),
+            torch.tensor([True, False, True]), torch.randn(2, 3, generator=g, dtype=torch.complex64)]
+    return [t.to(device) for t in out]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_digests_equal_tensor_digest_and_follow_the_bytes(device):
+    ts = _tensors(device)
+    ds = DigestSet(ts)
+    assert ds.digest() == [tensor_digest(t) for t in ts]
+    ts[2][5] += 1  # in place: the same memory, other bytes
+    ts[4].zero_()
+    got = ds.digest()
+    assert got == [tensor_digest(t) for t in ts]
+    assert got[2] != DigestSet([ts[2].clone().fill_(0)]).digest()[0]
+
+
+def test_the_kernel_path_on_the_interpreter_equals_the_reference(monkeypatch):
+    """CPU tensors through the Triton kernels' kept plans (TRITON_INTERPRET), as CUDA tensors go."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is not on in this process")
+    ts = _tensors("cpu")[:4] + [torch.randn(70_000)]
+    want = [tensor_digest(t) for t in ts]
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    ds = DigestSet(ts)
+    assert ds._groups[0][2].name == "triton"
+    assert ds.digest() == want
+    ts[-1][-1] = 5.0
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset())
+    want = [tensor_digest(t) for t in ts]
+    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    assert ds.digest() == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change", ["data", "reshape", "resize", "dtype-view", "neg"])
+def test_memory_that_moved_is_never_read(change, device):
+    p = torch.nn.Parameter(torch.randn(4, 6, device=device), requires_grad=False)
+    other = torch.randn(8, device=device)
+    ds = DigestSet([other, p])
+    assert ds.valid() and ds.digest() == [tensor_digest(other), tensor_digest(p)]
+    if change == "data":
+        p.data = torch.randn(4, 6, device=device)
+    elif change == "reshape":  # same address, other shape
+        p.data = p.data.view(6, 4)
+    elif change == "resize":  # freed under the tensor, as FSDP does after a gather
+        p.untyped_storage().resize_(0)
+    elif change == "dtype-view":
+        p.data = p.data.view(torch.int32)
+    else:
+        p.data = p.data._neg_view()
+    assert not ds.valid() and ds.digest() is None
+
+
+def test_what_it_cannot_read_in_place_is_refused():
+    base = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="contiguous"):
+        DigestSet([base.t()])
+    with pytest.raises(RefitInputError):
+        DigestSet([torch.empty(3, device="meta")])
+    with pytest.raises(RefitInputError):
+        DigestSet([torch.randn(3).to_sparse()])
+
+
+def test_signature_names_address_geometry_and_storage():
+    t = torch.arange(12, dtype=torch.float32)
+    s = signature(t)
+    assert s[0] == t.data_ptr() and s[1] == t.shape and s[2] == (1,) and s[3] is torch.float32
+    assert s[4] == t.untyped_storage().data_ptr() and s[5] == 48
+    assert signature(t[2:]) != s and signature(t.view(3, 4)) != s
+
+
+# --------------------------------------------------------------------------- the close's kept paths
+
+
+def _worker(device: str):
+    model = ToyModel(device)
+    model.register_buffer("rope", torch.arange(6, dtype=torch.float32, device=device))
+    wb = WorkerBoundary(identity_of(rank=0, device=device))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    wb.attach("model", model, default_weight_loader)
+    return wb, model
+
+
+def _general(model: torch.nn.Module):
+    """The snapshot's general path (an nn.Module is walked and batched, never kept)."""
+    return engine_state.snapshot({"model": model}, WorkerIdentity(rank=0, dp=0, tp=0, pp=0, device="x", pid=0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_snapshot_equals_the_general_path_and_sees_every_change(device):
+    wb, model = _worker(device)
+    b = wb.modules["model"]
+    ident = WorkerIdentity(rank=0, dp=0, tp=0, pp=0, device="x", pid=0)
+
+    def both():
+        kept = engine_state.snapshot({"model": b}, ident)
+        gen = _general(model)
+        assert kept.params == gen.params and kept.buffers == gen.buffers
+        return kept
+
+    s1 = both()
+    entry = b.index().kept["set"]
+    s2 = both()
+    assert b.index().kept["set"] is entry and s2.params == s1.params  # kept, nothing changed
+    model.norm.data[1] += 1  # bytes changed in place
+    s3 = both()
+    assert b.index().kept["set"] is entry and s3.params["norm"].digest != s1.params["norm"].digest
+    model.rope.mul_(2)
+    assert both().buffers["rope"].digest != s1.buffers["rope"].digest
+    model.embed.data = model.embed.data.clone()  # new memory, the same bytes: moved, rebuilt
+    s4 = both()
+    assert b.index().kept["set"] is not entry and b.index().kept["set"][2] == entry[2] + 1
+    assert s4.params["embed"].ptr != s1.params["embed"].ptr and s4.params["embed"].digest == s1.params["embed"].digest
+    res = engine_state.audit(s3, s4)
+    assert res.moved == ["embed"] and res.changed == ["rope"]
+
+
+def test_a_tensor_the_set_cannot_read_falls_back_to_the_general_path_and_recovers():
+    wb, model = _worker("cpu")
+    b = wb.modules["model"]
+    ident = WorkerIdentity(rank=0, dp=0, tp=0, pp=0, device="x", pid=0)
+    model.norm.data = torch.randn(2 * model.norm.numel()).to(torch.bfloat16)[::2]  # strided: not read in place
+    s = engine_state.snapshot({"model": b}, ident)
+    assert b.index().kept["set"][0] is None and b.index().kept["fresh"] is None
+    assert s.params == _general(model).params and s.params["norm"].digest == tensor_digest(model.norm)
+    model.norm.data = model.norm.data.contiguous()
+    s = engine_state.snapshot({"model": b}, ident)
+    assert b.index().kept["set"][0] is not None and b.index().kept["fresh"] is not None
+    assert s.params == _general(model).params
+    model.norm.untyped_storage().resize_(0)
+    with pytest.raises(RefitInputError, match="freed or resized"):
+        engine_state.snapshot({"model": b}, ident)
+
+
+@pytest.fixture
+def landed(monkeypatch):
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+
+
+def _refit(wb, model, w, version):
+    sid = wb.open(f"s{version}", version=version)
+    for it in w.items():
+        model.load_weights([it])
+    man = wb.close(sid)
+    return man, compare_session({"model": digest_tensors(w.items())}, man, session=f"s{version}", version=version)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_replayed_read_back_keeps_its_program_and_equals_the_general_one(landed, device, monkeypatch):
+    wb, model = _worker(device)
+    b = wb.modules["model"]
+    _refit(wb, model, toy_weights(1, device=device), 1)  # watched: learns the plan
+    man2, r2 = _refit(wb, model, toy_weights(2, device=device), 2)  # replayed: builds the program
+    prog = b.index().kept["read_back"][1]
+    assert man2.modules["model"].replayed == 5 and r2.ok and r2.verified == 5
+    assert prog.region_set is not None and len(prog.region_set) == 4  # q, k, v in qkv_proj, the 13 rows of the padded embed
+    w3 = toy_weights(3, device=device)
+    man3, r3 = _refit(wb, model, w3, 3)
+    assert b.index().kept["read_back"][1] is prog and r3.ok and r3.verified == 5
+    model.swap_halves_after = model.qkv_loads  # the loader misplaces k and v: caught by the kept program
+    man5, r5 = _refit(wb, model, toy_weights(5, device=device), 5)
+    assert b.index().kept["read_back"][1] is prog and man5.modules["model"].replayed == 5
+    assert not r5.ok and sorted(r5.mismatched) == ["k_proj", "v_proj"]
+    model.swap_halves_after = None
+    assert _refit(wb, model, w3, 6)[1].ok  # a correct loader again: verified
+    # the same session records through the general path give the same engine state
+    monkeypatch.setattr(engine_state, "_kept_program", lambda *a: None)
+    man4, r4 = _refit(wb, model, w3, 7)
+    e3, e4 = man3.engine, man4.engine
+    assert r4.ok and e4.params == e3.params and man4.modules["model"].digests == man3.modules["model"].digests
+    assert (e4.proven_bytes, e4.unproven_bytes, e4.padding_bytes) == (e3.proven_bytes, e3.unproven_bytes, e3.padding_bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_program_never_reads_memory_a_parameter_left(landed, device):
+    """qkv_proj given new memory between refits: the kept program's views show the old memory; the
+    snapshot sees the move, drops the program, and the read-back reads where the parameter is now."""
+    wb, model = _worker(device)
+    b = wb.modules["model"]
+    for v in (1, 2):
+        _refit(wb, model, toy_weights(v, device=device), v)
+    prog = b.index().kept["read_back"][1]
+    old = model.qkv_proj.data
+    model.qkv_proj.data = torch.zeros_like(old)
+    model.swap_halves_after = model.qkv_loads  # and the loader now misplaces k and v: caught in the new memory
+    w = toy_weights(3, device=device)
+    man, r = _refit(wb, model, w, 3)
+    new = b.index().kept["read_back"][1]
+    assert new is not prog
+    ptrs = {v.untyped_storage().data_ptr() for v in new.dest_views}
+    assert ptrs == {model.qkv_proj.untyped_storage().data_ptr(), model.embed.untyped_storage().data_ptr()}
+    assert old.untyped_storage().data_ptr() not in ptrs
+    assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
+    assert man.audits == [] or all("qkv_proj" not in a.changed for a in man.audits)
