@@ -230,3 +230,19 @@ def test_a_kept_program_never_reads_memory_a_parameter_left(landed, device):
     assert old.untyped_storage().data_ptr() not in ptrs
     assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
     assert man.audits == [] or all("qkv_proj" not in a.changed for a in man.audits)
+
+
+def test_coverage_kept_for_whole_replays_is_not_used_for_a_partial_one(landed):
+    wb, model = _worker("cpu")
+    for v in (1, 2, 3):
+        man, r = _refit(wb, model, toy_weights(v), v)
+        assert r.ok and man.modules["model"].unwritten == [] and man.modules["model"].written == 3
+    plan = wb.modules["model"].plan
+    assert plan.covered == {"qkv_proj": 128, "embed": 128, "norm": 8}  # embed: 13 rows copied, 3 filled
+    w = toy_weights(4)
+    sid = wb.open("s4", version=4, partial=True)
+    model.load_weights([("q_proj", w["q_proj"]), ("k_proj", w["k_proj"])])
+    man = wb.close(sid)
+    m = man.modules["model"]
+    assert m.replayed == 2 and m.written == 0
+    assert sorted(m.unwritten) == ["embed", "norm", "qkv_proj (96 of 128 elements)"]

@@ -527,9 +527,20 @@ class ModuleSession:
         unwritten = []
         written = 0
         hint = self.module.numel_hint
+        # replayed throughout, every name of the plan: the regions written are the plan's, every time
+        kept = self.plan.covered if self.plan is not None and not self.delivered and len(self.replayed) == len(self.plan) else None
         for pname, p in params.items():
             total = self.param_numel.get(pname) or max(p.numel(), hint.get(pname, 0))
-            got = min(total, covered(self.written.get(pname, {})))
+            w = self.written.get(pname)
+            if w is None:
+                got = 0
+            elif kept is None:
+                got = min(total, covered(w))
+            else:
+                c = kept.get(pname)
+                if c is None:
+                    c = kept[pname] = covered(w)
+                got = min(total, c)
             if got >= total:
                 written += 1
             elif not match_any(pname, allow):

@@ -87,14 +87,17 @@ class RefitPlan:
         writes: ``{name: ((parameter, Copy, block key, numel), ...)}``: every placed write of that name.
         regions: ``{name: [(parameter, dest geometry)]}``: where it landed whole (read back at close).
         params: ``{parameter: (numel, dtype, (shape, stride, storage offset), written whole from one tensor)}``.
+        covered: ``{parameter: elements written}`` by a session that replayed every name of the plan
+            (the same regions every time), filled by the first such session's manifest.
     """
 
-    __slots__ = ("index", "nbytes", "params", "regions", "spec", "writes")
+    __slots__ = ("covered", "index", "nbytes", "params", "regions", "spec", "writes")
 
     def __init__(self, index: Any, spec: dict, nbytes: dict, writes: dict, regions: dict, params: dict) -> None:
         self.index = weakref.ref(index) if index is not None else (lambda: None)
         self.spec, self.nbytes = spec, nbytes
         self.writes, self.regions, self.params = writes, regions, params
+        self.covered: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.spec)
