@@ -203,13 +203,18 @@ class DigestBatch:
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
 
     @plain_tensor_ops
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor, checked: bool = False) -> None:
         """Digest ``t`` under ``name`` (a later ``add`` of the same name replaces it).
+
+        ``checked``: the caller ran ``t`` through the input checks and knows its memory did not
+        change since (:class:`~refit_verify.digest_stream.HeldBatch`: same version counter,
+        address and storage size); they are not run again.
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        _check(t)
+        if not checked:
+            _check(t)
         dtype = "cuda" if t.is_cuda else t.device.type
         if dtype in _KERNEL_DEVICE_TYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             backend = backend_for(dtype)

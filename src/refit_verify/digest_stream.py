@@ -167,7 +167,7 @@ class HeldBatch:
                 self.changed[name] = why
                 self._batch._order.pop(name, None)
                 continue
-            self._batch.add(name, t)
+            self._batch.add(name, t, checked=True)  # checked at its add, unchanged since
         self._held.clear()
         self._pending = 0
         self._batch.launch()
