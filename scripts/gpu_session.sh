@@ -14,7 +14,8 @@
 #           compiled kernel tests, bench_digest, bench_engine_state (engine-state digest vs D2H + SHA-256);
 #   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
-#   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce.
+#   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce
+#           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT).
 #   stage q (carry as stage t): bench_paths with --profile (cProfile of the enforce children), 4 rounds.
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
 #           CUDA and benchmarks/bench_boundary.py.
@@ -55,12 +56,12 @@ elif [ "$stage" = k ]; then
 elif [ "$stage" = t ]; then
   timeout 170 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
   timeout 380 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/test_transport.py tests/test_boundary_engine.py \
-    tests/test_model_boundary.py tests/test_refit_plan.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
+    tests/test_model_boundary.py tests/test_refit_plan.py tests/test_digest_set.py tests/test_engine_state.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = p ]; then
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
-  timeout 560 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} ${BENCH_ARGS:-} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
   echo "bench_paths rc=$?"; grep -A8 "^## Wall" "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
   [ -n "${WITH_BOUNDARY:-}" ] && timeout 120 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1 \
     && tail -6 "$OUT/bench_boundary.md"
