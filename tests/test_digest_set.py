@@ -225,7 +225,7 @@ def test_a_kept_program_never_reads_memory_a_parameter_left(landed, device):
     man, r = _refit(wb, model, w, 3)
     new = b.index().kept["read_back"][1]
     assert new is not prog
-    ptrs = {v.untyped_storage().data_ptr() for v in new.dest_views}
+    ptrs = {p.untyped_storage().data_ptr() for p, _ in new.dest_regions}
     assert ptrs == {model.qkv_proj.untyped_storage().data_ptr(), model.embed.untyped_storage().data_ptr()}
     assert old.untyped_storage().data_ptr() not in ptrs
     assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
@@ -246,3 +246,38 @@ def test_coverage_kept_for_whole_replays_is_not_used_for_a_partial_one(landed):
     m = man.modules["model"]
     assert m.replayed == 2 and m.written == 0
     assert sorted(m.unwritten) == ["embed", "norm", "qkv_proj (96 of 128 elements)"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_program_holds_no_memory_a_parameter_left(landed, device):
+    """The kept program and its set hold the parameters, never views of their storage: memory a
+    parameter is moved off is freed at once, not at the next close."""
+    wb, model = _worker(device)
+    b = wb.modules["model"]
+    for v in (1, 2):
+        _refit(wb, model, toy_weights(v, device=device), v)
+    prog = b.index().kept["read_back"][1]
+    old = model.qkv_proj.untyped_storage().data_ptr()
+    model.qkv_proj.data = model.qkv_proj.data.clone()
+    held = [p for p, _ in prog.dest_regions] + list(prog.region_set.tensors)
+    assert held and all(t.untyped_storage().data_ptr() != old for t in held)
+    assert any(t is model.qkv_proj for t in held)
+
+
+def test_a_parameter_freed_and_given_new_memory_is_read_where_it_is(landed):
+    """Freed (resize_(0)) and given new memory, maybe at the same address: never a failed read-back."""
+    wb, model = _worker("cpu")
+    for v in (1, 2):
+        _refit(wb, model, toy_weights(v), v)
+    shape = model.qkv_proj.shape
+    model.qkv_proj.untyped_storage().resize_(0)
+    model.qkv_proj.data = torch.empty(shape, dtype=torch.bfloat16)
+    man, r = _refit(wb, model, toy_weights(3), 3)
+    assert r.ok and not man.errors and r.verified == 5
+
+
+def test_manifests_of_a_kept_program_share_no_state(landed):
+    wb, model = _worker("cpu")
+    mans = [_refit(wb, model, toy_weights(v), v)[0] for v in (1, 2, 3, 4)]
+    a, b_ = mans[2].engine.params["qkv_proj"], mans[3].engine.params["qkv_proj"]
+    assert a == b_ and a is not b_ and a.blocks is not b_.blocks

@@ -26,6 +26,7 @@ import torch
 from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify import reference as _ref
 from refit_verify.digest import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
+from refit_verify.placement import as_view
 
 __all__ = ["DigestSet", "signature"]
 
@@ -44,6 +45,9 @@ class DigestSet:
     Args:
         tensors: the live tensors, in output order (contiguous, on CUDA, or on the CPU; anything
             :func:`~refit_verify.digest.logical_bytes` accepts). The set holds them.
+        regions: per tensor, a region ``(element offset, shape, strides)`` of it to read instead
+            (:func:`~refit_verify.placement.as_view`; each must be contiguous): the set then holds
+            the tensors (e.g. parameters) and their signatures, never a view of their storage.
 
     Raises:
         RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.logical_bytes`).
@@ -56,15 +60,19 @@ class DigestSet:
     """
 
     @plain_tensor_ops
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None) -> None:
         self.tensors = list(tensors)
-        for t in self.tensors:
-            _check(t)
+        self.regions = list(regions) if regions is not None else None
+        if self.regions is not None and len(self.regions) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensors but {len(self.regions)} regions")
+        views = [self._view(i) for i in range(len(self.tensors))]  # transient: only addresses are kept
+        for u in views:
+            _check(u)
         self._sigs = [signature(t) for t in self.tensors]
-        # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items)
-        self._groups: list[tuple[list[int], object, object, list[tuple[int, torch.Tensor, tuple[int, int]]]]] = []
+        # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items (position, seeds))
+        self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
         by: dict[tuple, list[int]] = {}
-        for i, t in enumerate(self.tensors):
+        for i, t in enumerate(views):
             if not t.is_contiguous() or t.is_conj() or t.is_neg():
                 raise ValueError("a DigestSet reads tensors in place: contiguous ones, without conjugate or negative bits")
             dtype = "cuda" if t.is_cuda else t.device.type
@@ -82,22 +90,29 @@ class DigestSet:
                 raise ValueError(f"no batched digests of {dtype} tensors")
         for (_dev, kernel, backend), pos in by.items():
             if kernel:
-                views = [logical_bytes(self.tensors[i]) for i in pos]
-                seeds = [_tensor_seed(self.tensors[i].dtype, self.tensors[i].shape, u.numel()) for i, u in zip(pos, views)]
-                self._groups.append((pos, backend.plan_views(views, seeds), backend, []))
+                u8 = [logical_bytes(views[i]) for i in pos]
+                seeds = [_tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
+                self._groups.append((pos, backend.plan_views(u8, seeds), backend, []))
                 continue
             most = backend.many_max_bytes
             many, mpos, large = [], [], []
             for i in pos:
-                t = self.tensors[i]
+                t = views[i]
                 nbytes = t.numel() * t.element_size()
                 seeds = _tensor_seed(t.dtype, t.shape, nbytes)
                 if _many_ok(t, most):
                     many.append((t.data_ptr(), nbytes, seeds))
                     mpos.append(i)
                 else:
-                    large.append((i, t, seeds))
+                    large.append((i, seeds))
             self._groups.append((mpos, many, backend, large))
+
+    def _view(self, i: int) -> torch.Tensor:
+        """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
+        parameter left stays alive through it)."""
+        if self.regions is None:
+            return self.tensors[i]
+        return as_view(self.tensors[i].detach(), self.regions[i])
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -131,8 +146,8 @@ class DigestSet:
                     hx = w.tobytes().hex()
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
-                for i, t, seeds in large:
-                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(t), seeds))
+                for i, seeds in large:
+                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(self._view(i)), seeds))
                 continue
             words = backend.run_plan(kept)
             words_by_device.setdefault(words.device, []).append((pos, words))

@@ -81,14 +81,15 @@ class _Program:
     and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
     """
 
-    __slots__ = ("dest_keys", "dest_views", "derived_keys", "given", "key", "padding", "params", "plan", "region_set",
+    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "given", "key", "padding", "params", "plan", "region_set",
                  "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
         self.plan: dict[str, list[tuple[str, str, str, str]]] = {}  # label -> [(digest key, block key, source, where)]
         self.dest_keys: list[str] = []  # digest keys of the regions read, in order
-        self.dest_views: list[torch.Tensor] = []  # the regions (views of live parameters), in order
+        self.dest_regions: list[tuple[torch.Tensor, tuple]] = []  # the regions, in order: (live parameter, geometry);
+        # no view is kept (a kept program would keep the storage of a parameter given other memory alive)
         self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
         self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
         self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
@@ -129,7 +130,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             by_src[src] = (copy, key, src)
         entries = []
         block_bytes = padding = 0
-        added: list[tuple[str, torch.Tensor]] = []
+        added: list[tuple[str, tuple]] = []
         regions_here: list[tuple[str, tuple]] = []
         try:
             for region, by_src in writers.items():
@@ -142,9 +143,8 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 if known is not None and label in known and _whole(p, region):
                     given[dkey] = label
                 else:
-                    view = as_view(p.detach(), region)
-                    _check(view)
-                    added.append((dkey, view))
+                    _check(as_view(p.detach(), region))
+                    added.append((dkey, region))
                 region_key[(pname, region)] = dkey
                 regions_here.append((pname, region))
                 for copy, key, src in ws:
@@ -160,9 +160,9 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             prog.unproven += nbytes
             continue
         prog.padding += padding
-        for dkey, view in added:
+        for dkey, region in added:
             prog.dest_keys.append(dkey)
-            prog.dest_views.append(view)
+            prog.dest_regions.append((p, region))
         if not entries:
             params[label] = ParamState("not_coverable", "only padding was written", nbytes)
             prog.unproven += nbytes
@@ -178,11 +178,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
                 if why is None:
                     try:
-                        view = as_view(p.detach(), where)
-                        _check(view)
+                        _check(as_view(p.detach(), where))
                         k = f"derived:{name}@{i}"
                         prog.dest_keys.append(k)
-                        prog.dest_views.append(view)
+                        prog.dest_regions.append((p, where))
                     except (RuntimeError, ValueError) as e:
                         why = f"the parameter was replaced or resized after loading: {e}"[:300]
                 if why is not None:
@@ -215,7 +214,8 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
     for name in ms.underived:
         delivered.pop(name, None)
     delivered.update(ms.derived_hex)
-    params = dict(prog.params)
+    # fresh states: a kept program's are shared by every manifest it evaluates (a caller may edit its own)
+    params = {k: ParamState(st.status, st.why, st.bytes, list(st.blocks)) for k, st in prog.params.items()}
     proven, unproven = 0, prog.unproven
     for label, entries in prog.plan.items():
         bad = [f"{s} -> {where}" for d, k, s, where in entries
@@ -257,8 +257,9 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
     prog = _program(ms, live, prefix, known)
     prog.key = key
     try:
-        prog.region_set = DigestSet(prog.dest_views) if prog.dest_views else None
-    except ValueError:  # a region that is not contiguous: evaluated with a DigestBatch each time
+        regions = prog.dest_regions
+        prog.region_set = DigestSet([p for p, _ in regions], [g for _, g in regions]) if regions else None
+    except (RuntimeError, ValueError):  # a region that is not contiguous: evaluated with a DigestBatch each time
         prog.region_set = None
     idx.kept["read_back"] = (ms.plan, prog)
     return prog
@@ -300,8 +301,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         else:
             prog = prog or _program(ms, live, prefix, known)
             dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
-            for k, view in zip(prog.dest_keys, prog.dest_views):
-                dest.add(k, view)
+            for k, (p, region) in zip(prog.dest_keys, prog.dest_regions):
+                dest.add(k, as_view(p.detach(), region))
             got = dest.hexdigests() if len(dest) else {}
         got_params, pr, un = _evaluate(prog, ms, got, known)
         params.update(got_params)
