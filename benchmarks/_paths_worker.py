@@ -26,7 +26,6 @@ the timed region.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from _paths_timing import GcTimer, Profile, TimedClient
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("transport", "boundary-per-param", "boundary-bucketed", "native-unpacked", "native-packed")
@@ -81,56 +81,11 @@ REPLY = msgspec.json.Decoder(Reply)
 pc = time.perf_counter
 
 
-class GcTimer:
-    """Seconds and collections of Python's cyclic garbage collector in this process (``gc.callbacks``):
-    a collection that runs inside a refit is part of its wall time, and allocation-heavy code triggers more."""
-
-    def __init__(self) -> None:
-        self.seconds, self.collections, self._t0 = 0.0, 0, None
-        gc.callbacks.append(self._cb)
-
-    def _cb(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = pc()
-        elif self._t0 is not None:
-            self.seconds += pc() - self._t0
-            self.collections += 1
-            self._t0 = None
-
-
 def _version(mod: str) -> str:
     try:
         return str(__import__(mod).__version__)
     except Exception as e:  # noqa: BLE001 - reported as text
         return f"unavailable ({type(e).__name__})"
-
-
-class TimedClient:
-    """The four calls of vLLM's native API over an in-process ``LLM``, each timed into ``t``
-    (``.llm`` is what refit-verify's trainer side finds to fetch the workers' manifests)."""
-
-    def __init__(self, llm: Any, t: dict[str, float]) -> None:
-        self.llm, self.t = llm, t
-
-    def _timed(self, key: str, fn, *args) -> None:
-        a = pc()
-        try:
-            fn(*args)
-        finally:
-            self.t[key] = self.t.get(key, 0.0) + pc() - a
-            self.t[key + "_n"] = self.t.get(key + "_n", 0) + 1
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._timed("c.start", self.llm.start_weight_update)
-
-    def update_weights(self, update_info: dict) -> None:
-        self._timed("c.update", self.llm.update_weights, {"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._timed("c.finish", self.llm.finish_weight_update)
 
 
 class Bench:
@@ -495,43 +450,6 @@ class Bench:
                 f.unlink()
             self.files.rmdir()
         del self.llm
-
-
-class Profile:
-    """cProfile of the counted refits of each path (``--profile``).
-
-    Profiled runs are slower than measured ones: use a separate run with few rounds.
-    """
-
-    def __init__(self, out: str) -> None:
-        import cProfile
-
-        self.out = out
-        self.prof: dict[str, cProfile.Profile] = {}
-        self.runs: dict[str, int] = {}
-
-    def run(self, path: str, fn):
-        import cProfile
-
-        p = self.prof.setdefault(path, cProfile.Profile())
-        self.runs[path] = self.runs.get(path, 0) + 1
-        p.enable()
-        try:
-            return fn(path)
-        finally:
-            p.disable()
-
-    def write(self) -> None:
-        import io
-        import pstats
-
-        buf = io.StringIO()
-        for path, p in self.prof.items():
-            buf.write(f"\n===== {path}: {self.runs[path]} profiled refits =====\n")
-            st = pstats.Stats(p, stream=buf)
-            st.sort_stats("tottime").print_stats(45)
-            st.sort_stats("cumulative").print_stats("refit_verify", 60)
-        Path(self.out).write_text(buf.getvalue())
 
 
 def _buckets(items: list, nbytes: int) -> list[list]:

@@ -1,0 +1,234 @@
+"""The report of ``benchmarks/bench_paths.py``: what each breakdown row is and how it was obtained, the
+quantiles, and the Markdown tables (wall time, the ``--control`` A/A row, the breakdown per path).
+
+Kept apart from the runner (children, rounds, timeouts) so that each fits in one reading.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from pathlib import Path
+
+from _paths_worker import KIND
+
+from refit_verify import models
+
+MODES = ("off", "enforce")
+CONTROL = "off-b"
+"""``--control``: the second off engine of each kind (mode off, built as the off one)."""
+PHASES: dict[str, tuple[str, str]] = {
+    "open": ("session open on every worker", "timed: entering `with refit_verify.refit(...)`"),
+    "add": ("trainer digests (`r.add` per tensor)", "timed: sum over the `r.add` calls"),
+    "init_reload": ("initialize_layerwise_reload", "timed"),
+    "load_weights": ("`model.load_weights` calls", "timed: sum over the calls (host time); off = vLLM's own load"),
+    "finalize_reload": ("finalize_layerwise_reload (deferred layer applies)", "timed"),
+    "close": ("session close + compare (`with` exit)", "timed: close RPC (manifest, read-back, snapshot) and compare_session"),
+    "close_rest": ("close minus read-back and snapshot", "derived: close - read-back - snapshot (manifest build, RPC, compare)"),
+    "s.wall": ("sender: Hello to Done", "RefitStats.wall_s (sender.last_stats)"),
+    "s.digest": ("sender digests", "RefitStats.digest_s (sender.last_stats)"),
+    "s.rdigest": ("receiver digest seconds sent back in Done", "RefitStats.receiver_digest_s (sender.last_stats)"),
+    "w.digest": ("worker receive digest seconds", "`refit_verify_receive` result digest_s"),
+    "push_rest": ("push outside Hello..Done (thread, RPC call and return)", "derived: wall - RefitStats.wall_s"),
+    "staging_copy": ("one copy of every tensor into a byte buffer", "timed apart from the refit (not in the wall): the floor of staging"),
+    "c.start": ("client start_weight_update (worker: session open, init reload)", "timed around the client call"),
+    "c.update": ("client update_weights (worker: map, load_weights, digests)", "timed: sum over the client calls"),
+    "c.finish": ("client finish_weight_update (worker: finalize, close, read-back, snapshot)", "timed around the client call"),
+    "t.digest": ("trainer digests of the exported tensors", "NativeSendVerifier.digest_s (read by an observing wrapper of verify)"),
+    "t.verify": ("trainer: fetch the workers' manifests + compare", "timed around NativeSendVerifier.verify (observing wrapper)"),
+    "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
+    "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
+    "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
+    "snapshot": ("worker: engine-state snapshot at session close", ""),
+    "gc": ("Python's cyclic garbage collector in the child (the engine too, when it runs in-process)",
+           "gc.callbacks: start to stop of every collection during the refit"),
+}
+ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", "snapshot", "push_rest", "staging_copy"],
+         "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
+         "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
+                               "snapshot", "close_rest"],
+         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
+ORDER["native-packed"] = ORDER["native-unpacked"]
+for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
+    _order.append("gc")
+OWN = {"transport": ("s.digest", "m.model", "m.engine", "snapshot"), "boundary-per-param": ("open", "add", "m.model", "close"),
+       "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.digest", "t.verify", "m.model", "m.engine", "snapshot")}
+OWN["native-packed"] = OWN["native-unpacked"]
+"""Rows that add up to refit-verify's own work in an enforce refit (close includes read-back and snapshot)."""
+SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
+         "open": "open", "add": "r.add", "close": "close", "t.digest": "trainer digests", "t.verify": "fetch + compare"}
+SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
+                "mp": "EngineSnapshot.digest_s of `refit_verify_engine_state` run after the refit (same work, untimed)"}
+
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``xs``, linear between closest ranks."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def ms(x: float) -> str:
+    return "–" if x != x else (f"{x * 1e3:.2f}" if x < 1 else f"{x * 1e3:.0f}")
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None) -> str:
+    shapes = models.param_shapes(cfg)
+    nbytes = sum(2 * _prod(s) for s in shapes.values())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+    dev = info.get("device_name", "?") if a.device == "cuda" else f"CPU ({cpu})"
+    lines = [f"# Refit paths: REFIT_VERIFY=off vs enforce ({a.model}, {a.device})", "",
+             f"- date: {datetime.datetime.fromtimestamp(t_start, datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
+             f"run took {time.time() - t_start:.0f} s",
+             f"- machine: {platform.node()} ({platform.platform()}), {os.cpu_count()} cores, load average "
+             f"{load0[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end, niceness {os.nice(0)}",
+             f"- device: {dev}",
+             f"- torch {info.get('torch', '?')}, vLLM {info.get('vllm', '?')}, triton {info.get('triton', '?')}, "
+             f"Python {info.get('python', '?')}",
+             f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",
+             "- plan replay (refit_verify.refit_plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
+                                                          else "on (a steady-state refit replays the last watched one's plan)")
+             + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
+             f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
+             + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "
+                "three rotations, then the three reversed)" if a.control else
+                "per round and path one refit in each mode, the mode that goes first alternating round by round")
+             + f"; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
+             f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
+             f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
+             f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
+             f"- trainer side of the boundary paths: `refit(copy={a.trainer_copy})` "
+             + ("(one device copy per `r.add`)" if a.trainer_copy else "(tensors held and digested at the end, no copy)"),
+             "- trainer side of the native paths: " + ("plain tensors (a `state_dict()`: one device copy per tensor)"
+                                                       if a.native_tensors else "`nn.Parameter`s (`model.named_parameters()`: held, no copy)"),
+             "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
+             "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
+             "(transport, native)" + ("; `--control`: one more off engine per kind (off-b), built the same way" if a.control else "")]
+    if a.device == "cpu":
+        lines.append("- CPU: plain linear weights kept in every engine (tests/support/plugins.py); native = the test backend "
+                     "tests/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
+    elif info.get("native_api"):
+        lines.append(f"- native: vLLM `ipc` backend, {info['native_api']} trainer API")
+    lines += ["", "## Wall time per refit (ms)", "",
+              "| path | off median | off p25–p75 | enforce median | enforce p25–p75 | enforce/off | added | added ms | n | enforce verified |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in a.paths:
+        if p in skipped:
+            lines.append(f"| {p} | skipped: {skipped[p]} |||||||||")
+            continue
+        off, enf = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in MODES)
+        if not off or not enf:
+            lines.append(f"| {p} | failed: {failed.get(p, 'no rounds')[:300]} |||||||||")
+            continue
+        mo, me = pct(off, .5), pct(enf, .5)
+        last = res[p]["enforce"][-1].counts
+        ver = f"{last.get('verified', '?')}/{len(shapes)} tensors, {last.get('proven_bytes', 0) / 2**20:.2f} MiB read back" + (
+            f", {last['replayed']} replayed" if last.get("replayed") else "")
+        lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(me)} | {ms(pct(enf, .25))}–{ms(pct(enf, .75))} "
+                     f"| {me / mo:.3f} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} | {len(off)} | {ver} |")
+    if a.control:
+        lines += _control_table(a, res, skipped, failed, ctl or {})
+    notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]
+    if notes:
+        lines += ["", "Failures:", *notes]
+    lines += ["", "## Where an enforce refit spends its time (medians over the counted rounds, ms)", "",
+              "Rows name how each figure was obtained: *timed* = `time.perf_counter` in the child around that call; "
+              "field names = what refit-verify reports about itself. Worker rows are host seconds in refit-verify code "
+              "(on CUDA they include waiting for queued GPU work at synchronisation points)."]
+    for p in a.paths:
+        if p not in res or not res[p]["enforce"]:
+            continue
+        walls = [pct([x.wall_s for x in res[p][m]], .5) for m in MODES]
+        lines += ["", f"### {p}", "", "| phase | how obtained | off | enforce | enforce − off |", "|---|---|---|---|---|",
+                  f"| whole refit | timed in the child around the refit{', CUDA synchronised' if a.device == 'cuda' else ''} "
+                  f"| {ms(walls[0])} | {ms(walls[1])} | {ms(walls[1] - walls[0])} |"]
+        for k in ORDER[p]:
+            label, how = PHASES[k]
+            how = how or SNAPSHOT_HOW[KIND[p]]
+            vals = [pct([x.phases[k] for x in res[p][m] if k in x.phases] or [float("nan")], .5) for m in MODES]
+            if vals[0] != vals[0] and vals[1] != vals[1]:
+                continue
+            lines.append(f"| {label} | {how} | {ms(vals[0])} | {ms(vals[1])} | {ms(vals[1] - vals[0])} |")
+        if "load_weights" in ORDER[p]:
+            lw = [pct([x.phases["load_weights"] for x in res[p][m]], .5) for m in MODES]
+            extra_lw = lw[1] - lw[0] - pct([x.phases["m.model"] for x in res[p]["enforce"]], .5)
+            lines.append(f"| `load_weights`: enforce − off − boundary digests | derived from the medians above: boundary work "
+                         f"no digest_s covers (LoaderTap placement recording, bookkeeping) | | | {ms(extra_lw)} |")
+        own = pct([sum(x.phases.get(k, 0.0) for k in OWN[p]) for x in res[p]["enforce"]], .5)
+        lines.append(f"\nAdded wall time (enforce − off medians): {ms(walls[1] - walls[0])} ms; refit-verify's own work from the rows "
+                     f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms; the difference, "
+                     f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (placement recording in "
+                     "every weight_loader, session bookkeeping, manifest building and encoding) plus noise.")
+        c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
+        extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates", "gc")
+                          if k in c_off or k in c_enf)
+        if extra:
+            lines.append(f"\nCounts (off / enforce, last round): {extra}.")
+    return "\n".join(lines)
+
+
+def _control_table(a, res, skipped, failed, ctl) -> list[str]:
+    """``--control``: off-b against off per path, over the counted rounds off-b ran (a prefix of off's)."""
+    lines = ["", "## A/A control: a second off engine (off-b) vs off, wall time per refit (ms)", "",
+             "off-b is a second `off` child of the same kind, built the same way (same seed), its refits interleaved with off's "
+             "and enforce's. A/A = off-b / off: how far two processes doing the same work differ in this run, the noise floor "
+             "of the enforce/off ratio (here over the same rounds as off-b).", "",
+             "| path | off median | off p25–p75 | off-b median | off-b p25–p75 | A/A: off-b / off | A/A ms | enforce/off | n |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    stopped = []
+    for p in a.paths:
+        if p in skipped:
+            lines.append(f"| {p} | skipped: {skipped[p]} ||||||||")
+            continue
+        off, enf, b = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in (*MODES, CONTROL))
+        if not b:
+            lines.append(f"| {p} | no control: {(ctl.get(p) or failed.get(p) or 'no rounds')[:300]} ||||||||")
+            continue
+        n = len(b)
+        off, enf = off[:n], enf[:n]
+        mo, mb = pct(off, .5), pct(b, .5)
+        lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(mb)} | {ms(pct(b, .25))}–{ms(pct(b, .75))} "
+                     f"| {mb / mo:.3f} | {ms(mb - mo)} | {pct(enf, .5) / mo:.3f} | {n} |")
+        if p in ctl:
+            stopped.append(f"- {p}: off-b stopped after {n} counted rounds: {ctl[p][:600]}")
+    return lines + (["", *stopped] if stopped else [])
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:g} MiB"
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
