@@ -465,6 +465,12 @@ class ModuleSession:
 
     # -- close --------------------------------------------------------------------------------
 
+    @property
+    def replayed_all(self) -> bool:
+        """True iff this session replayed its plan from the first call to the close, every name of
+        it (nothing was watched): the regions written are the plan's, as in every such session."""
+        return self.plan is not None and not self.delivered and len(self.replayed) == len(self.plan)
+
     def digests(self) -> dict[str, str]:
         """``{name: 32-hex}`` of what was delivered (pre-checked or digested as pulled) and of what was
         refused before loading (the digest of what arrived: the verdict names it mismatched); a
@@ -527,8 +533,7 @@ class ModuleSession:
         unwritten = []
         written = 0
         hint = self.module.numel_hint
-        # replayed throughout, every name of the plan: the regions written are the plan's, every time
-        kept = self.plan.covered if self.plan is not None and not self.delivered and len(self.replayed) == len(self.plan) else None
+        kept = self.plan.covered if self.replayed_all else None
         for pname, p in params.items():
             total = self.param_numel.get(pname) or max(p.numel(), hint.get(pname, 0))
             w = self.written.get(pname)

@@ -159,6 +159,14 @@ _PLANNED_MAX = 32
 the same memory every time (an engine's parameters, a trainer's, their regions), so its plan is built once."""
 
 
+def _many_hexes(h0: np.ndarray, h1: np.ndarray) -> str:
+    """Channel values of ``Backend.digest_many`` (uint64 ``[N]`` each) as one string of ``32 * N``
+    hex characters (§9: channel 0 then channel 1, each big-endian)."""
+    w = np.empty((len(h0), 2), ">u8")
+    w[:, 0], w[:, 1] = h0, h1
+    return w.tobytes().hex()
+
+
 def _hexes(words: torch.Tensor) -> str:
     """All rows of int64 ``[N, 2]`` words as one string of ``32 * N`` hex characters (§9), one copy to the host."""
     return np.ascontiguousarray(words.cpu().numpy()).view(np.uint64).astype(">u8").tobytes().hex()
@@ -311,10 +319,7 @@ class DigestBatch:
                 u8 = logical_bytes(t)
                 done[name] = _ref.hexdigest(*backend.digest_words(u8, _tensor_seed(t.dtype, t.shape, u8.numel())))
         if many:
-            h0, h1 = backend.digest_many(many)  # the tensors in items stay alive for the call
-            w = np.empty((len(names), 2), ">u8")
-            w[:, 0], w[:, 1] = h0, h1
-            hx = w.tobytes().hex()  # §9: channel 0 then channel 1, each big-endian
+            hx = _many_hexes(*backend.digest_many(many))  # the tensors in items stay alive for the call
             for i, name in enumerate(names):
                 done[name] = hx[32 * i : 32 * i + 32]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
@@ -49,10 +48,17 @@ class DigestSet:
             (:func:`~refit_verify.placement.as_view`; each must be contiguous): the set then holds
             the tensors (e.g. parameters) and their signatures, never a view of their storage.
 
+    Attributes:
+        tensors: the tensors given, in order.
+        signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
+            storage's data pointer, what an engine-state snapshot records).
+
     Raises:
         RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.logical_bytes`).
-        ValueError: a tensor is not contiguous, is a conjugate / negative view, or is on a device
-            that has neither the kernels nor the CPU batch (use :class:`~refit_verify.digest.DigestBatch`).
+        ValueError: a tensor (region) is not contiguous, is a conjugate / negative view, or is on a
+            device that has neither the kernels nor the CPU batch (use :class:`~refit_verify.digest.DigestBatch`);
+            ``regions`` and ``tensors`` differ in length.
+        RuntimeError: a region lies outside its tensor's storage.
 
     Host cost of a call: one :func:`signature` and a tuple compare per tensor, one launch per CUDA
     device (kept plan), one compiled call for the CPU's small tensors (one call each for the
@@ -68,7 +74,7 @@ class DigestSet:
         views = [self._view(i) for i in range(len(self.tensors))]  # transient: only addresses are kept
         for u in views:
             _check(u)
-        self._sigs = [signature(t) for t in self.tensors]
+        self.signatures = [signature(t) for t in self.tensors]
         # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items (position, seeds))
         self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
         by: dict[tuple, list[int]] = {}
@@ -121,7 +127,7 @@ class DigestSet:
     def valid(self) -> bool:
         """True iff every tensor still has the signature the set was built on."""
         try:
-            return list(map(signature, self.tensors)) == self._sigs
+            return list(map(signature, self.tensors)) == self.signatures
         except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign
             return False
 
@@ -140,10 +146,7 @@ class DigestSet:
         for pos, kept, backend, large in self._groups:
             if isinstance(kept, list):  # the CPU: small tensors in one compiled call, the large one by one
                 if kept:
-                    h0, h1 = backend.digest_many(kept)
-                    w = np.empty((len(pos), 2), ">u8")
-                    w[:, 0], w[:, 1] = h0, h1
-                    hx = w.tobytes().hex()
+                    hx = _digest._many_hexes(*backend.digest_many(kept))
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:

@@ -76,7 +76,7 @@ class _Program:
     """What the read-back of one module session reads and compares, before any byte is read.
 
     Built by :func:`_program` from the session's records and the live parameters; evaluated by
-    :func:`_evaluate` with the digests of :attr:`dest`. A fully replayed session repeats the
+    :func:`_evaluate` with the digests of :attr:`dest_regions`. A fully replayed session repeats the
     previous one's records exactly, so its program is kept on the model index (:func:`_kept_program`)
     and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
     """
@@ -98,9 +98,11 @@ class _Program:
         self.region_set: DigestSet | None = None  # the regions as a kept set (kept programs only)
 
 
-def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> _Program:
-    """The read-back program of module session ``ms`` over its model's live parameters (no byte read)."""
+def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> tuple[_Program, list[torch.Tensor]]:
+    """The read-back program of module session ``ms`` over its model's live parameters (no byte
+    read), and the views of its regions, checked (for this read only: the program keeps none)."""
     prog = _Program()
+    views: list[torch.Tensor] = []
     params, plan, given = prog.params, prog.plan, prog.given
     region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
     for pname in sorted(set(ms.written) | set(ms.inexact)):
@@ -130,7 +132,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             by_src[src] = (copy, key, src)
         entries = []
         block_bytes = padding = 0
-        added: list[tuple[str, tuple]] = []
+        added: list[tuple[str, tuple, torch.Tensor]] = []
         regions_here: list[tuple[str, tuple]] = []
         try:
             for region, by_src in writers.items():
@@ -143,8 +145,9 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 if known is not None and label in known and _whole(p, region):
                     given[dkey] = label
                 else:
-                    _check(as_view(p.detach(), region))
-                    added.append((dkey, region))
+                    view = as_view(p.detach(), region)
+                    _check(view)
+                    added.append((dkey, region, view))
                 region_key[(pname, region)] = dkey
                 regions_here.append((pname, region))
                 for copy, key, src in ws:
@@ -160,9 +163,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             prog.unproven += nbytes
             continue
         prog.padding += padding
-        for dkey, region in added:
+        for dkey, region, view in added:
             prog.dest_keys.append(dkey)
             prog.dest_regions.append((p, region))
+            views.append(view)
         if not entries:
             params[label] = ParamState("not_coverable", "only padding was written", nbytes)
             prog.unproven += nbytes
@@ -178,10 +182,12 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
                 if why is None:
                     try:
-                        _check(as_view(p.detach(), where))
+                        view = as_view(p.detach(), where)
+                        _check(view)
                         k = f"derived:{name}@{i}"
                         prog.dest_keys.append(k)
                         prog.dest_regions.append((p, where))
+                        views.append(view)
                     except (RuntimeError, ValueError) as e:
                         why = f"the parameter was replaced or resized after loading: {e}"[:300]
                 if why is not None:
@@ -190,7 +196,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             keys.append(k)
         else:
             prog.derived_keys[name] = keys
-    return prog
+    return prog, views
 
 
 def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int]:
@@ -232,10 +238,10 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
 
 
 def _replayed_whole(ms) -> bool:
-    """True iff ``ms`` replayed its plan from the first call to the close, every name of it, and
-    nothing else was recorded: its records are the plan's, as in the last such session."""
-    return (ms.plan is not None and not ms.delivered and len(ms.replayed) == len(ms.plan) and not ms.inexact
-            and not ms.underived and not ms.derived_hex and not len(ms.blocks) and not len(ms.recheck))
+    """True iff ``ms`` replayed its whole plan (``ms.replayed_all``) and nothing else was recorded:
+    its records are the plan's, as in the last such session."""
+    return (ms.replayed_all and not ms.inexact and not ms.underived and not ms.derived_hex and not len(ms.blocks)
+            and not len(ms.recheck))
 
 
 def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str, str] | None) -> _Program | None:
@@ -254,7 +260,7 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
     kept = idx.kept.get("read_back")
     if kept is not None and kept[0] is ms.plan and kept[1].key == key:
         return kept[1]
-    prog = _program(ms, live, prefix, known)
+    prog, _views = _program(ms, live, prefix, known)
     prog.key = key
     try:
         regions = prog.dest_regions
@@ -299,10 +305,14 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         if prog is not None and prog.region_set is not None:
             got = dict(zip(prog.dest_keys, prog.region_set.digest(check=False)))
         else:
-            prog = prog or _program(ms, live, prefix, known)
+            checked = prog is None  # _program checks the views it makes
+            if prog is None:
+                prog, views = _program(ms, live, prefix, known)
+            else:  # kept, but a region is not contiguous: no kept set reads it
+                views = [as_view(p.detach(), region) for p, region in prog.dest_regions]
             dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
-            for k, (p, region) in zip(prog.dest_keys, prog.dest_regions):
-                dest.add(k, as_view(p.detach(), region))
+            for k, view in zip(prog.dest_keys, views):
+                dest.add(k, view, checked=checked)
             got = dest.hexdigests() if len(dest) else {}
         got_params, pr, un = _evaluate(prog, ms, got, known)
         params.update(got_params)
@@ -339,7 +349,7 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str]]] | None
     if entry is not None and entry[0] is None and sigs is not None and sigs == entry[3]:
         return None  # no set could be built, and nothing changed since
     gen = (entry[2] if entry is not None else 0) + 1
-    kept.pop("read_back", None)  # its region views show the memory the parameters had
+    kept.pop("read_back", None)  # its kept launch plan reads the addresses the parameters had
     seen: set[tuple[str, str]] = set()
     keys, tensors = [], []
     for label, t, kind in idx.state:
@@ -394,7 +404,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         if fast is not None:
             ds, keys = fast
             hexes = ds.digest(check=False)
-            for (kind, label), t, h, sig in zip(keys, ds.tensors, hexes, ds._sigs):
+            for (kind, label), t, h, sig in zip(keys, ds.tensors, hexes, ds.signatures):
                 key = (kind, prefix + label)
                 if key not in meta:
                     meta[key] = (t, sig[4] if t.numel() else 0)
