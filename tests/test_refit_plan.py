@@ -347,3 +347,51 @@ def test_a_partial_refit_says_what_it_does_not_compare():
     assert r.ok and r.unchecked == ("1 parameters were written in part by this partial refit; their other elements are not "
                                     "compared with what the last session left (the close audit compares whole parameters "
                                     f"only): qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)
+
+
+def test_a_replay_in_another_order_is_recorded_name_by_name_and_verifies_alike(writes):
+    """Replayed names are recorded as they come and filled in from the plan before anything reads
+    them: a whole replay in the plan's order takes the plan's records as a whole (kept on the plan),
+    one in another order name by name; both give the same manifest as a watched session."""
+    wb, model = _worker()
+    m1 = _refit(wb, model, toy_weights(1), 1, per_param=True).modules["model"]
+    plan = wb.modules["model"].plan
+    w = toy_weights(2)
+    rev = list(reversed(list(w.items())))
+    writes.clear()
+    man = _refit(wb, model, w, 2, per_param=True, items=rev)
+    m = man.modules["model"]
+    assert m.replayed == 5 and writes == [] and plan._whole is None  # not in the plan's order: name by name
+    assert _ok(w, man, 2).ok and m.written == m1.written == 3 and m.bytes == m1.bytes
+    man3 = _refit(wb, model, w, 3, per_param=True)
+    assert plan._whole is not None and man3.modules["model"].replayed == 5 and _ok(w, man3, 3).ok
+    def states(e):  # the blocks of a parameter are listed in the order they were written
+        return {k: (st.status, st.bytes, sorted(st.blocks)) for k, st in e.params.items()}
+
+    assert states(man3.engine) == states(man.engine) and man3.modules["model"].digests == m.digests
+    man4 = _refit(wb, model, toy_weights(4), 4)  # one list in the plan's order: the kept records again
+    assert man4.modules["model"].replayed == 5 and _ok(toy_weights(4), man4, 4).ok
+    assert man4.engine.proven_bytes == man3.engine.proven_bytes == ALL
+
+
+def test_an_open_sessions_check_leaves_the_kept_close_alone():
+    """vLLM's native update is checked while still open (0.26's sender), inside its layerwise reload,
+    which swaps parameters: that check walks the model itself, so the module's index and what the
+    close keeps on it (snapshot set, read-back program) stay those taken outside updates."""
+    wb, model = _worker()
+    b = wb.modules["model"]
+    for v in (1, 2):
+        _refit(wb, model, toy_weights(v), v)
+    idx, prog = b.index(), b.index().kept["read_back"][1]
+    w = toy_weights(3)
+    sid = wb.open("s3", version=3)
+    model.load_weights(list(w.items()))
+    real = model.norm
+    model.norm = torch.nn.Parameter(torch.zeros_like(real), requires_grad=False)  # a layer swapped mid-update
+    digests, calls, tensors, _ = wb.snapshot()
+    assert tensors == 5 and calls == 1 and {n: digests[n] for n in w if n != "norm"} == {
+        n: h for n, h in digest_tensors(w.items()).items() if n != "norm"}
+    model.norm = real  # restored at the update's finish
+    man = wb.close(sid)
+    assert b.index() is idx and b.index().kept["read_back"][1] is prog
+    assert man.modules["model"].replayed == 5 and _ok(w, man, 3).ok

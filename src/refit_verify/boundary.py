@@ -345,6 +345,7 @@ class WorkerBoundary:
                 ms = b.session
                 if ms is None:
                     continue
+                ms.expand()
                 prefix = "" if role == "model" else f"{role}:"
                 for n, (_h, why) in ms.refused.items():
                     rejected[prefix + n] = why
@@ -371,6 +372,7 @@ class WorkerBoundary:
                 ms = b.session
                 if ms is None:
                     continue
+                ms.expand()
                 digests.update(ms.digests())
                 digests.update(ms.landed_now())  # tensors left to read-back: where they landed, as of now
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s

@@ -25,7 +25,7 @@ from refit_verify.digest_stream import CopyingBatch, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
-from refit_verify.refit_plan import RefitPlan, spec_of
+from refit_verify.refit_plan import RefitPlan, expand, spec_of
 
 if TYPE_CHECKING:
     from refit_verify.model_boundary import ModelBoundary
@@ -262,6 +262,7 @@ class ModuleSession:
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
         self.plan = plan  # replayed while not None (refit_plan): the loader tap is off
         self.replayed: dict[str, None] = {}  # names recorded from the plan, not watched
+        self.unexpanded = 0  # the last names of replayed whose records are not filled in yet (refit_plan.expand)
         self.replay_left: str | None = None  # why this session stopped replaying its plan
         self.spec: dict[str, tuple] = {}  # name -> refit_plan.spec_of(tensor), when derive
         self.nbytes: dict[str, int] = {}  # name -> bytes delivered, when derive
@@ -494,15 +495,27 @@ class ModuleSession:
             out.setdefault(name, h)
         return out
 
+    def expand(self, whole: bool = False) -> None:
+        """Fill in the records of the names replayed since the last call (:func:`refit_plan.expand`);
+        ``whole``: the session is closing."""
+        if self.unexpanded and self.plan is not None:
+            expand(self, self.plan, whole)
+
+    @plain_tensor_ops
     def landed_now(self) -> dict[str, str]:
         """``{name: 32-hex}`` of the tensors left to read-back, read where they landed, now (the check
         of a session still open: vLLM's native update before ``finish_weight_update``). A region that
-        cannot be read is left out (missing in that check; the close names it)."""
-        idx = self.module.index()
+        cannot be read is left out (missing in that check; the close names it).
+
+        The parameters are walked here, apart from the module's model index: inside an open update
+        vLLM's layerwise reload is swapping them, and the index (with what the close keeps on it,
+        :mod:`refit_verify.engine_state`) stays the one taken outside updates."""
+        self.expand()
+        model = self.module.model
         todo = [n for n in self.derived if n not in self.derived_hex]
-        if idx is None or not todo:
+        if model is None or not todo:
             return {}
-        live = idx.params
+        live = dict(model.named_parameters())
         batch = DigestBatch(hold_cpu=True)
         for name in todo:
             for i, (pname, where) in enumerate(self.derived[name]):

@@ -27,7 +27,7 @@ from refit_verify import reference as _ref
 from refit_verify.digest import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
 from refit_verify.placement import as_view
 
-__all__ = ["DigestSet", "signature"]
+__all__ = ["DigestSet", "SetLaunch", "signature"]
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -43,13 +43,15 @@ class DigestSet:
 
     Args:
         tensors: the live tensors, in output order (contiguous, on CUDA, or on the CPU; anything
-            :func:`~refit_verify.digest.logical_bytes` accepts). The set holds them.
+            :func:`~refit_verify.digest.logical_bytes` accepts). The set holds them (``hold``).
         regions: per tensor, a region ``(element offset, shape, strides)`` of it to read instead
             (:func:`~refit_verify.placement.as_view`; each must be contiguous): the set then holds
             the tensors (e.g. parameters) and their signatures, never a view of their storage.
-
+        hold: keep the tensors (default). False: keep only their signatures and the launch plans,
+            and be handed tensors with the same signatures at each call (a trainer's held tensors:
+            new tensor objects over the same memory at every refit, and no memory kept alive).
     Attributes:
-        tensors: the tensors given, in order.
+        tensors: the tensors given, in order (None with ``hold=False``).
         signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
             storage's data pointer, what an engine-state snapshot records).
 
@@ -66,12 +68,13 @@ class DigestSet:
     """
 
     @plain_tensor_ops
-    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None) -> None:
-        self.tensors = list(tensors)
+    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None, hold: bool = True) -> None:
+        self.tensors: list[torch.Tensor] | None = list(tensors)
         self.regions = list(regions) if regions is not None else None
         if self.regions is not None and len(self.regions) != len(self.tensors):
             raise ValueError(f"{len(self.tensors)} tensors but {len(self.regions)} regions")
-        views = [self._view(i) for i in range(len(self.tensors))]  # transient: only addresses are kept
+        self._n = len(self.tensors)
+        views = [self._view(i) for i in range(self._n)]  # transient: only addresses are kept
         for u in views:
             _check(u)
         self.signatures = [signature(t) for t in self.tensors]
@@ -112,37 +115,46 @@ class DigestSet:
                 else:
                     large.append((i, seeds))
             self._groups.append((mpos, many, backend, large))
+        if not hold:
+            self.tensors = None
 
-    def _view(self, i: int) -> torch.Tensor:
+    def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
         parameter left stays alive through it)."""
+        t = (self.tensors if tensors is None else tensors)[i]
         if self.regions is None:
-            return self.tensors[i]
-        return as_view(self.tensors[i].detach(), self.regions[i])
+            return t
+        return as_view(t.detach(), self.regions[i])
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return self._n
 
     @plain_tensor_ops
-    def valid(self) -> bool:
-        """True iff every tensor still has the signature the set was built on."""
+    def valid(self, tensors: Sequence[torch.Tensor] | None = None) -> bool:
+        """True iff every tensor (``tensors``: these, in the set's order, for a set that holds none)
+        still has the signature the set was built on."""
+        ts = self.tensors if tensors is None else tensors
+        if ts is None or len(ts) != self._n:
+            return False
         try:
-            return list(map(signature, self.tensors)) == self.signatures
+            return list(map(signature, ts)) == self.signatures
         except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign
             return False
 
     @plain_tensor_ops
-    def digest(self, check: bool = True) -> list[str] | None:
-        """Digest every tensor as it is now: ``[32-hex]`` in the order given, or None when a
-        tensor's signature moved since the set was built (nothing is read then).
+    def launch(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None) -> SetLaunch | None:
+        """Start reading every tensor as it is now, without synchronising (the kernels run in
+        stream order; the CPU's digests are taken now): a :class:`SetLaunch` to :meth:`collect`,
+        or None when a tensor's signature moved since the set was built (nothing is read then).
 
         ``check=False``: the caller has just checked :meth:`valid` (or a set over the same
-        tensors) in this step.
+        tensors) in this step. ``tensors``: the tensors to read, for a set built with
+        ``hold=False`` (they must have the set's signatures: checked unless ``check=False``).
         """
-        if check and not self.valid():
+        if check and not self.valid(tensors):
             return None
-        out: list[str | None] = [None] * len(self.tensors)
-        words_by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        out: list[str | None] = [None] * self._n
+        words: list[tuple[list[int], torch.Tensor]] = []
         for pos, kept, backend, large in self._groups:
             if isinstance(kept, list):  # the CPU: small tensors in one compiled call, the large one by one
                 if kept:
@@ -150,15 +162,40 @@ class DigestSet:
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:
-                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(self._view(i)), seeds))
+                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(self._view(i, tensors)), seeds))
                 continue
-            words = backend.run_plan(kept)
-            words_by_device.setdefault(words.device, []).append((pos, words))
-        for groups in words_by_device.values():
+            words.append((pos, backend.run_plan(kept)))
+        return SetLaunch(out, words)
+
+    @staticmethod
+    def collect(launched: SetLaunch) -> list[str]:
+        """``[32-hex]`` of a :meth:`launch`, in the set's order (one device-to-host copy per device)."""
+        out = launched.hexes
+        by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for pos, w in launched.words:
+            by_device.setdefault(w.device, []).append((pos, w))
+        for groups in by_device.values():
             hx = _digest._hexes(torch.cat([w for _, w in groups]) if len(groups) > 1 else groups[0][1])
             j = 0
             for pos, _ in groups:
                 for i in pos:
                     out[i] = hx[j : j + 32]
                     j += 32
+        launched.words = []
         return out  # type: ignore[return-value]
+
+    def digest(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None) -> list[str] | None:
+        """Digest every tensor as it is now: ``[32-hex]`` in the order given, or None when a
+        tensor's signature moved since the set was built (nothing is read then). Arguments as
+        :meth:`launch`."""
+        launched = self.launch(check, tensors)
+        return None if launched is None else self.collect(launched)
+
+
+class SetLaunch:
+    """The digests a :meth:`DigestSet.launch` started: CPU ones done (``hexes``), device words pending."""
+
+    __slots__ = ("hexes", "words")
+
+    def __init__(self, hexes: list[str | None], words: list[tuple[list[int], torch.Tensor]]) -> None:
+        self.hexes, self.words = hexes, words

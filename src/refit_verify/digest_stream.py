@@ -9,18 +9,22 @@ never one kernel per tensor, and synchronise once when the digests are read.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 
 import torch
 
 from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.digest import (
+    _PLAIN,
     DigestBatch,
     _check,
     _tensor_seed,
     logical_bytes,
     plain_tensor_ops,
 )
+from refit_verify.digest_set import DigestSet, SetLaunch, signature
 from refit_verify.errors import RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "snapshot", "version_of"]
@@ -110,9 +114,15 @@ class HeldBatch:
 
     For a trainer that exports tensors it does not modify, free or reuse before the refit ends
     (its live parameters, outside PEFT merges and sharded gathers): :meth:`add` records the tensor
-    (a reference, its address and its version counter) and the digests are launched over the
-    tensors themselves, every :attr:`flush_bytes` and at :meth:`hexdigests`, with the batch's kept
-    plan when the same memory is exported again (no per-tensor planning, no copy).
+    (a reference, its address, storage size and version counter) and the digests are launched over
+    the tensors themselves, every :attr:`flush_bytes` and at :meth:`hexdigests`.
+
+    The same memory is exported at every refit, so each flush's list of names keeps a
+    :class:`~refit_verify.digest_set.DigestSet` built over it (process-wide, :data:`KEPT_HELD_SETS`
+    of them, holding signatures and launch plans, never the tensors): a flush whose names and
+    tensor signatures (address, shape, strides, dtype, storage) are those of the kept set launches
+    its plan with one signature compare per tensor, no planning. Anything else takes the general
+    path (:class:`~refit_verify.digest.DigestBatch`) and keeps a new set.
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
@@ -121,7 +131,8 @@ class HeldBatch:
     own) is not seen by the counter: the tensor is then digested as it is at the flush, which the
     engine's copy does not match (a false failure, never a false pass).
 
-    Host cost of one ``add``: the input checks, three attribute reads and an append
+    Host cost: an ``add`` is the input checks, four attribute reads and an append; a flush over
+    a kept set one :func:`~refit_verify.digest_set.signature` per tensor and one launch per device
     (``benchmarks/bench_host_ops.py``).
 
     Args:
@@ -133,24 +144,29 @@ class HeldBatch:
 
     def __init__(self, flush_bytes: int = 256 << 20) -> None:
         self.flush_bytes = flush_bytes
-        self._batch = DigestBatch(hold_cpu=True)  # checked unchanged right before the launch reads them
+        self._batch = DigestBatch(hold_cpu=True)  # the general path: checked unchanged right before the launch reads them
         # (name, tensor, version counter, data_ptr, storage bytes) at the add
         self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._pending = 0
+        self._order: dict[str, int] = {}  # name -> number of its latest add, in first-insertion order
+        self._adds = 0
+        self._sets: list[tuple[list[tuple[str, int]], SetLaunch]] = []  # kept-set launches: ((name, add number)s, launch)
+        self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
 
-    @plain_tensor_ops
     def add(self, name: str, t: torch.Tensor) -> None:
         """Hold ``t`` under ``name`` until the next flush (a later add of the same name replaces it).
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        _check(t)
-        version = version_of(t)  # None for an inference tensor: its address is checked
+        with _PLAIN():
+            _check(t)
+            version = version_of(t)  # None for an inference tensor: its address is checked
+            nbytes = t.numel() * t.element_size()
+            held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
         self.changed.pop(name, None)
-        nbytes = t.numel() * t.element_size()
-        self._held.append((name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0))
+        self._held.append(held)
         self._pending += nbytes
         if self._pending >= self.flush_bytes:
             self.launch()
@@ -158,27 +174,101 @@ class HeldBatch:
     @plain_tensor_ops
     def launch(self) -> None:
         """Check the held tensors and launch their digests now (no synchronisation)."""
-        latest = {h[0]: i for i, h in enumerate(self._held)}
-        for i, (name, t, version, ptr, size) in enumerate(self._held):
+        held, self._held, self._pending = self._held, [], 0
+        if not held:
+            return
+        names = tuple(h[0] for h in held)
+        ts = [h[1] for h in held]
+        try:
+            sigs = list(map(signature, ts))
+        except (RuntimeError, NotImplementedError):  # a tensor with no storage to sign: the general path says why
+            sigs = None
+        kept = _kept_held(names, sigs)
+        if kept is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
+                                        for h, g in zip(held, sigs)):
+            keys = []
+            for name in names:  # unique: a kept set's names are
+                self._adds += 1
+                self._order[name] = self._adds
+                self._batch._order.pop(name, None)
+                keys.append((name, self._adds))
+            self._sets.append((keys, kept.launch(check=False, tensors=ts)))
+            return
+        self._launch_general(held, names, sigs)
+
+    def _launch_general(self, held: list, names: tuple[str, ...], sigs: list[tuple] | None) -> None:
+        """Check each held tensor and digest it through the :class:`DigestBatch`; when every one is
+        unchanged and the names are unique, remember the flush's signatures (:func:`_keep_held`)."""
+        latest = {h[0]: i for i, h in enumerate(held)}
+        ok = sigs is not None and len(latest) == len(held)
+        for i, (name, t, version, ptr, size) in enumerate(held):
             if latest[name] != i:
                 continue  # added again later: the later add is what counts
+            self._adds += 1
+            self._order[name] = self._adds
             why = _changed(t, version, ptr, size)
             if why is not None:
                 self.changed[name] = why
                 self._batch._order.pop(name, None)
+                ok = False
                 continue
             self._batch.add(name, t, checked=True)  # checked at its add, unchanged since
-        self._held.clear()
-        self._pending = 0
         self._batch.launch()
+        if ok:
+            _keep_held(names, sigs, [h[1] for h in held])
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""
         self.launch()
-        return self._batch.hexdigests()
+        done = self._done
+        done.update(self._batch.hexdigests())
+        order = self._order
+        for keys, launched in self._sets:
+            for (name, k), h in zip(keys, DigestSet.collect(launched)):
+                if order.get(name) == k:
+                    done[name] = h
+        self._sets.clear()
+        return {n: done[n] for n in order if n in done and n not in self.changed}
 
     def __len__(self) -> int:
-        return len(self._batch._order.keys() | {h[0] for h in self._held})
+        return len(self._order.keys() | {h[0] for h in self._held})
+
+
+KEPT_HELD_SETS = 16
+"""Flush signatures :class:`HeldBatch` keeps (one per flush of a trainer's export; least recently used dropped)."""
+_HELD_SETS: OrderedDict[tuple[str, ...], DigestSet | list[tuple]] = OrderedDict()
+_HELD_LOCK = threading.Lock()
+
+
+def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None) -> DigestSet | None:
+    """The kept set of a flush of ``names`` whose tensors have signatures ``sigs``, or None."""
+    if sigs is None:
+        return None
+    with _HELD_LOCK:
+        ds = _HELD_SETS.get(names)
+        if ds is None:
+            return None
+        _HELD_SETS.move_to_end(names)
+    return ds if isinstance(ds, DigestSet) and ds.signatures == sigs else None
+
+
+def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
+    """Remember a flush that went the general way: its signatures the first time; a set over its
+    tensors (no tensors held) when the same names come again with the same signatures (memory
+    that moves at every refit, a sharded gather's, is never planned for nothing)."""
+    with _HELD_LOCK:
+        prev = _HELD_SETS.get(names)
+    entry: DigestSet | list[tuple] = sigs
+    if prev is not None and (prev if isinstance(prev, list) else prev.signatures) == sigs:
+        try:
+            entry = DigestSet(tensors, hold=False)
+        except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
+            entry = sigs
+    with _HELD_LOCK:
+        _HELD_SETS[names] = entry
+        _HELD_SETS.move_to_end(names)
+        while len(_HELD_SETS) > KEPT_HELD_SETS:
+            _HELD_SETS.popitem(last=False)
 
 
 def version_of(t: torch.Tensor) -> int | None:

@@ -50,7 +50,7 @@ from refit_verify.errors import RefitConfigError
 if TYPE_CHECKING:
     from refit_verify.delivery import ModuleSession
 
-__all__ = ["REPLAY_ENV_VAR", "RefitPlan", "learn", "replay_call", "replay_from_env", "spec_of"]
+__all__ = ["REPLAY_ENV_VAR", "RefitPlan", "expand", "learn", "replay_call", "replay_from_env", "spec_of"]
 
 REPLAY_ENV_VAR = "REFIT_VERIFY_REPLAY"
 
@@ -89,15 +89,18 @@ class RefitPlan:
         params: ``{parameter: (numel, dtype, (shape, stride, storage offset), written whole from one tensor)}``.
         covered: ``{parameter: elements written}`` by a session that replayed every name of the plan
             (the same regions every time), filled by the first such session's manifest.
+        order: the names in the order the watched session delivered them.
     """
 
-    __slots__ = ("covered", "index", "nbytes", "params", "regions", "spec", "writes")
+    __slots__ = ("_whole", "covered", "index", "nbytes", "order", "params", "regions", "spec", "writes")
 
     def __init__(self, index: Any, spec: dict, nbytes: dict, writes: dict, regions: dict, params: dict) -> None:
         self.index = weakref.ref(index) if index is not None else (lambda: None)
         self.spec, self.nbytes = spec, nbytes
         self.writes, self.regions, self.params = writes, regions, params
         self.covered: dict[str, int] = {}
+        self.order = tuple(spec)
+        self._whole: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.spec)
@@ -153,11 +156,15 @@ def _unlearnable(ms: ModuleSession) -> str | None:
 
 
 def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> str | None:
-    """Record one ``load_weights`` list of a replayed session with the plan's regions; return None,
-    or why the plan does not describe it (then nothing is recorded and the call is watched as usual).
-    The caller runs on plain tensor ops."""
-    spec, seen = plan.spec, ms.spec
-    here: set[str] = set()
+    """Record one ``load_weights`` list of a replayed session from the plan; return None, or why the
+    plan does not describe it (then nothing is recorded and the call is watched as usual).
+
+    Per tensor: its name is a name of the plan not replayed yet in this session, and its
+    :func:`spec_of` is the plan's. Only the names are recorded here (``ms.replayed``); what the plan
+    says they wrote is filled in by :func:`expand` before anything reads it. The caller runs on
+    plain tensor ops."""
+    spec, seen = plan.spec, ms.replayed
+    n = len(weights)
     for item in weights:
         if type(item) is not tuple or len(item) != 2:
             return "load_weights was handed an item that is not a (name, tensor) pair"
@@ -165,14 +172,67 @@ def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> st
         s = spec.get(name) if isinstance(name, str) else None
         if s is None:
             return f"{name!r:.120} is not a name of the plan"
-        if name in seen or name in here:
+        if name in seen:
             return f"{name} was delivered twice"
-        if not isinstance(t, torch.Tensor) or spec_of(t) != s:
+        if not isinstance(t, torch.Tensor) or (type(t), t.shape, t.stride(), t.dtype, t.device) != s:
             return f"{name} came with another type, shape, strides, dtype or device than the plan's"
-        here.add(name)
+    if n > 1 and len({item[0] for item in weights}) != n:
+        return "a name was delivered twice in one load_weights call"
+    for item in weights:
+        seen[item[0]] = None
+    ms.unexpanded += n
+    return None
+
+
+def expand(ms: ModuleSession, plan: RefitPlan, whole: bool = False) -> None:
+    """Fill in what the plan says the names :func:`replay_call` recorded since the last expand wrote
+    (coverage, placements, landed regions, geometry, counts), as a watched session records them.
+
+    ``whole``: the session is closing; when it replayed every name of the plan in the plan's order
+    and recorded nothing else, the plan's records are taken as a whole (:meth:`RefitPlan` keeps
+    them after the first such session), not name by name."""
+    n = ms.unexpanded
+    if not n:
+        return
+    ms.unexpanded = 0
+    names = list(ms.replayed)[-n:] if n < len(ms.replayed) else list(ms.replayed)
+    if whole and n == len(plan) and not ms.written and not ms.delivered and tuple(names) == plan.order:
+        w = plan._whole
+        if w is None:
+            scratch = _Scratch()
+            _expand_names(scratch, plan, names)
+            w = plan._whole = vars(scratch)
+        ms.written, ms.placed, ms.derived = dict(w["written"]), dict(w["placed"]), dict(w["derived"])
+        ms.spec, ms.nbytes = dict(w["spec"]), dict(w["nbytes"])
+        ms.param_numel, ms.param_dtype = dict(w["param_numel"]), dict(w["param_dtype"])
+        ms.param_geometry, ms.replicated = dict(w["param_geometry"]), dict(w["replicated"])
+        ms.tensors += w["tensors"]
+        ms.bytes += w["bytes"]
+        return
+    _expand_names(ms, plan, names)
+
+
+class _Scratch:
+    """The records of a whole replay, filled once per plan (:func:`expand`; read, never changed)."""
+
+    def __init__(self) -> None:
+        self.written: dict = {}
+        self.placed: dict = {}
+        self.derived: dict = {}
+        self.spec: dict = {}
+        self.nbytes: dict = {}
+        self.param_numel: dict = {}
+        self.param_dtype: dict = {}
+        self.param_geometry: dict = {}
+        self.replicated: dict = {}
+        self.tensors = 0
+        self.bytes = 0
+
+
+def _expand_names(ms: Any, plan: RefitPlan, names: list[str]) -> None:
     written, placed, derived, regions = ms.written, ms.placed, ms.derived, plan.regions
     params, numel = plan.params, ms.param_numel
-    for name, _t in weights:
+    for name in names:
         for pname, c, key, n in plan.writes[name]:
             w = written.get(pname)
             if w is None:
@@ -183,9 +243,7 @@ def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> st
             w[c.dest] = n
             placed[pname].append((c, key, name))
         derived[name] = regions[name]
-        seen[name] = spec[name]
+        ms.spec[name] = plan.spec[name]
         ms.nbytes[name] = nb = plan.nbytes[name]
-        ms.replayed[name] = None
         ms.tensors += 1
         ms.bytes += nb
-    return None

@@ -188,3 +188,73 @@ def test_a_tensor_made_non_contiguous_after_its_add_is_digested_as_it_is_and_its
         assert b.hexdigests() == {"t": want}
         assert not dg._PLANNED
         t.t_()  # back to contiguous for the next round
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel-path", "cpu-path"])
+def test_held_batch_keeps_a_set_per_flush_and_checks_every_tensor_again(monkeypatch, kernel):
+    """A trainer exports the same memory at every refit: the first refit digests it the general way,
+    the second keeps a set over its flushes' signatures, and from the third on each flush reads its
+    kept set. New tensor objects over the same memory (a state_dict's) take it too; a tensor that
+    moved, changed after its add or was freed is never read through it."""
+    if kernel:
+        monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    dev = DEV if kernel else "cpu"
+    monkeypatch.setattr(ds, "_HELD_SETS", type(ds._HELD_SETS)())
+    g = torch.Generator().manual_seed(31)
+    params = {f"p{i}": torch.nn.Parameter(torch.randn(40 + 17 * i, generator=g).to(torch.bfloat16).to(dev), requires_grad=False)
+              for i in range(9)}
+
+    def refit(named, flush_bytes=600):
+        hb = ds.HeldBatch(flush_bytes)
+        for n, t in named:
+            hb.add(n, t)
+        got = hb.hexdigests()
+        return hb, got
+
+    def want(named):
+        return {n: dg.tensor_digest(t.detach().cpu()) for n, t in named}
+
+    named = list(params.items())
+    for r in range(4):
+        sets = sum(isinstance(v, ds.DigestSet) for v in ds._HELD_SETS.values())
+        hb, got = refit(named)
+        assert got == want(named) and list(got) == list(params) and not hb.changed
+        assert bool(hb._sets) is False  # collected
+        if r == 0:
+            assert sets == 0 and len(ds._HELD_SETS) >= 2  # signatures remembered, one entry per flush
+        if r >= 2:
+            assert sets == len(ds._HELD_SETS)  # every flush has its kept set
+        with torch.no_grad():
+            params["p3"].add_(1)  # other bytes, same memory: read again, never remembered
+    kept = dict(ds._HELD_SETS)
+    views = [(n, p.detach()) for n, p in named]  # new objects over the same memory
+    hb, got = refit(views)
+    assert got == want(views) and dict(ds._HELD_SETS) == kept
+    for _ in range(3):  # one flush of all of them, kept from the third time on
+        hb, got = refit(named, 1 << 30)
+    assert got == want(named) and isinstance(ds._HELD_SETS[tuple(params)], ds.DigestSet)
+    hb = ds.HeldBatch(1 << 30)
+    for n, t in named:
+        hb.add(n, t)
+    with torch.no_grad():
+        params["p2"].sub_(1)  # same memory, the kept set's signatures: only its version counter tells
+    got = hb.hexdigests()
+    assert list(hb.changed) == ["p2"] and "modified in place" in hb.changed["p2"] and "p2" not in got
+    hb = ds.HeldBatch(1 << 30)
+    for n, t in named:
+        hb.add(n, t)
+    with torch.no_grad():
+        params["p1"].mul_(2)  # changed after its add, before its flush
+    params["p7"].data = params["p7"].data.clone()  # given other memory
+    got = hb.hexdigests()
+    assert set(hb.changed) == {"p1", "p7"} and "modified in place" in hb.changed["p1"] and "replaced" in hb.changed["p7"]
+    assert got == {n: h for n, h in want(named).items() if n not in ("p1", "p7")}
+    hb, got = refit(named)  # p7 lives elsewhere now: the general path, then kept again
+    assert got == want(named)
+    params["p5"].untyped_storage().resize_(0)
+    hb = ds.HeldBatch(600)
+    for n, t in named:
+        if n != "p5":
+            hb.add(n, t)
+    with pytest.raises(dg.RefitInputError, match="freed or resized"):
+        hb.add("p5", params["p5"])
