@@ -352,6 +352,8 @@ class RefitCheck:
             raise
 
     def _verify(self) -> list[VerificationReport]:
+        for s in self._streams.values():  # the device digests the trainer's last tensors while the workers close
+            s.launch()
         results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()

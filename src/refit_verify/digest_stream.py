@@ -374,6 +374,15 @@ class StreamDigests:
                 self._done.pop(name, None)
                 self.changed[name] = why
 
+    def launch(self) -> None:
+        """Launch the digests of everything added and not launched yet (no synchronisation): a caller
+        with other work before :meth:`digests` lets the device digest meanwhile."""
+        t0 = time.perf_counter()
+        self._batch.launch()
+        if self._held is not None:
+            self._held.launch()
+        self.digest_s += time.perf_counter() - t0
+
     def digests(self) -> dict[str, str]:
         """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
         t0 = time.perf_counter()
