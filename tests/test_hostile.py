@@ -29,7 +29,7 @@ from refit_verify.dist_wire import (BROADCAST_PROTOCOL, MAX_SHARD_MESSAGE_BYTES,
                                     Bucket, RankReport, ShardMeta, ShardRoots, decode_broadcast, decode_rank_report,
                                     decode_shard_meta, decode_shard_roots)
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, from_wire, to_text, to_wire
+from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, digest_map, digest_map_text, from_wire, to_text, to_wire
 from refit_verify.wire import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello, Reject,
                                ShmHandle, Welcome, decode_reply, decode_request, encode)
 
@@ -188,6 +188,17 @@ def test_from_wire_refuses_hostile_manifests(marker):
     for name, data in hostile.items():
         with pytest.raises(RefitProtocolError, match="malformed SessionManifest"):
             from_wire(data)
+
+
+def test_digest_maps_from_workers_are_read_strictly(marker):
+    """Per-tensor digests a worker RPC returns (native manifest, transport and broadcast receives) are
+    JSON text; text, builtins and None are read, anything else is a RefitProtocolError."""
+    want = {"w": "0" * 32, "b": "f" * 32}
+    assert digest_map(digest_map_text(want)) == want and digest_map(want) == want
+    assert digest_map(None) is None and digest_map_text(None) is None and digest_map(digest_map_text({})) == {}
+    for bad in ("not json", '["w"]', '{"w": 1}', {"w": 1}, {1: "0" * 32}, [("w", "0" * 32)], live_pickle(marker), 3):
+        with pytest.raises(RefitProtocolError, match="malformed digest map"):
+            digest_map(bad)
     assert not os.path.exists(marker)
 
 

@@ -22,6 +22,7 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode, models  # noqa: E402
 from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
+from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.vllm_plugin import native  # noqa: E402
 from tests import native_cpu_backend as nb  # noqa: E402
 from tests.support.plugins import engine_plugin_env, entry_points_dir  # noqa: E402
@@ -79,7 +80,7 @@ def test_clean_update_verified_and_loaded(engine, packed):
     assert report.unchecked == () and report.proven_bytes > 0 and len(report.not_proven) == 8  # the whole session
     (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
     assert worker["verifying"] and not worker["active"] and worker["backend"] == nb.NAME
-    assert worker["manifest"] == digest_tensors(weights.items())
+    assert digest_map(worker["manifest"]) == digest_tensors(weights.items())
     assert worker["calls"] > 1 if packed else worker["calls"] == 1  # one load_weights per chunk
     names = readback_names(weights)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
@@ -238,7 +239,7 @@ def test_enforce_wraps_the_receive_boundary():
     assert r["engine_overrides"] == ["_refit_verify_native", "finish_weight_update", "start_weight_update", "update_weights"]
     assert r["hooked_during_update"] and r["hooked_after"]
     assert r["digested"] == ["w"] and r["loaded"]
-    assert r["manifest"] == {"w": tensor_digest(torch.arange(12, dtype=torch.float32).view(3, 4))}
+    assert digest_map(r["manifest"]) == {"w": tensor_digest(torch.arange(12, dtype=torch.float32).view(3, 4))}
 
 
 def test_vllm_without_native_api_still_installs(monkeypatch):

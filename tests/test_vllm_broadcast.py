@@ -35,6 +35,7 @@ from refit_verify import RefitConfig, models  # noqa: E402
 from refit_verify.broadcast import BroadcastSender  # noqa: E402
 from refit_verify.demo import readback_names, start_engine  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.manifest import digest_map  # noqa: E402
 from tests.dist_utils import free_port, rank_result, warm_numba_cache  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.test_broadcast import _Capture, _err, _reports  # noqa: E402
@@ -273,7 +274,7 @@ def test_clean_refit_verified_and_loaded(refits, engine):
     (w,) = refits["workers"]["clean"]
     assert (w["rank"], w["group_rank"], w["tensors"], w["buckets"], w["mode"], w["error"]) == (0, 1, 21, 4, "enforce", None)
     assert w["bytes"] == sum(t.numel() * t.element_size() for t in weights.values())
-    assert w["manifest"] == digest_tensors(weights.items())
+    assert digest_map(w["manifest"]) == digest_tensors(weights.items())
     names = readback_names(weights)
     assert len(names) == 7
     assert refits["readback"] == digest_tensors((n, weights[n]) for n in names)
@@ -292,7 +293,7 @@ def test_byte_changed_in_flight_named_with_group_rank(refits, engine):
     (w,) = refits["workers"]["fault_enforce"]
     want = digest_tensors(weights.items())
     assert w["error"] is None and w["tensors"] == 21
-    assert [n for n in want if w["manifest"][n] != want[n]] == [TARGET]
+    assert [n for n in want if digest_map(w["manifest"])[n] != want[n]] == [TARGET]
 
 
 def test_log_mode_only_warns(refits):

@@ -13,6 +13,7 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
 from refit_verify.demo import OneByteFlipSender, push, readback_names, start_engine  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 
@@ -48,7 +49,7 @@ def test_clean_refit_enforce_verifies_and_loads(engine, device):
         report, workers, _ = push(llm, s, weights, {"timeout_s": 60.0})
     assert not isinstance(report, BaseException), report
     assert report.ok and report.verified == len(weights) == 21
-    assert workers[0]["manifest"] == digest_tensors(weights.items())
+    assert digest_map(workers[0]["manifest"]) == digest_tensors(weights.items())
     # the engine now holds the new bytes: parameters vLLM keeps unfused and unpacked on every
     # backend (the CPU backend repacks linear weights) read back through a worker RPC
     names = readback_names(weights)

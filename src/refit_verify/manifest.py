@@ -19,7 +19,7 @@ import msgspec
 from refit_verify.errors import RefitProtocolError
 
 __all__ = ["AuditResult", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity", "to_text",
-           "from_wire", "to_wire"]
+           "digest_map", "digest_map_text", "from_wire", "to_wire"]
 
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
 
@@ -329,6 +329,31 @@ def from_wire(data: Any, cls: type = SessionManifest):
         return msgspec.convert(data, cls, strict=False)
     except (msgspec.ValidationError, msgspec.DecodeError, TypeError, ValueError) as e:
         raise RefitProtocolError(f"malformed {cls.__name__} from a worker: {e}") from None
+
+
+_DIGEST_MAP = msgspec.json.Decoder(dict[str, str])
+
+
+def digest_map_text(digests: dict[str, str] | None) -> str | None:
+    """``{name: 32-hex}`` as JSON text (None stays None): what worker RPCs return for per-tensor
+    digests, one string for vLLM's multiprocess ``collective_rpc`` to carry (see :func:`to_text`)."""
+    return None if digests is None else msgspec.json.encode(digests).decode()
+
+
+def digest_map(data: Any) -> dict[str, str] | None:
+    """Read the ``{name: 32-hex}`` a worker returned: JSON text (:func:`digest_map_text`), a mapping, or None.
+
+    Raises:
+        RefitProtocolError: ``data`` is neither, or not a mapping of str to str.
+    """
+    if data is None:
+        return None
+    try:
+        if isinstance(data, (str, bytes, bytearray, memoryview)):
+            return _DIGEST_MAP.decode(data)
+        return msgspec.convert(data, dict[str, str], strict=True)
+    except (msgspec.ValidationError, msgspec.DecodeError, TypeError, ValueError) as e:
+        raise RefitProtocolError(f"malformed digest map from a worker: {e}") from None
 
 
 class ExternalDigests:

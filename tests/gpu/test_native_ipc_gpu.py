@@ -28,6 +28,7 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitVerificationError, models  # noqa: E402
 from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.vllm_plugin import native  # noqa: E402
 from tests.gpu import native_ipc_faults as faults  # noqa: E402
 from tests.gpu.native_env import native_llm  # noqa: E402
@@ -89,7 +90,7 @@ def test_clean_ipc_update_verified_and_loaded(engine, packed):
     (report,) = native.last_reports()
     assert report.ok and report.verified == len(weights) == 21 and report.rank == 0
     (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
-    assert worker["verifying"] and worker["backend"] == "ipc" and worker["manifest"] == digest_tensors(weights.items())
+    assert worker["verifying"] and worker["backend"] == "ipc" and digest_map(worker["manifest"]) == digest_tensors(weights.items())
     assert worker["calls"] > 1 if packed else worker["calls"] == 1  # one load_weights per packed chunk
     names = readback_names(weights)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)

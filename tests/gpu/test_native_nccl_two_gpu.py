@@ -26,6 +26,7 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitVerificationError, models  # noqa: E402
 from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.vllm_plugin import native  # noqa: E402
 from tests.dist_utils import free_port  # noqa: E402
 from tests.gpu.native_env import native_llm  # noqa: E402
@@ -101,7 +102,7 @@ def test_clean_nccl_update_verified_and_loaded(engine, packed):
     (report,) = native.last_reports()
     assert report.ok and report.verified == len(weights) == 21 and report.rank == 0
     (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
-    assert worker["verifying"] and worker["backend"] == "nccl" and worker["manifest"] == digest_tensors(weights.items())
+    assert worker["verifying"] and worker["backend"] == "nccl" and digest_map(worker["manifest"]) == digest_tensors(weights.items())
     assert worker["calls"] > 1 if packed else worker["calls"] == 21  # one load_weights per packed buffer / per tensor
     names = readback_names(weights)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
@@ -116,4 +117,4 @@ def test_corrupted_nccl_tensor_named(engine, packed):
     assert (ei.value.mismatched, ei.value.missing, ei.value.unexpected) == ([TARGET], [], [])
     assert "worker rank 0" in str(ei.value)
     (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
-    assert worker["tensors"] == 21 and worker["manifest"][TARGET] != digest_tensors({TARGET: weights[TARGET]})[TARGET]
+    assert worker["tensors"] == 21 and digest_map(worker["manifest"])[TARGET] != digest_tensors({TARGET: weights[TARGET]})[TARGET]

@@ -21,7 +21,7 @@ from refit_verify.check import compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
 from refit_verify.digest_stream import changed_problems
 from refit_verify.errors import RefitConfigError
-from refit_verify.manifest import from_wire
+from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
 
@@ -228,7 +228,7 @@ class NativeSendVerifier:
         data = w.get("session_manifest")
         if data is not None and not w.get("active"):
             return compare_session({"model": sender}, from_wire(data), sender_problems=problems, undigested=changed)
-        r = compare_manifests(sender, w.get("manifest") or {}, rank=w.get("rank"))
+        r = compare_manifests(sender, digest_map(w.get("manifest")) or {}, rank=w.get("rank"))
         r = dataclasses.replace(r, unexpected=tuple(n for n in r.unexpected if n not in changed),
                                 problems=(*r.problems, *problems))
         return dataclasses.replace(r, unchecked=(

@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from refit_verify.config import mode_from_env
-from refit_verify.manifest import to_text
+from refit_verify.manifest import digest_map_text, to_text
 from refit_verify.vllm_plugin import sessions
 
 logger = logging.getLogger("refit_verify")
@@ -133,6 +133,9 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
         (``{name: 32-hex}`` of every tensor handed to ``load_weights`` in the update), ``tensors``,
         ``calls`` (``load_weights`` calls), ``digest_s`` (seconds) and ``session_manifest`` (the
         full :class:`~refit_verify.manifest.SessionManifest` of a finished update, as JSON text, ``manifest.to_text``).
+        ``manifest`` is JSON text too (:func:`~refit_verify.manifest.digest_map_text`; read it with
+        :func:`~refit_verify.manifest.digest_map`): vLLM's multiprocess ``collective_rpc`` decodes a
+        dictionary object by object, a string in one step.
     """
     engine = getattr(self, "weight_transfer_engine", None)
     state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
@@ -153,7 +156,7 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
         full = to_text(state.last)
     else:
         digests, calls, tensors, digest_s, full = {}, 0, 0, 0.0, None
-    out.update(backend=state.backend, token=state.token, session=state.starts, active=state.active, manifest=digests,
+    out.update(backend=state.backend, token=state.token, session=state.starts, active=state.active, manifest=digest_map_text(digests),
                tensors=tensors, calls=calls, digest_s=digest_s, session_manifest=full)
     if wb is not None:
         out["rank"] = wb.identity.rank if out["rank"] is None else out["rank"]

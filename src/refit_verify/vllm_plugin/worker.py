@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from refit_verify.manifest import digest_map_text
 from refit_verify.vllm_plugin import sessions, shims
 from refit_verify.vllm_plugin.trainer import DEFAULT_GROUP_TIMEOUT_S
 
@@ -30,7 +31,8 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
             sender's handshake; timeouts and buffer sizes from here).
 
     Returns:
-        dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` or None when not verifying),
+        dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` as JSON text, :func:`~refit_verify.manifest.digest_map`
+        reads it; None when not verifying),
         ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds), ``mode`` (agreed at the
         handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None),
         ``landed`` (engine parameters this refit wrote) and ``kept`` (``{engine parameter: why}``
@@ -74,7 +76,7 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
             e.args = (f"{e.args[0]}; engine: {len(kept)} parameters keep the previous version (layers the refit did not "
                       f"complete were put back whole): {', '.join(list(kept)[:12])}" + (" …" if len(kept) > 12 else ""), *e.args[1:])
         raise
-    return {"rank": self.rank, "manifest": res.manifest, "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
+    return {"rank": self.rank, "manifest": digest_map_text(res.manifest), "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
             "mode": res.mode.value, "rejected": res.rejected, "error": res.error, "landed": res.landed, "kept": res.kept}
 
 
@@ -172,7 +174,7 @@ def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] |
             timeout (``timeout_s`` of ``refit_verify_broadcast_init``), not by ``options["timeout_s"]``.
 
     Returns:
-        dict: ``rank`` (vLLM rank), ``group_rank``, ``manifest`` (``{wire name: 32-hex}`` or None
+        dict: ``rank`` (vLLM rank), ``group_rank``, ``manifest`` (``{wire name: 32-hex}`` as JSON text, or None
         when not verifying), ``tensors``, ``bytes``, ``buckets``, ``digest_s`` (seconds),
         ``mode``, ``refit_id``, ``error`` (``load`` errors and refused entries, or None).
 
@@ -199,7 +201,7 @@ def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] |
     digests = SessionDigests(wb, "broadcast") if wb is not None else None
     with _on_device(state["device"]), _reload_session(self, digests) as load:
         res = receive_broadcast(group, src, load, cfg, device=state["device"], digests=digests)
-    return {"rank": self.rank, "group_rank": group.rank(), "manifest": res.manifest, "tensors": res.tensors,
+    return {"rank": self.rank, "group_rank": group.rank(), "manifest": digest_map_text(res.manifest), "tensors": res.tensors,
             "bytes": res.bytes, "buckets": res.buckets, "digest_s": res.digest_s, "mode": res.mode.value,
             "refit_id": res.refit_id, "error": res.error}
 
