@@ -332,10 +332,12 @@ def _signatures(idx: ModelIndex) -> list[tuple] | None:
         return None
 
 
-def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str]]] | None:
+def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str, list[int]]]] | None:
     """The index's state tensors as a kept :class:`DigestSet` (built once per index, rebuilt when a
-    tensor's signature moved) with their ``(kind, label)``, or None when no set can read them (a
-    tensor that is not contiguous, or cannot be digested now: the general path says why).
+    tensor's signature moved) with what a snapshot records of each besides its digest (``(kind,
+    label, storage pointer, dtype name, shape)``: unchanged while the set is valid), or None when no
+    set can read them (a tensor that is not contiguous, or cannot be digested now: the general path
+    says why).
 
     Sets ``idx.kept["fresh"]``: the set's generation when every tensor was found as the set was
     built (the read-back of this close may then keep its program, :func:`_kept_program`), else None."""
@@ -362,9 +364,11 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str]]] | None
     except (RuntimeError, ValueError):
         kept["set"] = (None, None, gen, sigs)
         return None
-    kept["set"] = (ds, keys, gen, None)
+    static = [(kind, label, sig[4] if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
+              for (kind, label), t, sig in zip(keys, tensors, ds.signatures)]
+    kept["set"] = (ds, static, gen, None)
     kept["fresh"] = gen
-    return ds, keys
+    return ds, static
 
 
 @plain_tensor_ops
@@ -393,7 +397,8 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     """
     t0 = time.perf_counter()
     batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
-    meta: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
+    # (kind, label) -> storage pointer, dtype name, shape; the digest comes from a kept set or the batch
+    meta: dict[tuple[str, str], tuple[int, str, list[int]]] = {}
     digests: dict[tuple[str, str], str] = {}
     for role, b in modules.items():
         idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
@@ -402,12 +407,11 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         prefix = "" if role == "model" else f"{role}:"
         fast = None if isinstance(b, torch.nn.Module) else _kept_set(idx)
         if fast is not None:
-            ds, keys = fast
-            hexes = ds.digest(check=False)
-            for (kind, label), t, h, sig in zip(keys, ds.tensors, hexes, ds.signatures):
+            ds, static = fast
+            for (kind, label, ptr, dt, shape), h in zip(static, ds.digest(check=False)):
                 key = (kind, prefix + label)
                 if key not in meta:
-                    meta[key] = (t, sig[4] if t.numel() else 0)
+                    meta[key] = (ptr, dt, shape)
                     digests[key] = h
             continue
         for label, t, kind in idx.state:
@@ -415,15 +419,15 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             if key in meta:
                 continue
             batch.add(key, t)
-            meta[key] = (t, t.untyped_storage().data_ptr() if t.numel() else 0)
+            meta[key] = (t.untyped_storage().data_ptr() if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
     if len(batch):
         digests.update(batch.hexdigests())
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
     rep, wv = replicated or {}, written or {}
-    for key, (t, ptr) in meta.items():
+    for key, (ptr, dt, shape) in meta.items():
         kind, label = key
-        st = TensorState(digests[key], ptr, dtype_name(t.dtype), list(t.shape), bool(rep.get(label, False)), wv.get(label))
+        st = TensorState(digests[key], ptr, dt, list(shape), bool(rep.get(label, False)), wv.get(label))
         (params if kind == "param" else buffers)[label] = st
     return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
                           digest_s=time.perf_counter() - t0)
