@@ -88,3 +88,27 @@ def test_waits_into_another_process_are_bounded_from_a_thread_in_process_ones_ar
     assert _in_other_process(_Engine(SyncMPClient())) and not _in_other_process(_Engine(InprocClient()))
     assert _in_other_process(SyncMPClient()) and not _in_other_process(InprocClient())
     assert not _in_other_process(object())
+
+
+@pytest.mark.parametrize("bad", ["quantized", "nested", "meta", "freed", "not a tensor"])
+def test_held_adds_refuse_what_cannot_be_digested(bad):
+    """refit(copy=False) checks each tensor at its add too (inline for plain tensors and parameters):
+    a refused add raises RefitInputError and leaves nothing behind."""
+    r = refit_verify.refit(None, mode="off", copy=False)
+    r.mode = refit_verify.VerifyMode.LOG
+    good = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    r.add("good", good)
+    if bad == "quantized":
+        t = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    elif bad == "nested":
+        t = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    elif bad == "meta":
+        t = torch.nn.Parameter(torch.empty(3, device="meta"), requires_grad=False)
+    elif bad == "freed":
+        t = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+        t.untyped_storage().resize_(0)
+    else:
+        t = [1.0, 2.0]
+    with pytest.raises(RefitInputError):
+        r.add("bad", t)
+    assert r.expected() == {"model": {"good": refit_verify.tensor_digest(good)}}

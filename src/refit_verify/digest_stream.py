@@ -160,11 +160,20 @@ class HeldBatch:
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        with _PLAIN():
-            _check(t)
-            version = version_of(t)  # None for an inference tensor: its address is checked
-            nbytes = t.numel() * t.element_size()
-            held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
+        if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta) and t.layout is _STRIDED \
+                and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
+            size = t.element_size()
+            nbytes = t.numel() * size
+            storage = t.untyped_storage().nbytes() if nbytes else 0
+            if nbytes and t.storage_offset() * size + nbytes > storage:
+                _check(t)  # freed or resized under the tensor: raises, naming it
+            held = (name, t, version_of(t), t.data_ptr(), storage)
+        else:
+            with _PLAIN():
+                _check(t)
+                version = version_of(t)  # None for an inference tensor: its address is checked
+                nbytes = t.numel() * t.element_size()
+                held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
         self.changed.pop(name, None)
         self._held.append(held)
         self._pending += nbytes
@@ -233,6 +242,10 @@ class HeldBatch:
     def __len__(self) -> int:
         return len(self._order.keys() | {h[0] for h in self._held})
 
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose attribute reads no Python ``__torch_function__`` redirects (checked inline at an add)."""
+_STRIDED = torch.strided
 
 KEPT_HELD_SETS = 16
 """Flush signatures :class:`HeldBatch` keeps (one per flush of a trainer's export; least recently used dropped)."""
