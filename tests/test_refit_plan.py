@@ -395,3 +395,31 @@ def test_an_open_sessions_check_leaves_the_kept_close_alone():
     man = wb.close(sid)
     assert b.index() is idx and b.index().kept["read_back"][1] is prog
     assert man.modules["model"].replayed == 5 and _ok(w, man, 3).ok
+
+
+def test_an_open_sessions_check_from_another_thread_mid_call_loses_no_replayed_name():
+    """A replayed call records its names, then queues them to be filled in; a check of the open
+    session from another thread (vLLM's native open-update check) that lands in between fills in
+    what is queued then, and the rest is filled in later: every name is recorded once."""
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = toy_weights(3)
+    items = list(w.items())
+    sid = wb.open("s3", version=3)
+    ms = wb.modules["model"].session
+    checks = []
+
+    class Racy(list):  # the other thread's check runs right before this call's names are queued
+        def extend(self, names):
+            checks.append(wb.snapshot()[2])
+            super().extend(names)
+
+    ms.unexpanded = Racy()
+    model.load_weights(items[:2])
+    model.load_weights(items[2:])
+    assert checks == [0, 2]  # tensors recorded as each check saw them
+    man = wb.close(sid)
+    m = man.modules["model"]
+    assert m.replayed == 5 and m.unwritten == [] and m.bytes == sum(t.numel() * 2 for t in w.values())
+    r = _ok(w, man, 3)
+    assert r.ok and r.verified == 5 and r.proven_bytes == ALL

@@ -262,7 +262,7 @@ class ModuleSession:
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
         self.plan = plan  # replayed while not None (refit_plan): the loader tap is off
         self.replayed: dict[str, None] = {}  # names recorded from the plan, not watched
-        self.unexpanded = 0  # the last names of replayed whose records are not filled in yet (refit_plan.expand)
+        self.unexpanded: list[str] = []  # replayed names whose records are not filled in yet (refit_plan.expand)
         self.replay_left: str | None = None  # why this session stopped replaying its plan
         self.spec: dict[str, tuple] = {}  # name -> refit_plan.spec_of(tensor), when derive
         self.nbytes: dict[str, int] = {}  # name -> bytes delivered, when derive

@@ -118,8 +118,9 @@ class HeldBatch:
     the tensors themselves, every :attr:`flush_bytes` and at :meth:`hexdigests`.
 
     The same memory is exported at every refit, so each flush's list of names keeps a
-    :class:`~refit_verify.digest_set.DigestSet` built over it (process-wide, :data:`KEPT_HELD_SETS`
-    of them, holding signatures and launch plans, never the tensors): a flush whose names and
+    :class:`~refit_verify.digest_set.DigestSet` built over it (process-wide, up to
+    :data:`KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
+    the tensors): a flush whose names and
     tensor signatures (address, shape, strides, dtype, storage) are those of the kept set launches
     its plan with one signature compare per tensor, no planning. Anything else takes the general
     path (:class:`~refit_verify.digest.DigestBatch`) and keeps a new set.
@@ -247,9 +248,13 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 """Tensor types whose attribute reads no Python ``__torch_function__`` redirects (checked inline at an add)."""
 _STRIDED = torch.strided
 
-KEPT_HELD_SETS = 16
-"""Flush signatures :class:`HeldBatch` keeps (one per flush of a trainer's export; least recently used dropped)."""
+KEPT_HELD_TENSORS = 1 << 17
+"""Tensors over all the flush signatures and sets :class:`HeldBatch` keeps (one entry per flush of a
+trainer's export, least recently used dropped beyond this): an entry holds no tensor, only signatures
+and a launch plan, so a whole large model's flushes fit (a 7B model in bf16 is about 56 flushes of
+256 MiB; a bound by entries would drop each flush's entry just before it comes again)."""
 _HELD_SETS: OrderedDict[tuple[str, ...], DigestSet | list[tuple]] = OrderedDict()
+_HELD_TENSORS = 0  # tensors over the entries of _HELD_SETS
 _HELD_LOCK = threading.Lock()
 
 
@@ -278,10 +283,14 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
         except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
             entry = sigs
     with _HELD_LOCK:
+        global _HELD_TENSORS
+        old = _HELD_SETS.pop(names, None)
+        _HELD_TENSORS -= len(names) if old is not None else 0
         _HELD_SETS[names] = entry
-        _HELD_SETS.move_to_end(names)
-        while len(_HELD_SETS) > KEPT_HELD_SETS:
-            _HELD_SETS.popitem(last=False)
+        _HELD_TENSORS += len(names)
+        while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
+            dropped, _ = _HELD_SETS.popitem(last=False)
+            _HELD_TENSORS -= len(dropped)
 
 
 def version_of(t: torch.Tensor) -> int | None:

@@ -178,9 +178,9 @@ def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> st
             return f"{name} came with another type, shape, strides, dtype or device than the plan's"
     if n > 1 and len({item[0] for item in weights}) != n:
         return "a name was delivered twice in one load_weights call"
-    for item in weights:
-        seen[item[0]] = None
-    ms.unexpanded += n
+    names = [item[0] for item in weights]
+    seen.update(dict.fromkeys(names))
+    ms.unexpanded.extend(names)  # the names themselves: a concurrent expand (an open-update check) takes what is there
     return None
 
 
@@ -191,12 +191,13 @@ def expand(ms: ModuleSession, plan: RefitPlan, whole: bool = False) -> None:
     ``whole``: the session is closing; when it replayed every name of the plan in the plan's order
     and recorded nothing else, the plan's records are taken as a whole (:meth:`RefitPlan` keeps
     them after the first such session), not name by name."""
-    n = ms.unexpanded
+    queue = ms.unexpanded  # taken from, never swapped: a replaying thread may be adding to it right now
+    n = len(queue)
     if not n:
         return
-    ms.unexpanded = 0
-    names = list(ms.replayed)[-n:] if n < len(ms.replayed) else list(ms.replayed)
-    if whole and n == len(plan) and not ms.written and not ms.delivered and tuple(names) == plan.order:
+    names = queue[:n]
+    del queue[:n]
+    if whole and len(names) == len(plan) and not ms.written and not ms.delivered and tuple(names) == plan.order:
         w = plan._whole
         if w is None:
             scratch = _Scratch()

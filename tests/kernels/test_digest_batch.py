@@ -258,3 +258,30 @@ def test_held_batch_keeps_a_set_per_flush_and_checks_every_tensor_again(monkeypa
             hb.add(n, t)
     with pytest.raises(dg.RefitInputError, match="freed or resized"):
         hb.add("p5", params["p5"])
+
+
+def test_held_sets_are_bounded_by_tensors_not_flushes(monkeypatch):
+    """A large export goes through many flushes in the same order every refit: each keeps its set (a
+    bound by entries would drop every flush's set just before it comes again); the bound counts the
+    tensors over all entries, least recently used dropped first."""
+    monkeypatch.setattr(ds, "_HELD_SETS", type(ds._HELD_SETS)())
+    monkeypatch.setattr(ds, "_HELD_TENSORS", 0)
+    launched = []
+    orig = ds.DigestSet.launch
+    monkeypatch.setattr(ds.DigestSet, "launch", lambda self, *a, **k: (launched.append(len(self)), orig(self, *a, **k))[1])
+    params = [torch.nn.Parameter(torch.randn(64), requires_grad=False) for _ in range(40)]
+
+    def refit(ps):
+        hb = ds.HeldBatch(flush_bytes=256)  # one 256-byte parameter per flush
+        for i, p in enumerate(ps):
+            hb.add(f"p{i}", p)
+        return hb.hexdigests()
+
+    for r in range(4):
+        launched.clear()
+        got = refit(params)
+        assert got == {f"p{i}": dg.tensor_digest(p) for i, p in enumerate(params)}
+    assert len(launched) == 40 and len(ds._HELD_SETS) == 40 and ds._HELD_TENSORS == 40
+    monkeypatch.setattr(ds, "KEPT_HELD_TENSORS", 10)
+    refit(params[:3] + [torch.nn.Parameter(torch.randn(64), requires_grad=False)])  # a new flush: the bound applies
+    assert len(ds._HELD_SETS) == ds._HELD_TENSORS == 10 and ("p3",) in ds._HELD_SETS and ("p0",) in ds._HELD_SETS
