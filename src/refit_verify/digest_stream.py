@@ -120,9 +120,9 @@ class HeldBatch:
     The same memory is exported at every refit, so each flush's list of names keeps a
     :class:`~refit_verify.digest_set.DigestSet` built over it (process-wide, up to
     :data:`KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
-    the tensors): a flush whose names and
-    tensor signatures (address, shape, strides, dtype, storage) are those of the kept set launches
-    its plan with one signature compare per tensor, no planning. Anything else takes the general
+    the tensors): a flush whose names and tensor signatures (address, shape, strides, dtype,
+    storage) are those of the kept set launches its plan with one signature compare per tensor, no
+    planning. Anything else takes the general
     path (:class:`~refit_verify.digest.DigestBatch`) and keeps a new set.
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in

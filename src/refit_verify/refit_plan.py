@@ -174,7 +174,7 @@ def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> st
             return f"{name!r:.120} is not a name of the plan"
         if name in seen:
             return f"{name} was delivered twice"
-        if not isinstance(t, torch.Tensor) or (type(t), t.shape, t.stride(), t.dtype, t.device) != s:
+        if not isinstance(t, torch.Tensor) or spec_of(t) != s:
             return f"{name} came with another type, shape, strides, dtype or device than the plan's"
     if n > 1 and len({item[0] for item in weights}) != n:
         return "a name was delivered twice in one load_weights call"
