@@ -122,8 +122,8 @@ class HeldBatch:
     :data:`KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
     the tensors): a flush whose names and tensor signatures (address, shape, strides, dtype,
     storage) are those of the kept set launches its plan with one signature compare per tensor, no
-    planning. Anything else takes the general
-    path (:class:`~refit_verify.digest.DigestBatch`) and keeps a new set.
+    planning. Anything else takes the general path (:class:`~refit_verify.digest.DigestBatch`) and
+    is remembered for the next refit (:func:`_keep_held`).
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
