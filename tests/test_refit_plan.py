@@ -423,3 +423,83 @@ def test_an_open_sessions_check_from_another_thread_mid_call_loses_no_replayed_n
     assert m.replayed == 5 and m.unwritten == [] and m.bytes == sum(t.numel() * 2 for t in w.values())
     r = _ok(w, man, 3)
     assert r.ok and r.verified == 5 and r.proven_bytes == ALL
+
+
+def _refit_ahead(wb, model, w, version, *, enforce=True, staging=None, tamper=None, buckets=(("q_proj", "k_proj"), ("v_proj", "embed", "norm"))):
+    """Our transport's way: before each ``load_weights`` call, the sender's digests of its tensors
+    (``wb.expect``); the tensors are ``staging``'s (refilled in place, as a staging slot is) when
+    given. ``tamper``: a name whose bytes change after the sender's digest (one flipped bit)."""
+    sid = wb.open(f"s{version}", version=version)
+    want = digest_tensors(w.items())
+    for names in buckets:
+        items = []
+        for n in names:
+            t = w[n]
+            if staging is not None:
+                t = staging[n]
+                t.copy_(w[n])
+            if n == tamper:
+                t = t.clone() if staging is None else t
+                t.view(-1).view(torch.uint8)[1] ^= 0x04
+            items.append((n, t))
+        wb.expect({n: want[n] for n in names}, enforce)
+        model.load_weights(items)
+    return wb.close(sid)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checked_before_loading_then_replayed(writes, device):
+    """Digests ahead of the bytes (our transport): every call is checked before loading and, once a
+    watched session left a plan, replayed (tap off); the verdict reads what landed. The check reads
+    a staging slot refilled in place through a kept set from the third refit on."""
+    from refit_verify import digest_stream
+
+    wb, model = _worker(device)
+    staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}
+    w1 = toy_weights(1, device=device)
+    m1 = _refit_ahead(wb, model, w1, 1, staging=staging)
+    assert m1.modules["model"].replayed == 0 and len(writes) == 5
+    assert wb.modules["model"].plan is not None  # a pre-checked session is learned from
+    assert _ok(w1, m1, 1).ok and sorted(m1.modules["model"].in_place) == sorted(w1)
+    for v in (2, 3):
+        w = toy_weights(v, device=device)
+        writes.clear()
+        man = _refit_ahead(wb, model, w, v, staging=staging)
+        m = man.modules["model"]
+        assert writes == [] and m.replayed == 5 and m.replay_left is None and m.calls == 2
+        r = _ok(w, man, v)
+        assert r.ok and r.verified == 5 and r.proven_bytes == ALL and m.digests == digest_tensors(w.items())
+        assert torch.equal(model.qkv_proj[Q:Q + KV], w["k_proj"])
+    kept = digest_stream._HELD_SETS.get(("checked before loading", "v_proj", "embed", "norm"))
+    assert isinstance(kept, digest_stream.DigestSet)  # the same names over the same memory: planned once
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refused_before_loading_ends_the_replay_and_is_never_loaded(writes, device):
+    wb, model = _worker(device)
+    for v in (1, 2):
+        assert _ok(toy_weights(v, device=device), _refit_ahead(wb, model, toy_weights(v, device=device), v), v).ok
+    before = model.embed.detach().clone()
+    w = toy_weights(3, device=device)
+    writes.clear()
+    man = _refit_ahead(wb, model, w, 3, tamper="embed")
+    m = man.modules["model"]
+    assert m.replayed == 2 and m.replay_left == "a tensor was refused before loading"  # q, k replayed; the second call watched
+    assert len(writes) == 2  # v and norm, watched; embed never reached the model
+    assert torch.equal(model.embed, before)  # it keeps version 2
+    r = _ok(w, man, 3)
+    assert not r.ok and list(r.mismatched) == ["embed"] and r.verified == 4
+    assert torch.equal(model.qkv_proj[Q + KV:], w["v_proj"])
+
+
+def test_a_mismatch_in_log_mode_is_loaded_replayed_and_named():
+    wb, model = _worker()
+    for v in (1, 2):
+        _refit_ahead(wb, model, toy_weights(v), v, enforce=False)
+    w = toy_weights(3)
+    man = _refit_ahead(wb, model, w, 3, enforce=False, tamper="norm")
+    m = man.modules["model"]
+    assert m.replayed == 5 and m.replay_left is None
+    assert not torch.equal(model.norm, w["norm"])  # the flipped bytes were loaded (log mode)
+    r = _ok(w, man, 3)
+    assert not r.ok and list(r.mismatched) == ["norm"] and r.verified == 4

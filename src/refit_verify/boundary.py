@@ -17,7 +17,9 @@ model instance (main model and drafter alike) and every parameter's ``weight_loa
 * **verify before load**: when the sender's digests came ahead of the bytes (our transport,
   :meth:`SessionDigests.expect`), the next ``load_weights`` call digests all its tensors first (one
   synchronisation per call on CUDA), compares them with the sender's and, in ``enforce``, hands
-  the model only those that match: a refused tensor is never loaded (``refused``). Which
+  the model only those that match: a refused tensor is never loaded (``refused``). A call
+  in which nothing was refused is then replayed like any other (:mod:`refit_verify.refit_plan`):
+  the manifest's digest of a name is read where it landed. Which
   parameters then hold the new version and which kept the previous one is recorded with the
   session (:meth:`WorkerBoundary.note_kept`; the plugin puts a half-delivered fused layer back).
 

@@ -320,7 +320,8 @@ class ModuleSession:
                 self.derived[d.name] = list(d.regions)  # digested where it landed, at close
             else:
                 self.derived.pop(d.name, None)
-                self.batch.add(d.name, t)
+                if d.hex is None:  # else digested before loading
+                    self.batch.add(d.name, t)
         call.pending.clear()
         self.digest_s += time.perf_counter() - t0
         for name in call.names:
@@ -348,11 +349,10 @@ class ModuleSession:
         d = _Delivered(name, t, call.id, self.pulls, hexd)
         if self.derive:
             self.spec[name], self.nbytes[name] = spec_of(t), d.nbytes
-        if hexd is None:
-            if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
-                call.pending.append((d, t))  # a list's tensors stay as they are for the call
-            else:
-                self.batch.add(name, t)
+        if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
+            call.pending.append((d, t))  # a list's tensors stay as they are for the call
+        elif hexd is None:
+            self.batch.add(name, t)
         self.delivered[name] = d
         self.by_id[id(t)] = d
         cands = self.by_ptr.get(d.ptr)
@@ -479,10 +479,10 @@ class ModuleSession:
         pulled = self.batch.hexdigests()
         out: dict[str, str] = {}
         for name, d in self.delivered.items():
-            if d.hex is not None:
-                h = d.hex
-            elif name in self.derived:  # landed whole: what the engine holds where it landed (None: unread)
+            if name in self.derived:  # landed whole: what the engine holds where it landed (None: unread)
                 h = self.derived_hex.get(name)
+            elif d.hex is not None:  # checked before loading
+                h = d.hex
             else:
                 h = pulled.get(name)
             if h is not None and name not in self.withheld:
@@ -576,5 +576,5 @@ class ModuleSession:
             unattributed=list(self.unattributed), unwritten=unwritten, changed_after_delivery=changed,
             coverage_unknown={n: w for n, w in self.opaque.items() if n in params},
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
-            in_place=[n for n in self.derived if n in digests and (n in self.replayed or self.delivered[n].hex is None)],
+            in_place=[n for n in self.derived if n in digests],
             replayed=len(self.replayed), replay_left=self.replay_left)

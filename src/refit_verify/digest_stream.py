@@ -138,13 +138,17 @@ class HeldBatch:
 
     Args:
         flush_bytes: bytes held at which their digests are launched (default 256 MiB).
+        space: what the kept sets of this batch are keyed under besides the names (``""``: a
+            trainer's export): users of the same names over other memory in one process (a
+            colocated trainer and its engine's check before loading) keep theirs apart.
 
     Attributes:
         changed: ``{name: why}`` of tensors not digested because they changed after their add.
     """
 
-    def __init__(self, flush_bytes: int = 256 << 20) -> None:
+    def __init__(self, flush_bytes: int = 256 << 20, space: str = "") -> None:
         self.flush_bytes = flush_bytes
+        self._space = (space,) if space else ()
         self._batch = DigestBatch(hold_cpu=True)  # the general path: checked unchanged right before the launch reads them
         # (name, tensor, version counter, data_ptr, storage bytes) at the add
         self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
@@ -188,12 +192,13 @@ class HeldBatch:
         if not held:
             return
         names = tuple(h[0] for h in held)
+        key = self._space + names if self._space else names
         ts = [h[1] for h in held]
         try:
             sigs = list(map(signature, ts))
         except (RuntimeError, NotImplementedError):  # a tensor with no storage to sign: the general path says why
             sigs = None
-        kept = _kept_held(names, sigs)
+        kept = _kept_held(key, sigs)
         if kept is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
                                         for h, g in zip(held, sigs)):
             keys = []
@@ -204,9 +209,9 @@ class HeldBatch:
                 keys.append((name, self._adds))
             self._sets.append((keys, kept.launch(check=False, tensors=ts)))
             return
-        self._launch_general(held, names, sigs)
+        self._launch_general(held, key, sigs)
 
-    def _launch_general(self, held: list, names: tuple[str, ...], sigs: list[tuple] | None) -> None:
+    def _launch_general(self, held: list, key: tuple[str, ...], sigs: list[tuple] | None) -> None:
         """Check each held tensor and digest it through the :class:`DigestBatch`; when every one is
         unchanged and the names are unique, remember the flush's signatures (:func:`_keep_held`)."""
         latest = {h[0]: i for i, h in enumerate(held)}
@@ -225,7 +230,7 @@ class HeldBatch:
             self._batch.add(name, t, checked=True)  # checked at its add, unchanged since
         self._batch.launch()
         if ok:
-            _keep_held(names, sigs, [h[1] for h in held])
+            _keep_held(key, sigs, [h[1] for h in held])
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""

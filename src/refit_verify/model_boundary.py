@@ -25,6 +25,7 @@ import torch
 from refit_verify import delivery as _delivery  # its DERIVE_DEVICE_TYPES read at each use
 from refit_verify.delivery import ModuleSession
 from refit_verify.digest import _MANY_MIN, _PLAIN, DigestBatch
+from refit_verify.digest_stream import HeldBatch
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
@@ -139,11 +140,31 @@ class ModelBoundary:
                             raise
                     boundary.end_replay(why)
             pending = boundary.owner.take_expected() if target.sessioned else None
-            if target.plan is not None:  # what the plan does not describe: watched from here on
-                boundary.end_replay("the sender's digests came ahead of the bytes (checked before loading)" if pending is not None
-                                    else f"load_weights was handed {type(weights).__name__}, not a list")
+            pre = None
             if pending is not None and isinstance(weights, (list, tuple)):
-                weights = boundary._checked_first(target, weights, *pending)
+                n = len(weights)
+                weights, pre = boundary._check_first(target, weights, *pending)
+                if target.plan is not None and len(weights) == n:
+                    # checked before loading, nothing refused: the plan says where it lands (read back at close)
+                    with _PLAIN():
+                        why = replay_call(target, target.plan, weights)
+                    if why is None:
+                        target.calls += 1
+                        if "weights" in kwargs:
+                            kwargs["weights"] = weights
+                        else:
+                            args = (weights, *args[1:])
+                        try:
+                            return original(*args, **kwargs)
+                        except Exception as e:
+                            target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
+                            raise
+                    boundary.end_replay(why)
+            if target.plan is not None:  # what the plan does not describe: watched from here on
+                boundary.end_replay("a tensor was refused before loading" if pre is not None
+                                    else f"load_weights was handed {type(weights).__name__}, not a list")
+            if pre is not None:
+                weights = _DigestingList(boundary, weights, pre)
             elif isinstance(weights, (list, tuple)):
                 try:
                     pre = boundary._cpu_first(target, weights)
@@ -202,17 +223,21 @@ class ModelBoundary:
             return _DigestingList(self, weights)
         return _DigestingIter(self, weights)
 
-    def _checked_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
-                       enforce: bool) -> _DigestingList:
+    def _check_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
+                     enforce: bool) -> tuple[list, dict[int, str]]:
         """Digest every tensor of one call before the model sees any (one synchronisation), compare
-        with the sender's ``expected`` digests and return what the model may load.
+        with the sender's ``expected`` digests and return what the model may load, with
+        ``{id(tensor): 32-hex}`` of those checked.
 
         In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
         recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
-        sender did not announce are digested as pulled, as usual.
+        sender did not announce are digested as pulled (or replayed), as usual. The digests are
+        read through a :class:`~refit_verify.digest_stream.HeldBatch` (nothing changes the tensors
+        before it synchronises): a transport's calls come with the same names over the same memory
+        at every refit, so each call launches a kept set, with no per-tensor planning.
         """
         t0 = time.perf_counter()
-        batch = DigestBatch(hold_cpu=True)  # read before the model sees any
+        batch = HeldBatch(flush_bytes=1 << 62, space="checked before loading")  # read before the model sees any
         for item in weights:
             if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor):
                 batch.add(item[0], item[1])
@@ -231,7 +256,7 @@ class ModelBoundary:
                 continue
             pre[id(item[1])] = got[name]
             keep.append(item)
-        return _DigestingList(self, keep, pre)
+        return keep, pre
 
     def _cpu_first(self, target: ModuleSession, weights: list | tuple) -> dict[int, str] | None:
         """``{id(tensor): 32-hex}`` of the CPU tensors of a list, digested together before the model

@@ -25,8 +25,9 @@ Why a replayed session proves what a watched one does:
   (:data:`~refit_verify.manifest.CLOSE_AUDIT`). Replay is therefore used only where the worker
   takes that snapshot;
 * anything the plan does not describe ends the replay for the rest of the session before the
-  call runs: a name outside the plan or delivered twice, another geometry, an iterator, digests
-  sent ahead of the bytes (our transport's check before loading). That call and the later ones
+  call runs: a name outside the plan or delivered twice, another geometry, an iterator, a tensor
+  refused by the check before loading (our transport sends its digests ahead of the bytes: each
+  call is checked first, then replayed when nothing was refused). That call and the later ones
   are watched by the tap as usual; the manifest says why (``ModuleManifest.replay_left``).
 
 What replay gives up is diagnosis, not detection: a mismatch in a replayed session does not tell
@@ -144,8 +145,6 @@ def _unlearnable(ms: ModuleSession) -> str | None:
     for name, d in ms.delivered.items():
         if name not in ms.spec or ms.spec[name][4].type not in DERIVE_DEVICE_TYPES:
             return f"{name} is on a device whose landed regions are not read back in place (delivery.DERIVE_DEVICE_TYPES)"
-        if d.hex is not None:
-            return "the sender's digests came ahead of the bytes (checked before loading)"
         if d.other or not d.regions:
             return f"{name} was not copied whole and exactly into the engine"
     for entries in ms.placed.values():
