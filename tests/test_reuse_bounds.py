@@ -403,3 +403,19 @@ def test_push_whose_workers_fail_raises_the_senders_error_caused_by_the_workers(
         sender.close()
     assert time.perf_counter() - t0 < 1 + SLACK_S
     assert isinstance(ei.value.__cause__, RefitProtocolError) and "worker exploded" in str(ei.value.__cause__)
+
+
+def test_a_large_done_is_not_dropped_by_the_receivers_close():
+    """The receiver closes right after queueing its last reply. With no linger a large ``Done`` (a
+    big model's manifest: here 1,500 names of 200 characters, about 0.4 MB) could be discarded
+    before ZMQ's I/O thread wrote it, and the sender failed with "the receiver's connection closed
+    while waiting for Done" although the refit had landed (before the fix: the first refit here). The
+    close now gives queued messages LAST_WORDS_S to leave."""
+    tensors = [(f"model.layers.{i}." + "x" * 180 + ".weight", torch.full((4,), float(i))) for i in range(1500)]
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=TIMEOUT_S, buffer_bytes=1 << 20)) as tx:
+        for i in range(16):
+            rx = Timed(lambda: receive_once(tx.endpoint))
+            report, err, _ = timed_send(tx, tensors)
+            rx.join(TIMEOUT_S)
+            assert err is None and rx.error is None, f"refit {i}: sender {err!r}; receiver {rx.error!r}"
+            assert report.ok and report.verified == len(tensors)

@@ -54,12 +54,17 @@ def ms(seconds: float) -> int:
 
 
 def close_zmq(sock: zmq.Socket, watch: PeerWatch | None, ctx: zmq.Context, private_dir: str | None,
-              lock: EndpointLock | None = None) -> None:
-    """Close ``sock`` (and its monitor), terminate ``ctx``, then release ``lock`` and remove ``private_dir``."""
+              lock: EndpointLock | None = None, linger_s: float = 0.0) -> None:
+    """Close ``sock`` (and its monitor), terminate ``ctx``, then release ``lock`` and remove ``private_dir``.
+
+    ``linger_s``: how long (seconds) messages still queued on ``sock`` may take to leave before they
+    are dropped (a receiver's last ``Done``: closed right after it is queued, with no linger it can be
+    discarded before the I/O thread writes it, and the sender sees the connection close instead).
+    """
     try:
         if watch is not None:
             watch.close(sock)
-        sock.close(linger=0)
+        sock.close(linger=ms(linger_s) if linger_s > 0 else 0)
     finally:
         ctx.term()  # waits for the I/O thread: an ipc:// socket file is unlinked before the lock goes
         if lock is not None:

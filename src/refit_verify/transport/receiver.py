@@ -98,7 +98,8 @@ class RefitReceiver:
         except BaseException:
             close_zmq(self._sock, self._watch, self._ctx, None)
             raise
-        self._finalizer = weakref.finalize(self, close_zmq, self._sock, self._watch, self._ctx, None)
+        # the last reply (Done) may still be queued at close: it gets LAST_WORDS_S to leave
+        self._finalizer = weakref.finalize(self, close_zmq, self._sock, self._watch, self._ctx, None, None, LAST_WORDS_S)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._watch.mon, zmq.POLLIN)
