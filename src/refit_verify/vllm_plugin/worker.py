@@ -226,9 +226,11 @@ def refit_verify_broadcast_close(self) -> dict[str, Any]:
 def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterator[Callable[[list], None]]:
     """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
 
-    The reload is started before the body and finalized after it, also when the body raises (the
-    engine stays usable for the next refit); an error while finalizing after a failure is logged
-    and the original error raised. With ``digests`` (a :class:`~refit_verify.boundary.SessionDigests`),
+    The reload is started at the first ``load`` (a session opened by the transport's handshake
+    indexes the model outside the reload, so what the session keeps on its index — snapshot set,
+    read-back program, refit plan — survives from one refit to the next) and finalized after the
+    body, also when the body raises (the engine stays usable for the next refit); an error while
+    finalizing after a failure is logged and the original error raised. With ``digests`` (a :class:`~refit_verify.boundary.SessionDigests`),
     the reload is finalized just before its session closes, so the layers vLLM processes at
     finalize are inside the session (coverage and read-back see them).
 
@@ -240,6 +242,7 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
     """
     model = worker.get_model()
     start, finish = shims.layerwise_reload()
+    started = [False]
     finished = [not start]
     wb = getattr(digests, "wb", None)
 
@@ -247,6 +250,8 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         if finished[0]:
             return
         finished[0] = True
+        if not started[0]:
+            return  # nothing was loaded: the reload never started
         refused = wb.refused_names("model") if wb is not None else []
         if refused or failed:
             boundary = wb.modules.get("model") if wb is not None else None
@@ -268,10 +273,11 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         # references to what it was handed: give it owned copies, never views of a staging slot
         # that the sender refills after our Ack (the staged-slot reuse race) or of a broadcast
         # bucket that is freed and reused after the bucket.
+        if start and not started[0]:
+            start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
+            started[0] = True
         model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
 
-    if start:
-        start(model)
     if digests is not None:
         digests.before_close = finalize
     failed = True
