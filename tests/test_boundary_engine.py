@@ -214,3 +214,47 @@ def test_steady_state_refits_replay_the_plan(engine, monkeypatch):
     assert watched.reports[0].ok and watched.manifests[0].modules["model"].replayed == 0
     again = _sync(llm, model, _weights(cfg, 44), version=44)
     assert again.reports[0].ok and again.manifests[0].modules["model"].replayed == 21
+
+
+def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypatch):
+    """Our staged transport into the in-process engine: every Buffer's tensors are checked against
+    the sender's digests before ``load_weights`` (verify before load), and from the second refit on
+    the calls replay the plan the first left (the model's index survives vLLM's layerwise reload,
+    which starts at the first batch). A byte flipped in a staged slot while replaying is refused,
+    never loaded: its fused parameter keeps the previous refit's bytes and the report names it."""
+    from refit_verify.demo import OneByteFlipSender
+    from refit_verify.transport import RefitSender
+    from tests.soak_lanes import engine_layout
+
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
+    with RefitSender(config=conf, device=DEVICE) as tx:
+        for v, want in ((50, None), (51, 21), (52, 21)):  # the first replays a plan an earlier test left, if any
+            w = _weights(cfg, v)
+            res = refit_verify.push(llm, w, sender=tx)
+            (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+            m = man.modules["model"]
+            assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
+            assert m.replayed == (want if want is not None else m.replayed) and m.replay_left is None, (v, m.replayed, m.replay_left)
+            assert len(m.in_place) == 21 or not m.replayed  # replayed: every name read back where it landed
+    prev = engine_layout(_weights(cfg, 52))
+    target, fused = "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"
+    w = _weights(cfg, 53)
+    with OneByteFlipSender(config=conf, device=DEVICE, target=target, byte_index=5) as tx:
+        with pytest.raises(RefitVerificationError) as ei:
+            refit_verify.push(llm, w, sender=tx)
+    assert tx.flipped
+    rep = ei.value.report
+    sibs = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")  # q replayed in an earlier call
+    assert (rep.mismatched, rep.missing, rep.unexpected) == ((target,), sibs, ()), str(ei.value)
+    assert set(rep.rejected) == {target, *sibs} and list(rep.kept) == [fused] and rep.unwritten == (fused,)
+    assert all(rep.rejected[n].startswith(f"not applied: {fused} keeps the previous version") for n in sibs)
+    assert fused not in rep.landed and len(rep.landed) == len(dict(model.named_parameters())) - 1
+    (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+    m = man.modules["model"]
+    assert m.replay_left == "a tensor was refused before loading" and 0 < m.replayed < 21
+    held = dict(model.named_parameters())
+    assert torch.equal(held[fused], prev[fused])  # the whole fused parameter keeps version 52
+    now = engine_layout(w)
+    assert all(torch.equal(held[n], now[n]) for n in now if n != fused)

@@ -329,7 +329,7 @@ class WorkerBoundary:
             s.attributed.update(attributed)
             b = self.modules.get(role)
             if withheld and b is not None and b.session is not None:
-                b.session.withheld.update(withheld)
+                b.session.withhold(withheld)
 
     def outcome(self) -> tuple[dict[str, str], list[str], dict[str, str]]:
         """What the open session did to the engine: ``(rejected, landed, kept)``.

@@ -262,6 +262,7 @@ class ModuleSession:
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
         self.plan = plan  # replayed while not None (refit_plan): the loader tap is off
         self.replayed: dict[str, None] = {}  # names recorded from the plan, not watched
+        self.replayed_refs: dict[int, tuple[weakref.ref, str]] = {}  # storage ptr -> (weak ref, name): pre-checked replayed tensors
         self.unexpanded: list[str] = []  # replayed names whose records are not filled in yet (refit_plan.expand)
         self.replay_left: str | None = None  # why this session stopped replaying its plan
         self.spec: dict[str, tuple] = {}  # name -> refit_plan.spec_of(tensor), when derive
@@ -379,6 +380,33 @@ class ModuleSession:
                 return d
         return None
 
+    def replayed_name(self, t: torch.Tensor) -> str | None:
+        """The name of a tensor (or a view of it) a pre-checked call replayed in this session, or None."""
+        r = self.replayed_refs.get(_storage_ptr(t)) if self.replayed_refs else None
+        return r[1] if r is not None and r[0]() is not None else None
+
+    def withhold(self, withheld: dict[str, str]) -> None:
+        """Record delivered names that never landed (``{name: why}``: their layer was put back). A
+        replayed one leaves the regions the plan says it wrote: nothing is read back for it and its
+        parameters count as not written."""
+        self.withheld.update(withheld)
+        self.expand()
+        if self.plan is None and not self.replayed_refs:
+            return
+        plan = self.plan or self.module.plan
+        for name in withheld:
+            if name not in self.replayed or plan is None:
+                continue
+            self.derived.pop(name, None)
+            for pname, c, _key, _n in plan.writes.get(name, ()):
+                w = self.written.get(pname)
+                if w is not None:
+                    w.pop(c.dest, None)
+                    if not w:
+                        del self.written[pname]
+                if pname in self.placed:
+                    self.placed[pname] = [e for e in self.placed[pname] if e[2] != name]
+
     # -- loader callbacks -------------------------------------------------------------------
 
     def on_route(self, pname: str, loaded: torch.Tensor) -> None:
@@ -489,7 +517,7 @@ class ModuleSession:
                 out[name] = h
         for name in self.replayed:  # from the plan: what the engine holds where it lands (None: unread)
             h = self.derived_hex.get(name)
-            if h is not None:
+            if h is not None and name not in self.withheld:
                 out[name] = h
         for name, (h, _why) in self.refused.items():
             out.setdefault(name, h)

@@ -150,6 +150,9 @@ class ModelBoundary:
                         why = replay_call(target, target.plan, weights)
                     if why is None:
                         target.calls += 1
+                        refs = target.replayed_refs  # which tensor is which name, should its layer be put back
+                        for n_, t_ in weights:
+                            refs[_delivery._storage_ptr(t_)] = (weakref.ref(t_), n_)
                         if "weights" in kwargs:
                             kwargs["weights"] = weights
                         else:
@@ -292,7 +295,7 @@ class ModelBoundary:
         if not isinstance(t, torch.Tensor) or self.session is None:
             return None
         d = self.session.match(t)
-        return d.name if d is not None else None
+        return d.name if d is not None else self.session.replayed_name(t)
 
     # -- sessions -----------------------------------------------------------------------------
 
