@@ -84,6 +84,40 @@ def test_packer_digests_before_packing_and_off_runs_no_digest():
     assert off.manifest() is None and off.digest_s == 0.0
 
 
+def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_sending():
+    """digest_first (our transport's sender with a list): the whole refit is digested before any of
+    it is packed; every entry of every group carries its tensor's digest, as without it; a bad item
+    raises before anything is posted; a tensor changed after the digest keeps its earlier digest
+    (the receiver then refuses the changed bytes: a failure, never a pass)."""
+    align, cap = 64, 256
+    tensors = [("a", _t(10, 0)), ("b", _t(3, 1, torch.bfloat16)), ("big", _t(100, 2)), ("c", _t(40, 3)), ("f", _t(30, 5))]
+    want = {n: tensor_digest(t) for n, t in tensors}
+    for first in (False, True):
+        sink = RecordingSink(cap)
+        p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+        if first:
+            p.digest_first(tensors)
+            assert p._known == want
+        p.add_all(tensors)
+        assert {e.name: e.digest for _, ents, _, _ in sink.posts for e in ents} == want and p.manifest() == want
+    sink = RecordingSink(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        p.digest_first([("a", _t(4, 0)), ("b", [1, 2])])
+    with pytest.raises(ValueError, match="given twice"):
+        p.digest_first([("a", _t(4, 0)), ("a", _t(4, 1))])
+    assert sink.posts == []
+    changed = [("x", _t(8, 7)), ("y", _t(8, 8))]
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    p.digest_first(changed)
+    before = tensor_digest(changed[0][1])
+    changed[0][1].add_(1)
+    p.add_all(changed)
+    (_, ents, _, data), = sink.posts
+    assert ents[0].digest == before != tensor_digest(changed[0][1])  # the staged bytes are the changed ones
+    assert data[: ents[0].nbytes] == changed[0][1].view(torch.uint8).numpy().tobytes()
+
+
 def test_packer_cuts_a_group_when_its_entry_list_would_grow_too_large():
     sink = RecordingSink(1 << 20)
     p = Packer(sink, capacity=1 << 20, alignment=16, digests=None, max_entries_bytes=200)

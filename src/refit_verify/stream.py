@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, TypedDict
 
@@ -35,6 +35,7 @@ import torch
 
 from refit_verify.config import VerifyMode
 from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
+from refit_verify.digest_stream import HeldBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
 from refit_verify.report import VerificationReport, compare_manifests
@@ -182,7 +183,8 @@ class Packer:
         self.sink, self.capacity, self.alignment = sink, capacity, alignment
         self.digests, self.sync_digests, self.max_entries_bytes = digests, sync_digests, max_entries_bytes
         self.ahead = digests_ahead and digests is not None
-        self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead)
+        self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead), and all of digest_first's
+        self._known: dict[str, str] = {}  # digest_first's
         self.names: set[str] = set()
         self.entries: list[Entry] = []
         self.used = 0
@@ -202,7 +204,7 @@ class Packer:
         """
         name, t = checked_item(item, self.names)
         self.last_name = name
-        if self.digests is not None:
+        if self.digests is not None and name not in self._known:
             t0 = time.perf_counter()
             self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
             self.digest_s += time.perf_counter() - t0
@@ -234,6 +236,29 @@ class Packer:
         del u8
         self.tensors += 1
         self.bytes += n
+
+    def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """With ``digests_ahead``: digest a whole refit given as a sequence before any of it is
+        packed, through a :class:`~refit_verify.digest_stream.HeldBatch` (kept sets: the trainer's
+        memory at every refit): one synchronisation per device for the refit instead of one per
+        group. The tensors are the trainer's, unchanged while it sends them; one changed in between
+        is refused by the receiver (its bytes differ from its digest): a failure, never a pass.
+
+        Raises:
+            TypeError / ValueError: as :func:`checked_item` (before anything is sent);
+            RefitInputError: a tensor cannot be digested.
+        """
+        if not self.ahead:
+            return
+        t0 = time.perf_counter()
+        seen: set[str] = set()
+        batch = HeldBatch()
+        for item in items:
+            batch.add(*checked_item(item, seen))
+        got = batch.hexdigests()  # a name whose tensor changed before the read is left to its group
+        self._known.update(got)
+        self._hex.update(got)
+        self.digest_s += time.perf_counter() - t0
 
     def add_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """:meth:`add` every item, then :meth:`flush` the last group."""

@@ -517,6 +517,8 @@ class RefitSender:
             # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
                                        digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
+            if isinstance(named_tensors, (list, tuple)):
+                packer.digest_first(named_tensors)  # the whole refit's digests at once: no synchronisation per group
             packer.add_all(named_tensors)
             self._settle(st)
             sender_manifest = packer.manifest()
