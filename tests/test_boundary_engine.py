@@ -258,3 +258,50 @@ def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypat
     assert torch.equal(held[fused], prev[fused])  # the whole fused parameter keeps version 52
     now = engine_layout(w)
     assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
+
+
+def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(engine, monkeypatch):
+    """The broadcast receive's session shape (no digests ahead), through the plugin's own
+    ``_reload_session``: a refit that dies after its first bucket, while replaying, has vLLM's
+    layerwise reload put the partly loaded layer back. The names replayed into it are withheld
+    (from the plan: their tensors were not watched), so no parameter is reported both landed and
+    kept, and the report agrees with the engine's bytes."""
+    from refit_verify.boundary import SessionDigests
+    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin.worker import _reload_session
+    from tests.soak_lanes import engine_layout
+
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    wb = sessions.boundary_of(worker)
+
+    def refit(seed, fail_after=None):
+        items = list(_weights(cfg, seed).items())
+        dg = SessionDigests(wb, "broadcast")
+        try:
+            with _reload_session(worker, dg) as load:
+                dg.begin(f"b{seed}", None)
+                for i in range(0, len(items), 3):
+                    if i // 3 == fail_after:
+                        raise RuntimeError("peer died mid-stream")
+                    load(items[i:i + 3])
+                return dg.finish()[1], dg
+        except RuntimeError as e:
+            dg.fail(str(e))
+            return wb.last, dg
+
+    for seed in (60, 61):
+        man, _ = refit(seed)
+    assert man.modules["model"].replayed == 21
+    prev = {n: p.detach().clone() for n, p in model.named_parameters()}
+    man, dg = refit(62, fail_after=1)  # embed, layer 0's q and k landed; its v never came
+    assert man.modules["model"].replayed == 3
+    qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
+    assert qkv0 in dg.kept and not set(dg.landed) & set(dg.kept)
+    assert sorted(dg.rejected) == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert all(dg.rejected[n].startswith(f"not applied: {qkv0} keeps the previous version") for n in dg.rejected)
+    new, held = engine_layout(_weights(cfg, 62)), dict(model.named_parameters())
+    assert dg.landed == ["model.embed_tokens.weight"] and torch.equal(held["model.embed_tokens.weight"], new["model.embed_tokens.weight"])
+    assert all(torch.equal(held[n], prev[n]) for n in dg.kept if n in held)
+    assert not any("layers.0.self_attn" in n for n in man.modules["model"].digests)

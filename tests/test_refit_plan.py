@@ -503,3 +503,25 @@ def test_a_mismatch_in_log_mode_is_loaded_replayed_and_named():
     assert not torch.equal(model.norm, w["norm"])  # the flipped bytes were loaded (log mode)
     r = _ok(w, man, 3)
     assert not r.ok and list(r.mismatched) == ["norm"] and r.verified == 4
+
+
+def test_after_a_replayed_pre_checked_session_that_failed_the_next_is_watched(writes):
+    """Our transport's sessions are opened by the worker, not by the trainer's refit() (which opens
+    the session after a failure with replay=False): a replayed session whose names were right before
+    loading and hold other bytes where the plan says they land drops the plan, so the next one is
+    watched and names what the loader did (here: skipped norm)."""
+    wb, model = _worker()
+    for v in (1, 2):
+        _refit_ahead(wb, model, toy_weights(v), v)
+    model.skip = {"norm"}
+    w3 = toy_weights(3)
+    m3 = _refit_ahead(wb, model, w3, 3)
+    r3 = _ok(w3, m3, 3)
+    assert m3.modules["model"].replayed == 5 and not r3.ok and list(r3.mismatched) == ["norm"]
+    assert wb.modules["model"].plan is None and "norm holds other bytes where it landed" in wb.modules["model"].plan_why
+    writes.clear()
+    w4 = toy_weights(4)
+    m4 = _refit_ahead(wb, model, w4, 4)
+    r4 = _ok(w4, m4, 4)
+    assert m4.modules["model"].replayed == 0 and len(writes) == 4  # watched: q, k, v, embed (norm skipped)
+    assert not r4.ok and list(r4.unconsumed) == ["norm"]

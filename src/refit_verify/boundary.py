@@ -328,8 +328,11 @@ class WorkerBoundary:
             s.kept.update(kept)
             s.attributed.update(attributed)
             b = self.modules.get(role)
-            if withheld and b is not None and b.session is not None:
-                b.session.withhold(withheld)
+            if b is not None and b.session is not None:
+                if withheld:
+                    b.session.withhold(withheld)
+                if kept:  # names replayed into a put-back layer (their tensors were not watched)
+                    b.session.withhold_kept(kept)
 
     def outcome(self) -> tuple[dict[str, str], list[str], dict[str, str]]:
         """What the open session did to the engine: ``(rejected, landed, kept)``.

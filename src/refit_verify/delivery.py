@@ -262,7 +262,7 @@ class ModuleSession:
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
         self.plan = plan  # replayed while not None (refit_plan): the loader tap is off
         self.replayed: dict[str, None] = {}  # names recorded from the plan, not watched
-        self.replayed_refs: dict[int, tuple[weakref.ref, str]] = {}  # storage ptr -> (weak ref, name): pre-checked replayed tensors
+        self.prechecked: dict[str, str] = {}  # name -> its digest checked before loading (and loaded)
         self.unexpanded: list[str] = []  # replayed names whose records are not filled in yet (refit_plan.expand)
         self.replay_left: str | None = None  # why this session stopped replaying its plan
         self.spec: dict[str, tuple] = {}  # name -> refit_plan.spec_of(tensor), when derive
@@ -380,19 +380,12 @@ class ModuleSession:
                 return d
         return None
 
-    def replayed_name(self, t: torch.Tensor) -> str | None:
-        """The name of a tensor (or a view of it) a pre-checked call replayed in this session, or None."""
-        r = self.replayed_refs.get(_storage_ptr(t)) if self.replayed_refs else None
-        return r[1] if r is not None and r[0]() is not None else None
-
     def withhold(self, withheld: dict[str, str]) -> None:
         """Record delivered names that never landed (``{name: why}``: their layer was put back). A
         replayed one leaves the regions the plan says it wrote: nothing is read back for it and its
         parameters count as not written."""
         self.withheld.update(withheld)
         self.expand()
-        if self.plan is None and not self.replayed_refs:
-            return
         plan = self.plan or self.module.plan
         for name in withheld:
             if name not in self.replayed or plan is None:
@@ -406,6 +399,21 @@ class ModuleSession:
                         del self.written[pname]
                 if pname in self.placed:
                     self.placed[pname] = [e for e in self.placed[pname] if e[2] != name]
+
+    def withhold_kept(self, kept: dict[str, str]) -> None:
+        """Withhold the replayed names the plan says write into a parameter of ``kept`` (``{parameter:
+        why}``: put back whole, so nothing of those names landed)."""
+        self.expand()
+        plan = self.plan or self.module.plan
+        if plan is None or not self.replayed:
+            return
+        out = {}
+        for name in self.replayed:
+            hit = next((p for p, *_ in plan.writes.get(name, ()) if p in kept), None) if name not in self.withheld else None
+            if hit is not None:
+                out[name] = f"not applied: {hit} keeps the previous version ({kept[hit]}; a layer's parts land together or not at all)"
+        if out:
+            self.withhold(out)
 
     # -- loader callbacks -------------------------------------------------------------------
 

@@ -150,9 +150,6 @@ class ModelBoundary:
                         why = replay_call(target, target.plan, weights)
                     if why is None:
                         target.calls += 1
-                        refs = target.replayed_refs  # which tensor is which name, should its layer be put back
-                        for n_, t_ in weights:
-                            refs[_delivery._storage_ptr(t_)] = (weakref.ref(t_), n_)
                         if "weights" in kwargs:
                             kwargs["weights"] = weights
                         else:
@@ -212,6 +209,12 @@ class ModelBoundary:
         if not read_back:
             self.plan, self.plan_why = None, "the session's read-back failed"
             return
+        bad = [n for n, h in s.prechecked.items() if s.derived_hex.get(n, h) != h]
+        if bad:  # the bytes were right before loading and are not where the plan says they land: diagnose it watched
+            self.plan = None
+            self.plan_why = (f"{bad[0]} holds other bytes where it landed than were checked before loading "
+                             f"({len(bad)} such): the next session is watched")
+            return
         if s.plan is not None and not s.errors and not s.underived and s.plan.index() is self._index:
             return  # replayed throughout (a partial refit too), cleanly, on the same model: the same plan
         try:
@@ -257,7 +260,7 @@ class ModelBoundary:
                 target.refused[name] = (got[name], why)
                 logger.error("refit-verify: %s refused before loading: %s", name, why)
                 continue
-            pre[id(item[1])] = got[name]
+            pre[id(item[1])] = target.prechecked[name] = got[name]
             keep.append(item)
         return keep, pre
 
@@ -295,7 +298,7 @@ class ModelBoundary:
         if not isinstance(t, torch.Tensor) or self.session is None:
             return None
         d = self.session.match(t)
-        return d.name if d is not None else self.session.replayed_name(t)
+        return d.name if d is not None else None
 
     # -- sessions -----------------------------------------------------------------------------
 
