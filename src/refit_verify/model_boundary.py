@@ -132,12 +132,7 @@ class ModelBoundary:
                     with _PLAIN():
                         why = replay_call(target, target.plan, weights)
                     if why is None:
-                        target.calls += 1
-                        try:
-                            return original(*args, **kwargs)
-                        except Exception as e:
-                            target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
-                            raise
+                        return boundary._replayed(target, original, args, kwargs)
                     boundary.end_replay(why)
             pending = boundary.owner.take_expected() if target.sessioned else None
             pre = None
@@ -149,16 +144,11 @@ class ModelBoundary:
                     with _PLAIN():
                         why = replay_call(target, target.plan, weights)
                     if why is None:
-                        target.calls += 1
                         if "weights" in kwargs:
                             kwargs["weights"] = weights
                         else:
                             args = (weights, *args[1:])
-                        try:
-                            return original(*args, **kwargs)
-                        except Exception as e:
-                            target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
-                            raise
+                        return boundary._replayed(target, original, args, kwargs)
                     boundary.end_replay(why)
             if target.plan is not None:  # what the plan does not describe: watched from here on
                 boundary.end_replay("a tensor was refused before loading" if pre is not None
@@ -192,6 +182,15 @@ class ModelBoundary:
         setattr(load_weights, _MARK, self)
         load_weights.__refit_verify_original__ = original
         return load_weights
+
+    def _replayed(self, target: ModuleSession, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run one ``load_weights`` call the plan described (recorded already): no tap, no digests."""
+        target.calls += 1
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            target.errors.append(f"{self.role}.load_weights raised {type(e).__name__}: {e}"[:500])
+            raise
 
     def end_replay(self, why: str) -> None:
         """Watch the rest of the open session with the loader tap (what was replayed stays recorded)."""
