@@ -305,3 +305,44 @@ def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(en
     assert dg.landed == ["model.embed_tokens.weight"] and torch.equal(held["model.embed_tokens.weight"], new["model.embed_tokens.weight"])
     assert all(torch.equal(held[n], prev[n]) for n in dg.kept if n in held)
     assert not any("layers.0.self_attn" in n for n in man.modules["model"].digests)
+
+
+def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(engine, monkeypatch):
+    """A name replayed in one call and delivered again in a later one (the replay ends: "delivered
+    twice"; the later delivery is what lands), then the refit fails and layer 0 is put back: the
+    replayed delivery's plan regions are taken back, so the fused parameter is kept, not landed."""
+    from refit_verify.boundary import SessionDigests
+    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin.worker import _reload_session
+
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    wb = sessions.boundary_of(worker)
+
+    def refit(seed, buckets=None, fail=False):
+        w = _weights(cfg, seed)
+        items = list(w.items())
+        dg = SessionDigests(wb, "broadcast")
+        try:
+            with _reload_session(worker, dg) as load:
+                dg.begin(f"d{seed}", None)
+                for b in buckets or [items[i:i + 3] for i in range(0, len(items), 3)]:
+                    load(b)
+                if fail:
+                    raise RuntimeError("peer died mid-stream")
+                return dg.finish()[1], dg
+        except RuntimeError as e:
+            dg.fail(str(e))
+            return wb.last, dg
+
+    for seed in (70, 71):
+        man, _ = refit(seed)
+    assert man.modules["model"].replayed == 21
+    w = _weights(cfg, 72)
+    k0 = "model.layers.0.self_attn.k_proj.weight"
+    first = [(n, w[n]) for n in ("model.embed_tokens.weight", k0)]  # (q0 too would make q + 2k look like a whole qkv to vLLM)
+    man, dg = refit(72, buckets=[first, [(k0, w[k0])]], fail=True)
+    qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
+    assert qkv0 in dg.kept and qkv0 not in dg.landed and dg.landed == ["model.embed_tokens.weight"]
+    assert "delivered twice" in man.modules["model"].replay_left

@@ -190,7 +190,9 @@ class ModuleSession:
         if old is not None or name in self.replayed:  # a second delivery of a name: the later one is what lands
             if old is not None:
                 self.by_id.pop(id(old.ref()), None)
-            self.replayed.pop(name, None)
+            if name in self.replayed:  # its replayed write is recorded from the plan: the tap records the later one
+                self._unplace(name)
+                self.replayed.pop(name, None)
             self.derived.pop(name, None)
             self.redelivered += 1
         self.pulls += 1
@@ -232,20 +234,23 @@ class ModuleSession:
         replayed one leaves the regions the plan says it wrote: nothing is read back for it and its
         parameters count as not written."""
         self.withheld.update(withheld)
+        for name in withheld:
+            if name in self.replayed:
+                self._unplace(name)
+
+    def _unplace(self, name: str) -> None:
+        """Take back what the plan says replayed name ``name`` wrote (regions, placements, its read-back)."""
         self.expand()
         plan = self.plan or self.module.plan
-        for name in withheld:
-            if name not in self.replayed or plan is None:
-                continue
-            self.derived.pop(name, None)
-            for pname, c, _key, _n in plan.writes.get(name, ()):
-                w = self.written.get(pname)
-                if w is not None:
-                    w.pop(c.dest, None)
-                    if not w:
-                        del self.written[pname]
-                if pname in self.placed:
-                    self.placed[pname] = [e for e in self.placed[pname] if e[2] != name]
+        self.derived.pop(name, None)
+        for pname, c, _key, _n in (plan.writes.get(name, ()) if plan is not None else ()):
+            w = self.written.get(pname)
+            if w is not None:
+                w.pop(c.dest, None)
+                if not w:
+                    del self.written[pname]
+            if pname in self.placed:
+                self.placed[pname] = [e for e in self.placed[pname] if e[2] != name]
 
     def withhold_kept(self, kept: dict[str, str]) -> None:
         """Withhold the replayed names the plan says write into a parameter of ``kept`` (``{parameter:
