@@ -71,6 +71,38 @@ def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
     return r
 
 
+def _session_refit(llm, buckets, sid, fail_after=None):
+    """One refit as the broadcast receive runs it in a worker (a ``SessionDigests`` session through
+    the plugin's ``_reload_session``, no digests ahead): ``load`` each of ``buckets``; with
+    ``fail_after=i`` the stream dies before bucket ``i`` (``len(buckets)``: after the last).
+    Returns ``(the session's manifest, the SessionDigests)``."""
+    from refit_verify.boundary import SessionDigests
+    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin.worker import _reload_session
+
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    wb = sessions.boundary_of(worker)
+    dg = SessionDigests(wb, "broadcast")
+    try:
+        with _reload_session(worker, dg) as load:
+            dg.begin(sid, None)
+            for i, b in enumerate(buckets):
+                if i == fail_after:
+                    raise RuntimeError("peer died mid-stream")
+                load(b)
+            if fail_after == len(buckets):
+                raise RuntimeError("peer died mid-stream")
+            return dg.finish()[1], dg
+    except RuntimeError as e:
+        dg.fail(str(e))
+        return wb.last, dg
+
+
+def _buckets(w, n=3):
+    items = list(w.items())
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
 def test_direct_loads_verified_with_every_byte_proven(engine):
     llm, model, cfg = engine
     w = _weights(cfg, 1)
@@ -266,36 +298,15 @@ def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(en
     layerwise reload put the partly loaded layer back. The names replayed into it are withheld
     (from the plan: their tensors were not watched), so no parameter is reported both landed and
     kept, and the report agrees with the engine's bytes."""
-    from refit_verify.boundary import SessionDigests
-    from refit_verify.vllm_plugin import sessions
-    from refit_verify.vllm_plugin.worker import _reload_session
     from tests.soak_lanes import engine_layout
 
     monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
-    worker = llm.llm_engine.model_executor.driver_worker.worker
-    wb = sessions.boundary_of(worker)
-
-    def refit(seed, fail_after=None):
-        items = list(_weights(cfg, seed).items())
-        dg = SessionDigests(wb, "broadcast")
-        try:
-            with _reload_session(worker, dg) as load:
-                dg.begin(f"b{seed}", None)
-                for i in range(0, len(items), 3):
-                    if i // 3 == fail_after:
-                        raise RuntimeError("peer died mid-stream")
-                    load(items[i:i + 3])
-                return dg.finish()[1], dg
-        except RuntimeError as e:
-            dg.fail(str(e))
-            return wb.last, dg
-
     for seed in (60, 61):
-        man, _ = refit(seed)
+        man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"b{seed}")
     assert man.modules["model"].replayed == 21
     prev = {n: p.detach().clone() for n, p in model.named_parameters()}
-    man, dg = refit(62, fail_after=1)  # embed, layer 0's q and k landed; its v never came
+    man, dg = _session_refit(llm, _buckets(_weights(cfg, 62)), "b62", fail_after=1)  # embed, layer 0's q and k landed; its v never came
     assert man.modules["model"].replayed == 3
     qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
     assert qkv0 in dg.kept and not set(dg.landed) & set(dg.kept)
@@ -311,38 +322,15 @@ def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(en
     """A name replayed in one call and delivered again in a later one (the replay ends: "delivered
     twice"; the later delivery is what lands), then the refit fails and layer 0 is put back: the
     replayed delivery's plan regions are taken back, so the fused parameter is kept, not landed."""
-    from refit_verify.boundary import SessionDigests
-    from refit_verify.vllm_plugin import sessions
-    from refit_verify.vllm_plugin.worker import _reload_session
-
     monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
-    worker = llm.llm_engine.model_executor.driver_worker.worker
-    wb = sessions.boundary_of(worker)
-
-    def refit(seed, buckets=None, fail=False):
-        w = _weights(cfg, seed)
-        items = list(w.items())
-        dg = SessionDigests(wb, "broadcast")
-        try:
-            with _reload_session(worker, dg) as load:
-                dg.begin(f"d{seed}", None)
-                for b in buckets or [items[i:i + 3] for i in range(0, len(items), 3)]:
-                    load(b)
-                if fail:
-                    raise RuntimeError("peer died mid-stream")
-                return dg.finish()[1], dg
-        except RuntimeError as e:
-            dg.fail(str(e))
-            return wb.last, dg
-
     for seed in (70, 71):
-        man, _ = refit(seed)
+        man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"d{seed}")
     assert man.modules["model"].replayed == 21
     w = _weights(cfg, 72)
     k0 = "model.layers.0.self_attn.k_proj.weight"
     first = [(n, w[n]) for n in ("model.embed_tokens.weight", k0)]  # (q0 too would make q + 2k look like a whole qkv to vLLM)
-    man, dg = refit(72, buckets=[first, [(k0, w[k0])]], fail=True)
+    man, dg = _session_refit(llm, [first, [(k0, w[k0])]], "d72", fail_after=2)
     qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
     assert qkv0 in dg.kept and qkv0 not in dg.landed and dg.landed == ["model.embed_tokens.weight"]
     assert "delivered twice" in man.modules["model"].replay_left
