@@ -281,3 +281,41 @@ def test_manifests_of_a_kept_program_share_no_state(landed):
     mans = [_refit(wb, model, toy_weights(v), v)[0] for v in (1, 2, 3, 4)]
     a, b_ = mans[2].engine.params["qkv_proj"], mans[3].engine.params["qkv_proj"]
     assert a == b_ and a is not b_ and a.blocks is not b_.blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory(device, monkeypatch):
+    """digest_now (a transport's digests ahead of the bytes, a receiver's check before loading):
+    the first calls of a list of names go through a HeldBatch and keep a set; from then on the kept
+    plan is run with no HeldBatch at all, and it reads the bytes as they are at each call. Other
+    memory under the same names, a duplicate name or a tensor that cannot be read take the general
+    path again, with the right digests."""
+    from refit_verify import digest_stream
+    from refit_verify.digest_stream import HeldBatch, digest_now
+
+    ts = _tensors(device)
+    items = [(f"w{i}", t) for i, t in enumerate(ts)]
+    space = f"test {device} {os.getpid()}"
+    want = {n: tensor_digest(t) for n, t in items}
+    assert digest_now(items, space=space) == want  # signatures remembered
+    assert digest_now(items, space=space) == want  # the set is built
+    adds = []
+    real_add = HeldBatch.add
+    monkeypatch.setattr(HeldBatch, "add", lambda self, n, t: (adds.append(n), real_add(self, n, t)))
+    ts[2][5] += 1  # the same memory, other bytes: read as it is now
+    ts[4].zero_()
+    assert digest_now(items, space=space) == {n: tensor_digest(t) for n, t in items} != want
+    assert adds == []  # the kept set, no HeldBatch
+    moved = [(n, t.clone()) for n, t in items]  # the same names over other memory
+    moved[1][1].add_(1)
+    assert digest_now(moved, space=space) == {n: tensor_digest(t) for n, t in moved}
+    assert adds == [n for n, _ in moved]
+    adds.clear()
+    assert digest_now(items, space="another user") == {n: tensor_digest(t) for n, t in items}
+    assert adds == [n for n, _ in items]  # kept sets of one space are not another's
+    twice = [("a", ts[0]), ("a", ts[1])]
+    assert digest_now(twice, space=space) == {"a": tensor_digest(ts[1])}  # the later pair of a name counts
+    with pytest.raises(RefitInputError):
+        digest_now([("s", torch.eye(3).to_sparse())], space=space)
+    assert digest_stream._HELD_SETS  # what was kept is signatures and plans only
+    assert all(getattr(v, "tensors", None) is None for v in digest_stream._HELD_SETS.values())

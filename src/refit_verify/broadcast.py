@@ -9,7 +9,7 @@ GPUs, gloo on CPUs). This module is that path, verified end to end:
   is not ``off`` (one mode for the whole refit, chosen by the sender, as in the staged transport);
 * the sender digests each tensor **before** packing it (covers the cast, pack, broadcast and
   slicing) and packs with the stream layer shared with the staged transport
-  (:class:`refit_verify.stream.Packer`: aligned slots, groups cut at ``buffer_bytes // 2``, an
+  (:class:`refit_verify.pack.Packer`: aligned slots, groups cut at ``buffer_bytes // 2``, an
   oversized tensor alone); per bucket it broadcasts one typed :class:`~refit_verify.dist_wire.Bucket`
   (names, dtypes, shapes, offsets) followed by the bucket's bytes;
 * each receiver (:func:`receive_broadcast` / :class:`BroadcastReceiver`) validates every entry on
@@ -67,8 +67,9 @@ from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, 
                                  RefitReceiveError, RefitTimeoutError, RefitVerificationError)
 from refit_verify.manifest import ExternalDigests
 from refit_verify.report import VerificationReport, act_on
-from refit_verify.stream import (MAX_ERROR_CHARS, Batch, LoadFn, Packer, ReceiveState, StreamResult, StreamStats, receiver_report,
-                                 round_up, view_slots)
+from refit_verify.pack import Packer
+from refit_verify.stream import (MAX_ERROR_CHARS, Batch, LoadFn, ReceiveState, StreamResult, StreamStats, receiver_report, round_up,
+                                 view_slots)
 from refit_verify.wire import MAX_MESSAGE_BYTES, Entry
 
 __all__ = [

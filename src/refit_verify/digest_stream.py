@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -27,7 +28,7 @@ from refit_verify.digest import (
 from refit_verify.digest_set import DigestSet, SetLaunch, signature
 from refit_verify.errors import RefitInputError
 
-__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "snapshot", "version_of"]
+__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -296,6 +297,41 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
         while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
             dropped, _ = _HELD_SETS.popitem(last=False)
             _HELD_TENSORS -= len(dropped)
+
+
+@plain_tensor_ops
+def digest_now(items: Sequence[tuple[str, torch.Tensor]], space: str = "") -> dict[str, str]:
+    """``{name: 32-hex}`` of ``items`` as they are now, read in one batch (one synchronisation per device).
+
+    For a caller that reads tensors right after handing them over, with no code of its user in
+    between (a transport's digests ahead of the bytes, a receiver's check before loading): there is
+    no held interval to guard, so none of :class:`HeldBatch`'s per-add checks runs. When the names
+    (unique) and every tensor's :func:`~refit_verify.digest_set.signature` are those of a kept set
+    (the same memory as the last call of these names under ``space``), the kept launch plan is run
+    with one signature per tensor and nothing else per tensor; otherwise the call goes through a
+    :class:`HeldBatch` (every check, and the set is kept for the next call, as a flush's is).
+
+    Args:
+        items: ``(name, tensor)`` pairs; a later pair of the same name replaces an earlier one.
+        space: as :class:`HeldBatch` (kept sets of other users of the same names stay apart).
+
+    Raises:
+        RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`).
+    """
+    names = tuple(n for n, _ in items)
+    ts = [t for _, t in items]
+    if ts and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES for t in ts):
+        try:
+            sigs = list(map(signature, ts))
+        except (RuntimeError, NotImplementedError):  # no storage to sign: the general path says why
+            sigs = None
+        kept = _kept_held((space, *names) if space else names, sigs)
+        if kept is not None:
+            return dict(zip(names, kept.digest(check=False, tensors=ts)))
+    batch = HeldBatch(flush_bytes=1 << 62, space=space)
+    for name, t in items:
+        batch.add(name, t)
+    return batch.hexdigests()
 
 
 def version_of(t: torch.Tensor) -> int | None:

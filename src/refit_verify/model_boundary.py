@@ -25,7 +25,7 @@ import torch
 from refit_verify import delivery as _delivery  # its DERIVE_DEVICE_TYPES read at each use
 from refit_verify.delivery import ModuleSession
 from refit_verify.digest import _MANY_MIN, _PLAIN, DigestBatch
-from refit_verify.digest_stream import HeldBatch
+from refit_verify.digest_stream import digest_now
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
@@ -237,16 +237,14 @@ class ModelBoundary:
         In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
         recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
         sender did not announce are digested as pulled (or replayed), as usual. The digests are
-        read through a :class:`~refit_verify.digest_stream.HeldBatch` (nothing changes the tensors
-        before it synchronises): a transport's calls come with the same names over the same memory
-        at every refit, so each call launches a kept set, with no per-tensor planning.
+        read at once through :func:`~refit_verify.digest_stream.digest_now` (nothing runs between
+        the hand-over and the read): a transport's calls come with the same names over the same
+        memory at every refit, so each call launches a kept set, one signature per tensor.
         """
         t0 = time.perf_counter()
-        batch = HeldBatch(flush_bytes=1 << 62, space="checked before loading")  # read before the model sees any
-        for item in weights:
-            if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor):
-                batch.add(item[0], item[1])
-        got = batch.hexdigests()  # one synchronisation per device, before anything is loaded
+        got = digest_now([item for item in weights  # read before the model sees any: one synchronisation per device
+                          if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)],
+                         space="checked before loading")
         target.digest_s += time.perf_counter() - t0
         keep, pre = [], {}
         for item in weights:

@@ -2,7 +2,7 @@
 
 :class:`Progress` counts how far the refit got (``RefitTimeoutError.progress``); :class:`SendState`
 is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
-:class:`~refit_verify.stream.PackSink` the packer fills.
+:class:`~refit_verify.pack.PackSink` the packer fills.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from refit_verify import staging as _staging
 from refit_verify.config import VerifyMode
-from refit_verify.stream import Packer
+from refit_verify.pack import Packer
 from refit_verify.wire import Entry
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The trainer side of the staged transport: :class:`RefitSender` (a ZMQ REQ socket that binds).
 
-One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.stream.Packer` fills two
+One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.pack.Packer` fills two
 ping-pong staging buffers and this module sends one ``Buffer`` per filled buffer in strict REQ/REP
 lockstep (the next group is packed while the receiver reads this one), ``Complete``, and the
 verdict on the receiver's ``Done``. The state of one refit is a :class:`SendState`.
@@ -25,7 +25,8 @@ from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
 from refit_verify.report import VerificationReport, act_on
-from refit_verify.stream import MAX_ERROR_CHARS, Packer, StreamStats, receiver_report
+from refit_verify.pack import Packer
+from refit_verify.stream import MAX_ERROR_CHARS, StreamStats, receiver_report
 from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
                                           ms, private_endpoint)
 from refit_verify.transport.send_state import Progress, SendState
@@ -518,7 +519,9 @@ class RefitSender:
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
                                        digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
             if isinstance(named_tensors, (list, tuple)):
-                packer.digest_first(named_tensors)  # the whole refit's digests at once: no synchronisation per group
+                # the first group's digests now, the rest's right after the first group is sent (while the
+                # receiver checks and loads it): two synchronisations per refit, not one per group
+                packer.digest_first(named_tensors)
             packer.add_all(named_tensors)
             self._settle(st)
             sender_manifest = packer.manifest()
