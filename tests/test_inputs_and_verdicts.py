@@ -42,12 +42,25 @@ def test_tensors_that_cannot_be_digested_are_refused():
         refit_verify.tensor_digest(torch.ones([1] * 256))
 
 
-@pytest.mark.parametrize("bad", [None, {"a": "XYZ"}, {"a": "A" * 32}, {1: HEX}, {"a": None}])
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("bad", [None, {"a": "XYZ"}, {"a": "A" * 32}, {1: HEX}, {"a": None}, {"a": HEX, "b": HEX[:31]},
+                                 {"a": HEX[:31], "b": HEX + "0"}, {"a": HEX, "b": " " + HEX[1:]}, {"a": HEX[:-1] + "\n"},
+                                 {"a": HEX, "b": HEX[:16] + "G" + HEX[17:]}, {"a": HEX, "b": b"0" * 32}, {"a": HEX, "b": _Str("z" * 32)}])
 def test_bad_manifests_are_refused(bad):
-    with pytest.raises(RefitInputError):
+    """Every entry is a str name and 32 lowercase hex characters (values that only add up to 32 per
+    entry together, or a str subclass holding other characters, are refused too), naming the entry."""
+    with pytest.raises(RefitInputError, match="manifest"):
         compare_manifests(bad, {"a": HEX})
-    with pytest.raises(RefitInputError):
+    with pytest.raises(RefitInputError, match="manifest"):
         compare_manifests({"a": HEX}, bad)
+
+
+def test_good_manifests_pass_with_str_subclasses():
+    ok = {"a": HEX, _Str("b"): _Str(HEX), "": "0" * 32}
+    assert compare_manifests(ok, dict(ok)).ok and compare_manifests({}, {}).ok
 
 
 def test_allow_as_one_string_is_refused():

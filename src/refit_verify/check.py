@@ -93,8 +93,12 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
             continue
         tag = (lambda n: n) if module == "model" else (lambda n, m=module: f"{m}:{n}")
         r = compare_manifests(exp, digests)
-        sender.update({tag(k): v for k, v in exp.items()})
-        receiver.update({tag(k): v for k, v in digests.items()})
+        if module == "model":
+            sender.update(exp)
+            receiver.update(digests)
+        else:
+            sender.update({tag(k): v for k, v in exp.items()})
+            receiver.update({tag(k): v for k, v in digests.items()})
         mismatched += [tag(n) for n in r.mismatched]
         missing += [tag(n) for n in r.missing]
         unexpected += [tag(n) for n in r.unexpected if tag(n) not in skip]
@@ -148,12 +152,15 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     if man.engine is not None:
         proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
         for pname, st in man.engine.params.items():
-            role, sep, _ = pname.partition(":")
-            prefix = f"{role}:" if sep and role in man.modules else ""
-            if st.status == "verified" and any(prefix + src in landed_mismatched for src, _where in st.blocks or ()):
-                # its blocks were the landed digests themselves: the engine holds other bytes than the trainer's
-                engine_bad.append(pname)
-                proven, unproven = proven - st.bytes, unproven + st.bytes
+            if st.status == "verified":
+                if not landed_mismatched:
+                    continue
+                role, sep, _ = pname.partition(":")
+                prefix = f"{role}:" if sep and role in man.modules else ""
+                if any(prefix + src in landed_mismatched for src, _where in st.blocks or ()):
+                    # its blocks were the landed digests themselves: the engine holds other bytes than the trainer's
+                    engine_bad.append(pname)
+                    proven, unproven = proven - st.bytes, unproven + st.bytes
             elif st.status == "mismatch":
                 engine_bad.append(pname)
             elif st.status != "verified":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -143,12 +144,19 @@ class VerificationReport:
 
 
 _HEX = frozenset("0123456789abcdef")
+_HEX_RUN = re.compile("[0-9a-f]*")
+_STR = {str}
+_LEN32 = {32}
 
 
 def _check_manifest(m: object, side: str) -> None:
     if not isinstance(m, Mapping):
         raise RefitInputError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
-    for k, v in m.items():
+    values = list(m.values())  # the common case in a few C-level passes: str names, 32 lowercase hex characters each
+    if set(map(type, m)) <= _STR and set(map(type, values)) <= _STR and set(map(len, values)) <= _LEN32 \
+            and _HEX_RUN.fullmatch("".join(values)):
+        return
+    for k, v in m.items():  # name the first bad entry
         if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
             raise RefitInputError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
 
