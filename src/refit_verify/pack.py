@@ -71,8 +71,6 @@ class Packer:
         self.ahead = digests_ahead and digests is not None
         self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead), and all of digest_first's
         self._known: dict[str, str] = {}  # digest_first's
-        self._rest: Sequence[tuple[str, torch.Tensor]] | None = None  # digest_first's items left for after the first post
-        self._seen_first: set[str] = set()  # names digest_first validated
         self.names: set[str] = set()
         self.entries: list[Entry] = []
         self.used = 0
@@ -92,28 +90,27 @@ class Packer:
         """
         name, t = checked_item(item, self.names)
         self.last_name = name
-        u8 = logical_bytes(t)
-        n = u8.numel()
-        a = round_up(n, self.alignment)
-        dt, shape = dtype_name(t.dtype), list(t.shape)
-        alone = a > self.capacity
-        cost = 0 if alone else entry_cost(name, dt, t.dim())
-        if alone or self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
-            self.flush()  # the previous group goes first (and, after the first, digest_first's rest is digested)
         if self.digests is not None and name not in self._known:
             t0 = time.perf_counter()
             self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
             self.digest_s += time.perf_counter() - t0
             self._cuda_pending |= t.is_cuda
-        if alone:
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        a = round_up(n, self.alignment)
+        dt, shape = dtype_name(t.dtype), list(t.shape)
+        if a > self.capacity:
+            self.flush()
             self.finish_digests()
             if self.ahead:
                 entry: Entry = DigestEntry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n, digest=self._group_hex()[name])
             else:
                 entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
             self.sink.post_alone(u8, entry, a)
-            self._digest_rest()
         else:
+            cost = entry_cost(name, dt, t.dim())
+            if self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
+                self.flush()
             buf = self.sink.buffer(u8)
             if n:
                 dst = buf[self.used : self.used + n]
@@ -127,46 +124,30 @@ class Packer:
         self.bytes += n
 
     def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """With ``digests_ahead``: digest a refit given as a sequence ahead of its groups, in two
-        parts: the tensors the first group can hold (at most ``capacity`` aligned bytes) now, and
-        the rest right after the first group is sent, while the receiver checks and loads it. Each
-        part is read at once through :func:`~refit_verify.digest_stream.digest_now` (kept sets:
-        the trainer's memory at every refit): two synchronisations per device for the refit instead of
-        one per group, and only the first group's on the refit's critical path. The tensors are the
+        """With ``digests_ahead``: digest a whole refit given as a sequence before any of it is
+        packed, at once through :func:`~refit_verify.digest_stream.digest_now` (kept sets: the
+        trainer's memory at every refit; no per-tensor check besides one signature): one
+        synchronisation per device for the refit instead of one per group. The tensors are the
         trainer's, unchanged while it sends them; one changed in between is refused by the receiver
         (its bytes differ from its digest): a failure, never a pass.
 
+        Digesting only the first group's tensors ahead and the rest after the first group was sent
+        (while the receiver loads it) was tried and measured slower on one H200, about 17 ms per
+        refit more (``docs/performance.md``, the fourteenth run; the cause was not isolated: the
+        sender's digests then run on the GPU while the receiver's process loads).
+
         Raises:
-            TypeError / ValueError: as :func:`checked_item` (for the first part before anything is
-            sent, for the rest after the first group went: the refit is then aborted);
+            TypeError / ValueError: as :func:`checked_item` (before anything is sent);
             RefitInputError: a tensor cannot be digested.
         """
         if not self.ahead:
             return
-        head, used = 0, 0
-        for _, t in items:
-            n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            used += round_up(n, self.alignment)
-            if head and used > self.capacity:
-                break
-            head += 1
-        self._digest_known(items[:head])
-        self._rest = items[head:] if head < len(items) else None
-
-    def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Digest ``items`` together now (:func:`~refit_verify.digest_stream.digest_now`: one synchronisation per device)."""
         t0 = time.perf_counter()
-        seen = self._seen_first
-        got = digest_now([checked_item(item, seen) for item in items])  # a tensor that cannot be read is left to its group
+        seen: set[str] = set()
+        got = digest_now([checked_item(item, seen) for item in items])
         self._known.update(got)
         self._hex.update(got)
         self.digest_s += time.perf_counter() - t0
-
-    def _digest_rest(self) -> None:
-        """After a group was sent: digest what :meth:`digest_first` left for then, if anything."""
-        if self._rest is not None:
-            rest, self._rest = self._rest, None
-            self._digest_known(rest)
 
     def add_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """:meth:`add` every item, then :meth:`flush` the last group."""
@@ -184,8 +165,6 @@ class Packer:
                 entries = [DigestEntry(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, nbytes=e.nbytes,
                                        digest=hexes[e.name]) for e in entries]
             self.sink.post(entries, self.used)
-            self.entries, self.used, self._est = [], 0, 0
-            self._digest_rest()
         self.entries, self.used, self._est = [], 0, 0
 
     def _group_hex(self) -> dict[str, str]:

@@ -519,9 +519,7 @@ class RefitSender:
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
                                        digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
             if isinstance(named_tensors, (list, tuple)):
-                # the first group's digests now, the rest's right after the first group is sent (while the
-                # receiver checks and loads it): two synchronisations per refit, not one per group
-                packer.digest_first(named_tensors)
+                packer.digest_first(named_tensors)  # the whole refit's digests at once: no synchronisation per group
             packer.add_all(named_tensors)
             self._settle(st)
             sender_manifest = packer.manifest()
