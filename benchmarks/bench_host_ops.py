@@ -5,7 +5,8 @@
 For each of the 310 tensors of the Qwen3-0.6B-like set: tensor attribute reads, the views
 ``logical_bytes`` makes, a device copy (``clone``), the cached §3 seed, and the batches built from
 them (``DigestBatch`` without copies, ``CopyingBatch`` / ``StreamDigests`` with one copy per
-tensor, ``engine_state.snapshot`` of a module holding the set). One sample times the host side
+tensor, ``engine_state.snapshot`` of a module holding the set, ``digest_now`` of the whole set and
+of 40 tensors at a time, as the transport's two sides read it). One sample times the host side
 of one pass over the set (``time.perf_counter``, a CUDA synchronisation before the pass, none
 inside it unless the row says so); the table gives the median and quartiles over ``--rounds``
 samples in microseconds per tensor, and each row's ratio to the same run's ``t.view(-1)`` row.
@@ -25,7 +26,7 @@ import torch
 from refit_verify import models
 from refit_verify.boundary import identity_of
 from refit_verify.digest import DigestBatch, _tensor_seed, logical_bytes
-from refit_verify.digest_stream import CopyingBatch, StreamDigests, _same_storage
+from refit_verify.digest_stream import CopyingBatch, StreamDigests, _same_storage, digest_now
 from refit_verify.engine_state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         ("StreamDigests: add + digests (incl. sync)", stream),
         ("StreamDigests(copy=False): add + digests (incl. sync)", held),
         ("engine_state.snapshot of the module (incl. sync)", lambda: snapshot({"model": module}, who)),
+        ("digest_now of the set, kept (incl. sync): the transport sender's digests ahead", lambda: digest_now(ts, space="bench")),
+        ("digest_now, 40 tensors at a time (incl. syncs): the worker's check before loading",
+         lambda: [digest_now(ts[i:i + 40], space="bench-40") for i in range(0, len(ts), 40)]),
     ]
     samples: dict[str, list[float]] = {label: [] for label, _ in rows}
     for r in range(a.rounds + 1):
