@@ -317,5 +317,11 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
     assert digest_now(twice, space=space) == {"a": tensor_digest(ts[1])}  # the later pair of a name counts
     with pytest.raises(RefitInputError):
         digest_now([("s", torch.eye(3).to_sparse())], space=space)
+    assert digest_now(iter(items), space=space) == {n: tensor_digest(t) for n, t in items}  # an iterator, read once
+    empty = [("e", torch.empty(0, device=device))]
+    for _ in range(3):
+        assert digest_now(empty, space=space) == {"e": tensor_digest(empty[0][1])}
+    with pytest.raises(RefitInputError):  # a meta tensor signs like an empty one: refused, never taken from the set
+        digest_now([("e", torch.empty(0, device="meta"))], space=space)
     assert digest_stream._HELD_SETS  # what was kept is signatures and plans only
     assert all(getattr(v, "tensors", None) is None for v in digest_stream._HELD_SETS.values())

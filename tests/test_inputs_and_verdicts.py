@@ -58,6 +58,41 @@ def test_bad_manifests_are_refused(bad):
         compare_manifests({"a": HEX}, bad)
 
 
+def test_a_mapping_is_compared_as_it_was_checked():
+    """A Mapping whose views disagree (values() valid, items() / [] not) is refused or compared by
+    the pairs that were checked: never a pass over values nobody checked (found in review)."""
+    from collections.abc import Mapping
+
+    class Lying(Mapping):
+        def __init__(self, good, served):
+            self.good, self.served = good, served
+
+        def __getitem__(self, k):
+            return self.served[k]
+
+        def __iter__(self):
+            return iter(self.good)
+
+        def __len__(self):
+            return len(self.good)
+
+        def values(self):
+            return list(self.good.values())
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+    other = "1" * 32
+    with pytest.raises(RefitInputError, match="receiver manifest entry 'w'"):
+        compare_manifests({"w": HEX}, Lying({"w": other}, {"w": Anything()}))
+    rep = compare_manifests({"w": HEX}, Lying({"w": other}, {"w": other}))
+    assert not rep.ok and rep.mismatched == ("w",)
+
+
 def test_good_manifests_pass_with_str_subclasses():
     ok = {"a": HEX, _Str("b"): _Str(HEX), "": "0" * 32}
     assert compare_manifests(ok, dict(ok)).ok and compare_manifests({}, {}).ok

@@ -318,9 +318,10 @@ def digest_now(items: Sequence[tuple[str, torch.Tensor]], space: str = "") -> di
     Raises:
         RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`).
     """
+    items = list(items)  # an iterator is read once
     names = tuple(n for n, _ in items)
     ts = [t for _, t in items]
-    if ts and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES for t in ts):
+    if ts and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
         try:
             sigs = list(map(signature, ts))
         except (RuntimeError, NotImplementedError):  # no storage to sign: the general path says why

@@ -149,16 +149,19 @@ _STR = {str}
 _LEN32 = {32}
 
 
-def _check_manifest(m: object, side: str) -> None:
+def _check_manifest(m: object, side: str) -> dict[str, str]:
+    """``m`` as a plain dict of the pairs checked (what the comparison then reads), or RefitInputError."""
     if not isinstance(m, Mapping):
         raise RefitInputError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
-    values = list(m.values())  # the common case in a few C-level passes: str names, 32 lowercase hex characters each
-    if set(map(type, m)) <= _STR and set(map(type, values)) <= _STR and set(map(len, values)) <= _LEN32 \
+    items = list(m.items())  # the pairs a comparison reads; the common case in a few C-level passes over them
+    names, values = (list(x) for x in zip(*items)) if items else ([], [])
+    if set(map(type, names)) <= _STR and set(map(type, values)) <= _STR and set(map(len, values)) <= _LEN32 \
             and _HEX_RUN.fullmatch("".join(values)):
-        return
-    for k, v in m.items():  # name the first bad entry
+        return dict(items)
+    for k, v in items:  # name the first bad entry
         if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
             raise RefitInputError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
+    return dict(items)
 
 
 def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None = None,
@@ -176,8 +179,8 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
         VerificationReport: ``ok`` is True only if both have the same names and equal digests and
         the receiver rejected nothing.
     """
-    _check_manifest(sender, "sender")
-    _check_manifest(receiver, "receiver")
+    sender = _check_manifest(sender, "sender")  # plain dicts of the pairs checked: a Mapping whose views disagree
+    receiver = _check_manifest(receiver, "receiver")  # is compared as it was checked
     mismatched = tuple(k for k, v in sender.items() if k in receiver and receiver[k] != v)
     missing = tuple(k for k in sender if k not in receiver)
     unexpected = tuple(k for k in receiver if k not in sender)
