@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -300,7 +300,7 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
 
 
 @plain_tensor_ops
-def digest_now(items: Sequence[tuple[str, torch.Tensor]], space: str = "") -> dict[str, str]:
+def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> dict[str, str]:
     """``{name: 32-hex}`` of ``items`` as they are now, read in one batch (one synchronisation per device).
 
     For a caller that reads tensors right after handing them over, with no code of its user in
@@ -312,8 +312,13 @@ def digest_now(items: Sequence[tuple[str, torch.Tensor]], space: str = "") -> di
     :class:`HeldBatch` (every check, and the set is kept for the next call, as a flush's is).
 
     Args:
-        items: ``(name, tensor)`` pairs; a later pair of the same name replaces an earlier one.
+        items: ``(name, tensor)`` pairs (any iterable, read once), tensors of any dtype, shape and
+            device the digest reads; a later pair of the same name replaces an earlier one.
         space: as :class:`HeldBatch` (kept sets of other users of the same names stay apart).
+
+    Returns:
+        dict[str, str]: ``{name: 32 lowercase hex}`` (digest v1, ``docs/digest-spec.md``; equal to
+        :func:`~refit_verify.digest.tensor_digest` of each tensor), in first-insertion order.
 
     Raises:
         RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`).
