@@ -326,12 +326,15 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     items = list(items)  # an iterator is read once
     names = tuple(n for n, _ in items)
     ts = [t for _, t in items]
-    if ts and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
+    key = (space, *names) if space else names
+    with _HELD_LOCK:
+        built = isinstance(_HELD_SETS.get(key), DigestSet)  # else the HeldBatch below signs them (once)
+    if built and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
         try:
             sigs = list(map(signature, ts))
         except (RuntimeError, NotImplementedError):  # no storage to sign: the general path says why
             sigs = None
-        kept = _kept_held((space, *names) if space else names, sigs)
+        kept = _kept_held(key, sigs)
         if kept is not None:
             return dict(zip(names, kept.digest(check=False, tensors=ts)))
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
