@@ -68,6 +68,13 @@ class Profile:
         self.out = out
         self.prof: dict[str, cProfile.Profile] = {}
         self.runs: dict[str, int] = {}
+        self.extras: dict[str, cProfile.Profile] = {}
+
+    def extra(self, title: str):
+        """A further profile written under ``title`` (e.g. one another thread enables)."""
+        import cProfile
+
+        return self.extras.setdefault(title, cProfile.Profile())
 
     def run(self, path: str, fn):
         import cProfile
@@ -90,4 +97,10 @@ class Profile:
             st = pstats.Stats(p, stream=buf)
             st.sort_stats("tottime").print_stats(45)
             st.sort_stats("cumulative").print_stats("refit_verify", 60)
+        for title, p in self.extras.items():
+            if p.getstats():
+                buf.write(f"\n===== {title} =====\n")
+                st = pstats.Stats(p, stream=buf)
+                st.sort_stats("tottime").print_stats(45)
+                st.sort_stats("cumulative").print_stats(60)
         Path(self.out).write_text(buf.getvalue())

@@ -114,6 +114,7 @@ class Bench:
         self.version = 0
         self.observed: dict[str, float] = {}
         self.files: Path | None = None
+        self.thread_profile = None  # --profile: a cProfile.Profile for the transport sender's thread
         want_native = any(p.startswith("native") for p in self.paths)
         backend = self._native_backend() if want_native else None
         self.llm = self._start(backend)
@@ -175,6 +176,8 @@ class Bench:
         kw: dict[str, Any] = dict(model=str(self.a.config_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                                   max_model_len=128, dtype="bfloat16", seed=0,
                                   gpu_memory_utilization=self.a.gpu_memory_utilization if self.cuda else 0.1)
+        if self.a.profile and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
+            kw["worker_extension_cls"] = "benchmarks._paths_ext.WorkerProfile"
         if backend is None:
             return LLM(**kw)
         from vllm.config import WeightTransferConfig
@@ -280,8 +283,9 @@ class Bench:
         """Our staged transport: ``refit_verify.push`` with one sender reused across rounds."""
         import refit_verify
 
+        sender = self.sender if self.thread_profile is None else _ProfiledSend(self.sender, self.thread_profile)
         t0 = pc()
-        res = refit_verify.push(self.llm, self.items, sender=self.sender)
+        res = refit_verify.push(self.llm, self.items, sender=sender)
         self._sync()
         wall = pc() - t0
         st = dict(self.sender.last_stats or {})
@@ -452,6 +456,24 @@ class Bench:
         del self.llm
 
 
+class _ProfiledSend:
+    """The transport's sender for a profiled refit: ``send`` runs in ``push``'s thread, under ``prof``
+    (cProfile sees only the thread that enables it); everything else is the sender's."""
+
+    def __init__(self, sender: Any, prof: Any) -> None:
+        self._sender, self._prof = sender, prof
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sender, name)
+
+    def send(self, items: Any) -> Any:
+        self._prof.enable()
+        try:
+            return self._sender.send(items)
+        finally:
+            self._prof.disable()
+
+
 def _buckets(items: list, nbytes: int) -> list[list]:
     """Group ``(name, tensor)`` pairs in order into lists of at most ``nbytes`` (a larger tensor goes alone)."""
     out, cur, used = [], [], 0
@@ -503,6 +525,9 @@ def main() -> None:
         return
     send(ready)
     prof = Profile(a.profile) if a.profile else None
+    worker_prof = a.profile is not None and a.kind == "mp"
+    if prof is not None and "transport" in bench.paths:
+        bench.thread_profile = prof.extra("transport: the sender's thread (push runs RefitSender.send in it)")
     gct = GcTimer()
     for line in sys.stdin.buffer:
         try:
@@ -513,13 +538,21 @@ def main() -> None:
         if cmd.op == "quit":
             if prof is not None:
                 prof.write()
+            if worker_prof:
+                bench.llm.collective_rpc("bench_profile", args=("write", str(Path(a.profile).with_suffix(".worker.txt"))))
             bench.close()
             send(Reply(op="quit", ok=True))
             return
         try:
             g_s, g_n = gct.seconds, gct.collections
             if prof is not None and cmd.round >= 0:
-                wall, ph, counts = prof.run(cmd.path, bench.run)
+                if worker_prof:
+                    bench.llm.collective_rpc("bench_profile", args=("start",))
+                try:
+                    wall, ph, counts = prof.run(cmd.path, bench.run)
+                finally:
+                    if worker_prof:
+                        bench.llm.collective_rpc("bench_profile", args=("stop",))
             else:
                 wall, ph, counts = bench.run(cmd.path)
             ph["gc"], counts["gc"] = gct.seconds - g_s, gct.collections - g_n

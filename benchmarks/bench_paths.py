@@ -201,8 +201,10 @@ def parse() -> argparse.Namespace:
                     help="A/A control: a second off engine per kind (off-b), one more refit per path and round, and a table "
                          "of off-b / off (the noise floor of comparing two processes)")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="profile every enforce child's counted refits into DIR/profile-<kind>.txt (cProfile); profiled "
-                         "timings are slower, so use few rounds and not for the tables")
+                    help="profile every child's counted refits into DIR/profile-<mode>-<kind>.txt (cProfile; the transport "
+                         "sender's thread in the same file), and an mp engine's worker process into "
+                         "DIR/profile-<mode>-mp.worker.txt (benchmarks/_paths_ext.py); profiled timings are slower, so use "
+                         "few rounds and not for the tables")
     a = ap.parse_args()
     if a.rounds < 1 or a.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
@@ -298,9 +300,9 @@ def main() -> int:
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
                         "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else []) \
                         + (["--native-tensors"] if a.native_tensors else [])
-                if a.profile and mode != "off":
+                if a.profile:
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
-                    argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{kind}.txt")]
+                    argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{name}-{kind}.txt")]
                 c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{name}-{kind}.log", name=name)
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)
