@@ -30,6 +30,12 @@ class WorkerProfile:
         elif op == "write":
             buf = io.StringIO()
             buf.write(f"===== worker process: {st['spans']} profiled refits =====\n")
+            st["prof"].create_stats()
+            if not st["prof"].stats:  # pstats refuses an empty profile
+                buf.write("no calls were profiled\n")
+                with open(out, "w") as f:
+                    f.write(buf.getvalue())
+                return st["spans"]
             s = pstats.Stats(st["prof"], stream=buf)
             s.sort_stats("tottime").print_stats(50)
             s.sort_stats("cumulative").print_stats(80)

@@ -457,8 +457,8 @@ class Bench:
 
 
 class _ProfiledSend:
-    """The transport's sender for a profiled refit: ``send`` runs in ``push``'s thread, under ``prof``
-    (cProfile sees only the thread that enables it); everything else is the sender's."""
+    """The transport's sender for a profiled refit before Python 3.12: ``send`` runs in ``push``'s thread,
+    under ``prof`` (cProfile there sees only the thread that enables it); everything else is the sender's."""
 
     def __init__(self, sender: Any, prof: Any) -> None:
         self._sender, self._prof = sender, prof
@@ -467,7 +467,10 @@ class _ProfiledSend:
         return getattr(self._sender, name)
 
     def send(self, items: Any) -> Any:
-        self._prof.enable()
+        try:
+            self._prof.enable()
+        except ValueError:  # another profile is active in this process (it then sees this thread too)
+            return self._sender.send(items)
         try:
             return self._sender.send(items)
         finally:
@@ -526,7 +529,9 @@ def main() -> None:
     send(ready)
     prof = Profile(a.profile) if a.profile else None
     worker_prof = a.profile is not None and a.kind == "mp"
-    if prof is not None and "transport" in bench.paths:
+    if prof is not None and "transport" in bench.paths and sys.version_info < (3, 12):
+        # Python 3.12's cProfile (sys.monitoring) sees every thread, and a second enabled profile raises;
+        # before 3.12 it sees only the thread that enables it
         bench.thread_profile = prof.extra("transport: the sender's thread (push runs RefitSender.send in it)")
     gct = GcTimer()
     for line in sys.stdin.buffer:
