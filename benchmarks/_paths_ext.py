@@ -10,13 +10,17 @@ thread: where vLLM runs every ``collective_rpc``, including ``refit_verify_recei
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class WorkerProfile:
     """Mixed into vLLM's worker by ``worker_extension_cls``; one method, reached through ``collective_rpc``."""
 
-    def bench_profile(self, op: str, out: str = "") -> int:
+    def bench_profile(self, op: str, out: str = "") -> Any:
         """``op``: ``"start"`` / ``"stop"`` (enable / disable cProfile in this thread), ``"write"`` (stats to
-        ``out``). Returns how many profiled spans so far."""
+        ``out``): returns how many profiled spans so far; ``"timers"``: wrap :data:`TIMED_WORKER` in
+        timers (returns how many were not found), ``"read"``: their ``{path: [seconds, calls]}`` since
+        the last read."""
         import cProfile
         import io
         import pstats
@@ -27,6 +31,10 @@ class WorkerProfile:
             st["spans"] += 1
         elif op == "stop":
             st["prof"].disable()
+        elif op == "timers":  # --timers: out is unused; returns how many targets this process lacks
+            return len(install_timers(TIMED_WORKER))
+        elif op == "read":
+            return read_timers()
         elif op == "write":
             buf = io.StringIO()
             buf.write(f"===== worker process: {st['spans']} profiled refits =====\n")
@@ -44,3 +52,104 @@ class WorkerProfile:
         else:
             raise ValueError(f"bench_profile: unknown op {op!r}")
         return st["spans"]
+
+
+# ---------------------------------------------------------------------------------------- --timers
+
+TIMED_WORKER = (
+    # the worker's side of our transport
+    "refit_verify.transport.receiver:RefitReceiver.receive",
+    "refit_verify.transport.receiver:RefitReceiver._recv",
+    "refit_verify.transport.receiver:RefitReceiver._handle_buffer",
+    "refit_verify.transport.receiver:RefitReceiver._reply",
+    "refit_verify.staging:open_handle",
+    "refit_verify.staging:release",
+    "refit_verify.stream:ReceiveState.deliver",
+    "refit_verify.stream:ReceiveState.finish",
+    # the model boundary and the session
+    "refit_verify.model_boundary:ModelBoundary._check_first",
+    "refit_verify.model_boundary:ModelBoundary._replayed",
+    "refit_verify.model_boundary:replay_call",
+    "refit_verify.boundary:WorkerBoundary.open",
+    "refit_verify.boundary:WorkerBoundary.close",
+    "refit_verify.boundary:WorkerBoundary.snapshot",
+    "refit_verify.boundary:SessionDigests.finish",
+    "refit_verify.delivery:ModuleSession.landed_now",
+    # vLLM's own
+    "vllm.model_executor.models.utils:AutoWeightsLoader.load_weights",
+    "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
+    "vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+    "vllm.distributed.weight_transfer.ipc_engine:IPCWeightTransferEngine.receive_weights",
+    # the native worker's RPCs
+    "refit_verify.vllm_plugin.native_worker:refit_verify_native_manifest",
+)
+"""``module:attribute path`` of each function timed in an ``mp`` engine's worker process (``--timers``)."""
+
+TIMED_TRAINER = (
+    "refit_verify.transport.sender:RefitSender._send_refit",
+    "refit_verify.transport.sender:RefitSender._take_reply",
+    "refit_verify.transport.sender:RefitSender._verdict",
+    "refit_verify.transport.sender:RefitSender._post",
+    "refit_verify.pack:Packer.digest_first",
+    "refit_verify.pack:Packer.add_all",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.fetch",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
+    "refit_verify.engines:WorkerChannel.call",
+)
+"""The same in the trainer (the bench child; our transport's sender runs in ``push``'s thread)."""
+
+_TIMES: dict[str, list[float]] = {}
+
+
+def install_timers(targets) -> list[str]:
+    """Wrap each ``module:attr.path`` target in a wall-clock timer (inclusive seconds and calls, every
+    thread, a recursive call counted once; about 1 µs a call); returns the targets that were not found
+    (this vLLM, this process)."""
+    import functools
+    import importlib
+    import time
+
+    pc = time.perf_counter
+    missing = []
+    for target in targets:
+        mod_name, _, path = target.partition(":")
+        try:
+            owner = importlib.import_module(mod_name)
+            *parents, name = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        except (ImportError, AttributeError, KeyError):
+            missing.append(target)
+            continue
+        if getattr(raw, "__bench_timed__", False):
+            continue
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        fn = raw.__func__ if kind is not None else raw
+        acc = _TIMES.setdefault(path, [0.0, 0, 0])  # seconds, calls, depth (a recursive call is timed once, outermost)
+
+        def timed(*args, _fn=fn, _acc=acc, **kwargs):
+            if _acc[2]:
+                return _fn(*args, **kwargs)
+            _acc[2] += 1
+            t0 = pc()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _acc[0] += pc() - t0
+                _acc[1] += 1
+                _acc[2] -= 1
+
+        functools.update_wrapper(timed, fn)
+        timed.__bench_timed__ = True
+        setattr(owner, name, kind(timed) if kind is not None else timed)
+    return missing
+
+
+def read_timers() -> dict[str, list[float]]:
+    """``{attr path: [seconds, calls]}`` since the last read (then reset)."""
+    out = {k: v[:2] for k, v in _TIMES.items() if v[1]}
+    for v in _TIMES.values():
+        v[0], v[1] = 0.0, 0
+    return out

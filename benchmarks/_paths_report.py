@@ -172,12 +172,32 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                      f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms; the difference, "
                      f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (placement recording in "
                      "every weight_loader, session bookkeeping, manifest building and encoding) plus noise.")
+        lines += _timers_table(res[p])
         c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
         extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates", "gc")
                           if k in c_off or k in c_enf)
         if extra:
             lines.append(f"\nCounts (off / enforce, last round): {extra}.")
     return "\n".join(lines)
+
+
+def _timers_table(rp: dict) -> list[str]:
+    """``--timers``: per timed function, the median seconds per refit off and enforce (inclusive of what it
+    calls; ``t:`` the trainer, ``w:`` the worker process), largest difference first."""
+    keys = sorted({k for m in MODES for x in rp[m] for k in x.phases if k.startswith("T:")})
+    if not keys:
+        return []
+    rows = []
+    for k in keys:
+        v = [pct([x.phases.get(k, 0.0) for x in rp[m]], .5) for m in MODES]
+        n = [x.counts.get(k, 0) for m in MODES for x in rp[m][-1:]]
+        rows.append((v[1] - v[0], k[2:], v, n))
+    out = ["", "Timed functions (`--timers`: wall-clock wrappers, inclusive, every thread; t: trainer, w: worker process; "
+           "median ms per refit, calls in the last round):", "", "| function | off | enforce | enforce − off | calls off / enforce |",
+           "|---|---|---|---|---|"]
+    for d, k, v, n in sorted(rows, key=lambda r: -r[0]):
+        out.append(f"| `{k}` | {ms(v[0])} | {ms(v[1])} | {ms(d)} | {n[0]} / {n[1]} |")
+    return out
 
 
 def _control_table(a, res, skipped, failed, ctl) -> list[str]:

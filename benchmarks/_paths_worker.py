@@ -115,6 +115,7 @@ class Bench:
         self.observed: dict[str, float] = {}
         self.files: Path | None = None
         self.thread_profile = None  # --profile: a cProfile.Profile for the transport sender's thread
+        self.timers, self.grabbed = False, {}  # --timers: {"t:" or "w:" + function: [seconds, calls]} of the last refit
         want_native = any(p.startswith("native") for p in self.paths)
         backend = self._native_backend() if want_native else None
         self.llm = self._start(backend)
@@ -176,7 +177,7 @@ class Bench:
         kw: dict[str, Any] = dict(model=str(self.a.config_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                                   max_model_len=128, dtype="bfloat16", seed=0,
                                   gpu_memory_utilization=self.a.gpu_memory_utilization if self.cuda else 0.1)
-        if self.a.profile and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
+        if (self.a.profile or self.a.timers) and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
             kw["worker_extension_cls"] = "benchmarks._paths_ext.WorkerProfile"
         if backend is None:
             return LLM(**kw)
@@ -267,8 +268,35 @@ class Bench:
 
     # -- paths ------------------------------------------------------------------------------------
 
+    def start_timers(self) -> None:
+        """--timers: wrap the functions of benchmarks/_paths_ext.py in timers, here and in an mp engine's worker."""
+        from _paths_ext import TIMED_TRAINER, TIMED_WORKER, install_timers
+
+        self.timers = True
+        missing = install_timers(TIMED_TRAINER + (TIMED_WORKER if self.kind == "inproc" else ()))
+        if self.kind == "mp":
+            self.llm.collective_rpc("bench_profile", args=("timers",))
+        print(f"--timers: not in this process: {missing}", file=sys.stderr, flush=True)
+
+    def _read_timers(self) -> dict[str, list[float]]:
+        from _paths_ext import read_timers
+
+        got = {f"t:{k}": v for k, v in read_timers().items()}
+        if self.kind == "mp":
+            (w,) = self.llm.collective_rpc("bench_profile", args=("read",))
+            got.update({f"w:{k}": v for k, v in w.items()})
+        return got
+
+    def _grab_timers(self) -> None:
+        """Right after a refit's timed region: what the timed functions spent in it (before any later RPC)."""
+        if self.timers:
+            self.grabbed = self._read_timers()
+
     def run(self, path: str) -> tuple[float, dict[str, float], dict[str, int]]:
         off = self.mode == "off"
+        if self.timers:
+            self._read_timers()  # what ran since the last refit's read (its manifest fetches) is not this refit's
+            self.grabbed = {}
         if path == "transport":
             return self.transport(off)
         if path == "boundary-per-param":
@@ -288,6 +316,7 @@ class Bench:
         res = refit_verify.push(self.llm, self.items, sender=sender)
         self._sync()
         wall = pc() - t0
+        self._grab_timers()
         st = dict(self.sender.last_stats or {})
         ph = {"s.wall": st.get("wall_s", 0.0), "s.digest": st.get("digest_s", 0.0), "s.rdigest": st.get("receiver_digest_s", 0.0),
               "w.digest": float(res.workers[0]["digest_s"]), "push_rest": wall - st.get("wall_s", 0.0)}
@@ -341,6 +370,7 @@ class Bench:
             t_body = pc()
         self._sync()
         wall = pc() - t0
+        self._grab_timers()
         ph = {"open": t_open - t0, "add": add, "load_weights": load, "close": wall - (t_body - t0)}
         counts: dict[str, int] = {}
         self._inproc_manifest(chk, ph, counts)
@@ -382,6 +412,7 @@ class Bench:
             t_body = pc()
         self._sync()
         wall = pc() - t0
+        self._grab_timers()
         ph["close"] = wall - (t_body - t0)
         counts: dict[str, int] = {}
         self._inproc_manifest(chk, ph, counts)
@@ -409,6 +440,7 @@ class Bench:
                 client.finish_weight_update()
             self._sync()
             wall = pc() - t0
+            self._grab_timers()
             reports = native.last_reports()
         else:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -426,6 +458,7 @@ class Bench:
             eng.send_weights()
             self._sync()
             wall = pc() - t0
+            self._grab_timers()
             reports = list(getattr(eng, "refit_verify_reports", []))
             del eng
         if self.files is not None:
@@ -509,6 +542,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--files-dir", default=None, help="where the CPU native test backend writes its files (default: a temp dir)")
     ap.add_argument("--profile", default=None, help="profile the counted refits (cProfile) into this file")
+    ap.add_argument("--timers", action="store_true", help="time the functions of benchmarks/_paths_ext.py (TIMED_*) per refit")
     ap.add_argument("--trainer-copy", action="store_true", help="boundary paths: refit(copy=True), a copy per r.add")
     ap.add_argument("--native-tensors", action="store_true", help="native paths: export plain tensors (default: nn.Parameters)")
     a = ap.parse_args()
@@ -521,6 +555,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     try:
         bench = Bench(a)
+        if a.timers:
+            bench.start_timers()
         ready = Reply(op="ready", ok=True, info=bench.info(), skips=bench.skips)
     except BaseException as e:  # noqa: BLE001 - the parent reports it and skips this child's paths
         traceback.print_exc()
@@ -561,6 +597,8 @@ def main() -> None:
             else:
                 wall, ph, counts = bench.run(cmd.path)
             ph["gc"], counts["gc"] = gct.seconds - g_s, gct.collections - g_n
+            for k, (sec, n) in bench.grabbed.items():
+                ph["T:" + k], counts["T:" + k] = sec, int(n)
             send(Reply(op="run", ok=True, path=cmd.path, wall_s=wall, phases=ph, counts=counts))
         except BaseException as e:  # noqa: BLE001 - handed to the parent, which stops this path
             traceback.print_exc()

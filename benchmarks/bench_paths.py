@@ -200,6 +200,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--control", action="store_true",
                     help="A/A control: a second off engine per kind (off-b), one more refit per path and round, and a table "
                          "of off-b / off (the noise floor of comparing two processes)")
+    ap.add_argument("--timers", action="store_true",
+                    help="time the functions listed in benchmarks/_paths_ext.py (TIMED_WORKER, TIMED_TRAINER) in every "
+                         "refit, in the child and in an mp engine's worker process (a wall-clock wrapper, about 1 µs a "
+                         "call); the report adds a table per path of their medians, off and enforce")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every child's counted refits into DIR/profile-<mode>-<kind>.txt (cProfile; the transport "
                          "sender's thread in the same file), and an mp engine's worker process into "
@@ -299,7 +303,7 @@ def main() -> int:
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
                         "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else []) \
-                        + (["--native-tensors"] if a.native_tensors else [])
+                        + (["--native-tensors"] if a.native_tensors else []) + (["--timers"] if a.timers else [])
                 if a.profile:
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{name}-{kind}.txt")]
