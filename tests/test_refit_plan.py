@@ -397,6 +397,73 @@ def test_an_open_sessions_check_leaves_the_kept_close_alone():
     assert man.modules["model"].replayed == 5 and _ok(w, man, 3).ok
 
 
+def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(monkeypatch):
+    """The open-update check reads the regions where the names landed at once (digest_now): from
+    its third call over the same memory it launches the kept set (no HeldBatch add), and still reads
+    the bytes as they are now (a change in place between two checks is seen)."""
+    from refit_verify import digest_stream
+    from refit_verify.digest import tensor_digest
+
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = toy_weights(3)
+    sid = wb.open("s3", version=3)
+    model.load_weights(list(w.items()))
+    adds = []
+    orig = digest_stream.HeldBatch.add
+
+    def add(self, name, t):
+        adds.append(name)
+        return orig(self, name, t)
+
+    monkeypatch.setattr(digest_stream.HeldBatch, "add", add)
+    want = digest_tensors(w.items())
+    for _ in range(2):  # signatures kept, then the set built
+        assert wb.snapshot()[0] == want
+    assert len(adds) == 2 * len(w)
+    adds.clear()
+    assert wb.snapshot()[0] == want and adds == []  # the kept set: one launch, nothing per tensor
+    saved = model.norm.detach().clone()
+    model.norm.data[0] += 1  # changed in place inside the open update
+    got = wb.snapshot()[0]
+    assert adds == [] and got["norm"] == tensor_digest(model.norm.detach()) != want["norm"]
+    assert {n: h for n, h in got.items() if n != "norm"} == {n: h for n, h in want.items() if n != "norm"}
+    model.norm.data.copy_(saved)
+    man = wb.close(sid)
+    assert man.modules["model"].replayed == 5 and _ok(w, man, 3).ok
+
+
+def test_an_open_sessions_check_falls_back_to_each_region_when_the_batch_cannot_read(monkeypatch):
+    """If reading the regions at once raises (one region cannot be read after all), each readable
+    region is read on its own and the unreadable one is left out (missing in that check)."""
+    from refit_verify.errors import RefitInputError
+
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1)
+    w = toy_weights(3)
+    sid = wb.open("s3", version=3)
+    model.load_weights(list(w.items()))
+
+    def refuse(items, space=""):
+        raise RefitInputError("a region cannot be read")
+
+    real_now, real = delivery.digest_now, delivery._each_readable
+    monkeypatch.setattr(delivery, "digest_now", refuse)
+
+    def each(items):
+        items = [(k, t if not k.endswith(":norm") else t.to_sparse()) for k, t in items]  # this one cannot be read
+        return real(items)
+
+    monkeypatch.setattr(delivery, "_each_readable", each)
+    got = wb.snapshot()[0]
+    want = digest_tensors(w.items())
+    assert "norm" not in got and got == {n: h for n, h in want.items() if n != "norm"}
+    monkeypatch.setattr(delivery, "digest_now", real_now)
+    monkeypatch.setattr(delivery, "_each_readable", real)
+    man = wb.close(sid)
+    assert _ok(w, man, 3).ok
+
+
 def test_an_open_sessions_check_from_another_thread_mid_call_loses_no_replayed_name():
     """A replayed call records its names, then queues them to be filled in; a check of the open
     session from another thread (vLLM's native open-update check) that lands in between fills in

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, plain_tensor_ops
-from refit_verify.digest_stream import CopyingBatch, version_of
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, _check, plain_tensor_ops
+from refit_verify.digest_stream import CopyingBatch, digest_now, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
 from refit_verify.placement import Copy, Placement, as_view
@@ -404,17 +404,22 @@ class ModuleSession:
         if model is None or not todo:
             return {}
         live = dict(model.named_parameters())
-        batch = DigestBatch(hold_cpu=True)
+        items = []
         for name in todo:
             for i, (pname, where) in enumerate(self.derived[name]):
                 p = live.get(pname)
                 if p is None or p.dtype != self.param_dtype.get(pname, p.dtype):
                     continue
                 try:
-                    batch.add(f"{i}:{name}", as_view(p.detach(), where))
+                    view = as_view(p.detach(), where)
+                    _check(view)
                 except (RuntimeError, ValueError):
                     continue
-        got = batch.hexdigests()
+                items.append((f"{i}:{name}", view))
+        try:  # read at once, nothing in between: the regions of the last check are a kept set (one launch)
+            got = digest_now(items, space="landed now")
+        except (RuntimeError, ValueError):  # one region cannot be read after all: each on its own, that one left out
+            got = _each_readable(items)
         out = {}
         for name in todo:  # every region it landed in must hold the same bytes, else it is left out
             hexes = {got.get(f"{i}:{name}") for i in range(len(self.derived[name]))}
@@ -466,3 +471,14 @@ class ModuleSession:
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
             in_place=[n for n in self.derived if n in digests],
             replayed=len(self.replayed), replay_left=self.replay_left)
+
+
+def _each_readable(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """``{key: 32-hex}`` of the ``(key, tensor)`` pairs a :class:`DigestBatch` takes; the others left out."""
+    batch = DigestBatch(hold_cpu=True)
+    for key, t in items:
+        try:
+            batch.add(key, t)
+        except (RuntimeError, ValueError):
+            continue
+    return batch.hexdigests() if len(batch) else {}
