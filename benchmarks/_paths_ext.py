@@ -75,6 +75,16 @@ TIMED_WORKER = (
     "refit_verify.boundary:WorkerBoundary.snapshot",
     "refit_verify.boundary:SessionDigests.finish",
     "refit_verify.delivery:ModuleSession.landed_now",
+    "refit_verify.boundary:SessionDigests.begin",
+    "refit_verify.boundary:WorkerBoundary.outcome",
+    "refit_verify.stream:ReceiveState.start",
+    "refit_verify.model_boundary:ModelBoundary.learn",
+    "refit_verify.engine_state:_kept_program",
+    # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
+    "refit_verify.model_boundary:digest_now",
+    "refit_verify.delivery:digest_now",
+    "refit_verify.digest_stream:_kept_held?",
+    "refit_verify.digest_stream:HeldBatch.add",
     # vLLM's own
     "vllm.model_executor.models.utils:AutoWeightsLoader.load_weights",
     "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
@@ -96,6 +106,10 @@ TIMED_TRAINER = (
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
     "refit_verify.engines:WorkerChannel.call",
+    "refit_verify.pack:digest_now",
+    "refit_verify.digest_stream:_kept_held?",
+    "refit_verify.digest_stream:HeldBatch.add",
+    "refit_verify.check:compare_session",
 )
 """The same in the trainer (the bench child; our transport's sender runs in ``push``'s thread)."""
 
@@ -113,7 +127,8 @@ def install_timers(targets) -> list[str]:
     pc = time.perf_counter
     missing = []
     for target in targets:
-        mod_name, _, path = target.partition(":")
+        hits = target.endswith("?")
+        mod_name, _, path = target.rstrip("?").partition(":")
         try:
             owner = importlib.import_module(mod_name)
             *parents, name = path.split(".")
@@ -128,14 +143,18 @@ def install_timers(targets) -> list[str]:
         kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
         fn = raw.__func__ if kind is not None else raw
         acc = _TIMES.setdefault(path, [0.0, 0, 0])  # seconds, calls, depth (a recursive call is timed once, outermost)
+        hit = _TIMES.setdefault(path + "?", [0.0, 0, 0]) if hits else None  # calls that returned something
 
-        def timed(*args, _fn=fn, _acc=acc, **kwargs):
+        def timed(*args, _fn=fn, _acc=acc, _hit=hit, **kwargs):
             if _acc[2]:
                 return _fn(*args, **kwargs)
             _acc[2] += 1
             t0 = pc()
             try:
-                return _fn(*args, **kwargs)
+                out = _fn(*args, **kwargs)
+                if _hit is not None and out is not None:
+                    _hit[1] += 1
+                return out
             finally:
                 _acc[0] += pc() - t0
                 _acc[1] += 1
