@@ -1,5 +1,8 @@
 """vLLM worker extension of a profiled ``bench_paths`` run (``--profile DIR``, ``mp`` engines).
 
+Also loaded into an ``mp`` engine's worker by ``--timers`` and ``--landed-cpu`` (which it applies there:
+landed digests on the CPU, as on CUDA workers).
+
 An ``mp`` engine's worker runs in a process of its own, where the child's cProfile cannot see: the
 child starts such an engine with ``worker_extension_cls="benchmarks._paths_ext.WorkerProfile"`` and,
 around every counted refit, calls ``collective_rpc("bench_profile", args=("start",))`` / ``("stop",)``;
@@ -10,7 +13,13 @@ thread: where vLLM runs every ``collective_rpc``, including ``refit_verify_recei
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu: the worker process too, as on CUDA
+    from refit_verify import delivery
+
+    delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
 
 
 class WorkerProfile:

@@ -177,7 +177,7 @@ class Bench:
         kw: dict[str, Any] = dict(model=str(self.a.config_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                                   max_model_len=128, dtype="bfloat16", seed=0,
                                   gpu_memory_utilization=self.a.gpu_memory_utilization if self.cuda else 0.1)
-        if (self.a.profile or self.a.timers) and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
+        if (self.a.profile or self.a.timers or os.environ.get("REFIT_BENCH_LANDED_CPU") == "1") and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
             kw["worker_extension_cls"] = "benchmarks._paths_ext.WorkerProfile"
         if backend is None:
             return LLM(**kw)

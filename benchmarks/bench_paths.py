@@ -195,8 +195,9 @@ def parse() -> argparse.Namespace:
                     help="REFIT_VERIFY_REPLAY=0 in every child: every enforce refit is watched by the loader tap "
                          "(default: a steady-state refit replays the last watched one's plan, refit_verify.refit_plan)")
     ap.add_argument("--landed-cpu", action="store_true",
-                    help="CPU, boundary paths: digest delivered tensors where they landed and replay plans, as CUDA workers "
-                         "do (delivery.DERIVE_DEVICE_TYPES; the engines keep plain linear weights, so it can be read back)")
+                    help="CPU: digest delivered tensors where they landed and replay plans, as CUDA workers do "
+                         "(delivery.DERIVE_DEVICE_TYPES, in the child and in an mp engine's worker process; the engines keep "
+                         "plain linear weights, so it can be read back)")
     ap.add_argument("--control", action="store_true",
                     help="A/A control: a second off engine per kind (off-b), one more refit per path and round, and a table "
                          "of off-b / off (the noise floor of comparing two processes)")
