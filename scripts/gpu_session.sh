@@ -16,7 +16,8 @@
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce
 #           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT).
-#   stage q (carry as stage t): bench_paths with --profile (cProfile of the enforce children), 4 rounds.
+#   stage q (carry as stage t): bench_paths with --profile (cProfile of every child and mp worker process), 4 rounds.
+#   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
 #           CUDA and benchmarks/bench_boundary.py.
 # Everything is logged under $OUT.
@@ -59,6 +60,9 @@ elif [ "$stage" = t ]; then
     tests/test_model_boundary.py tests/test_refit_plan.py tests/test_digest_set.py tests/test_engine_state.py tests/kernels/test_digest_batch.py tests/test_digest_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = u ]; then  # selected GPU tests only (carry as stage t): U_TESTS (files / -k), U_TIMEOUT seconds
+  timeout ${U_TIMEOUT:-240} python3 -m pytest -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR|s call|s setup" "$OUT/gpu-tests.log" | head -30; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = p ]; then
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} ${BENCH_ARGS:-} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
