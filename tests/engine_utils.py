@@ -14,13 +14,32 @@ ENGINE_ENV = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"
               "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
 
 
+def forget_vllm_env_cache() -> None:
+    """Make vLLM read its environment variables again: an in-process engine core caches them
+    (``vllm.envs.enable_envs_cache`` at its start), so a later engine in this pytest process would
+    still see ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` after :func:`engine_env` restored it (an
+    in-process engine cannot open the CUDA IPC handles of its own process: vLLM's native ``ipc``
+    backend then fails)."""
+    try:
+        from vllm import envs
+    except ImportError:
+        return
+    forget = getattr(envs, "disable_envs_cache", None)
+    if forget is not None:
+        forget()
+
+
 @contextlib.contextmanager
 def engine_env(**extra: str) -> Iterator[None]:
-    """Set ``ENGINE_ENV`` (plus ``extra``) for an engine's lifetime; restore the environment after."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {**ENGINE_ENV, **extra}.items():
-            mp.setenv(k, v)
-        yield
+    """Set ``ENGINE_ENV`` (plus ``extra``) for an engine's lifetime; restore the environment after
+    (and vLLM's cached reading of it: :func:`forget_vllm_env_cache`)."""
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in {**ENGINE_ENV, **extra}.items():
+                mp.setenv(k, v)
+            yield
+    finally:
+        forget_vllm_env_cache()
 
 
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-llama") -> Path:

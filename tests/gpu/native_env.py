@@ -50,6 +50,10 @@ def native_llm(tmp_path_factory: pytest.TempPathFactory, backend: str, env: dict
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
+        from tests.engine_utils import forget_vllm_env_cache
+
+        forget_vllm_env_cache()  # an in-process engine started earlier in this process cached its environment
+
         llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                   dtype="bfloat16", seed=0, gpu_memory_utilization=0.3, weight_transfer_config=WeightTransferConfig(backend=backend),
                   **llm_kwargs)
