@@ -334,3 +334,49 @@ def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(en
     qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
     assert qkv0 in dg.kept and qkv0 not in dg.landed and dg.landed == ["model.embed_tokens.weight"]
     assert "delivered twice" in man.modules["model"].replay_left
+
+
+def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(engine, monkeypatch):
+    """vLLM's layerwise reload gets copies of our transport's staging views (the worker clones
+    them): the check before loading reads those copies, so a copy that differs from the staged
+    bytes (here: one flipped bit in the worker's clone of one tensor, as a late write into the slot
+    would leave) is refused in ``enforce`` and never loaded, while replaying too; its fused
+    parameter keeps the previous refit's bytes. Regression test for a design that checked the
+    staging views instead and loaded the copy unread (a narrowing or casting loader then passed it)."""
+    import sys
+
+    from refit_verify.transport import RefitSender
+    from tests.soak_lanes import engine_layout
+
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
+    target, fused = "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"
+    with RefitSender(config=conf, device=DEVICE) as tx:
+        for v in (80, 81):
+            assert refit_verify.push(llm, _weights(cfg, v), sender=tx).report.ok
+        prev = engine_layout(_weights(cfg, 81))
+        w = _weights(cfg, 82)
+        real_clone, hit = torch.Tensor.clone, []
+
+        def clone(t, *a, **k):  # the worker's copy of the target's staged bytes: one bit off
+            out = real_clone(t, *a, **k)
+            if sys._getframe(1).f_globals.get("__name__") == "refit_verify.vllm_plugin.worker" and t.shape == w[target].shape \
+                    and torch.equal(t, w[target]):
+                out.view(-1).view(torch.uint8)[7] ^= 0x02
+                hit.append(1)
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "clone", clone)
+        with pytest.raises(RefitVerificationError) as ei:
+            refit_verify.push(llm, w, sender=tx)
+        monkeypatch.setattr(torch.Tensor, "clone", real_clone)
+    assert hit == [1]
+    rep = ei.value.report
+    assert rep.mismatched == (target,) and list(rep.kept) == [fused] and fused not in rep.landed, str(ei.value)
+    (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+    assert man.modules["model"].replay_left == "a tensor was refused before loading"
+    held = dict(model.named_parameters())
+    assert torch.equal(held[fused], prev[fused])
+    now = engine_layout(w)
+    assert all(torch.equal(held[n], now[n]) for n in now if n != fused)

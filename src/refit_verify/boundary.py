@@ -299,24 +299,8 @@ class WorkerBoundary:
             if self.open_session is not None:
                 self.open_session.expected = (dict(digests), bool(enforce))
 
-    def stage(self, sources: list[tuple[str, Any]]) -> None:
-        """The ``(name, tensor)`` pairs the next ``load_weights`` call's tensors were copied from just
-        before (a transport's staging views, cloned for vLLM's layerwise reload): its check before
-        loading reads these, the same memory at every refit (a kept set), instead of the fresh copies.
-
-        Only while the sender's digests for that call are pending (:meth:`expect`); a source whose dtype
-        or shape differs from the tensor of its name in the call is not used (that tensor is read)."""
-        s = self.open_session
-        if s is None or s.expected is None:
-            return
-        with self._lock:
-            s = self.open_session
-            if s is not None and s.expected is not None:
-                s.expected = (s.expected[0], s.expected[1], dict(sources))
-
-    def take_expected(self) -> tuple[dict[str, str | None], bool] | tuple[dict[str, str | None], bool, dict[str, Any]] | None:
-        """The digests :meth:`expect` left for this call (taken once), with the sources :meth:`stage`
-        named for it, or None."""
+    def take_expected(self) -> tuple[dict[str, str | None], bool] | None:
+        """The digests :meth:`expect` left for this call (taken once), or None."""
         s = self.open_session
         if s is None or s.expected is None:  # the common case, read without the lock: nothing to take
             return None

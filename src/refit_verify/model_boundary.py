@@ -229,16 +229,10 @@ class ModelBoundary:
         return _DigestingIter(self, weights)
 
     def _check_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
-                     enforce: bool, sources: dict[str, torch.Tensor] | None = None) -> tuple[list, dict[int, str]]:
+                     enforce: bool) -> tuple[list, dict[int, str]]:
         """Digest every tensor of one call before the model sees any (one synchronisation), compare
         with the sender's ``expected`` digests and return what the model may load, with
         ``{id(tensor): 32-hex}`` of those checked.
-
-        ``sources``: ``{name: tensor}`` the call's tensors were copied from just before on the same
-        stream (a transport's staging views, :meth:`WorkerBoundary.stage`): read instead of the copies,
-        as the same memory at every refit they are a kept set. The memory is the sender's until the
-        receiver's Ack, so the copy and the source hold the same bytes; the landed read-back at close
-        compares what was loaded with the sender's digests in any case.
 
         In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
         recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
@@ -248,12 +242,9 @@ class ModelBoundary:
         memory at every refit, so each call launches a kept set, one signature per tensor.
         """
         t0 = time.perf_counter()
-        todo = [item for item in weights  # read before the model sees any: one synchronisation per device
-                if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)]
-        if sources:  # the copies were made from these just before, on the same stream: read the same bytes
-            todo = [(n, s) if (s := sources.get(n)) is not None and type(s) is torch.Tensor and s.dtype == t.dtype
-                    and s.shape == t.shape else (n, t) for n, t in todo]
-        got = digest_now(todo, space="checked before loading")
+        got = digest_now([item for item in weights  # read before the model sees any: one synchronisation per device
+                          if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)],
+                         space="checked before loading")
         target.digest_s += time.perf_counter() - t0
         keep, pre = [], {}
         for item in weights:

@@ -276,13 +276,7 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         if start and not started[0]:
             start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
             started[0] = True
-        if not start:
-            model.load_weights(batch)
-            return
-        copies = [(n, t.clone()) for n, t in batch]
-        if wb is not None:
-            wb.stage(batch)  # a check before loading reads the staging views: the same memory at every refit
-        model.load_weights(copies)
+        model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
 
     if digests is not None:
         digests.before_close = finalize
