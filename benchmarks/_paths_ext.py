@@ -87,6 +87,7 @@ TIMED_WORKER = (
     "refit_verify.boundary:SessionDigests.begin",
     "refit_verify.boundary:WorkerBoundary.outcome",
     "refit_verify.stream:ReceiveState.start",
+    "refit_verify.vllm_plugin.worker:owned_copies",  # the layerwise reload's copies of a buffer's slots
     "refit_verify.model_boundary:ModelBoundary.learn",
     "refit_verify.engine_state:_kept_program",
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path

@@ -337,14 +337,12 @@ def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(en
 
 
 def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(engine, monkeypatch):
-    """vLLM's layerwise reload gets copies of our transport's staging views (the worker clones
-    them): the check before loading reads those copies, so a copy that differs from the staged
-    bytes (here: one flipped bit in the worker's clone of one tensor, as a late write into the slot
+    """vLLM's layerwise reload gets copies of our transport's staging views (the worker copies
+    them, stream.owned_copies): the check before loading reads those copies, so a copy that differs from the staged
+    bytes (here: one flipped bit in the worker's copy of one tensor, as a late write into the slot
     would leave) is refused in ``enforce`` and never loaded, while replaying too; its fused
     parameter keeps the previous refit's bytes. Regression test for a design that checked the
     staging views instead and loaded the copy unread (a narrowing or casting loader then passed it)."""
-    import sys
-
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
 
@@ -357,20 +355,22 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
             assert refit_verify.push(llm, _weights(cfg, v), sender=tx).report.ok
         prev = engine_layout(_weights(cfg, 81))
         w = _weights(cfg, 82)
-        real_clone, hit = torch.Tensor.clone, []
+        from refit_verify.vllm_plugin import worker as plugin_worker
 
-        def clone(t, *a, **k):  # the worker's copy of the target's staged bytes: one bit off
-            out = real_clone(t, *a, **k)
-            if sys._getframe(1).f_globals.get("__name__") == "refit_verify.vllm_plugin.worker" and t.shape == w[target].shape \
-                    and torch.equal(t, w[target]):
-                out.view(-1).view(torch.uint8)[7] ^= 0x02
-                hit.append(1)
+        real, hit = plugin_worker.owned_copies, []
+
+        def copies(batch):  # the worker's copy of the target's staged bytes: one bit off
+            out = real(batch)
+            for n, t in out:
+                if n == target:
+                    t.view(-1).view(torch.uint8)[7] ^= 0x02
+                    hit.append(1)
             return out
 
-        monkeypatch.setattr(torch.Tensor, "clone", clone)
+        monkeypatch.setattr(plugin_worker, "owned_copies", copies)
         with pytest.raises(RefitVerificationError) as ei:
             refit_verify.push(llm, w, sender=tx)
-        monkeypatch.setattr(torch.Tensor, "clone", real_clone)
+        monkeypatch.setattr(plugin_worker, "owned_copies", real)
     assert hit == [1]
     rep = ei.value.report
     assert rep.mismatched == (target,) and list(rep.kept) == [fused] and fused not in rep.landed, str(ei.value)

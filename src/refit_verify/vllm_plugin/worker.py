@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from refit_verify.manifest import digest_map_text
+from refit_verify.stream import owned_copies
 from refit_verify.vllm_plugin import sessions, shims
 from refit_verify.vllm_plugin.trainer import DEFAULT_GROUP_TIMEOUT_S
 
@@ -272,11 +273,12 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         # Layerwise reload defers a layer's processing until all its weights arrived and keeps
         # references to what it was handed: give it owned copies, never views of a staging slot
         # that the sender refills after our Ack (the staged-slot reuse race) or of a broadcast
-        # bucket that is freed and reused after the bucket.
+        # bucket that is freed and reused after the bucket. One copy of the slots' byte range
+        # (stream.owned_copies); the check before loading reads these copies, what the model gets.
         if start and not started[0]:
             start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
             started[0] = True
-        model.load_weights([(n, t.clone()) for n, t in batch] if start else batch)
+        model.load_weights(owned_copies(batch) if start else batch)
 
     if digests is not None:
         digests.before_close = finalize
