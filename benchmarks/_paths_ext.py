@@ -99,6 +99,11 @@ TIMED_WORKER = (
     "vllm.model_executor.models.utils:AutoWeightsLoader.load_weights",
     "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
     "vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+    "vllm.model_executor.model_loader.reload.layerwise:_layerwise_process",  # a layer complete: materialise, load, copy back
+    "vllm.model_executor.model_loader.reload.layerwise:get_numel_loaded",  # each buffered loader call, under a dispatch mode
+    "vllm.model_executor.model_loader.reload.layerwise:materialize_layer",
+    "vllm.model_executor.model_loader.reload.layerwise:_copy_and_restore_kernel_tensors",
+    "refit_verify.placement:LoaderTap._call",  # every weight_loader call through the tap (a pass-through when off)
     "vllm.distributed.weight_transfer.ipc_engine:IPCWeightTransferEngine.receive_weights",
     # the native worker's RPCs
     "refit_verify.vllm_plugin.native_worker:refit_verify_native_manifest",
@@ -173,7 +178,34 @@ def install_timers(targets) -> list[str]:
         functools.update_wrapper(timed, fn)
         timed.__bench_timed__ = True
         setattr(owner, name, kind(timed) if kind is not None else timed)
+    _time_gc()
     return missing
+
+
+def _time_gc() -> None:
+    """Time Python's cyclic garbage collector in this process as two more rows (``gc.callbacks``):
+    every collection, and those of generation 2 (the whole heap: the costly ones in an engine's
+    process). Once per process."""
+    import gc
+    import time
+
+    if "gc: every collection" in _TIMES:
+        return
+    every, full = _TIMES.setdefault("gc: every collection", [0.0, 0, 0]), _TIMES.setdefault("gc: generation 2", [0.0, 0, 0])
+    started = [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        dt = time.perf_counter() - started[0]
+        every[0] += dt
+        every[1] += 1
+        if info.get("generation") == 2:
+            full[0] += dt
+            full[1] += 1
+
+    gc.callbacks.append(cb)
 
 
 def read_timers() -> dict[str, list[float]]:
