@@ -399,8 +399,10 @@ def test_an_open_sessions_check_leaves_the_kept_close_alone():
 
 def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(monkeypatch):
     """The open-update check reads the regions where the names landed at once (digest_now): from
-    its third call over the same memory it launches the kept set (no HeldBatch add), and still reads
-    the bytes as they are now (a change in place between two checks is seen)."""
+    its second call over the same regions of the same memory it launches the set the first one kept
+    (no HeldBatch add, no view per region), and still reads the bytes as they are now (a change in
+    place between two checks is seen); a parameter replaced by other memory is read the general
+    way again, and its new bytes are what the check gives."""
     from refit_verify import digest_stream
     from refit_verify.digest import tensor_digest
 
@@ -418,17 +420,26 @@ def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(mon
 
     monkeypatch.setattr(digest_stream.HeldBatch, "add", add)
     want = digest_tensors(w.items())
-    for _ in range(2):  # signatures kept, then the set built
-        assert wb.snapshot()[0] == want
-    assert len(adds) == 2 * len(w)
+    b = wb.modules["model"]
+    assert wb.snapshot()[0] == want and len(adds) == len(w) and b.landed_kept is not None  # read the general way, set kept
     adds.clear()
-    assert wb.snapshot()[0] == want and adds == []  # the kept set: one launch, nothing per tensor
+    views = []
+    real_view = delivery.as_view
+    monkeypatch.setattr(delivery, "as_view", lambda *a: views.append(1) or real_view(*a))
+    assert wb.snapshot()[0] == want and adds == [] and views == []  # the kept set: one launch, nothing per region
     saved = model.norm.detach().clone()
     model.norm.data[0] += 1  # changed in place inside the open update
     got = wb.snapshot()[0]
     assert adds == [] and got["norm"] == tensor_digest(model.norm.detach()) != want["norm"]
     assert {n: h for n, h in got.items() if n != "norm"} == {n: h for n, h in want.items() if n != "norm"}
     model.norm.data.copy_(saved)
+    real = model.norm
+    model.norm = torch.nn.Parameter(real.detach().clone(), requires_grad=False)  # other memory, same bytes but one
+    model.norm.data[-1] -= 1
+    got = wb.snapshot()[0]
+    assert len(adds) == len(w) and views and got["norm"] == tensor_digest(model.norm.detach()) != want["norm"]
+    model.norm = real
+    assert wb.snapshot()[0] == want
     man = wb.close(sid)
     assert man.modules["model"].replayed == 5 and _ok(w, man, 3).ok
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, _check, plain_tensor_ops
+from refit_verify.digest_set import DigestSet
 from refit_verify.digest_stream import CopyingBatch, digest_now, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
@@ -404,9 +405,11 @@ class ModuleSession:
         if model is None or not todo:
             return {}
         live = dict(model.named_parameters())
-        items = []
-        for name in todo:
-            for i, (pname, where) in enumerate(self.derived[name]):
+        regions = tuple((name, i, pname, where, self.param_dtype.get(pname)) for name in todo for i, (pname, where) in enumerate(self.derived[name]))
+        got = self._landed_kept(regions, live)
+        if got is None:
+            items, params, wheres = [], [], []
+            for name, i, pname, where, _ in regions:
                 p = live.get(pname)
                 if p is None or p.dtype != self.param_dtype.get(pname, p.dtype):
                     continue
@@ -416,16 +419,43 @@ class ModuleSession:
                 except (RuntimeError, ValueError):
                     continue
                 items.append((f"{i}:{name}", view))
-        try:  # read at once, nothing in between: the regions of the last check are a kept set (one launch)
-            got = digest_now(items, space="landed now")
-        except (RuntimeError, ValueError):  # one region cannot be read after all: each on its own, that one left out
-            got = _each_readable(items)
+                params.append(p.detach())
+                wheres.append(where)
+            whole = True
+            try:  # read at once, nothing in between
+                got = digest_now(items, space="landed now")
+            except (RuntimeError, ValueError):  # one region cannot be read after all: each on its own, that one left out
+                got, whole = _each_readable(items), False
+            self.module.landed_kept = None
+            if whole and len(items) == len(regions):  # every region read: the same regions of the same memory next time are a kept set
+                try:
+                    self.module.landed_kept = (regions, DigestSet(params, wheres, hold=False))
+                except (RuntimeError, ValueError):  # a region the kept set cannot read in place: the general path each time
+                    pass
         out = {}
         for name in todo:  # every region it landed in must hold the same bytes, else it is left out
             hexes = {got.get(f"{i}:{name}") for i in range(len(self.derived[name]))}
             if len(hexes) == 1 and None not in hexes:
                 out[name] = hexes.pop()
         return out
+
+    def _landed_kept(self, regions: tuple, live: dict[str, torch.Tensor]) -> dict[str, str] | None:
+        """:meth:`landed_now`'s digests through the kept set of the last check, or None (taken the
+        general way then): only when this check reads the same regions (names, parameters,
+        geometries and loaded dtypes, in the same order) and every parameter still has the signature the set was
+        built on (same memory, shape, strides, dtype, storage: every region view still shows its
+        parameter's bytes). One signature per region, one launch."""
+        kept = self.module.landed_kept
+        if kept is None or kept[0] != regions:
+            return None
+        ts = [live.get(pname) for _, _, pname, _, _ in regions]
+        if any(t is None for t in ts):
+            return None
+        ts = [t.detach() for t in ts]
+        hexes = kept[1].digest(tensors=ts)
+        if hexes is None:
+            return None
+        return {f"{i}:{name}": h for (name, i, *_), h in zip(regions, hexes)}
 
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()

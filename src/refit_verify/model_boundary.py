@@ -70,6 +70,7 @@ class ModelBoundary:
         self._index: ModelIndex | None = None
         self.plan: RefitPlan | None = None  # the last watched session's, replayed by the next (refit_plan)
         self.plan_why = "no session has closed yet"  # why there is none
+        self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
         self._bind()
 
     @property
