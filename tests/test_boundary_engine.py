@@ -336,13 +336,37 @@ def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(en
     assert "delivered twice" in man.modules["model"].replay_left
 
 
+def test_the_layerwise_reloads_copies_are_one_storage_each():
+    """The copies the worker hands vLLM's layerwise reload own one storage per tensor, with its own
+    version counter: an in-place write into one copy leaves the others' counters alone (a watched
+    session's write check would otherwise blame untouched tensors), and a copy the reload keeps pins
+    only its own bytes. Regression test for one block shared by a buffer's tensors (797ed20)."""
+    from refit_verify.vllm_plugin.worker import owned_copies
+
+    slot = torch.arange(64, dtype=torch.uint8)
+    batch = [("a", slot[0:16].view(torch.bfloat16)), ("b", slot[16:48].view(torch.float32)), ("c", slot[48:64])]
+    out = owned_copies(batch)
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    assert all(torch.equal(t, s) and t.dtype == s.dtype for (_, t), (_, s) in zip(out, batch))
+    storages = [t.untyped_storage() for _, t in out]
+    assert [s.nbytes() for s in storages] == [16, 32, 16]
+    assert len({s.data_ptr() for s in storages}) == 3 and slot.untyped_storage().data_ptr() not in {s.data_ptr() for s in storages}
+    before = [t._version for _, t in out]
+    out[1][1].add_(1)
+    assert [t._version for _, t in out] == [before[0], before[1] + 1, before[2]]
+    slot.zero_()  # the sender refills the slot: the copies keep the bytes they were given
+    assert out[2][1].tolist() == list(range(48, 64))
+
+
 def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(engine, monkeypatch):
-    """vLLM's layerwise reload gets copies of our transport's staging views (the worker copies
-    them, stream.owned_copies): the check before loading reads those copies, so a copy that differs from the staged
-    bytes (here: one flipped bit in the worker's copy of one tensor, as a late write into the slot
+    """vLLM's layerwise reload gets copies of our transport's staging views (the worker clones
+    them): the check before loading reads those copies, so a copy that differs from the staged
+    bytes (here: one flipped bit in the worker's clone of one tensor, as a late write into the slot
     would leave) is refused in ``enforce`` and never loaded, while replaying too; its fused
     parameter keeps the previous refit's bytes. Regression test for a design that checked the
     staging views instead and loaded the copy unread (a narrowing or casting loader then passed it)."""
+    import sys
+
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
 

@@ -14,7 +14,7 @@ from refit_verify import tensor_digest
 from refit_verify.config import VerifyMode
 from refit_verify.digest import DigestBatch
 from refit_verify.pack import Packer
-from refit_verify.stream import COPY_ALIGN, SENT_TWICE, EntryChecker, ReceiveState, checked_item, owned_copies, round_up, view_slots
+from refit_verify.stream import SENT_TWICE, EntryChecker, ReceiveState, checked_item, round_up, view_slots
 from refit_verify.wire import Entry
 
 
@@ -200,50 +200,3 @@ def test_broadcast_path_imports_neither_zmq_nor_the_transport():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
-
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_owned_copies_of_one_buffers_slots_are_one_block_with_the_same_views(device):
-    """Slots of one staging buffer (mixed dtypes, odd shapes, a first slot past the alignment) are
-    copied as one block: same values, dtypes and shapes, no memory shared with the buffer (a refill
-    after the copy changes nothing), one storage for all, each view at its slot's offset in it."""
-    g = torch.Generator().manual_seed(7)
-    want = {"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randint(-9, 9, (7,), generator=g, dtype=torch.int64),
-            "c": torch.randn((), generator=g), "d": torch.rand(4, 1, 3, generator=g).half(), "e": torch.zeros(0, 4)}
-    buf = torch.zeros(4096, dtype=torch.uint8, device=device)
-    offs, off = {}, 320  # not a multiple of COPY_ALIGN: the copied range starts below it
-    for n, t in want.items():
-        offs[n] = off
-        nb = t.numel() * t.element_size()
-        buf[off:off + nb].view(t.dtype).copy_(t.reshape(-1).to(device))
-        off = round_up(off + nb, 64)
-    batch = [(n, buf[o:o + want[n].numel() * want[n].element_size()].view(want[n].dtype).view(want[n].shape)) for n, o in offs.items()]
-    out = owned_copies(batch)
-    assert [n for n, _ in out] == list(want)
-    block = out[0][1].untyped_storage()
-    assert block.data_ptr() != buf.untyped_storage().data_ptr() and block.nbytes() == 536 - 256  # [256, the end of d, the last slot with bytes)
-    buf.fill_(0xAB)  # the sender refills its slot: the copies keep what was there
-    for (n, t), o in zip(out, offs.values()):
-        assert t.dtype == want[n].dtype and t.shape == want[n].shape and t.is_contiguous() and t.device.type == device
-        assert torch.equal(t.cpu(), want[n]), n
-        if t.numel():  # an empty one has no bytes to place
-            assert t.untyped_storage().data_ptr() == block.data_ptr() and t.data_ptr() - block.data_ptr() == o - 256
-    assert COPY_ALIGN == 256
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_owned_copies_of_tensors_of_several_storages_or_strided_are_cloned_each(device):
-    x, y = torch.arange(12.0, device=device), torch.arange(6, device=device)
-    for batch in ([("x", x), ("y", y)], [("t", x.view(3, 4).t()), ("x", x[:4])], [("p", torch.nn.Parameter(x.clone()))]):
-        out = owned_copies(batch)
-        assert [n for n, _ in out] == [n for n, _ in batch]
-        for (_, a), (_, b) in zip(batch, out):
-            assert torch.equal(a.detach(), b) and b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
-        before = [b.clone() for _, b in out]
-        for _, a in batch:
-            a.data.add_(1)
-        assert all(torch.equal(b, c) for (_, b), c in zip(out, before))
-    assert owned_copies([]) == []

@@ -38,7 +38,7 @@ from refit_verify.manifest import ExternalDigests, SessionManifest
 from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.wire import MAX_NAME_BYTES, Entry, torch_dtype
 
-__all__ = ["Batch", "COPY_ALIGN", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "ReceiveState", "Slot", "owned_copies",
+__all__ = ["Batch", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "ReceiveState", "Slot",
            "StreamResult", "StreamStats", "check_digest", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
 
 logger = logging.getLogger("refit_verify")
@@ -227,59 +227,6 @@ class EntryChecker:
 def view_slots(buf: torch.Tensor, slots: list[Slot]) -> Batch:
     """Views of ``buf`` (1-D uint8) as each slot's dtype and shape, in order (no copy)."""
     return [(s.name, buf[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in slots]
-
-
-COPY_ALIGN = 256
-"""Byte alignment of the range :func:`owned_copies` copies (a multiple of every dtype's size, and
-of CUDA's allocation granule), so every view keeps its alignment in the copy."""
-
-
-def owned_copies(batch: Batch) -> Batch:
-    """Copies of ``batch``'s tensors that a consumer may keep after the source memory is reused
-    (vLLM's layerwise reload keeps what it is handed until a layer is complete; our staging slot
-    and broadcast bucket are refilled after the Ack / the bucket).
-
-    When every tensor is a plain contiguous view of one storage (a staging buffer's slots, a
-    bucket's entries), the byte range they span (widened to :data:`COPY_ALIGN`) is copied once and
-    each tensor becomes the same view of that copy: one allocation and one copy instead of one per
-    tensor, and from refit to refit the copy is one block of one size, which the caching allocator
-    can hand back at the same address (so checks of these copies can find kept sets). Otherwise
-    each tensor is cloned. Either way each returned tensor holds the bytes its source held when
-    this ran, in its dtype, shape and order, and shares no memory with the source.
-
-    Args:
-        batch: ``(name, tensor)`` pairs, any dtypes, shapes and devices.
-    Returns:
-        Batch: ``(name, copy)`` pairs in the same order (contiguous copies).
-    """
-    if not batch:
-        return []
-    try:
-        st = batch[0][1].untyped_storage()
-        base, nbytes = st.data_ptr(), st.nbytes()
-        spans = []
-        for _, t in batch:
-            if type(t) is not torch.Tensor or not t.is_contiguous() or t.is_conj() or t.is_neg() \
-                    or t.untyped_storage().data_ptr() != base or t.device != batch[0][1].device:
-                raise ValueError
-            nb = t.numel() * t.element_size()
-            spans.append((t.data_ptr() - base, nb) if nb else None)  # an empty tensor's address is 0
-    except (ValueError, RuntimeError, NotImplementedError):  # not views of one storage: a copy each
-        return [(n, t.clone()) for n, t in batch]
-    full = [sp for sp in spans if sp is not None]
-    if not full:
-        return [(n, t.clone()) for n, t in batch]
-    lo = min(o for o, _ in full)
-    lo -= lo % COPY_ALIGN
-    hi = max(o + b for o, b in full)
-    if hi > nbytes or lo < 0:
-        return [(n, t.clone()) for n, t in batch]
-    dev = batch[0][1].device
-    src = torch.empty(0, dtype=torch.uint8, device=dev).set_(st, lo, (hi - lo,), (1,))
-    block = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
-    block.copy_(src)
-    return [(n, t.clone() if sp is None else block[sp[0] - lo : sp[0] - lo + sp[1]].view(t.dtype).view(t.shape))
-            for (n, t), sp in zip(batch, spans)]
 
 
 @dataclass

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from refit_verify.manifest import digest_map_text
-from refit_verify.stream import owned_copies
 from refit_verify.vllm_plugin import sessions, shims
 from refit_verify.vllm_plugin.trainer import DEFAULT_GROUP_TIMEOUT_S
 
@@ -223,6 +222,12 @@ def refit_verify_broadcast_close(self) -> dict[str, Any]:
     return {"rank": self.rank, "closed": True}
 
 
+def owned_copies(batch: list) -> list:
+    """A clone per tensor of ``batch`` (``[(name, tensor)]``, any dtypes and devices), the copies
+    vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order."""
+    return [(n, t.clone()) for n, t in batch]
+
+
 @contextlib.contextmanager
 def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterator[Callable[[list], None]]:
     """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
@@ -273,8 +278,9 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         # Layerwise reload defers a layer's processing until all its weights arrived and keeps
         # references to what it was handed: give it owned copies, never views of a staging slot
         # that the sender refills after our Ack (the staged-slot reuse race) or of a broadcast
-        # bucket that is freed and reused after the bucket. One copy of the slots' byte range
-        # (stream.owned_copies); the check before loading reads these copies, what the model gets.
+        # bucket that is freed and reused after the bucket. A clone per tensor: one block shared by
+        # a buffer's tensors (tried, 797ed20) let one kept view pin the whole block and shared one
+        # version counter, so a watched session's write check blamed untouched tensors.
         if start and not started[0]:
             start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
             started[0] = True
