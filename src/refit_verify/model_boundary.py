@@ -239,8 +239,9 @@ class ModelBoundary:
         recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
         sender did not announce are digested as pulled (or replayed), as usual. The digests are
         read at once through :func:`~refit_verify.digest_stream.digest_now` (nothing runs between
-        the hand-over and the read): a transport's calls come with the same names over the same
-        memory at every refit, so each call launches a kept set, one signature per tensor.
+        the hand-over and the read): a call with the same names over the same memory as the last
+        one (a staging slot handed over in place) launches a kept set, one signature per tensor;
+        the layerwise reload's fresh clones take the general path (a plan per tensor).
         """
         t0 = time.perf_counter()
         got = digest_now([item for item in weights  # read before the model sees any: one synchronisation per device
