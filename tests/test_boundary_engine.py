@@ -365,7 +365,6 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
     would leave) is refused in ``enforce`` and never loaded, while replaying too; its fused
     parameter keeps the previous refit's bytes. Regression test for a design that checked the
     staging views instead and loaded the copy unread (a narrowing or casting loader then passed it)."""
-    import sys
 
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
