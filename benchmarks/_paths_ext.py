@@ -91,10 +91,30 @@ TIMED_WORKER = (
     "refit_verify.model_boundary:ModelBoundary.learn",
     "refit_verify.engine_state:_kept_program",
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
-    "refit_verify.model_boundary:digest_now",
+    "refit_verify.model_boundary:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
     "refit_verify.delivery:digest_now",
     "refit_verify.digest_stream:_kept_held?",
     "refit_verify.digest_stream:HeldBatch.add",
+    # inside the digests and the close: where a call's milliseconds go
+    "refit_verify.digest_stream:HeldBatch.hexdigests",
+    "refit_verify.digest_stream:HeldBatch._launch_general",
+    "refit_verify.digest_stream:_keep_held",
+    "refit_verify.digest_stream:signature",
+    "refit_verify.digest:DigestBatch.add",
+    "refit_verify.digest:DigestBatch.launch",
+    "refit_verify.digest:DigestBatch.hexdigests",
+    "refit_verify.digest_set:DigestSet.__init__",
+    "refit_verify.digest_set:DigestSet.launch",
+    "refit_verify.digest_set:DigestSet.collect",
+    "refit_verify.kernels.digest:digest_views",
+    "refit_verify.kernels.digest:to_hex",
+    "refit_verify.engine_state:read_back",
+    "refit_verify.engine_state:_kept_set",
+    "refit_verify.engine_state:_evaluate",
+    "refit_verify.boundary:WorkerBoundary._refresh_indexes",
+    "refit_verify.boundary:WorkerBoundary._audit_unwritten",
+    "refit_verify.model_boundary:ModelBoundary.manifest",
+    "refit_verify.model_boundary:ModelBoundary.end",
     # vLLM's own
     "vllm.model_executor.models.utils:AutoWeightsLoader.load_weights",
     "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
@@ -121,8 +141,12 @@ TIMED_TRAINER = (
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
     "refit_verify.engines:WorkerChannel.call",
-    "refit_verify.pack:digest_now",
+    "refit_verify.pack:digest_now!",
     "refit_verify.digest_stream:_kept_held?",
+    "refit_verify.digest_stream:signature",
+    "refit_verify.digest_set:DigestSet.launch",
+    "refit_verify.digest_set:DigestSet.collect",
+    "refit_verify.kernels.digest:to_hex",
     "refit_verify.digest_stream:HeldBatch.add",
     "refit_verify.check:compare_session",
 )
@@ -134,7 +158,10 @@ _TIMES: dict[str, list[float]] = {}
 def install_timers(targets) -> list[str]:
     """Wrap each ``module:attr.path`` target in a wall-clock timer (inclusive seconds and calls, every
     thread, a recursive call counted once; about 1 µs a call); returns the targets that were not found
-    (this vLLM, this process)."""
+    (this vLLM, this process). A target ending in ``?`` also counts the calls that returned something
+    (row ``path?``); one ending in ``!`` first waits for the GPU work queued on the current CUDA stream
+    and times that wait apart (row ``path backlog``): what the call would otherwise have waited for at
+    its read, queued before it (a diagnostic: the wait moves, it does not go away)."""
     import functools
     import importlib
     import time
@@ -142,8 +169,8 @@ def install_timers(targets) -> list[str]:
     pc = time.perf_counter
     missing = []
     for target in targets:
-        hits = target.endswith("?")
-        mod_name, _, path = target.rstrip("?").partition(":")
+        hits, backlog = target.endswith("?"), target.endswith("!")
+        mod_name, _, path = target.rstrip("?!").partition(":")
         try:
             owner = importlib.import_module(mod_name)
             *parents, name = path.split(".")
@@ -159,11 +186,14 @@ def install_timers(targets) -> list[str]:
         fn = raw.__func__ if kind is not None else raw
         acc = _TIMES.setdefault(path, [0.0, 0, 0])  # seconds, calls, depth (a recursive call is timed once, outermost)
         hit = _TIMES.setdefault(path + "?", [0.0, 0, 0]) if hits else None  # calls that returned something
+        wait = _TIMES.setdefault(path + " backlog", [0.0, 0, 0]) if backlog else None  # queued GPU work waited for first
 
-        def timed(*args, _fn=fn, _acc=acc, _hit=hit, **kwargs):
+        def timed(*args, _fn=fn, _acc=acc, _hit=hit, _wait=wait, **kwargs):
             if _acc[2]:
                 return _fn(*args, **kwargs)
             _acc[2] += 1
+            if _wait is not None:
+                _sync_backlog(_wait)
             t0 = pc()
             try:
                 out = _fn(*args, **kwargs)
@@ -180,6 +210,20 @@ def install_timers(targets) -> list[str]:
         setattr(owner, name, kind(timed) if kind is not None else timed)
     _time_gc()
     return missing
+
+
+def _sync_backlog(acc: list) -> None:
+    """Wait for the current CUDA stream's queued work (when CUDA is initialised here); add the wait to ``acc``."""
+    import sys
+    import time
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()
+    acc[0] += time.perf_counter() - t0
+    acc[1] += 1
 
 
 def _time_gc() -> None:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from refit_verify import reference as _ref
+from refit_verify.kernels import replay as _replay
 from refit_verify.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.kernels._mix import KM, MID_N, SCR_N
 from refit_verify.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
@@ -187,12 +188,16 @@ class Planned:
         plan: int64 plan on the views' device (see :func:`_plan`).
         P, F, C, V: leaf programs, fast leaf programs, chunks, views.
         device: the views' device.
+        runs: how often :func:`run_plan` ran it chained on CUDA.
+        graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.kernels.replay`),
+            False when it could not be captured, else None.
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "device")
+    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph")
 
     def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
+        self.runs, self.graph = 0, None
 
 
 def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8) -> Planned:
@@ -235,24 +240,41 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
 def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = None) -> torch.Tensor:
     """Launch the kernels of plan ``p`` (<= 4 launches, no synchronisation).
 
+    On CUDA, a chained run of a plan run before is one replay of its captured graph
+    (:func:`refit_verify.kernels.replay.replay`: the same kernels and arguments, one launch).
+
     Returns:
         torch.Tensor: as :func:`digest_views` (``chain``) or :func:`chunk_roots` (not ``chain``).
     """
-    dev, V, P, F, C, plan = p.device, p.V, p.P, p.F, p.C, p.plan
-    work = torch.empty(max(1, 2 * C * (MID_N + SCR_N + 1)), dtype=torch.int64, device=dev)
+    dev, V, C = p.device, p.V, p.C
+    work_len = max(1, 2 * C * (MID_N + SCR_N + 1))
+    if chain and launch_fast is None and dev.type == "cuda":
+        out = _replay.replay(p, work_len, lambda work, out: _run(p, work, out, None))
+        if out is not None:
+            return out
+    work = torch.empty(work_len, dtype=torch.int64, device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        if F:
-            (launch_fast or _launch_fast)(plan, work, V, C, 8 * V, F)
-        if P > F:
-            _digest_leaf_kernel[(P - F,)](plan, work, V, C, 8 * V + F, FAST=False, num_warps=LEAF_WARPS)
-        if C:
-            _digest_upper_kernel[(C,)](plan, work, V, C, 8 * V + P, num_warps=4)
-        if not chain:  # roots: channel 0 of every chunk, then channel 1 (see _digest_upper_kernel)
-            roots = work[2 * C * (MID_N + SCR_N) : 2 * C * (MID_N + SCR_N + 1)]
+        if not chain:
+            _run(p, work, None, launch_fast)
+            roots = work[2 * C * (MID_N + SCR_N) : 2 * C * (MID_N + SCR_N + 1)]  # channel 0 of every chunk, then channel 1
             return roots.view(2, C).t().contiguous()
         out = torch.empty((V, 2), dtype=torch.int64, device=dev)
-        _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
+        _run(p, work, out, launch_fast)
     return out
+
+
+def _run(p: Planned, work: torch.Tensor, out: torch.Tensor | None, launch_fast: FastLaunch | None) -> None:
+    """The launches of plan ``p`` on the current stream: leaf (fast, general), upper, and the chain
+    into ``out`` (skipped when None: the roots stay in ``work``, see :func:`_digest_upper_kernel`)."""
+    V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
+    if F:
+        (launch_fast or _launch_fast)(plan, work, V, C, 8 * V, F)
+    if P > F:
+        _digest_leaf_kernel[(P - F,)](plan, work, V, C, 8 * V + F, FAST=False, num_warps=LEAF_WARPS)
+    if C:
+        _digest_upper_kernel[(C,)](plan, work, V, C, 8 * V + P, num_warps=4)
+    if out is not None:
+        _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
 
 
 def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool,
