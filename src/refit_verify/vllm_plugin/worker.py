@@ -224,8 +224,57 @@ def refit_verify_broadcast_close(self) -> dict[str, Any]:
 
 def owned_copies(batch: list) -> list:
     """A clone per tensor of ``batch`` (``[(name, tensor)]``, any dtypes and devices), the copies
-    vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order."""
-    return [(n, t.clone()) for n, t in batch]
+    vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order.
+
+    On CUDA the clones come from this process's own memory pool for them (:func:`_copies_pool`):
+    each is still its own storage, but no other allocation shares the pool, so the same refit asks
+    it for the same sizes in the same order and gets the same addresses back, refit after refit.
+    The check before loading then finds its kept set (and its captured graph) for every buffer
+    instead of depending on where the device's general cache put each copy this time.
+    """
+    pool = _copies_pool(batch)
+    if pool is None:
+        return [(n, t.clone()) for n, t in batch]
+    import torch
+
+    index, mp = pool
+    try:
+        ctx = torch.cuda.use_mem_pool(mp, device=index)
+        ctx.__enter__()
+    except Exception as e:  # noqa: BLE001 - e.g. an allocator configuration without pools: plain clones from now on
+        _POOLS[index] = False
+        logging.getLogger("refit_verify").warning("refit-verify: no memory pool for the layerwise reload's copies on "
+                                                  "cuda:%s (%s: %s); plain clones", index, type(e).__name__, e)
+        return [(n, t.clone()) for n, t in batch]
+    try:
+        return [(n, t.clone()) for n, t in batch]
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+_POOLS: dict = {}  # CUDA device index -> torch.cuda.MemPool of the layerwise reload's copies
+
+
+def _copies_pool(batch: list):
+    """``(device index, MemPool)`` for the copies of ``batch`` when its tensors are all on one
+    CUDA device and this torch has memory pools; else None (plain clones)."""
+    devs = {t.device for _, t in batch}
+    if len(devs) != 1:
+        return None
+    (dev,) = devs
+    if dev.type != "cuda":
+        return None
+    import torch
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    pool = _POOLS.get(index)
+    if pool is None:
+        try:
+            pool = _POOLS[index] = torch.cuda.MemPool()
+        except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
+            _POOLS[index] = False
+            return None
+    return (index, pool) if pool is not False else None
 
 
 @contextlib.contextmanager
