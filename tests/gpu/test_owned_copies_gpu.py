@@ -38,7 +38,7 @@ def test_copies_are_own_storages_at_the_same_addresses_each_refit():
             assert c.untyped_storage().data_ptr() == c.data_ptr()  # its own storage, from its start
             assert c.untyped_storage().nbytes() == c.numel() * c.element_size()
         seen.append([c.data_ptr() for _, c in copies])
-        del copies
+        del copies, c, v  # nothing of this refit's copies stays referenced (as after a layerwise reload)
         keep.append(torch.empty((r + 1) * (3 << 20), dtype=torch.uint8, device="cuda"))  # other allocations in between
     assert seen[1] == seen[2] == seen[3]
     assert len(set(seen[1])) == len(seen[1])
