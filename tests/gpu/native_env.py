@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import sys
@@ -59,6 +60,8 @@ def native_llm(tmp_path_factory: pytest.TempPathFactory, backend: str, env: dict
                   **llm_kwargs)
         yield llm, models.load_config(model_dir)
         del llm
+        gc.collect()  # an LLM sits in reference cycles: collect it now, so that its engine process exits before the
+        # next module starts an engine (an in-process one profiles free memory: a release then fails its start)
     finally:
         sys.path.remove(str(stubs))
         restore_env(old)
