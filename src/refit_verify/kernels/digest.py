@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from refit_verify import reference as _ref
-from refit_verify.kernels import replay as _replay
+from refit_verify.kernels.replay import replay as _graph_replay
 from refit_verify.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.kernels._mix import KM, MID_N, SCR_N
 from refit_verify.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
@@ -249,7 +249,7 @@ def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = No
     dev, V, C = p.device, p.V, p.C
     work_len = max(1, 2 * C * (MID_N + SCR_N + 1))
     if chain and launch_fast is None and dev.type == "cuda":
-        out = _replay.replay(p, work_len, lambda work, out: _run(p, work, out, None))
+        out = _graph_replay(p, work_len, lambda work, out: _run(p, work, out, None))
         if out is not None:
             return out
     work = torch.empty(work_len, dtype=torch.int64, device=dev)
