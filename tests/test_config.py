@@ -61,3 +61,29 @@ def test_typo_aborts_vllm_plugin_loading():
     good = subprocess.run([sys.executable, "-c", code + "; from vllm.v1.worker.worker_base import WorkerBase; print(hasattr(WorkerBase, 'refit_verify_receive'))"], env=env, capture_output=True, text=True, timeout=120)
     assert good.returncode == 0, good.stderr[-2000:]
     assert good.stdout.split()[-2:] == ["loaded", "True"]
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, False), ("", False), ("0", False), ("off", False), ("no", False),
+                                           ("2", False), ("1", True), ("true", True), (" ON ", True), ("Yes", True)])
+def test_cuda_graph_replay_and_the_copies_pool_are_opt_in(value, on):
+    from refit_verify.config import CUDA_GRAPHS_ENV_VAR, cuda_graphs_enabled
+
+    env = {} if value is None else {CUDA_GRAPHS_ENV_VAR: value}
+    assert CUDA_GRAPHS_ENV_VAR == "REFIT_VERIFY_CUDA_GRAPHS"
+    assert cuda_graphs_enabled(env) is on
+
+
+def test_cpu_copies_never_use_a_pool_even_opted_in(monkeypatch):
+    import torch
+
+    from refit_verify.vllm_plugin import worker
+
+    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
+    monkeypatch.setattr(worker, "_POOLS", {})
+    src = torch.arange(12, dtype=torch.float32)
+    batch = [("a", src[:6].view(2, 3)), ("b", src[6:])]
+    copies = worker.owned_copies(batch)
+    assert [n for n, _ in copies] == ["a", "b"]
+    for (_, c), (_, v) in zip(copies, batch):
+        assert torch.equal(c, v) and c.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    assert worker._POOLS == {}  # no pool was made for CPU tensors

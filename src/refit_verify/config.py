@@ -57,6 +57,21 @@ class VerifyMode(str, enum.Enum):
         raise RefitConfigError(f"{source}={value!r} is not accepted; accepted values: {accepted}")
 
 
+CUDA_GRAPHS_ENV_VAR = "REFIT_VERIFY_CUDA_GRAPHS"
+"""``1`` / ``true`` / ``on`` / ``yes`` in a process's environment: replay kept digest plans as CUDA
+graphs (:mod:`refit_verify.kernels.replay`) and take the layerwise reload's copies from their own
+memory pool (``vllm_plugin.worker.owned_copies``). Off by default (experimental, see
+``docs/performance.md``, the nineteenth run: a failed capture can leave torch's allocator in a
+capture state, and the pool and the graphs' work area hold memory that ``empty_cache`` and vLLM's
+sleep mode do not give back)."""
+
+
+def cuda_graphs_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``1`` / ``true`` / ``on`` / ``yes`` (read at each call)."""
+    env = os.environ if environ is None else environ
+    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
     """Return the mode from ``REFIT_VERIFY`` (unset means ``off``).
 

@@ -9,6 +9,12 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")]
 
+
+@pytest.fixture(autouse=True)
+def _graphs_on(monkeypatch):
+    """Graph replay and the copies' pool are opt-in (``REFIT_VERIFY_CUDA_GRAPHS=1``): on for these tests."""
+    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
+
 if torch.cuda.is_available():
     from refit_verify.digest import tensor_digest
     from refit_verify.digest_set import DigestSet
@@ -29,8 +35,7 @@ def _graph_of(s: DigestSet):
     return kept
 
 
-def test_replays_follow_the_memory_and_equal_the_reference(monkeypatch):
-    monkeypatch.setenv(replay.ENV_VAR, "1")
+def test_replays_follow_the_memory_and_equal_the_reference():
     ts = _tensors(1)
     s = DigestSet(ts)
     for r in range(6):  # run 1 plain, run 2 captures, then replays
@@ -45,6 +50,7 @@ def test_a_result_is_never_overwritten_by_a_later_replay():
     s = DigestSet(ts)
     s.digest()
     s.digest()  # captured
+    assert isinstance(_graph_of(s).graph, replay.Graph)
     first = [tensor_digest(t) for t in ts]
     a = s.launch()
     ts[0].view(-1)[0] += 1  # in stream order, after replay a, before replay b
@@ -61,6 +67,7 @@ def test_two_streams_replay_one_work_area_in_turn():
     for s in sets:
         s.digest()
         s.digest()
+        assert isinstance(_graph_of(s).graph, replay.Graph)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     launched = []
     for r in range(8):

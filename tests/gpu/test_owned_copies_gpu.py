@@ -12,6 +12,12 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (memory pools)")]
 
 
+@pytest.fixture(autouse=True)
+def _graphs_on(monkeypatch):
+    """Graph replay and the copies' pool are opt-in (``REFIT_VERIFY_CUDA_GRAPHS=1``): on for these tests."""
+    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
+
+
 def _batch(seed: int) -> list:
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = [(3072, 1024), (1024,), (151, 1024), (8, 128), (3072, 1024)]

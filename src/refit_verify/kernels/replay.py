@@ -20,36 +20,42 @@ What replay changes, and what it does not:
   (in stream order) before the replay returns: a second replay of the same plan never overwrites a
   result its caller has not read.
 * A capture that fails (an allocator or launcher that cannot be captured) leaves the plan on plain
-  launches for good, logged once; ``REFIT_VERIFY_CUDA_GRAPHS=0`` turns replay off (read at each run).
+  launches for good, logged once per plan.
+* **Opt-in** (``REFIT_VERIFY_CUDA_GRAPHS=1``, read at each run; :func:`refit_verify.config.cuda_graphs_enabled`):
+  a review found failure paths to fix before it can be the default — a capture that fails after
+  ``capture_begin`` leaves torch's allocator routing to the capture (``empty_cache`` then frees
+  nothing; on torch before per-capture generator state it also breaks the device's random numbers),
+  and the shared work area is kept for the process's life (not given back at vLLM's sleep).
 
 Capture uses ``CUDAGraph.capture_begin`` on a side stream in thread-local capture mode, not the
-``torch.cuda.graph`` context manager, which synchronises the device, collects garbage and empties
-the caching allocator's cache (that would move the addresses the kept plans were built on).
+``torch.cuda.graph`` context manager, which synchronises the whole device, collects garbage and
+empties the caching allocator's cache at every capture.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 
 import torch
 
+from refit_verify.config import CUDA_GRAPHS_ENV_VAR, cuda_graphs_enabled
+
 __all__ = ["ENV_VAR", "enabled", "replay"]
 
 logger = logging.getLogger("refit_verify")
 
-ENV_VAR = "REFIT_VERIFY_CUDA_GRAPHS"
-"""``0`` / ``false`` / ``off`` / ``no``: run kept plans with plain launches (default: replay graphs)."""
+ENV_VAR = CUDA_GRAPHS_ENV_VAR
+"""``1`` / ``true`` / ``on`` / ``yes``: replay kept plans as graphs (default: plain launches)."""
 
 MIN_RUNS = 2
 """A plan is captured at its second run (the first compiles the kernels and may be its only one)."""
 
 
 def enabled() -> bool:
-    """True unless :data:`ENV_VAR` says ``0`` / ``false`` / ``off`` / ``no`` (read at each call)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+    """True iff :data:`ENV_VAR` says ``1`` / ``true`` / ``on`` / ``yes`` (read at each call)."""
+    return cuda_graphs_enabled()
 
 
 class _Device:

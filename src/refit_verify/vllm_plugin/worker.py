@@ -226,13 +226,17 @@ def owned_copies(batch: list) -> list:
     """A clone per tensor of ``batch`` (``[(name, tensor)]``, any dtypes and devices), the copies
     vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order.
 
-    On CUDA the clones come from this process's own memory pool for them (:func:`_copies_pool`):
-    each is still its own storage, but no other allocation shares the pool, so the same refit asks
-    it for the same sizes in the same order and gets the same addresses back, refit after refit.
-    The check before loading then finds its kept set (and its captured graph) for every buffer
-    instead of depending on where the device's general cache put each copy this time.
+    With ``REFIT_VERIFY_CUDA_GRAPHS=1`` (opt-in, :func:`refit_verify.config.cuda_graphs_enabled`),
+    CUDA clones come from this process's own memory pool for them (:func:`_copies_pool`): each is
+    still its own storage, but no other allocation shares the pool, so the same refit asks it for
+    the same sizes in the same order and gets the same addresses back from the second refit on. The
+    check before loading then finds its kept set (and its captured graph) for every buffer instead
+    of depending on where the device's general cache put each copy this time. The pool keeps its
+    high-water mark reserved (``empty_cache`` and vLLM's sleep do not give it back): hence opt-in.
     """
-    pool = _copies_pool(batch)
+    from refit_verify.config import cuda_graphs_enabled
+
+    pool = _copies_pool(batch) if cuda_graphs_enabled() else None
     if pool is None:
         return [(n, t.clone()) for n, t in batch]
     import torch
@@ -248,8 +252,11 @@ def owned_copies(batch: list) -> list:
         return [(n, t.clone()) for n, t in batch]
     try:
         return [(n, t.clone()) for n, t in batch]
+    except torch.OutOfMemoryError:  # the pool cannot take memory the device's general cache holds: plain clones
+        pass
     finally:
         ctx.__exit__(None, None, None)
+    return [(n, t.clone()) for n, t in batch]
 
 
 _POOLS: dict = {}  # CUDA device index -> torch.cuda.MemPool of the layerwise reload's copies
@@ -270,7 +277,8 @@ def _copies_pool(batch: list):
     pool = _POOLS.get(index)
     if pool is None:
         try:
-            pool = _POOLS[index] = torch.cuda.MemPool()
+            with torch.cuda.device(index):  # a MemPool binds to the current device
+                pool = _POOLS[index] = torch.cuda.MemPool()
         except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
             _POOLS[index] = False
             return None
