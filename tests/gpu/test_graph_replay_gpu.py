@@ -16,6 +16,7 @@ def _graphs_on(monkeypatch):
     monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
 
 if torch.cuda.is_available():
+    from refit_verify.config import CUDA_GRAPHS_ENV_VAR
     from refit_verify.digest import tensor_digest
     from refit_verify.digest_set import DigestSet
     from refit_verify.kernels import replay
@@ -96,7 +97,7 @@ def test_a_failed_capture_leaves_the_plan_on_plain_launches(monkeypatch, caplog)
 
 
 def test_replay_off_runs_plain_launches(monkeypatch):
-    monkeypatch.setenv(replay.ENV_VAR, "0")
+    monkeypatch.setenv(CUDA_GRAPHS_ENV_VAR, "0")
     ts = _tensors(6)
     s = DigestSet(ts)
     for _ in range(3):

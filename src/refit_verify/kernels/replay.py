@@ -40,22 +40,14 @@ from collections.abc import Callable
 
 import torch
 
-from refit_verify.config import CUDA_GRAPHS_ENV_VAR, cuda_graphs_enabled
+from refit_verify.config import cuda_graphs_enabled
 
-__all__ = ["ENV_VAR", "enabled", "replay"]
+__all__ = ["replay"]
 
 logger = logging.getLogger("refit_verify")
 
-ENV_VAR = CUDA_GRAPHS_ENV_VAR
-"""``1`` / ``true`` / ``on`` / ``yes``: replay kept plans as graphs (default: plain launches)."""
-
 MIN_RUNS = 2
 """A plan is captured at its second run (the first compiles the kernels and may be its only one)."""
-
-
-def enabled() -> bool:
-    """True iff :data:`ENV_VAR` says ``1`` / ``true`` / ``on`` / ``yes`` (read at each call)."""
-    return cuda_graphs_enabled()
 
 
 class _Device:
@@ -105,7 +97,7 @@ def replay(p, work_len: int, launch: Callable[[torch.Tensor, torch.Tensor], None
         (its first run, replay turned off, or its capture failed).
     """
     p.runs += 1
-    if p.graph is False or p.runs < MIN_RUNS or not enabled():
+    if p.graph is False or p.runs < MIN_RUNS or not cuda_graphs_enabled():
         return None
     dev = p.device
     d = _device(dev.index if dev.index is not None else torch.cuda.current_device())
