@@ -193,7 +193,7 @@ class Planned:
             False when it could not be captured, else None.
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph")
+    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "__weakref__")
 
     def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
