@@ -190,7 +190,7 @@ class Planned:
         device: the views' device.
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.kernels.replay`),
-            False when it could not be captured, else None.
+            False when its capture could not be set up or its first replay differed from plain launches, else None.
     """
 
     __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "__weakref__")
