@@ -190,10 +190,10 @@ class Planned:
         device: the views' device.
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.kernels.replay`),
-            False when it could not be captured, else None.
+            False when its capture could not be set up or its first replay differed from plain launches, else None.
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph")
+    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "__weakref__")
 
     def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device

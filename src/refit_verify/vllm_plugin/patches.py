@@ -49,6 +49,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch("boundary-wake-up", "vllm.v1.worker.{gpu,cpu}_worker:{Worker,CPUWorker}.wake_up",
           "audit the engine state after a wake from sleep outside a refit (vLLM #29341: weights lost on sleep/wake)",
           "vLLM verifies restored weights itself"),
+    Patch("release-on-sleep", "vllm.v1.worker.gpu_worker:Worker.sleep",
+          "with REFIT_VERIFY_CUDA_GRAPHS=1 the worker holds captured graphs of kept digest plans (their work areas) "
+          "and a memory pool of the reload's copies, outside vLLM's sleep allocator: released before sleep so that "
+          "sleep mode gets that memory back (kept plans capture again after the wake)",
+          "graph replay and the copies' pool are removed, or vLLM offers a hook to release memory before sleep"),
     Patch("native-create-engine", "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.create_engine",
           "native updates (start_weight_update .. finish_weight_update) become model-boundary sessions",
           "vLLM's weight-transfer engines report their own per-update manifest"),
@@ -106,6 +111,12 @@ def _boundary_cpu(module: Any) -> None:
     shims.patch(module.CPUWorker, "wake_up", sessions.wrap_wake_up)  # CPUWorker overrides wake_up
 
 
+def _sleep(module: Any) -> None:
+    from refit_verify.vllm_plugin import sessions
+
+    shims.patch(module.Worker, "sleep", sessions.wrap_sleep)
+
+
 def _native_worker(module: Any) -> None:
     from refit_verify.vllm_plugin import native_worker
 
@@ -128,6 +139,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "worker-methods": lambda mode: _worker_methods(),
     "boundary-load-model": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _boundary),
     "boundary-wake-up": lambda mode: shims.when_imported("vllm.v1.worker.cpu_worker", _boundary_cpu),
+    "release-on-sleep": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _sleep),
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),
     "cpu-kernel-scan": lambda mode: shims.when_imported("vllm.platforms.cpu", _cpu_kernel_scan),

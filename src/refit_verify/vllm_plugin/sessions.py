@@ -131,6 +131,36 @@ def wrap_wake_up(raw):
     return wake_up
 
 
+def wrap_sleep(raw):
+    """Before ``sleep``, give back what refit-verify holds on the GPU outside vLLM's allocator: the
+    captured graphs of kept digest plans with their work areas (:func:`refit_verify.kernels.replay.release_all`)
+    and the reload copies' pools (:func:`refit_verify.vllm_plugin.worker.release_pools`); vLLM's sleep
+    then empties the cache. After the wake, kept plans capture again and a new pool is made."""
+
+    @functools.wraps(raw)
+    def sleep(self, *args, **kwargs):
+        release_gpu_holdings()
+        return raw(self, *args, **kwargs)
+
+    return sleep
+
+
+def release_gpu_holdings() -> tuple[int, int]:
+    """Drop the graphs of kept plans and the copies' pools of this process (never raises: logged).
+
+    Returns:
+        tuple[int, int]: graphs dropped, pools dropped (``(0, 0)`` when nothing was held or on failure).
+    """
+    try:
+        from refit_verify.kernels import replay
+        from refit_verify.vllm_plugin import worker
+
+        return replay.release_all(), worker.release_pools()
+    except Exception:  # noqa: BLE001 - sleep goes on; the memory just stays held
+        logging.getLogger("refit_verify").exception("refit-verify: releasing graphs and pools before sleep failed")
+        return 0, 0
+
+
 # --------------------------------------------------------------------------- worker methods
 
 _OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": "True or False",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -231,35 +232,101 @@ def owned_copies(batch: list) -> list:
     still its own storage, but no other allocation shares the pool, so the same refit asks it for
     the same sizes in the same order and gets the same addresses back from the second refit on. The
     check before loading then finds its kept set (and its captured graph) for every buffer instead
-    of depending on where the device's general cache put each copy this time. The pool keeps its
-    high-water mark reserved (``empty_cache`` and vLLM's sleep do not give it back): hence opt-in.
+    of depending on where the device's general cache put each copy this time.
+
+    Fallbacks, all to plain clones of the whole batch: another thread is using the pool (no wait);
+    entering the pool fails (the pool is given up for good only when the error says this allocator
+    has no pools, e.g. expandable segments); a pooled clone raises ``torch.OutOfMemoryError`` (the
+    pool cannot take memory the device's general cache holds; the pool stays for the next refit,
+    and if the plain clones run out of memory too, the pool is released — :func:`release_pools` —
+    and the plain clones tried once more). The pool keeps its high-water mark reserved until
+    :func:`release_pools` (the plugin calls it at the worker's sleep).
+
+    Raises:
+        torch.OutOfMemoryError: the plain clones do not fit even with the pool released.
     """
     from refit_verify.config import cuda_graphs_enabled
 
     pool = _copies_pool(batch) if cuda_graphs_enabled() else None
-    if pool is None:
+    if pool is None or not _POOLS_LOCK.acquire(blocking=False):
         return [(n, t.clone()) for n, t in batch]
+    try:
+        copies = _pooled(batch, *pool)
+    finally:
+        _POOLS_LOCK.release()
+    if copies is not None:
+        return copies
     import torch
 
-    index, mp = pool
-    try:
-        ctx = torch.cuda.use_mem_pool(mp, device=index)
-        ctx.__enter__()
-    except Exception as e:  # noqa: BLE001 - e.g. an allocator configuration without pools: plain clones from now on
-        _POOLS[index] = False
-        logging.getLogger("refit_verify").warning("refit-verify: no memory pool for the layerwise reload's copies on "
-                                                  "cuda:%s (%s: %s); plain clones", index, type(e).__name__, e)
-        return [(n, t.clone()) for n, t in batch]
     try:
         return [(n, t.clone()) for n, t in batch]
-    except torch.OutOfMemoryError:  # the pool cannot take memory the device's general cache holds: plain clones
+    except torch.OutOfMemoryError:
         pass
-    finally:
-        ctx.__exit__(None, None, None)
+    release_pools()  # its cached blocks are the memory the plain clones lack
+    torch.cuda.empty_cache()
     return [(n, t.clone()) for n, t in batch]
 
 
-_POOLS: dict = {}  # CUDA device index -> torch.cuda.MemPool of the layerwise reload's copies
+def _pooled(batch: list, index: int, mp) -> list | None:
+    """The clones of ``batch`` from pool ``mp`` on cuda:``index``; None when they must be plain."""
+    import torch
+
+    log = logging.getLogger("refit_verify")
+    try:
+        ctx = torch.cuda.use_mem_pool(mp, device=index)
+        ctx.__enter__()  # raises before anything is registered (use_mem_pool begins before its try)
+    except Exception as e:  # noqa: BLE001 - plain clones this time; for good only when pools are unsupported
+        unsupported = isinstance(e, AttributeError) or any(w in str(e).lower() for w in _NO_POOLS)
+        if unsupported:
+            _POOLS[index] = False
+        log.warning("refit-verify: no memory pool for the layerwise reload's copies on cuda:%s (%s: %s); plain "
+                    "clones%s", index, type(e).__name__, e, " from now on" if unsupported else " this time")
+        return None
+    oom = False
+    try:
+        return [(n, t.clone()) for n, t in batch]
+    except torch.OutOfMemoryError:  # the pool cannot take memory the device's general cache holds
+        oom = True
+    finally:
+        ctx.__exit__(None, None, None)  # ends routing to the pool and drops the context's reference
+        if oom:
+            log.warning("refit-verify: the layerwise reload's copies ran out of memory in their pool on cuda:%s; plain "
+                        "clones for this batch", index)
+    return None
+
+
+_NO_POOLS = ("expandable", "not supported", "unsupported", "does not support")
+"""Words of an error saying this allocator has no memory pools (then the pool is given up for good)."""
+
+_POOLS: dict = {}  # CUDA device index -> torch.cuda.MemPool of the layerwise reload's copies (False: none)
+_POOLS_LOCK = threading.Lock()  # one user of the pools at a time (begin/end of a pool is per thread)
+
+
+def release_pools() -> int:
+    """Drop this process's pools of the reload's copies; the next pooled refit makes new ones.
+
+    Dropping a ``MemPool`` releases it (its destructor: ``releasePool`` then ``emptyCache`` of its
+    id): its free blocks go back to the device, its live blocks when their copies die. Devices
+    whose allocator has no pools stay marked so. Waits at most :data:`POOL_WAIT_S` for a pooled
+    clone in progress; after that it releases nothing.
+
+    Returns:
+        int: how many pools were dropped (0 without CUDA or pools).
+    """
+    if not _POOLS_LOCK.acquire(timeout=POOL_WAIT_S):
+        logging.getLogger("refit_verify").warning("refit-verify: the reload's copies pool is busy; not released")
+        return 0
+    try:
+        dropped = [i for i, mp in _POOLS.items() if mp is not False]
+        for i in dropped:
+            del _POOLS[i]
+        return len(dropped)
+    finally:
+        _POOLS_LOCK.release()
+
+
+POOL_WAIT_S = 30.0
+"""Seconds :func:`release_pools` waits for a batch being cloned into a pool."""
 
 
 def _copies_pool(batch: list):
@@ -274,15 +341,19 @@ def _copies_pool(batch: list):
     import torch
 
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    pool = _POOLS.get(index)
-    if pool is None:
-        try:
-            with torch.cuda.device(index):  # a MemPool binds to the current device
-                pool = _POOLS[index] = torch.cuda.MemPool()
-        except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
-            _POOLS[index] = False
-            return None
+    with _POOLS_LOCK_MAKE:
+        pool = _POOLS.get(index)
+        if pool is None:
+            try:
+                with torch.cuda.device(index):  # a MemPool binds to the current device (MemPool.cpp: device_ = current_device())
+                    pool = _POOLS[index] = torch.cuda.MemPool()
+            except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
+                _POOLS[index] = False
+                return None
     return (index, pool) if pool is not False else None
+
+
+_POOLS_LOCK_MAKE = threading.Lock()
 
 
 @contextlib.contextmanager
