@@ -101,8 +101,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",
              "- plan replay (refit_verify.refit_plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
                                                           else "on (a steady-state refit replays the last watched one's plan)")
-             + ("; kept plans as CUDA graphs, the reload's copies from their own pool (`--cuda-graphs`)"
-                if getattr(a, "cuda_graphs", False) else "")
+             + (f"; kept plans as CUDA graphs, the reload's copies from their own pool (`REFIT_VERIFY_CUDA_GRAPHS={a.cuda_graphs}`)"
+                if getattr(a, "cuda_graphs", None) else "")
              + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
              + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "

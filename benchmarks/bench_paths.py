@@ -194,10 +194,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--no-replay", action="store_true",
                     help="REFIT_VERIFY_REPLAY=0 in every child: every enforce refit is watched by the loader tap "
                          "(default: a steady-state refit replays the last watched one's plan, refit_verify.refit_plan)")
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="REFIT_VERIFY_CUDA_GRAPHS=1 in every child (engines in both modes, and the trainer): kept digest "
-                         "plans replayed as CUDA graphs and the layerwise reload's copies from their own pool (opt-in; "
-                         "the nineteenth run in docs/performance.md measured it on)")
+    ap.add_argument("--cuda-graphs", nargs="?", const="1", default=None, choices=("1", "force"),
+                    help="REFIT_VERIFY_CUDA_GRAPHS=1 (or =force: replay on torch < 2.12 too) in every child (engines in "
+                         "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
+                         "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
     ap.add_argument("--landed-cpu", action="store_true",
                     help="CPU: digest delivered tensors where they landed and replay plans, as CUDA workers do "
                          "(delivery.DERIVE_DEVICE_TYPES, in the child and in an mp engine's worker process; the engines keep "
@@ -268,7 +268,7 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
             if a.no_replay:
                 env["REFIT_VERIFY_REPLAY"] = "0"
             if a.cuda_graphs:
-                env["REFIT_VERIFY_CUDA_GRAPHS"] = "1"
+                env["REFIT_VERIFY_CUDA_GRAPHS"] = a.cuda_graphs
             if a.landed_cpu:
                 env["REFIT_BENCH_LANDED_CPU"] = "1"
             if kind == "inproc":

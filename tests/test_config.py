@@ -64,13 +64,15 @@ def test_typo_aborts_vllm_plugin_loading():
 
 
 @pytest.mark.parametrize(("value", "on"), [(None, False), ("", False), ("0", False), ("off", False), ("no", False),
-                                           ("2", False), ("1", True), ("true", True), (" ON ", True), ("Yes", True)])
+                                           ("2", False), ("1", True), ("true", True), (" ON ", True), ("Yes", True),
+                                           ("force", True), (" FORCE", True), ("forced", False)])
 def test_cuda_graph_replay_and_the_copies_pool_are_opt_in(value, on):
-    from refit_verify.config import CUDA_GRAPHS_ENV_VAR, cuda_graphs_enabled
+    from refit_verify.config import CUDA_GRAPHS_ENV_VAR, cuda_graphs_enabled, cuda_graphs_forced
 
     env = {} if value is None else {CUDA_GRAPHS_ENV_VAR: value}
     assert CUDA_GRAPHS_ENV_VAR == "REFIT_VERIFY_CUDA_GRAPHS"
     assert cuda_graphs_enabled(env) is on
+    assert cuda_graphs_forced(env) is (value is not None and value.strip().lower() == "force")
 
 
 def test_cpu_copies_never_use_a_pool_even_opted_in(monkeypatch):

@@ -35,6 +35,19 @@ def test_below_the_gate_the_env_is_ignored_and_logged_once(monkeypatch, caplog):
     assert sum("REFIT_VERIFY_CUDA_GRAPHS=1 ignored" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_force_replays_below_the_gate_and_says_so_once(monkeypatch, caplog):
+    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "force")
+    monkeypatch.setattr(replay, "_TORCH_OK", False)
+    monkeypatch.setattr(replay, "_OFF", None)
+    monkeypatch.setattr(replay, "_LOGGED", set())
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        assert replay.active() is True
+        assert replay.active() is True
+    assert sum("REFIT_VERIFY_CUDA_GRAPHS=force" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(replay, "_OFF", "RuntimeError: capture invalidated")
+    assert replay.active() is False  # a failed capture turns it off, forced or not
+
+
 def test_replay_is_active_only_when_asked_gated_in_and_not_turned_off(monkeypatch):
     monkeypatch.setattr(replay, "_TORCH_OK", True)
     monkeypatch.setattr(replay, "_OFF", None)

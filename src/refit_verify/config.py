@@ -59,17 +59,25 @@ class VerifyMode(str, enum.Enum):
 
 CUDA_GRAPHS_ENV_VAR = "REFIT_VERIFY_CUDA_GRAPHS"
 """``1`` / ``true`` / ``on`` / ``yes`` in a process's environment: replay kept digest plans as CUDA
-graphs (:mod:`refit_verify.kernels.replay`) and take the layerwise reload's copies from their own
-memory pool (``vllm_plugin.worker.owned_copies``). Off by default (experimental, see
-``docs/performance.md``, the nineteenth run: a failed capture can leave torch's allocator in a
-capture state, and the pool and the graphs' work area hold memory that ``empty_cache`` and vLLM's
-sleep mode do not give back)."""
+graphs (:mod:`refit_verify.kernels.replay`, torch >= 2.12 only) and take the layerwise reload's
+copies from their own memory pool (``vllm_plugin.worker.owned_copies``). ``force``: the same, and
+replay also on torch older than 2.12, whose CUDA graphs share the device's random-number state
+with eager code (``kernels.replay``'s docstring says what that risks). Off by default
+(``docs/performance.md``, the nineteenth and twentieth runs)."""
+
+_CUDA_GRAPHS_ON = ("1", "true", "on", "yes")
 
 
 def cuda_graphs_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``1`` / ``true`` / ``on`` / ``yes`` (read at each call)."""
+    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``1`` / ``true`` / ``on`` / ``yes`` / ``force`` (read at each call)."""
     env = os.environ if environ is None else environ
-    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes")
+    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() in (*_CUDA_GRAPHS_ON, "force")
+
+
+def cuda_graphs_forced(environ: Mapping[str, str] | None = None) -> bool:
+    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``force``: replay below the torch version gate too."""
+    env = os.environ if environ is None else environ
+    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() == "force"
 
 
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:

@@ -45,8 +45,12 @@ What replay changes, and what it does not:
   device's default generator in capture mode: any eager random op from another thread during a
   capture fails ("Offset increment outside graph capture encountered unexpectedly"), a capture that
   fails midway leaves the generator in that mode for good (vLLM's sampling dies), and every replay
-  adds two ``fill_`` kernels. Below the gate replay stays off even when asked for (logged once).
-* **Opt-in** (``REFIT_VERIFY_CUDA_GRAPHS=1``, read at each run;
+  adds two ``fill_`` kernels. Below the gate replay stays off when asked for with ``1`` (logged
+  once); ``REFIT_VERIFY_CUDA_GRAPHS=force`` replays there too (logged once), for processes where no
+  other thread draws random numbers on the device during a refit (a vLLM worker runs its refits
+  and its sampling in one thread) and on the understanding that a capture failing midway leaves the
+  device's generator unusable (no capture failure has been seen on the H200 runs).
+* **Opt-in** (``REFIT_VERIFY_CUDA_GRAPHS=1`` or ``force``, read at each run;
   :func:`refit_verify.config.cuda_graphs_enabled`).
 
 Capture uses ``CUDAGraph.capture_begin`` on a side stream in thread-local capture mode, not the
@@ -70,7 +74,7 @@ from collections.abc import Callable
 
 import torch
 
-from refit_verify.config import cuda_graphs_enabled
+from refit_verify.config import cuda_graphs_enabled, cuda_graphs_forced
 
 __all__ = ["Graph", "MIN_TORCH", "release_all", "replay", "torch_supports_graphs"]
 
@@ -116,10 +120,15 @@ def _log_once(key: str, msg: str, *args) -> None:
 
 
 def active() -> bool:
-    """True iff replay would be used now: asked for (env), torch passes the gate, and no capture failed."""
+    """True iff replay would be used now: asked for (env), torch passes the gate (or ``force``), and no capture failed."""
     if _OFF is not None or not cuda_graphs_enabled():
         return False
     if not _TORCH_OK:
+        if cuda_graphs_forced():
+            _log_once("forced", "refit-verify: REFIT_VERIFY_CUDA_GRAPHS=force: CUDA graph replay on torch %s, older than %s "
+                      "(its graphs share the device's random-number state: no other thread may draw random numbers on "
+                      "the device during a refit)", torch.__version__, ".".join(map(str, MIN_TORCH)))
+            return True
         _log_once("torch", "refit-verify: REFIT_VERIFY_CUDA_GRAPHS=1 ignored: torch %s is older than %s (CUDA graphs keep "
                   "random-number state per capture from 2.12 on); plain launches", torch.__version__,
                   ".".join(map(str, MIN_TORCH)))
