@@ -57,7 +57,7 @@ from refit_verify.vllm_plugin.native_sender import (  # noqa: F401  (FETCH_TIMEO
     NativeSendVerifier,
     _Wrapped,
 )
-from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
+from refit_verify.vllm_plugin.native_worker import FINISH_METHOD, MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
 
@@ -404,8 +404,12 @@ def _wrap_llm_finish(raw: Callable) -> Callable:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
             mine = [v for v in _PENDING if v._feeds(self)]
             _PENDING[:] = [v for v in _PENDING if v not in mine]
+        workers = None
         try:
-            out = raw(self, *args, **kwargs)
+            if mine and not args and not kwargs and _one_rpc(raw, self, mine):
+                out, workers = None, _finish_and_fetch(self)
+            else:
+                out = raw(self, *args, **kwargs)
         except BaseException:
             with _LOCK:  # the update did not close: it stays open, and a retried finish checks its sends
                 _PENDING[:] = mine + [v for v in _PENDING if v not in mine]
@@ -414,10 +418,44 @@ def _wrap_llm_finish(raw: Callable) -> Callable:
             raise
         if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
             mine[-1]._earlier = mine[:-1]  # every send into it
-            mine[-1].verify()
+            mine[-1].verify(workers)
         return out
 
     return finish_weight_update
+
+
+def _one_rpc(raw: Callable, llm: Any, mine: list[NativeSendVerifier]) -> bool:
+    """True iff ``raw`` (``LLM.finish_weight_update``) is vLLM 0.26's one-liner
+    ``self.llm_engine.collective_rpc("finish_weight_update")`` and every send in ``mine`` went to
+    ``llm`` only: then one RPC that finishes and returns the manifests
+    (:data:`~refit_verify.vllm_plugin.native_worker.FINISH_METHOD`) replaces the finish and the fetch."""
+    code = getattr(raw, "__code__", None)
+    if code is None or set(code.co_names) != {"llm_engine", "collective_rpc"} or "finish_weight_update" not in code.co_consts:
+        return False
+    if not hasattr(getattr(llm, "llm_engine", None), "collective_rpc"):
+        return False
+    for v in mine:
+        target = getattr(v.target, "__self__", v.target)
+        if target not in (None, llm) or any(r() is not llm for r in v.engines):
+            return False
+    return True
+
+
+def _finish_and_fetch(llm: Any) -> list[dict[str, Any]]:
+    """Finish ``llm``'s update and fetch its workers' manifests in one ``collective_rpc``.
+
+    The engine of an in-process ``LLM`` runs in this Python environment, so its workers carry the
+    plugin's worker methods (registered in every process that loads vLLM's plugins, whatever the mode).
+
+    Raises:
+        RefitTimeoutError: the workers did not answer within ``FETCH_TIMEOUT_S`` seconds.
+        Whatever vLLM's own ``finish_weight_update`` RPC raises, unchanged.
+    """
+    try:
+        return list(llm.llm_engine.collective_rpc(FINISH_METHOD, timeout=FETCH_TIMEOUT_S))
+    except TimeoutError as e:
+        raise RefitTimeoutError(f"refit-verify: finish_weight_update (with the workers' manifests) did not answer within "
+                                f"{FETCH_TIMEOUT_S:g} s", {"waiting_for": FINISH_METHOD, "timeout_s": FETCH_TIMEOUT_S}) from e
 
 
 def _wrap_llm_update(raw: Callable) -> Callable:

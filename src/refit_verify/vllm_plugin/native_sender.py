@@ -149,8 +149,12 @@ class NativeSendVerifier:
             results.extend(ch.call(MANIFEST_METHOD, timeout_s=FETCH_TIMEOUT_S))
         return results
 
-    def verify(self) -> list[VerificationReport]:
+    def verify(self, workers: list[dict[str, Any]] | None = None) -> list[VerificationReport]:
         """Fetch the worker manifests, compare each with the sender's, act on the mode.
+
+        ``workers``: the workers' ``refit_verify_native_manifest`` results when the caller already
+        has them (the finish RPC that returns them, :func:`~refit_verify.vllm_plugin.native_worker.refit_verify_native_finish`);
+        fetched here otherwise.
 
         Every worker receives full tensors, so each manifest is compared with the whole sender
         manifest. Digests of several sends into one worker update (0.26: more than one
@@ -171,7 +175,7 @@ class NativeSendVerifier:
         if not self.mode.verifies:
             return []
         try:
-            workers = self.fetch()
+            workers = self.fetch() if workers is None else list(workers)
             idle = [w for w in workers if not w.get("verifying")]
             if idle or not workers:
                 w = idle[0] if idle else {}

