@@ -37,7 +37,8 @@ PHASES: dict[str, tuple[str, str]] = {
     "c.update": ("client update_weights (worker: map, load_weights, digests)", "timed: sum over the client calls"),
     "c.finish": ("client finish_weight_update (worker: finalize, close, read-back, snapshot)", "timed around the client call"),
     "t.digest": ("trainer digests of the exported tensors", "NativeSendVerifier.digest_s (read by an observing wrapper of verify)"),
-    "t.verify": ("trainer: fetch the workers' manifests + compare", "timed around NativeSendVerifier.verify (observing wrapper)"),
+    "t.verify": ("trainer: fetch the workers' manifests + compare (vLLM 0.26 with an in-process LLM: compare only, the "
+                 "manifests come back with the finish RPC)", "timed around NativeSendVerifier.verify (observing wrapper)"),
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
     "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
     "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
@@ -104,6 +105,7 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              + (f"; kept plans as CUDA graphs, the reload's copies from their own pool (`REFIT_VERIFY_CUDA_GRAPHS={a.cuda_graphs}`)"
                 if getattr(a, "cuda_graphs", None) else "")
              + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
+             *([f"- placement (`--pin`): {a.pinned}"] if getattr(a, "pinned", "") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
              + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "
                 "three rotations, then the three reversed)" if a.control else

@@ -201,10 +201,10 @@ class Bench:
 
         cls, orig, seen = native.NativeSendVerifier, native.NativeSendVerifier.verify, self.observed
 
-        def verify(verifier):
+        def verify(verifier, *args, **kwargs):
             a = pc()
             try:
-                return orig(verifier)
+                return orig(verifier, *args, **kwargs)
             finally:
                 seen["t.verify"] = seen.get("t.verify", 0.0) + pc() - a
                 # a send is verified twice on vLLM 0.26 (at the send, again at finish_weight_update): its
@@ -530,6 +530,10 @@ def _buckets(items: list, nbytes: int) -> list[list]:
 
 
 def main() -> None:
+    cpus = os.environ.get("REFIT_BENCH_CPUS")  # bench_paths --pin: this child and its engine processes on these cores
+    if cpus:
+        lo, hi = (int(x) for x in cpus.split("-"))
+        os.sched_setaffinity(0, range(lo, hi + 1))  # before torch / vLLM start threads and processes (they inherit it)
     if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu (this process runs the inproc engine)
         from refit_verify import delivery
 

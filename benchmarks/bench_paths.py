@@ -198,6 +198,10 @@ def parse() -> argparse.Namespace:
                     help="REFIT_VERIFY_CUDA_GRAPHS=1 (or =force: replay on torch < 2.12 too) in every child (engines in "
                          "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
                          "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), "
+                         "PYTHONHASHSEED=0 in every child: less process-to-process spread (the A/A control shows what is left); "
+                         "needs at least 4 cores per child, else not pinned (said in the report)")
     ap.add_argument("--landed-cpu", action="store_true",
                     help="CPU: digest delivered tensors where they landed and replay plans, as CUDA workers do "
                          "(delivery.DERIVE_DEVICE_TYPES, in the child and in an mp engine's worker process; the engines keep "
@@ -277,6 +281,17 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def pin_blocks(children: int, per_child_min: int = 4) -> list[str]:
+    """``--pin``: ``children`` disjoint blocks ``"lo-hi"`` of the cores this process may use, the last
+    core left to the parent when there are enough; [] when a child would get fewer than ``per_child_min``."""
+    cores = sorted(os.sched_getaffinity(0))
+    spare = 1 if len(cores) - 1 >= children * per_child_min else 0
+    per = (len(cores) - spare) // max(children, 1)
+    if per < per_child_min:
+        return []
+    return [f"{cores[i * per]}-{cores[i * per + per - 1]}" for i in range(children)]
+
+
 def main() -> int:
     a = parse()
     work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
@@ -297,6 +312,10 @@ def main() -> int:
     engines = MODES + ((CONTROL,) if a.control else ())
     children: dict[str, Child] = {}
     info: dict[str, str] = {}
+    pins = pin_blocks(len(kinds) * len(engines)) if a.pin else []
+    size = (lambda lo, hi: hi - lo + 1)(*map(int, pins[0].split("-"))) if pins else 0
+    a.pinned = (f"each child and its engine processes on {size} cores of its own ({', '.join(pins)}), PYTHONHASHSEED=0" if pins
+                else "not pinned: fewer than 4 cores per child" if a.pin else "")
     try:
         for kind in kinds:
             kpaths = [p for p in a.paths if KIND[p] == kind]
@@ -314,7 +333,10 @@ def main() -> int:
                 if a.profile:
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{name}-{kind}.txt")]
-                c = Child(mode, kind, argv, envs[f"{mode}/{kind}"], work / f"{name}-{kind}.log", name=name)
+                env = envs[f"{mode}/{kind}"]
+                if pins:
+                    env = {**env, "REFIT_BENCH_CPUS": pins.pop(0), "PYTHONHASHSEED": "0"}
+                c = Child(mode, kind, argv, env, work / f"{name}-{kind}.log", name=name)
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)
                 try:
