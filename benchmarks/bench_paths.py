@@ -199,8 +199,9 @@ def parse() -> argparse.Namespace:
                          "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
                          "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
     ap.add_argument("--pin", action="store_true",
-                    help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), "
-                         "PYTHONHASHSEED=0 in every child: less process-to-process spread (the A/A control shows what is left); "
+                    help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), the "
+                         "blocks rotated among the children round by round, PYTHONHASHSEED=0 in every child: less "
+                         "process-to-process spread (the A/A control shows what is left); "
                          "needs at least 4 cores per child, else not pinned (said in the report)")
     ap.add_argument("--landed-cpu", action="store_true",
                     help="CPU: digest delivered tensors where they landed and replay plans, as CUDA workers do "
@@ -292,6 +293,28 @@ def pin_blocks(children: int, per_child_min: int = 4) -> list[str]:
     return [f"{cores[i * per]}-{cores[i * per + per - 1]}" for i in range(children)]
 
 
+def repin(pgid: int, block: str) -> int:
+    """Move every thread of every process in process group ``pgid`` (a child and the engine processes
+    it started) onto the cores ``block`` (``"lo-hi"``); returns how many threads were moved (a thread
+    that ends meanwhile is skipped)."""
+    lo, hi = (int(x) for x in block.split("-"))
+    cpus = range(lo, hi + 1)
+    moved = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:  # after the name: state, ppid, pgrp
+                    continue
+            for tid in os.listdir(f"/proc/{d}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+                moved += 1
+        except (OSError, ValueError, IndexError):
+            continue
+    return moved
+
+
 def main() -> int:
     a = parse()
     work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
@@ -313,8 +336,11 @@ def main() -> int:
     children: dict[str, Child] = {}
     info: dict[str, str] = {}
     pins = pin_blocks(len(kinds) * len(engines)) if a.pin else []
+    blocks = list(pins)
+    pinned: list[Child] = []  # in the order of their first blocks
     size = (lambda lo, hi: hi - lo + 1)(*map(int, pins[0].split("-"))) if pins else 0
-    a.pinned = (f"each child and its engine processes on {size} cores of its own ({', '.join(pins)}), PYTHONHASHSEED=0" if pins
+    a.pinned = (f"each child and its engine processes on {size} cores of their own ({', '.join(pins)}), the blocks rotated "
+                "round by round (child k on block k + r), PYTHONHASHSEED=0" if pins
                 else "not pinned: fewer than 4 cores per child" if a.pin else "")
     try:
         for kind in kinds:
@@ -337,6 +363,8 @@ def main() -> int:
                 if pins:
                     env = {**env, "REFIT_BENCH_CPUS": pins.pop(0), "PYTHONHASHSEED": "0"}
                 c = Child(mode, kind, argv, env, work / f"{name}-{kind}.log", name=name)
+                if "REFIT_BENCH_CPUS" in env:
+                    pinned.append(c)
                 t0 = time.perf_counter()
                 print(f"starting engine {c.label} ...", flush=True)
                 try:
@@ -368,6 +396,9 @@ def main() -> int:
         last: Child | None = None
         for r in range(total):
             warm = r < a.warmup
+            for k, c in enumerate(pinned):  # --pin: no engine keeps one block of cores (their SMT siblings, interrupts)
+                if c.ready is not None and c.proc.poll() is None:
+                    repin(c.proc.pid, blocks[(k + r) % len(blocks)])
             for i, p in enumerate(runnable):
                 if p in failed:
                     continue
