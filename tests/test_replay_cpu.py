@@ -25,25 +25,17 @@ def test_the_torch_gate_admits_releases_from_2_12_only(version, ok):
     assert replay.torch_supports_graphs(version) is ok
 
 
-def test_below_the_gate_the_env_is_ignored_and_logged_once(monkeypatch, caplog):
-    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
-    monkeypatch.setattr(replay, "_TORCH_OK", False)
-    monkeypatch.setattr(replay, "_LOGGED", set())
-    with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        assert replay.active() is False
-        assert replay.active() is False
-    assert sum("REFIT_VERIFY_CUDA_GRAPHS=1 ignored" in r.getMessage() for r in caplog.records) == 1
-
-
-def test_force_replays_below_the_gate_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "force")
+@pytest.mark.parametrize(("value", "active", "said"), [("1", False, "REFIT_VERIFY_CUDA_GRAPHS=1 ignored"),
+                                                       ("force", True, "REFIT_VERIFY_CUDA_GRAPHS=force")])
+def test_below_the_gate_1_is_ignored_force_replays_each_said_once(monkeypatch, caplog, value, active, said):
+    monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", value)
     monkeypatch.setattr(replay, "_TORCH_OK", False)
     monkeypatch.setattr(replay, "_OFF", None)
     monkeypatch.setattr(replay, "_LOGGED", set())
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        assert replay.active() is True
-        assert replay.active() is True
-    assert sum("REFIT_VERIFY_CUDA_GRAPHS=force" in r.getMessage() for r in caplog.records) == 1
+        assert replay.active() is active
+        assert replay.active() is active
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
     monkeypatch.setattr(replay, "_OFF", "RuntimeError: capture invalidated")
     assert replay.active() is False  # a failed capture turns it off, forced or not
 
