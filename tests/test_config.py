@@ -89,3 +89,14 @@ def test_cpu_copies_never_use_a_pool_even_opted_in(monkeypatch):
     for (_, c), (_, v) in zip(copies, batch):
         assert torch.equal(c, v) and c.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
     assert worker._POOLS == {}  # no pool was made for CPU tensors
+
+
+@pytest.mark.parametrize("value", ["forced", "forse", "2", "enforce"])
+def test_a_cuda_graphs_value_that_means_nothing_is_refused_at_register(value):
+    from refit_verify.config import check_cuda_graphs_env
+
+    with pytest.raises(RefitConfigError, match=f"REFIT_VERIFY_CUDA_GRAPHS='{value}' is not accepted"):
+        check_cuda_graphs_env({"REFIT_VERIFY_CUDA_GRAPHS": value})
+    for ok in ("", "0", "off", "No", "1", "TRUE", "force"):
+        check_cuda_graphs_env({"REFIT_VERIFY_CUDA_GRAPHS": ok})
+    check_cuda_graphs_env({})

@@ -19,7 +19,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfigError, RefitTimeoutError, RefitVerificationError, VerifyMode, models  # noqa: E402
+from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode, models  # noqa: E402
 from refit_verify.demo import readback_names  # noqa: E402
 from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
@@ -31,6 +31,15 @@ pytestmark = pytest.mark.vllm
 TARGET = "model.layers.1.mlp.down_proj.weight"
 ROOT = Path(__file__).resolve().parents[1]
 needs_trainer_api = pytest.mark.skipif(not nb.TRAINER_API, reason="this vLLM has no TrainerWeightTransferEngine API (< 0.27)")
+
+
+@pytest.fixture(autouse=True)
+def _no_native_state_left():
+    """Every test starts and ends with no pending send, open update or active send of the wrappers."""
+    yield
+    native._PENDING.clear()
+    native._OPEN.clear()
+    native._ACTIVE.clear()
 
 
 @pytest.fixture(scope="module")
@@ -546,100 +555,3 @@ def test_a_send_never_checked_is_named_at_exit(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="refit_verify"):
         native._unchecked_at_exit()
     assert "never finished" not in caplog.text
-
-
-class _Engine026:
-    """``LLM.llm_engine`` of an in-process LLM: its workers answer vLLM's finish and the plugin's methods."""
-
-    def __init__(self, llm):
-        self.llm, self.calls, self.fail = llm, [], None
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append((method, timeout))
-        if self.fail is not None:
-            raise self.fail
-        if method in ("start_weight_update", "finish_weight_update"):
-            return [None]
-        workers = _FakeEngine.collective_rpc(self.llm, native.MANIFEST_METHOD)
-        assert method in (native.MANIFEST_METHOD, native.FINISH_METHOD)
-        return workers
-
-
-class _LLM026(_FakeEngine):
-    """An in-process LLM whose finish_weight_update is vLLM 0.26's: one collective_rpc, result dropped."""
-
-    def __init__(self, corrupt=None):
-        super().__init__(corrupt)
-        self.llm_engine = _Engine026(self)
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # what NativeSendVerifier.fetch reaches
-        return self.llm_engine.collective_rpc(method, timeout)
-
-    def start_weight_update(self):
-        self.llm_engine.collective_rpc("start_weight_update")
-
-    def finish_weight_update(self):
-        self.llm_engine.collective_rpc("finish_weight_update")
-
-
-_LLM026.start_weight_update = native._wrap_llm_start(_LLM026.start_weight_update)
-_LLM026.finish_weight_update = native._wrap_llm_finish(_LLM026.finish_weight_update)
-
-
-def test_a_0_26_finish_closes_the_update_and_fetches_the_manifests_in_one_rpc(monkeypatch):
-    """vLLM 0.26's LLM.finish_weight_update is one collective_rpc: the wrapper replaces it with
-    refit_verify_native_finish (finish, then the manifests), bounded by FETCH_TIMEOUT_S: one round
-    trip per update instead of two; a bad byte is still named there."""
-    IPCWeightTransferEngine = _static_ipc(monkeypatch)
-    weights = {f"w{i}": torch.randn(4, 8) for i in range(3)}
-    for corrupt in (None, "w0"):
-        llm = _LLM026(corrupt=corrupt)
-        llm.start_weight_update()
-        IPCWeightTransferEngine.trainer_send_weights(iter(weights.items()), {"send_mode": llm.send})
-        if corrupt is None:
-            assert llm.finish_weight_update() is None
-            (report,) = native.last_reports()
-            assert report.ok and report.verified == 3
-        else:
-            with pytest.raises(RefitVerificationError) as ei:
-                llm.finish_weight_update()
-            assert ei.value.mismatched == ["w0"]
-        assert llm.llm_engine.calls == [("start_weight_update", None), (native.FINISH_METHOD, native.FETCH_TIMEOUT_S)]
-
-
-def test_a_failing_0_26_finish_raises_vllms_error_and_keeps_the_sends_pending(monkeypatch):
-    IPCWeightTransferEngine = _static_ipc(monkeypatch)
-    llm = _LLM026()
-    llm.start_weight_update()
-    IPCWeightTransferEngine.trainer_send_weights(iter({"w0": torch.randn(4)}.items()), {"send_mode": llm.send})
-    llm.llm_engine.fail = RuntimeError("finish_weight_update called without a matching start_weight_update.")
-    with pytest.raises(RuntimeError, match="without a matching start"):  # vLLM's own error, unchanged
-        llm.finish_weight_update()
-    assert any(v._feeds(llm) for v in native._PENDING)
-    llm.llm_engine.fail = TimeoutError()
-    with pytest.raises(RefitTimeoutError, match="did not answer within 300 s"):
-        llm.finish_weight_update()
-    llm.llm_engine.fail = None
-    llm.finish_weight_update()
-    assert not any(v._feeds(llm) for v in native._PENDING)
-    (report,) = native.last_reports()
-    assert report.ok and report.verified == 1
-
-
-def test_a_finish_that_is_not_0_26s_one_liner_runs_as_it_is_then_fetches(monkeypatch):
-    """Any other finish_weight_update (a weight_version argument, more work) runs unchanged; the
-    manifests come from a second RPC."""
-    IPCWeightTransferEngine = _static_ipc(monkeypatch)
-
-    class _Other(_LLM026):
-        def finish_weight_update(self, weight_version=None):
-            self.llm_engine.collective_rpc("finish_weight_update")
-            self.version = weight_version
-
-    _Other.finish_weight_update = native._wrap_llm_finish(_Other.finish_weight_update)
-    llm = _Other()
-    llm.start_weight_update()
-    IPCWeightTransferEngine.trainer_send_weights(iter({"w0": torch.randn(4)}.items()), {"send_mode": llm.send})
-    llm.finish_weight_update(weight_version="v7")
-    assert llm.version == "v7"
-    assert [m for m, _ in llm.llm_engine.calls] == ["start_weight_update", "finish_weight_update", native.MANIFEST_METHOD]

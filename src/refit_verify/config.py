@@ -74,6 +74,23 @@ def cuda_graphs_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() in (*_CUDA_GRAPHS_ON, "force")
 
 
+_CUDA_GRAPHS_OFF = ("", "0", "false", "off", "no")
+
+
+def check_cuda_graphs_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a :data:`CUDA_GRAPHS_ENV_VAR` value that means neither on, ``force`` nor off (a misspelt
+    ``force`` would otherwise read as off). The plugin's ``register()`` calls it as the engine starts.
+
+    Raises:
+        RefitConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    v = env.get(CUDA_GRAPHS_ENV_VAR)
+    if v is not None and v.strip().lower() not in (*_CUDA_GRAPHS_ON, "force", *_CUDA_GRAPHS_OFF):
+        raise RefitConfigError(f"{CUDA_GRAPHS_ENV_VAR}={v!r} is not accepted; accepted values: 1 / true / on / yes, "
+                               "force (also below torch 2.12), 0 / false / off / no or unset (off, the default)")
+
+
 def cuda_graphs_forced(environ: Mapping[str, str] | None = None) -> bool:
     """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``force``: replay below the torch version gate too."""
     env = os.environ if environ is None else environ

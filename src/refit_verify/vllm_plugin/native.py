@@ -280,7 +280,7 @@ def _deferred(verifier: NativeSendVerifier) -> bool:
         if not fed and verifier.target is None and not verifier.engines and len(live) == 1:
             fed = live  # nccl: the update went out before the send began; the one open update is the one fed
             verifier._saw_engine(live[0])
-        if not fed:
+        if len(fed) != 1:  # none, or not one engine for sure: checked right after the send (which says why)
             return False
         verifier.open_updates = True
         _PENDING.append(verifier)
@@ -368,7 +368,7 @@ def _warn_once(msg: str, *args: Any) -> None:
 def _patch_llm_tracking(module: Any) -> None:
     llm_cls = getattr(module, "LLM", None)
     for attr, make in (("update_weights", _wrap_llm_update), ("start_weight_update", _wrap_llm_start),
-                       ("finish_weight_update", _wrap_llm_finish)):
+                       ("finish_weight_update", _wrap_llm_finish), ("collective_rpc", _wrap_llm_rpc)):
         owner = next((k for k in getattr(llm_cls, "__mro__", ()) if attr in k.__dict__), None)
         if owner is not None:
             with _LOCK:
@@ -388,7 +388,12 @@ def _wrap_llm_start(raw: Callable) -> Callable:
             if unchecked:  # left to that finish: checked now, while the workers still hold the open update
                 unchecked[-1]._earlier = unchecked[:-1]
                 unchecked[-1].verify()
-        out = raw(self, *args, **kwargs)
+        try:
+            out = raw(self, *args, **kwargs)
+        except BaseException:  # vLLM refused the start (0.26: an update is still open): its finish checks the whole session
+            with _LOCK:
+                _PENDING[:] = stale + [v for v in _PENDING if v not in stale]
+            raise
         with _LOCK:
             _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self] + [weakref.ref(self)]
         return out
@@ -399,63 +404,80 @@ def _wrap_llm_start(raw: Callable) -> Callable:
 def _wrap_llm_finish(raw: Callable) -> Callable:
     @functools.wraps(raw)
     def finish_weight_update(self, *args, **kwargs):
-        with _LOCK:
-            was_open = any(r() is self for r in _OPEN)
-            _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not self]
-            mine = [v for v in _PENDING if v._feeds(self)]
-            _PENDING[:] = [v for v in _PENDING if v not in mine]
-        workers = None
-        try:
-            if mine and not args and not kwargs and _one_rpc(raw, self, mine):
-                out, workers = None, _finish_and_fetch(self)
-            else:
-                out = raw(self, *args, **kwargs)
-        except BaseException:
-            with _LOCK:  # the update did not close: it stays open, and a retried finish checks its sends
-                _PENDING[:] = mine + [v for v in _PENDING if v not in mine]
-                if was_open and not any(r() is self for r in _OPEN):
-                    _OPEN.append(weakref.ref(self))
-            raise
-        if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
-            mine[-1]._earlier = mine[:-1]  # every send into it
-            mine[-1].verify(workers)
-        return out
+        combined = not args and not kwargs and _is_026_finish(raw)
+        return _finishing(self, lambda: raw(self, *args, **kwargs), combined)
 
     return finish_weight_update
 
 
-def _one_rpc(raw: Callable, llm: Any, mine: list[NativeSendVerifier]) -> bool:
-    """True iff ``raw`` (``LLM.finish_weight_update``) is vLLM 0.26's one-liner
-    ``self.llm_engine.collective_rpc("finish_weight_update")`` and every send in ``mine`` went to
-    ``llm`` only: then one RPC that finishes and returns the manifests
-    (:data:`~refit_verify.vllm_plugin.native_worker.FINISH_METHOD`) replaces the finish and the fetch."""
-    code = getattr(raw, "__code__", None)
-    if code is None or set(code.co_names) != {"llm_engine", "collective_rpc"} or "finish_weight_update" not in code.co_consts:
-        return False
-    if not hasattr(getattr(llm, "llm_engine", None), "collective_rpc"):
-        return False
-    for v in mine:
-        target = getattr(v.target, "__self__", v.target)
-        if target not in (None, llm) or any(r() is not llm for r in v.engines):
-            return False
-    return True
+def _wrap_llm_rpc(raw: Callable) -> Callable:
+    """``LLM.collective_rpc``: a finish sent through it (``llm.collective_rpc("finish_weight_update")``)
+    checks the sends pending on that update as ``LLM.finish_weight_update`` does."""
+
+    @functools.wraps(raw)
+    def collective_rpc(self, method, *args, **kwargs):
+        if method != "finish_weight_update" or not _PENDING:
+            return raw(self, method, *args, **kwargs)
+        return _finishing(self, lambda: raw(self, method, *args, **kwargs), False)
+
+    return collective_rpc
 
 
-def _finish_and_fetch(llm: Any) -> list[dict[str, Any]]:
-    """Finish ``llm``'s update and fetch its workers' manifests in one ``collective_rpc``.
+_FINISH_RPC: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LLM -> its workers answer FINISH_METHOD
 
-    The engine of an in-process ``LLM`` runs in this Python environment, so its workers carry the
-    plugin's worker methods (registered in every process that loads vLLM's plugins, whatever the mode).
 
-    Raises:
-        RefitTimeoutError: the workers did not answer within ``FETCH_TIMEOUT_S`` seconds.
-        Whatever vLLM's own ``finish_weight_update`` RPC raises, unchanged.
-    """
+def _finishing(llm: Any, run: Callable[[], Any], combined: bool) -> Any:
+    """Close ``llm``'s open update with ``run()`` and check every send pending on it as one session.
+
+    ``combined``: ``run`` is vLLM 0.26's one-line finish; once ``llm``'s workers have said they
+    carry :data:`~refit_verify.vllm_plugin.native_worker.FINISH_METHOD` (in an earlier manifest), one
+    RPC finishes and returns the manifests instead of a finish and a fetch. An exception from the
+    finish leaves the sends pending (a retried finish checks them) and propagates unchanged."""
+    with _LOCK:
+        was_open = any(r() is llm for r in _OPEN)
+        _OPEN[:] = [r for r in _OPEN if r() is not None and r() is not llm]
+        mine = [v for v in _PENDING if v._feeds(llm)]
+        _PENDING[:] = [v for v in _PENDING if v not in mine]
+    workers = None
     try:
-        return list(llm.llm_engine.collective_rpc(FINISH_METHOD, timeout=FETCH_TIMEOUT_S))
-    except TimeoutError as e:
-        raise RefitTimeoutError(f"refit-verify: finish_weight_update (with the workers' manifests) did not answer within "
-                                f"{FETCH_TIMEOUT_S:g} s", {"waiting_for": FINISH_METHOD, "timeout_s": FETCH_TIMEOUT_S}) from e
+        if mine and combined and _FINISH_RPC.get(llm, False):
+            out, workers = None, list(llm.llm_engine.collective_rpc(FINISH_METHOD))  # no bound: vLLM's own finish has none
+        else:
+            out = run()
+    except BaseException:
+        with _LOCK:  # the update did not close: it stays open, and a retried finish checks its sends
+            _PENDING[:] = mine + [v for v in _PENDING if v not in mine]
+            if was_open and not any(r() is llm for r in _OPEN):
+                _OPEN.append(weakref.ref(llm))
+        raise
+    if mine:  # the update is closed now: coverage, apply-time digests and read-back of the session
+        mine[-1]._earlier = mine[:-1]  # every send into it
+        try:
+            mine[-1].verify(workers)
+        finally:
+            got = mine[-1].workers
+            if combined and got and hasattr(getattr(llm, "llm_engine", None), "collective_rpc"):
+                _FINISH_RPC[llm] = all(w.get("finish_rpc") is True for w in got)
+    return out
+
+
+_CO_NESTED = 0x10  # inspect.CO_NESTED: a method defined inside a function (a test's) compiles the same otherwise
+
+
+def _finish_026(self) -> None:
+    """Finish the current weight update."""
+    self.llm_engine.collective_rpc("finish_weight_update")
+
+
+def _is_026_finish(raw: Callable) -> bool:
+    """True iff ``raw`` is vLLM 0.26's ``LLM.finish_weight_update``, instruction for instruction
+    (:func:`_finish_026`: one ``collective_rpc``, nothing returned), under vLLM 0.26."""
+    code, ref = getattr(raw, "__code__", None), _finish_026.__code__
+    if code is None or shims.vllm_version() != (0, 26):
+        return False
+    return (code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_argcount == 1
+            and code.co_kwonlyargcount == 0 and code.co_flags & ~_CO_NESTED == ref.co_flags & ~_CO_NESTED
+            and set(code.co_consts) - {raw.__doc__} == set(ref.co_consts) - {_finish_026.__doc__})
 
 
 def _wrap_llm_update(raw: Callable) -> Callable:
@@ -464,7 +486,9 @@ def _wrap_llm_update(raw: Callable) -> Callable:
         if _ACTIVE:
             with _LOCK:
                 for v in _ACTIVE:
-                    v._saw_engine(self)
+                    target = getattr(v.target, "__self__", v.target)
+                    if target is self or not hasattr(target, "collective_rpc"):  # not a send that names another engine
+                        v._saw_engine(self)
         return raw(self, *args, **kwargs)
 
     return update_weights

@@ -20,7 +20,7 @@ from typing import Any
 from refit_verify.check import compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
 from refit_verify.digest_stream import changed_problems
-from refit_verify.errors import RefitConfigError
+from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.vllm_plugin.native_worker import MANIFEST_METHOD
@@ -71,6 +71,7 @@ class NativeSendVerifier:
         self.engines: list[weakref.ref] = []
         self.open_updates = False
         self.checked = False  # verify() fetched and compared (or the mode does not verify)
+        self.workers: list[dict[str, Any]] = []  # the workers' manifest results the last verify() compared with
         self._earlier: list[NativeSendVerifier] = []  # earlier sends into the same update (deferred to its finish)
 
     @property
@@ -110,8 +111,13 @@ class NativeSendVerifier:
             self.engines.append(weakref.ref(llm))
 
     def _feeds(self, llm: Any) -> bool:
-        """True iff this send went to in-process engine ``llm``."""
-        return self.target is llm or getattr(self.target, "__self__", None) is llm or any(r() is llm for r in self.engines)
+        """True iff this send went to in-process engine ``llm`` and to no other: its target is ``llm``
+        (or a method of it), or, with no target (``nccl``), ``llm`` is the one engine that received
+        ``update_weights`` during the send."""
+        if self.target is not None:
+            return self.target is llm or getattr(self.target, "__self__", None) is llm
+        seen = [e for e in (r() for r in self.engines) if e is not None]
+        return len(seen) == 1 and seen[0] is llm
 
     # -- comparing
     def fetch(self) -> list[dict[str, Any]]:
@@ -168,6 +174,7 @@ class NativeSendVerifier:
                 parameters and the worker rank (other failing workers are logged first).
             RefitConfigError: a worker does not verify (``REFIT_VERIFY`` off in the server), or
                 the workers cannot be reached (``enforce``; ``log`` logs it).
+            RefitProtocolError: a worker could not build its manifest (``enforce``; ``log`` logs it).
         """
         self.checked = True
         for v in self._earlier:
@@ -176,6 +183,11 @@ class NativeSendVerifier:
             return []
         try:
             workers = self.fetch() if workers is None else list(workers)
+            self.workers = workers
+            broken = [w for w in workers if w.get("error")]
+            if broken:
+                raise RefitProtocolError(f"refit-verify: vLLM worker rank {broken[0].get('rank')} could not give its manifest "
+                                         f"after the update's finish: {broken[0]['error']}")
             idle = [w for w in workers if not w.get("verifying")]
             if idle or not workers:
                 w = idle[0] if idle else {}
@@ -183,7 +195,7 @@ class NativeSendVerifier:
                     f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank {w.get('rank')} does not "
                     f"verify ({w.get('reason', 'no workers answered')}); set REFIT_VERIFY in the vLLM server's environment too"
                 )
-        except RefitConfigError as e:
+        except (RefitConfigError, RefitProtocolError) as e:
             if self.mode is VerifyMode.ENFORCE:
                 raise
             logger.warning("%s", e)

@@ -128,7 +128,8 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
     Reached through ``collective_rpc("refit_verify_native_manifest")``; plain msgpack-safe types.
 
     Returns:
-        dict: ``rank``; ``verifying`` (False when ``REFIT_VERIFY`` is off here or the worker has no
+        dict: ``rank``; ``finish_rpc`` (True: this worker also answers ``refit_verify_native_finish``);
+        ``verifying`` (False when ``REFIT_VERIFY`` is off here or the worker has no
         weight-transfer engine, with ``reason``); when verifying: ``backend``, ``token`` (per
         engine), ``session`` (count of ``start_weight_update`` calls), ``active``, ``manifest``
         (``{name: 32-hex}`` of every tensor handed to ``load_weights`` in the update), ``tensors``,
@@ -140,7 +141,7 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
     """
     engine = getattr(self, "weight_transfer_engine", None)
     state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
-    out: dict[str, Any] = {"rank": getattr(self, "rank", None), "verifying": state is not None}
+    out: dict[str, Any] = {"rank": getattr(self, "rank", None), "verifying": state is not None, "finish_rpc": True}
     if state is None:
         out["reason"] = ("no weight-transfer engine (LLM(..., weight_transfer_config=...) not set)" if engine is None
                          else f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker")
@@ -173,7 +174,11 @@ def refit_verify_native_finish(self) -> dict[str, Any]:
     of ``finish_weight_update`` propagates as it would through vLLM's own RPC.
 
     Returns:
-        dict: as :func:`refit_verify_native_manifest`.
+        dict: as :func:`refit_verify_native_manifest`; if building it fails (the finish happened),
+        ``rank``, ``verifying`` and ``error`` (the exception, as text): never an exception of ours.
     """
     self.finish_weight_update()
-    return refit_verify_native_manifest(self)
+    try:
+        return refit_verify_native_manifest(self)
+    except Exception as e:  # noqa: BLE001 - the finish happened: the trainer reports this as the check's failure
+        return {"rank": getattr(self, "rank", None), "verifying": True, "finish_rpc": True, "error": f"{type(e).__name__}: {e}"[:2000]}

