@@ -159,6 +159,51 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
     assert ei.value.report.unchecked == ()  # the whole session, read-back included
 
 
+def _finish_026(self):
+    """Finish the current weight update."""
+    self.llm_engine.collective_rpc("finish_weight_update")
+
+
+def test_the_combined_finish_rpc_on_the_real_engine(engine, monkeypatch):
+    """vLLM 0.26's one-line LLM.finish_weight_update on the real engine (this vLLM's replaced by it):
+    the first update's finish is vLLM's, then a fetch; from the second on one RPC runs the worker's
+    finish and returns its manifest (refit_verify_native_finish): the update closes (the next start
+    is accepted), the whole session is checked, and a flipped byte is named."""
+    from dataclasses import asdict
+
+    from refit_verify.vllm_plugin import shims
+
+    llm, cfg, files = engine
+    owner = next(k for k in type(llm).__mro__ if "finish_weight_update" in k.__dict__)
+    monkeypatch.setattr(owner, "finish_weight_update", native._wrap_llm_finish(_finish_026))
+    monkeypatch.setattr(shims, "vllm_version", lambda: (0, 26))
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    calls = []
+    rpc = llm.llm_engine.collective_rpc
+    monkeypatch.setattr(llm.llm_engine, "collective_rpc", lambda method, *a, **k: (calls.append(method), rpc(method, *a, **k))[1])
+    weights = models.random_state_dict(cfg, seed=61)
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    for update in range(3):
+        calls.clear()
+        llm.start_weight_update()
+        flip = {"flip": TARGET} if update == 2 else {}
+        nb.StaticShmEngine.trainer_send_weights(iter(weights.items()), {**args, **flip})
+        if update < 2:
+            llm.finish_weight_update()
+            (report,) = native.last_reports()
+            assert report.ok and report.verified == 21 and report.unchecked == () and report.proven_bytes > 0
+        else:
+            with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
+                llm.finish_weight_update()
+            assert ei.value.mismatched == [TARGET] and ei.value.report.unchecked == ()
+        finish = [m for m in calls if "finish" in m]
+        assert finish == (["finish_weight_update"] if update == 0 else [native.FINISH_METHOD]), (update, calls)
+    (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
+    assert not worker["active"] and worker["finish_rpc"] is True  # the worker's update closed
+
+
 @needs_trainer_api
 def test_unverifiable_trainer_engine_fails_at_init(engine):
     """enforce: a trainer engine without a WeightSource cannot be verified and says so at construction."""
