@@ -11,14 +11,15 @@ every process that builds an engine; elsewhere call ``refit_verify.vllm_plugin.r
   :mod:`refit_verify.vllm_plugin.native_worker`) and compares;
 * where they exist (vLLM 0.26), the static ``IPCWeightTransferEngine.trainer_send_weights`` and
   ``NCCLWeightTransferEngine.trainer_send_weights``, whose iterators are wrapped the same way;
-* ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update``, to note which
-  in-process engine an update went to (or is open on), for senders whose arguments name no
-  client (``nccl``: a process group only), and to check at ``finish_weight_update`` the sends made
-  into that update.
+* ``LLM.update_weights`` / ``start_weight_update`` / ``finish_weight_update`` / ``collective_rpc``,
+  to note which in-process engine an update went to (or is open on), for senders whose arguments
+  name no client (``nccl``: a process group only), and to check the sends made into an update when
+  it closes (``finish_weight_update``, or ``collective_rpc("finish_weight_update")``).
 
-When a static send (0.26) goes into an in-process ``LLM``'s open update, its check is left to that
-update's ``finish_weight_update``: one fetch of the workers' manifests checks the whole session
-(coverage, apply-time digests, read-back) after the layerwise reload finalised. A new
+When a static send (0.26) goes into an in-process ``LLM``'s open update (that ``LLM`` and no other),
+its check is left to that update's close: one fetch of the workers' manifests checks the whole
+session (coverage, apply-time digests, read-back) after the layerwise reload finalised; from the
+``LLM``'s second update on, 0.26's one-line finish and that fetch are one RPC. A new
 ``start_weight_update`` before that finish checks the pending sends first (by their delivered
 digests: the update never closed), and sends still pending when the process exits are named in a
 warning. A send with no such update in this process (a Ray or HTTP client, an engine elsewhere)
