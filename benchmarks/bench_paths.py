@@ -338,8 +338,8 @@ def main() -> int:
     pins = pin_blocks(len(kinds) * len(engines)) if a.pin else []
     blocks = list(pins)
     pinned: list[Child] = []  # in the order of their first blocks
-    size = (lambda lo, hi: hi - lo + 1)(*map(int, pins[0].split("-"))) if pins else 0
-    a.pinned = (f"each child and its engine processes on {size} cores of their own ({', '.join(pins)}), the blocks rotated "
+    lo, _, hi = pins[0].partition("-") if pins else ("0", "", "-1")
+    a.pinned = (f"each child and its engine processes on {int(hi) - int(lo) + 1} cores of their own ({', '.join(pins)}), the blocks rotated "
                 "round by round (child k on block k + r), PYTHONHASHSEED=0" if pins
                 else "not pinned: fewer than 4 cores per child" if a.pin else "")
     try:

@@ -65,16 +65,23 @@ replay also on torch older than 2.12, whose CUDA graphs share the device's rando
 with eager code (``kernels.replay``'s docstring says what that risks). Off by default
 (``docs/performance.md``, the nineteenth and twentieth runs)."""
 
-_CUDA_GRAPHS_ON = ("1", "true", "on", "yes")
+_CUDA_GRAPHS_ON = ("1", "true", "on", "yes", "force")
+_CUDA_GRAPHS_OFF = ("", "0", "false", "off", "no")
+
+
+def _cuda_graphs_value(environ: Mapping[str, str] | None) -> str:
+    """:data:`CUDA_GRAPHS_ENV_VAR`, stripped and lower-cased (``""`` when unset)."""
+    return (os.environ if environ is None else environ).get(CUDA_GRAPHS_ENV_VAR, "").strip().lower()
 
 
 def cuda_graphs_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``1`` / ``true`` / ``on`` / ``yes`` / ``force`` (read at each call)."""
-    env = os.environ if environ is None else environ
-    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() in (*_CUDA_GRAPHS_ON, "force")
+    return _cuda_graphs_value(environ) in _CUDA_GRAPHS_ON
 
 
-_CUDA_GRAPHS_OFF = ("", "0", "false", "off", "no")
+def cuda_graphs_forced(environ: Mapping[str, str] | None = None) -> bool:
+    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``force``: replay below the torch version gate too."""
+    return _cuda_graphs_value(environ) == "force"
 
 
 def check_cuda_graphs_env(environ: Mapping[str, str] | None = None) -> None:
@@ -84,17 +91,10 @@ def check_cuda_graphs_env(environ: Mapping[str, str] | None = None) -> None:
     Raises:
         RefitConfigError: any other value.
     """
-    env = os.environ if environ is None else environ
-    v = env.get(CUDA_GRAPHS_ENV_VAR)
-    if v is not None and v.strip().lower() not in (*_CUDA_GRAPHS_ON, "force", *_CUDA_GRAPHS_OFF):
-        raise RefitConfigError(f"{CUDA_GRAPHS_ENV_VAR}={v!r} is not accepted; accepted values: 1 / true / on / yes, "
+    if _cuda_graphs_value(environ) not in (*_CUDA_GRAPHS_ON, *_CUDA_GRAPHS_OFF):
+        raw = (os.environ if environ is None else environ)[CUDA_GRAPHS_ENV_VAR]
+        raise RefitConfigError(f"{CUDA_GRAPHS_ENV_VAR}={raw!r} is not accepted; accepted values: 1 / true / on / yes, "
                                "force (also below torch 2.12), 0 / false / off / no or unset (off, the default)")
-
-
-def cuda_graphs_forced(environ: Mapping[str, str] | None = None) -> bool:
-    """True iff :data:`CUDA_GRAPHS_ENV_VAR` is ``force``: replay below the torch version gate too."""
-    env = os.environ if environ is None else environ
-    return env.get(CUDA_GRAPHS_ENV_VAR, "").strip().lower() == "force"
 
 
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:

@@ -457,7 +457,7 @@ def _finishing(llm: Any, run: Callable[[], Any], combined: bool) -> Any:
             mine[-1].verify(workers)
         finally:
             got = mine[-1].workers
-            if combined and got and hasattr(getattr(llm, "llm_engine", None), "collective_rpc"):
+            if combined and got:
                 _FINISH_RPC[llm] = all(w.get("finish_rpc") is True for w in got)
     return out
 

@@ -247,13 +247,15 @@ def owned_copies(batch: list) -> list:
     """
     from refit_verify.config import cuda_graphs_enabled
 
-    pool = _copies_pool(batch) if cuda_graphs_enabled() else None
-    if pool is None or not _POOLS_LOCK.acquire(blocking=False):
+    if not cuda_graphs_enabled() or not _POOLS_LOCK.acquire(blocking=False):
         return [(n, t.clone()) for n, t in batch]
     try:
-        copies = _pooled(batch, *pool)
+        pool = _copies_pool(batch)
+        copies = _pooled(batch, *pool) if pool is not None else None
     finally:
         _POOLS_LOCK.release()
+    if pool is None:
+        return [(n, t.clone()) for n, t in batch]
     if copies is not None:
         return copies
     import torch
@@ -331,7 +333,8 @@ POOL_WAIT_S = 30.0
 
 def _copies_pool(batch: list):
     """``(device index, MemPool)`` for the copies of ``batch`` when its tensors are all on one
-    CUDA device and this torch has memory pools; else None (plain clones)."""
+    CUDA device and this torch has memory pools; else None (plain clones). The caller holds
+    :data:`_POOLS_LOCK`."""
     devs = {t.device for _, t in batch}
     if len(devs) != 1:
         return None
@@ -341,19 +344,15 @@ def _copies_pool(batch: list):
     import torch
 
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    with _POOLS_LOCK_MAKE:
-        pool = _POOLS.get(index)
-        if pool is None:
-            try:
-                with torch.cuda.device(index):  # a MemPool binds to the current device (MemPool.cpp: device_ = current_device())
-                    pool = _POOLS[index] = torch.cuda.MemPool()
-            except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
-                _POOLS[index] = False
-                return None
+    pool = _POOLS.get(index)
+    if pool is None:
+        try:
+            with torch.cuda.device(index):  # a MemPool binds to the current device (MemPool.cpp: device_ = current_device())
+                pool = _POOLS[index] = torch.cuda.MemPool()
+        except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
+            _POOLS[index] = False
+            return None
     return (index, pool) if pool is not False else None
-
-
-_POOLS_LOCK_MAKE = threading.Lock()
 
 
 @contextlib.contextmanager
