@@ -37,6 +37,9 @@ PHASES: dict[str, tuple[str, str]] = {
     "c.update": ("client update_weights (worker: map, load_weights, digests)", "timed: sum over the client calls"),
     "c.finish": ("client finish_weight_update (worker: finalize, close, read-back, snapshot)", "timed around the client call"),
     "t.digest": ("trainer digests of the exported tensors", "NativeSendVerifier.digest_s (read by an observing wrapper of verify)"),
+    "t.shadow": ("of those, in the shadow of the engine's update_weights RPCs (a helper thread while the sending thread waits)",
+                 "NativeSendVerifier.shadow_s (same wrapper)"),
+    "t.crit": ("trainer digests on the refit's critical path", "derived: trainer digests - those in the shadow"),
     "t.verify": ("trainer: fetch the workers' manifests + compare (vLLM 0.26 with an in-process LLM: compare only, the "
                  "manifests come back with the finish RPC)", "timed around NativeSendVerifier.verify (observing wrapper)"),
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
@@ -50,16 +53,16 @@ ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", 
          "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
          "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
                                "snapshot", "close_rest"],
-         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
+         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.shadow", "t.crit", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
 ORDER["native-packed"] = ORDER["native-unpacked"]
 for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
     _order.append("gc")
 OWN = {"transport": ("s.digest", "m.model", "m.engine", "snapshot"), "boundary-per-param": ("open", "add", "m.model", "close"),
-       "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.digest", "t.verify", "m.model", "m.engine", "snapshot")}
+       "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.crit", "t.verify", "m.model", "m.engine", "snapshot")}
 OWN["native-packed"] = OWN["native-unpacked"]
 """Rows that add up to refit-verify's own work in an enforce refit (close includes read-back and snapshot)."""
 SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
-         "open": "open", "add": "r.add", "close": "close", "t.digest": "trainer digests", "t.verify": "fetch + compare"}
+         "open": "open", "add": "r.add", "close": "close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare"}
 SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
                 "mp": "EngineSnapshot.digest_s of `refit_verify_engine_state` run after the refit (same work, untimed)"}
 

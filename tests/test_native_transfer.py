@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,50 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
         llm.finish_weight_update()
     assert ei.value.mismatched == [TARGET]
     assert ei.value.report.unchecked == ()  # the whole session, read-back included
+
+
+def test_static_send_of_parameters_digests_in_the_shadow_of_update_weights(engine, monkeypatch):
+    """The engine core runs in another process: the sender's digest work on exported parameters runs
+    in a helper thread while LLM.update_weights waits, and the finish only compares. A parameter
+    written in place after its add (here inside send_mode, before update_weights) is still named:
+    its version counter was read at the add."""
+    from dataclasses import asdict
+
+    from refit_verify.vllm_plugin.native_sender import NativeSendVerifier
+
+    llm, cfg, files = engine
+    assert native._engine_elsewhere(llm)
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    shadow, me = [], threading.get_ident()
+    raw_work = NativeSendVerifier.shadow_work
+    monkeypatch.setattr(NativeSendVerifier, "shadow_work",
+                        lambda v: (shadow.append((threading.get_ident(), v.exhausted, v._stream.deferred)), raw_work(v))[1])
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in models.random_state_dict(cfg, seed=62).items()}
+    touch = {}
+
+    def send_mode(info):
+        if touch:
+            with torch.no_grad():
+                params[touch["name"]].mul_(2)  # after its add, before the digest work read it
+        llm.update_weights({"update_info": asdict(info)})
+
+    args = {"directory": str(files), "send_mode": send_mode}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    llm.start_weight_update()
+    nb.StaticShmEngine.trainer_send_weights(iter(params.items()), args)
+    llm.finish_weight_update()
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == len(params) == 21 and report.unchecked == ()
+    assert [(t != me, exhausted, n) for t, exhausted, n in shadow] == [(True, True, 21)]  # all of it, in the helper
+    loaded = {n: digest_map(w["manifest"]) for n, w in zip(["w"], llm.collective_rpc(native.MANIFEST_METHOD))}["w"]
+    assert loaded[TARGET] == tensor_digest(params[TARGET])
+    touch["name"] = TARGET
+    llm.start_weight_update()
+    nb.StaticShmEngine.trainer_send_weights(iter(params.items()), args)
+    with pytest.raises(RefitVerificationError, match="modified in place after it was added") as ei:
+        llm.finish_weight_update()
+    assert TARGET in ei.value.report.describe() and ei.value.report.verified == 20
 
 
 def _finish_026(self):

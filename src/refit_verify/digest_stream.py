@@ -110,6 +110,10 @@ class CopyingBatch:
         return len(self._batch._order)
 
 
+_NOW = object()
+"""Default of :meth:`HeldBatch.add`'s ``version``: read the version counter at the add."""
+
+
 class HeldBatch:
     """Digests of tensors their owner leaves untouched until the digests are read: no copy at all.
 
@@ -160,8 +164,11 @@ class HeldBatch:
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
 
-    def add(self, name: str, t: torch.Tensor) -> None:
+    def add(self, name: str, t: torch.Tensor, version: int | None | object = _NOW) -> None:
         """Hold ``t`` under ``name`` until the next flush (a later add of the same name replaces it).
+
+        ``version``: ``t``'s version counter as read when the caller took ``t`` (a deferred add,
+        :meth:`StreamDigests.drain`: a write through ``t`` since then is then found); default: now.
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
@@ -173,11 +180,11 @@ class HeldBatch:
             storage = t.untyped_storage().nbytes() if nbytes else 0
             if nbytes and t.storage_offset() * size + nbytes > storage:
                 _check(t)  # freed or resized under the tensor: raises, naming it
-            held = (name, t, version_of(t), t.data_ptr(), storage)
+            held = (name, t, version_of(t) if version is _NOW else version, t.data_ptr(), storage)
         else:
             with _PLAIN():
                 _check(t)
-                version = version_of(t)  # None for an inference tensor: its address is checked
+                version = version_of(t) if version is _NOW else version  # None for an inference tensor: its address is checked
                 nbytes = t.numel() * t.element_size()
                 held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
         self.changed.pop(name, None)
@@ -392,14 +399,25 @@ class StreamDigests:
     export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
     when :meth:`digests` is read.
 
+    With :attr:`defer_held` set, an add of a held parameter only records it and its version
+    counter (an append); its checks, signature and launch run at the next :meth:`drain` (or
+    :meth:`launch` / :meth:`digests`): a caller that knows when it will be blocked (a trainer
+    waiting for the engine's ``update_weights`` RPC, :mod:`refit_verify.shadow`) does that work
+    there. A write through the parameter after its add is still found by its version counter;
+    a parameter whose memory was replaced (``.data`` reassigned) before the drain is read where it
+    is at the drain: a mismatch with what the engine got, never a false pass.
+
     Args:
         copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
         hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
 
     Attributes:
-        digest_s: host seconds spent digesting.
+        digest_s: host seconds spent digesting (drains included, wherever they ran).
+        drain_s: of those, seconds spent in :meth:`drain` calls made with ``shadow=True`` (while the
+            caller's own thread was blocked elsewhere).
         changed: ``{name: why}`` of held tensors that changed before their digests were taken
             (not in :meth:`digests`; see :class:`HeldBatch`).
+        defer_held: defer held parameters' adds to :meth:`drain` (default False; ``hold_parameters`` only).
     """
 
     FLUSH_BYTES = 256 << 20
@@ -413,6 +431,9 @@ class StreamDigests:
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
         self.digest_s = 0.0
+        self.drain_s = 0.0
+        self.defer_held = False
+        self._deferred: list[tuple[str, torch.Tensor, int | None]] = []  # held adds not drained yet: (name, tensor, version)
 
     def _new(self) -> CopyingBatch | HeldBatch:
         return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
@@ -428,10 +449,50 @@ class StreamDigests:
         t0 = time.perf_counter()
         if self._held is not None:
             held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
-            (self._held if held else self._batch).add(name, tensor)
+            if held and self.defer_held:
+                self._deferred.append((name, tensor, version_of(tensor)))
+            else:
+                (self._held if held else self._batch).add(name, tensor)
         else:
             self._batch.add(name, tensor)
         self.digest_s += time.perf_counter() - t0
+
+    @property
+    def deferred(self) -> int:
+        """Held adds waiting for :meth:`drain`."""
+        return len(self._deferred)
+
+    def drain(self, *, collect: bool = False, shadow: bool = False) -> None:
+        """Run the deferred adds (checks, signatures) and launch every digest added so far; with
+        ``collect``, also wait for them and take their hex digests (what :meth:`digests` does).
+        ``shadow``: count the seconds in :attr:`drain_s` too.
+
+        Raises:
+            RefitInputError: a deferred tensor cannot be digested (it is dropped; those after it stay deferred).
+        """
+        t0 = time.perf_counter()
+        try:
+            self._drain()
+            self._batch.launch()
+            if self._held is not None:
+                self._held.launch()
+            if collect:
+                self._take()
+        finally:
+            dt = time.perf_counter() - t0
+            self.digest_s += dt
+            if shadow:
+                self.drain_s += dt
+
+    def _drain(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        held, i = self._held, 0
+        try:
+            for i, (name, t, version) in enumerate(deferred):  # noqa: B007 - i is read on error
+                held.add(name, t, version)
+        except BaseException:
+            self._deferred = deferred[i + 1:] + self._deferred
+            raise
 
     def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
         """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went
@@ -447,17 +508,23 @@ class StreamDigests:
                 self.changed[name] = why
 
     def launch(self) -> None:
-        """Launch the digests of everything added and not launched yet (no synchronisation): a caller
-        with other work before :meth:`digests` lets the device digest meanwhile."""
-        t0 = time.perf_counter()
-        self._batch.launch()
-        if self._held is not None:
-            self._held.launch()
-        self.digest_s += time.perf_counter() - t0
+        """Launch the digests of everything added and not launched yet (no synchronisation; deferred
+        adds drained first): a caller with other work before :meth:`digests` lets the device digest meanwhile."""
+        self.drain()
 
     def digests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex}`` of everything added so far (collects the launched kernels first)."""
+        """Return ``{name: 32-hex}`` of everything added so far (drains deferred adds, collects the launched kernels first)."""
         t0 = time.perf_counter()
+        try:
+            if self._deferred:
+                self._drain()
+            self._take()
+        finally:
+            self.digest_s += time.perf_counter() - t0
+        return dict(self._done)
+
+    def _take(self) -> None:
+        """Collect both batches into :attr:`_done` (one synchronisation per device) and start new ones."""
         mixed = self._held is not None
         if len(self._batch):
             self._collect(self._batch, False if mixed else None)
@@ -465,9 +532,7 @@ class StreamDigests:
         if mixed and len(self._held):
             self._collect(self._held, True)
             self._held = HeldBatch(self.FLUSH_BYTES)
-        self.digest_s += time.perf_counter() - t0
-        return dict(self._done)
 
     def __len__(self) -> int:
         pending = len(self._batch) + (len(self._held) if self._held is not None else 0)
-        return len(self._done) + pending
+        return len(self._done) + pending + len(self._deferred)

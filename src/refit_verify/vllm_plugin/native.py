@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from typing import Any
 from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport
+from refit_verify.shadow import run_in_shadow
 from refit_verify.vllm_plugin import shims
 from refit_verify.vllm_plugin.native_sender import (  # noqa: F401  (FETCH_TIMEOUT_S: re-exported)
     _ACTIVE,
@@ -252,6 +254,8 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         if not mode.verifies or not _is_rank_zero() or isinstance(iterator, _Wrapped):
             return original(iterator, trainer_args)
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
+        if _shadowed(verifier):
+            verifier.defer()
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
         if _deferred(verifier):  # its update's finish (or the next start) in this process checks the whole session
@@ -484,12 +488,38 @@ def _is_026_finish(raw: Callable) -> bool:
 def _wrap_llm_update(raw: Callable) -> Callable:
     @functools.wraps(raw)
     def update_weights(self, *args, **kwargs):
+        shadowed: list[NativeSendVerifier] = []
         if _ACTIVE:
             with _LOCK:
                 for v in _ACTIVE:
                     target = getattr(v.target, "__self__", v.target)
                     if target is self or not hasattr(target, "collective_rpc"):  # not a send that names another engine
                         v._saw_engine(self)
+                shadowed = [v for v in _ACTIVE if v.shadow_ready(self)]
+        if shadowed:  # the sender's digest work runs while this thread waits for the engine's reply
+            return run_in_shadow(lambda: raw(self, *args, **kwargs), lambda: [v.shadow_work() for v in shadowed])
         return raw(self, *args, **kwargs)
 
     return update_weights
+
+
+def _engine_elsewhere(llm: Any) -> bool:
+    """True iff ``llm`` is an ``LLM`` whose engine core runs in another process (vLLM's ``SyncMPClient``):
+    its ``update_weights`` then blocks this thread on a reply without running vLLM's Python here."""
+    mod = sys.modules.get("vllm.v1.engine.core_client")
+    client = getattr(mod, "SyncMPClient", None)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return client is not None and isinstance(core, client)
+
+
+def _shadowed(verifier: NativeSendVerifier) -> bool:
+    """True iff ``verifier``'s send goes to an in-process ``LLM`` with its engine in another process:
+    named by the send's arguments, or, naming none, the one such ``LLM`` with an open update. Its
+    digest work is then done while the sending thread waits for that engine's ``update_weights``
+    (:func:`~refit_verify.shadow.run_in_shadow`), or when the send ends."""
+    target = getattr(verifier.target, "__self__", verifier.target)
+    if target is None:
+        with _LOCK:
+            live = [llm for llm in (r() for r in _OPEN) if llm is not None]
+        target = live[0] if len(live) == 1 else None
+    return target is not None and _engine_elsewhere(target)

@@ -73,6 +73,8 @@ class NativeSendVerifier:
         self.checked = False  # verify() fetched and compared (or the mode does not verify)
         self.workers: list[dict[str, Any]] = []  # the workers' manifest results the last verify() compared with
         self._earlier: list[NativeSendVerifier] = []  # earlier sends into the same update (deferred to its finish)
+        self._thread = threading.get_ident()  # the sending thread (its CUDA stream orders the digests)
+        self.exhausted = False  # the wrapped iterator ran out: every exported tensor was added
 
     @property
     def digests(self) -> dict[str, str]:
@@ -84,9 +86,34 @@ class NativeSendVerifier:
         """Host seconds spent digesting."""
         return self._stream.digest_s
 
+    @property
+    def shadow_s(self) -> float:
+        """Of :attr:`digest_s`, the seconds spent while the sending thread waited for the engine's
+        ``update_weights`` RPC (:meth:`shadow_work`), off the refit's critical path."""
+        return self._stream.drain_s
+
     def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor (:class:`refit_verify.digest_stream.StreamDigests`: launched now, no per-tensor sync)."""
+        """Digest one exported tensor (:class:`refit_verify.digest_stream.StreamDigests`: launched now, no
+        per-tensor sync; with :meth:`defer`, a parameter is only recorded, for :meth:`shadow_work`)."""
         self._stream.add(name, tensor)
+
+    def defer(self) -> None:
+        """Leave the digest work of exported parameters to :meth:`shadow_work` (the automatic wrapper
+        turns it on when the send goes to an in-process ``LLM`` whose engine runs in another process)."""
+        self._stream.defer_held = True
+
+    def shadow_ready(self, llm: Any) -> bool:
+        """True iff this send, from the calling thread, has deferred digest work and feeds ``llm`` (or
+        names no engine)."""
+        if not self._stream.deferred or self._thread != threading.get_ident():
+            return False
+        return self.target is None or self.target is llm or getattr(self.target, "__self__", None) is llm
+
+    def shadow_work(self) -> None:
+        """The deferred digest work so far (checks, signatures, launches), run while the sending thread
+        waits for an ``update_weights`` RPC; once every exported tensor was added, the digests are
+        read too (one synchronisation), so :meth:`verify` only compares."""
+        self._stream.drain(collect=self.exhausted, shadow=True)
 
     def wrap(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Yield ``pairs`` unchanged, digesting each tensor before it is handed on.
@@ -266,7 +293,11 @@ class _Wrapped:
         return self
 
     def __next__(self) -> tuple[str, Any]:
-        name, tensor = next(self._it)
+        try:
+            name, tensor = next(self._it)
+        except StopIteration:
+            self.verifier.exhausted = True
+            raise
         if tensor is not None:
             self.verifier.add(name, tensor)
         return name, tensor

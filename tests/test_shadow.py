@@ -1,0 +1,163 @@
+"""Digest work in the shadow of a blocking call (``refit_verify.shadow``) and the deferred held adds
+of :class:`~refit_verify.digest_stream.StreamDigests` it runs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from refit_verify import RefitInputError, RefitTimeoutError
+from refit_verify.digest import tensor_digest
+from refit_verify.digest_stream import StreamDigests
+from refit_verify.shadow import run_in_shadow
+
+WAIT_S = 10.0  # bound on every wait of these tests (each normally takes microseconds)
+
+
+def test_work_runs_in_another_thread_while_the_call_blocks():
+    """The call waits for an event only the work sets: it returns only if the work ran meanwhile."""
+    started, seen = threading.Event(), {}
+
+    def work():
+        seen["work"] = threading.get_ident()
+        started.set()
+
+    def call():
+        seen["call"] = threading.get_ident()
+        assert started.wait(WAIT_S), "the work did not run while the call was blocked"
+        return 42
+
+    assert run_in_shadow(call, work) == 42
+    assert seen["call"] == threading.get_ident() and seen["work"] != seen["call"]
+
+
+def test_a_failing_call_propagates_unchanged_after_the_work_ends():
+    ended = threading.Event()
+
+    def work():
+        ended.wait(0.05)
+        ended.set()
+
+    with pytest.raises(KeyError, match="vllm's own"):
+        run_in_shadow(lambda: (_ for _ in ()).throw(KeyError("vllm's own")), work)
+    assert ended.is_set()
+
+
+def test_a_failing_work_is_raised_after_the_call_returned():
+    calls = []
+    with pytest.raises(RefitInputError, match="bad tensor"):
+        run_in_shadow(lambda: calls.append("call"), lambda: (_ for _ in ()).throw(RefitInputError("bad tensor")))
+    assert calls == ["call"]
+
+
+def test_work_that_outlives_its_bound_times_out_and_the_next_runs_inline():
+    release = threading.Event()
+    with pytest.raises(RefitTimeoutError, match="did not end within 0.2 s") as ei:
+        run_in_shadow(lambda: None, lambda: release.wait(WAIT_S), timeout_s=0.2)
+    assert ei.value.progress["waiting_for"] == "shadow work"
+    ran = {}
+    run_in_shadow(lambda: None, lambda: ran.setdefault("thread", threading.get_ident()))
+    assert ran["thread"] == threading.get_ident()  # the helper is still busy: inline, after the call
+    release.set()
+    for _ in range(200):  # the stuck job ends; the helper takes work again
+        seen = {}
+        run_in_shadow(lambda: None, lambda: seen.setdefault("thread", threading.get_ident()))
+        if seen["thread"] != threading.get_ident():
+            break
+        threading.Event().wait(0.01)
+    assert seen["thread"] != threading.get_ident()
+
+
+def test_each_calling_thread_has_its_own_helper():
+    idents, errors = {}, []
+
+    def one(k):
+        try:
+            run_in_shadow(lambda: None, lambda: idents.setdefault(k, threading.get_ident()))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not errors and len(set(idents.values())) == 3
+
+
+# ------------------------------------------------------------------------- deferred held adds
+
+
+def _params(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.w": torch.nn.Parameter(torch.randn(64 + i, 16, generator=g).to(torch.bfloat16), requires_grad=False)
+            for i in range(n)}
+
+
+def test_deferred_parameters_digest_as_inline_ones():
+    ps = _params()
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    temp = torch.arange(100, dtype=torch.float32)  # a temporary of the export: copied at its add, never deferred
+    for n, p in ps.items():
+        s.add(n, p)
+    s.add("temp", temp)
+    assert s.deferred == len(ps)
+    temp.zero_()  # the copy taken at its add is what counts
+    s.drain(shadow=True)
+    assert s.deferred == 0 and s.drain_s > 0 and s.digest_s >= s.drain_s
+    got = s.digests()
+    assert got == {**{n: tensor_digest(p) for n, p in ps.items()}, "temp": tensor_digest(torch.arange(100, dtype=torch.float32))}
+
+
+def test_a_parameter_written_after_its_deferred_add_is_named_changed():
+    """The version counter is read at the add: an in-place write before the drain is found."""
+    ps = _params(3)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    for n, p in ps.items():
+        s.add(n, p)
+    with torch.no_grad():
+        ps["layers.1.w"].add_(1)
+    got = s.digests()  # drains, then reads
+    assert set(got) == {"layers.0.w", "layers.2.w"} and set(s.changed) == {"layers.1.w"}
+    assert got["layers.2.w"] == tensor_digest(ps["layers.2.w"])
+
+
+def test_a_later_copied_add_of_a_deferred_name_wins():
+    ps = _params(2)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("layers.0.w", ps["layers.0.w"])
+    replacement = torch.ones(8)
+    s.add("layers.0.w", replacement)  # a plain tensor: copied now
+    s.add("layers.1.w", ps["layers.1.w"])
+    assert s.digests() == {"layers.0.w": tensor_digest(torch.ones(8)), "layers.1.w": tensor_digest(ps["layers.1.w"])}
+
+
+def test_a_deferred_parameter_freed_before_the_drain_is_refused_and_the_rest_stay():
+    ps = _params(3)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    for n, p in ps.items():
+        s.add(n, p)
+    ps["layers.1.w"].untyped_storage().resize_(0)  # freed under the tensor, as FSDP1 does after a gather
+    with pytest.raises(RefitInputError):
+        s.drain()
+    assert s.deferred == 1  # layers.2.w, still to do
+    got = s.digests()
+    assert got == {"layers.0.w": tensor_digest(ps["layers.0.w"]), "layers.2.w": tensor_digest(ps["layers.2.w"])}
+
+
+def test_launch_and_len_count_deferred_adds():
+    ps = _params(4)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    for n, p in ps.items():
+        s.add(n, p)
+    assert len(s) == 4 and s.deferred == 4
+    s.launch()  # the inline path's launch drains first
+    assert s.deferred == 0 and s.drain_s == 0.0
+    assert s.digests() == {n: tensor_digest(p) for n, p in ps.items()}
