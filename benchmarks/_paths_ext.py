@@ -149,6 +149,10 @@ TIMED_TRAINER = (
     "refit_verify.kernels.digest:to_hex",
     "refit_verify.digest_stream:HeldBatch.add",
     "refit_verify.check:compare_session",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._sent",
+    "refit_verify.vllm_plugin.native_sender:from_wire",
+    "refit_verify.vllm_plugin.native_sender:act_on_all",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.shadow_work",
 )
 """The same in the trainer (the bench child; our transport's sender runs in ``push``'s thread)."""
 

@@ -204,6 +204,78 @@ def test_static_send_of_parameters_digests_in_the_shadow_of_update_weights(engin
     assert TARGET in ei.value.report.describe() and ei.value.report.verified == 20
 
 
+def test_packed_like_send_digests_in_every_window_and_reads_them_in_the_last(engine, monkeypatch):
+    """A sender that ships one update_weights per chunk, pulling the next chunk's first tensor before
+    sending the current one (as 0.26's packed_ipc_producer does): each window drains what was added
+    since the last, only the last (after the iterator ran out) reads the digests."""
+    from dataclasses import asdict
+
+    from refit_verify.vllm_plugin.native_sender import NativeSendVerifier
+
+    llm, cfg, files = engine
+    inner = nb.StaticShmEngine.__dict__["trainer_send_weights"].__func__
+
+    def packed_send(iterator, trainer_args):
+        chunk = []
+        for name, t in iterator:
+            if len(chunk) == 6:
+                inner(iter(chunk), trainer_args)
+                chunk = []
+            chunk.append((name, t))
+        if chunk:
+            inner(iter(chunk), trainer_args)
+
+    send = native._wrap_static_sender(staticmethod(packed_send)).__func__
+    seen, me = [], threading.get_ident()
+    raw_work = NativeSendVerifier.shadow_work
+    monkeypatch.setattr(NativeSendVerifier, "shadow_work",
+                        lambda v: (seen.append((threading.get_ident() != me, v.exhausted, v._stream.deferred)), raw_work(v))[1])
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in models.random_state_dict(cfg, seed=63).items()}
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    llm.start_weight_update()
+    send(iter(params.items()), args)
+    llm.finish_weight_update()
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == 21 and report.unchecked == ()
+    # 21 tensors in chunks of 6: the 7th is pulled (added) before the first chunk goes out
+    assert seen == [(True, False, 7), (True, False, 6), (True, False, 6), (True, True, 2)]
+
+
+def test_log_mode_a_parameter_freed_after_its_export_is_named_and_the_send_completes(engine, monkeypatch, caplog):
+    """FSDP1-style: a parameter's storage is freed right after it was exported (the engine got its
+    bytes). Its digest can no longer be taken: the check names it (a failure), the send is not
+    broken by it, and no earlier refit's pass stays in last_reports()."""
+    from dataclasses import asdict
+
+    llm, cfg, files = engine
+    monkeypatch.setenv("REFIT_VERIFY", "log")
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in models.random_state_dict(cfg, seed=64).items()}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    llm.start_weight_update()
+    nb.StaticShmEngine.trainer_send_weights(iter(params.items()), args)
+    llm.finish_weight_update()
+    assert native.last_reports()[0].ok
+
+    def export():
+        for n, p in params.items():
+            yield n, p
+            if n == TARGET:
+                p.untyped_storage().resize_(0)  # after the backend copied it out
+
+    llm.start_weight_update()
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        nb.StaticShmEngine.trainer_send_weights(export(), args)  # does not raise
+        llm.finish_weight_update()
+    (report,) = native.last_reports()
+    assert not report.ok and report.verified == 20
+    assert TARGET in report.describe() and "freed or resized" in report.describe()
+    assert "freed or resized" in caplog.text
+
+
 def _finish_026(self):
     """Finish the current weight update."""
     self.llm_engine.collective_rpc("finish_weight_update")

@@ -70,6 +70,67 @@ def test_work_that_outlives_its_bound_times_out_and_the_next_runs_inline():
     assert seen["thread"] != threading.get_ident()
 
 
+def test_the_wait_after_the_call_is_reported():
+    waits = []
+    release = threading.Event()
+    run_in_shadow(lambda: release.set(), lambda: release.wait(WAIT_S) and threading.Event().wait(0.05), on_wait=waits.append)
+    assert len(waits) == 1 and 0.04 <= waits[0] < WAIT_S
+    run_in_shadow(lambda: threading.Event().wait(0.05), lambda: None, on_wait=waits.append)
+    assert waits[1] < 0.04  # the work ended during the call
+
+
+def test_an_interrupt_of_the_call_is_not_held_up_by_the_work():
+    release = threading.Event()
+    t0 = __import__("time").perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_in_shadow(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), lambda: release.wait(WAIT_S))
+    assert __import__("time").perf_counter() - t0 < WAIT_S / 2
+    release.set()
+
+
+def test_a_work_error_beside_a_failed_call_is_logged(caplog):
+    with pytest.raises(KeyError, match="vllm"), caplog.at_level("WARNING", logger="refit_verify"):
+        run_in_shadow(lambda: (_ for _ in ()).throw(KeyError("vllm")), lambda: (_ for _ in ()).throw(ValueError("digest")))
+    assert "shadow work failed beside a call that failed too: ValueError: digest" in caplog.text
+
+
+def test_a_helper_ends_after_its_calling_thread_and_keeps_nothing_alive(monkeypatch):
+    import gc
+    import weakref
+
+    from refit_verify import shadow
+
+    monkeypatch.setattr(shadow, "IDLE_POLL_S", 0.02)
+
+    class Payload:
+        pass
+
+    refs, helpers = [], []
+
+    def one():
+        p = Payload()
+        refs.append(weakref.ref(p))
+        run_in_shadow(lambda: None, lambda p=p: p)
+        helpers.append(shadow._LOCAL.helper.thread)
+
+    threads = [threading.Thread(target=one) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    for h in helpers:
+        h.join(WAIT_S)
+    assert len(helpers) == 5 and not any(h.is_alive() for h in helpers)
+    gc.collect()
+    assert all(r() is None for r in refs)
+    p = Payload()  # this thread lives on, and so does its helper: idle, it holds no job's work
+    ref = weakref.ref(p)
+    run_in_shadow(lambda: None, lambda p=p: p)
+    del p
+    gc.collect()
+    assert ref() is None and shadow._LOCAL.helper.thread.is_alive()
+
+
 def test_each_calling_thread_has_its_own_helper():
     idents, errors = {}, []
 
@@ -137,18 +198,53 @@ def test_a_later_copied_add_of_a_deferred_name_wins():
     assert s.digests() == {"layers.0.w": tensor_digest(torch.ones(8)), "layers.1.w": tensor_digest(ps["layers.1.w"])}
 
 
-def test_a_deferred_parameter_freed_before_the_drain_is_refused_and_the_rest_stay():
-    ps = _params(3)
+def test_deferred_parameters_freed_moved_or_undigestible_are_named_changed_never_raised():
+    """What an inline add finds at once or at its flush, a deferred one finds at the drain: a storage
+    freed under the parameter (FSDP1 after a gather), memory swapped in through ``.data`` (no version
+    bump), a tensor with no bytes (meta). None is digested, each is named with why, the rest are."""
+    ps = _params(4)
+    meta = torch.nn.Parameter(torch.empty(8, 8, device="meta"), requires_grad=False)
     s = StreamDigests(hold_parameters=True)
     s.defer_held = True
     for n, p in ps.items():
         s.add(n, p)
-    ps["layers.1.w"].untyped_storage().resize_(0)  # freed under the tensor, as FSDP1 does after a gather
-    with pytest.raises(RefitInputError):
-        s.drain()
-    assert s.deferred == 1  # layers.2.w, still to do
+    s.add("meta", meta)
+    assert s.deferred == 5
+    ps["layers.1.w"].untyped_storage().resize_(0)
+    ps["layers.2.w"].data = torch.zeros_like(ps["layers.2.w"])
+    s.drain(shadow=True)  # does not raise
+    assert s.deferred == 0
     got = s.digests()
-    assert got == {"layers.0.w": tensor_digest(ps["layers.0.w"]), "layers.2.w": tensor_digest(ps["layers.2.w"])}
+    assert got == {"layers.0.w": tensor_digest(ps["layers.0.w"]), "layers.3.w": tensor_digest(ps["layers.3.w"])}
+    assert set(s.changed) == {"layers.1.w", "layers.2.w", "meta"}
+    assert "freed or resized" in s.changed["layers.1.w"]
+    assert "memory was replaced" in s.changed["layers.2.w"]
+    assert "cannot be digested" in s.changed["meta"] and "meta tensor" in s.changed["meta"]
+
+
+def test_a_valid_add_after_a_changed_one_of_the_same_name_wins():
+    ps = _params(2)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("layers.0.w", ps["layers.0.w"])
+    with torch.no_grad():
+        ps["layers.0.w"].add_(1)  # the first add is now stale
+    s.drain()
+    assert "layers.0.w" in s._held.changed
+    s.add("layers.0.w", ps["layers.0.w"])  # exported again, as it is now
+    assert s.digests() == {"layers.0.w": tensor_digest(ps["layers.0.w"])} and s.changed == {}
+
+
+def test_deferred_bytes_past_the_budget_drain_at_once():
+    """With no shadow to run them, deferred adds launch every DEFER_BYTES, as inline adds flush."""
+    ps = _params(6)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.DEFER_BYTES = 3 * ps["layers.0.w"].untyped_storage().nbytes()
+    for i, (n, p) in enumerate(ps.items()):
+        s.add(n, p)
+        assert s.deferred == [1, 2, 0, 1, 2, 0][i]
+    assert s.drain_s == 0.0 and s.digests() == {n: tensor_digest(p) for n, p in ps.items()}
 
 
 def test_launch_and_len_count_deferred_adds():

@@ -110,6 +110,9 @@ class CopyingBatch:
         return len(self._batch._order)
 
 
+YIELD_EVERY = 32
+"""Tensors a drain in the shadow of a blocked call handles between two ``time.sleep(0)`` (GIL hand-overs)."""
+
 _NOW = object()
 """Default of :meth:`HeldBatch.add`'s ``version``: read the version counter at the add."""
 
@@ -192,6 +195,13 @@ class HeldBatch:
         self._pending += nbytes
         if self._pending >= self.flush_bytes:
             self.launch()
+
+    def note_changed(self, name: str, why: str) -> None:
+        """Record that ``name``'s latest add is not digested, and why (a deferred add found changed)."""
+        self._adds += 1
+        self._order[name] = self._adds
+        self._batch._order.pop(name, None)
+        self.changed[name] = why
 
     @plain_tensor_ops
     def launch(self) -> None:
@@ -399,13 +409,15 @@ class StreamDigests:
     export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
     when :meth:`digests` is read.
 
-    With :attr:`defer_held` set, an add of a held parameter only records it and its version
-    counter (an append); its checks, signature and launch run at the next :meth:`drain` (or
-    :meth:`launch` / :meth:`digests`): a caller that knows when it will be blocked (a trainer
-    waiting for the engine's ``update_weights`` RPC, :mod:`refit_verify.shadow`) does that work
-    there. A write through the parameter after its add is still found by its version counter;
-    a parameter whose memory was replaced (``.data`` reassigned) before the drain is read where it
-    is at the drain: a mismatch with what the engine got, never a false pass.
+    With :attr:`defer_held` set, an add of a held parameter only records it, its version counter,
+    address and storage size (an append); its checks, signature and launch run at the next
+    :meth:`drain` (or :meth:`launch` / :meth:`digests`): a caller that knows when it will be
+    blocked (a trainer waiting for the engine's ``update_weights`` RPC, :mod:`refit_verify.shadow`)
+    does that work there. A parameter written in place, freed, resized or given other memory
+    between its add and the drain is named in :attr:`changed` (as an inline add would have found
+    it at the flush), and one that cannot be digested at all is named there too (an inline add
+    raises at once); neither is digested. Past :data:`DEFER_BYTES` of deferred bytes with no drain,
+    an add drains at once (no shadow came: the digests launch as they would inline).
 
     Args:
         copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
@@ -421,6 +433,8 @@ class StreamDigests:
     """
 
     FLUSH_BYTES = 256 << 20
+    DEFER_BYTES = 1 << 30
+    """Deferred bytes at which an add drains at once (:attr:`defer_held`)."""
 
     def __init__(self, copy: bool = True, hold_parameters: bool = False) -> None:
         self.copy = copy
@@ -433,7 +447,9 @@ class StreamDigests:
         self.digest_s = 0.0
         self.drain_s = 0.0
         self.defer_held = False
-        self._deferred: list[tuple[str, torch.Tensor, int | None]] = []  # held adds not drained yet: (name, tensor, version)
+        # held adds not drained yet: (name, tensor, version, data_ptr, storage bytes) as at the add
+        self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
+        self._deferred_bytes = 0
 
     def _new(self) -> CopyingBatch | HeldBatch:
         return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
@@ -449,13 +465,25 @@ class StreamDigests:
         t0 = time.perf_counter()
         if self._held is not None:
             held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
-            if held and self.defer_held:
-                self._deferred.append((name, tensor, version_of(tensor)))
+            if held and self.defer_held and self._defer(name, tensor):
+                pass
             else:
                 (self._held if held else self._batch).add(name, tensor)
         else:
             self._batch.add(name, tensor)
         self.digest_s += time.perf_counter() - t0
+
+    def _defer(self, name: str, t: torch.Tensor) -> bool:
+        """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
+        try:
+            ptr, size = t.data_ptr(), t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            return False
+        self._deferred.append((name, t, version_of(t), ptr, size))
+        self._deferred_bytes += size
+        if self._deferred_bytes >= self.DEFER_BYTES:
+            self._drain()
+        return True
 
     @property
     def deferred(self) -> int:
@@ -465,14 +493,16 @@ class StreamDigests:
     def drain(self, *, collect: bool = False, shadow: bool = False) -> None:
         """Run the deferred adds (checks, signatures) and launch every digest added so far; with
         ``collect``, also wait for them and take their hex digests (what :meth:`digests` does).
-        ``shadow``: count the seconds in :attr:`drain_s` too.
+        ``shadow``: the caller's own thread is blocked meanwhile: count the seconds in
+        :attr:`drain_s` too, and let other threads run every :data:`YIELD_EVERY` tensors
+        (the blocked call's own Python, e.g. its reply's decoding, waits less for the GIL).
 
-        Raises:
-            RefitInputError: a deferred tensor cannot be digested (it is dropped; those after it stay deferred).
+        A deferred tensor that changed since its add or cannot be digested is named in
+        :attr:`changed` (from :meth:`digests`), never raised.
         """
         t0 = time.perf_counter()
         try:
-            self._drain()
+            self._drain(YIELD_EVERY if shadow else 0)
             self._batch.launch()
             if self._held is not None:
                 self._held.launch()
@@ -484,15 +514,20 @@ class StreamDigests:
             if shadow:
                 self.drain_s += dt
 
-    def _drain(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        held, i = self._held, 0
-        try:
-            for i, (name, t, version) in enumerate(deferred):  # noqa: B007 - i is read on error
-                held.add(name, t, version)
-        except BaseException:
-            self._deferred = deferred[i + 1:] + self._deferred
-            raise
+    def _drain(self, yield_every: int = 0) -> None:
+        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
+        held = self._held
+        for i, (name, t, version, ptr, size) in enumerate(deferred):
+            if yield_every and i % yield_every == yield_every - 1:
+                time.sleep(0)
+            why = _changed(t, version, ptr, size)
+            if why is None:
+                try:
+                    held.add(name, t, version)
+                    continue
+                except RefitInputError as e:
+                    why = f"it cannot be digested: {e}"
+            held.note_changed(name, why)
 
     def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
         """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went

@@ -10,13 +10,16 @@ the call on the refit's critical path.
 :func:`run_in_shadow` runs ``call()`` in the calling thread and ``work()`` in a helper thread
 started by then; it returns ``call()``'s result once both are done. Why the call stays in the
 caller's thread and the work moves: the call releases the GIL while it waits (a socket, a
-future), so the helper gets it at once; were it the other way round, the call's own Python
-(encoding, sending) would wait for the helper's work to yield the GIL, up to the interpreter's
-switch interval (5 ms). The helper runs the work on the caller's current CUDA device and stream
-(captured at the call), so stream order with what the caller queued before and after is kept.
+future), so the helper gets it then. Both still share the GIL while the call runs Python of its
+own (encoding the request, and at the reply vLLM's output thread decoding it): the work should
+hand the GIL over now and then (``time.sleep(0)``; :meth:`~refit_verify.digest_stream.StreamDigests.drain`
+does every 32 tensors), or the call can wait up to the interpreter's switch interval (5 ms) for
+it. The helper runs the work on the caller's current CUDA device and stream (captured at the
+call), so stream order with what the caller queued before and after is kept.
 
 Where the work is slower than the call, the caller waits for the rest (bounded by
-``timeout_s``). Nothing here knows vLLM.
+``timeout_s``; the wait is reported through ``on_wait``). One helper thread per calling thread,
+ending shortly after its caller does. Nothing here knows vLLM.
 """
 
 from __future__ import annotations
@@ -51,18 +54,28 @@ class _Job:
         self.error: BaseException | None = None
 
 
-class _Helper:
-    """One daemon thread per calling thread, fed jobs one at a time through a queue."""
+IDLE_POLL_S = 1.0
+"""Seconds an idle helper waits for a job before it checks that its calling thread still lives."""
 
-    def __init__(self) -> None:
+
+class _Helper:
+    """One daemon thread per calling thread, fed jobs one at a time through a queue; it ends once
+    its calling thread has ended and no job is left."""
+
+    def __init__(self, owner: threading.Thread) -> None:
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.busy = False  # a job was handed over and not finished (a timed-out one included)
-        self.thread = threading.Thread(target=self._loop, name="refit-verify-shadow", daemon=True)
+        self.thread = threading.Thread(target=self._loop, args=(owner,), name="refit-verify-shadow", daemon=True)
         self.thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, owner: threading.Thread) -> None:
         while True:
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=IDLE_POLL_S)
+            except queue.Empty:
+                if not owner.is_alive():
+                    return
+                continue
             try:
                 with ExitStack() as stack:
                     if job.stream is not None:
@@ -74,8 +87,10 @@ class _Helper:
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 job.error = e
             finally:
+                job.work = None  # nothing of the caller's stays alive through an idle helper
                 self.busy = False
                 job.done.set()
+                job = None
 
 
 _LOCAL = threading.local()
@@ -85,7 +100,7 @@ def _helper() -> _Helper | None:
     """This thread's helper, started on first use; None while a timed-out job of it still runs."""
     h = getattr(_LOCAL, "helper", None)
     if h is None or not h.thread.is_alive():
-        h = _LOCAL.helper = _Helper()
+        h = _LOCAL.helper = _Helper(threading.current_thread())
     return None if h.busy else h
 
 
@@ -96,14 +111,17 @@ def _current_stream() -> Any:
     return torch.cuda.current_stream()
 
 
-def run_in_shadow(call: Callable[[], T], work: Callable[[], None], *, timeout_s: float = SHADOW_TIMEOUT_S) -> T:
+def run_in_shadow(call: Callable[[], T], work: Callable[[], None], *, timeout_s: float = SHADOW_TIMEOUT_S,
+                  on_wait: Callable[[float], None] | None = None) -> T:
     """Return ``call()``, running ``work()`` in a helper thread meanwhile (on this thread's current
     CUDA device and stream).
 
-    ``work`` must not touch what ``call`` uses. An exception of ``call`` propagates unchanged
-    (after ``work`` ended, or after ``timeout_s``); an exception of ``work`` is raised after
-    ``call`` returned. When this thread's helper still runs an earlier job that timed out, ``work``
-    runs here, after ``call``.
+    ``work`` must not touch what ``call`` uses. An exception of ``call`` propagates unchanged,
+    after ``work`` ended (at most ``timeout_s``; at once for a ``KeyboardInterrupt`` or another
+    non-``Exception``); an exception of ``work`` is then logged. An exception of ``work`` alone is
+    raised after ``call`` returned. When this thread's helper still runs an earlier job that timed
+    out, ``work`` runs here, after ``call``. ``on_wait(seconds)``: how long this thread waited for
+    ``work`` after ``call`` returned (the part of ``work`` that was not in the shadow).
 
     Raises:
         RefitTimeoutError: ``call`` returned but ``work`` did not end within ``timeout_s`` seconds
@@ -113,22 +131,33 @@ def run_in_shadow(call: Callable[[], T], work: Callable[[], None], *, timeout_s:
     helper = _helper()
     if helper is None:
         out = call()
+        t0 = time.perf_counter()
         work()
+        if on_wait is not None:
+            on_wait(time.perf_counter() - t0)
         return out
     job = _Job(work, _current_stream())
     helper.busy = True
     helper.jobs.put(job)
     try:
         out = call()
-    except BaseException:
+    except Exception:
         if not job.done.wait(timeout_s):
             logger.warning("refit-verify: shadow work still running %.0f s after the call it shadowed failed", timeout_s)
+        elif job.error is not None:
+            logger.warning("refit-verify: shadow work failed beside a call that failed too: %s: %s",
+                           type(job.error).__name__, job.error)
         raise
     t0 = time.perf_counter()
-    if not job.done.wait(timeout_s):
+    ended = job.done.wait(timeout_s)
+    waited = time.perf_counter() - t0
+    if on_wait is not None:
+        on_wait(waited)
+    if not ended:
         raise RefitTimeoutError(f"refit-verify: the sender's digest work did not end within {timeout_s:g} s of the call it ran "
-                                "beside (a device that stopped answering?)", {"waiting_for": "shadow work",
-                                                                            "waited_s": round(time.perf_counter() - t0, 3)})
+                                "beside (a device that stopped answering?); the call itself completed",
+                                {"waiting_for": "shadow work", "waited_s": round(waited, 3)})
     if job.error is not None:
-        raise job.error
+        error, job.error = job.error, None
+        raise error
     return out

@@ -16,6 +16,7 @@ then ``send_weights()``. Needs a CUDA GPU and a CUDA vLLM (0.26 on the H200 via
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -94,6 +95,43 @@ def test_clean_ipc_update_verified_and_loaded(engine, packed):
     assert worker["calls"] > 1 if packed else worker["calls"] == 1  # one load_weights per packed chunk
     names = readback_names(weights)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
+
+
+@pytest.mark.skipif(not STATIC, reason="the shadow of update_weights is vLLM 0.26's static sender's")
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_exported_parameters_digested_in_the_shadow_of_update_weights(engine, packed, monkeypatch):
+    """The trainer exports its nn.Parameters (held, not copied): their digest work runs in a helper
+    thread on this thread's stream while each update_weights waits for the engine core (another
+    process), the digests are read in the last window, the update is verified whole; a parameter
+    written in place after its export is named."""
+    from refit_verify.vllm_plugin.native_sender import NativeSendVerifier
+
+    llm, cfg = engine
+    assert native._engine_elsewhere(llm)
+    seen, me = [], threading.get_ident()
+    raw_work = NativeSendVerifier.shadow_work
+    monkeypatch.setattr(NativeSendVerifier, "shadow_work",
+                        lambda v: (seen.append((threading.get_ident() != me, v.exhausted)), raw_work(v))[1])
+    params = {n: torch.nn.Parameter(t, requires_grad=False)
+              for n, t in models.random_state_dict(cfg, seed=80 + packed, device="cuda").items()}
+    _send(llm, params, packed)
+    (report,) = native.last_reports()
+    assert report.ok and report.verified == len(params) == 21 and report.unchecked == ()
+    (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
+    assert len(seen) == worker["calls"] == (1 if not packed else worker["calls"]) and (worker["calls"] > 1) == packed
+    assert all(helper for helper, _ in seen) and [last for _, last in seen] == [False] * (len(seen) - 1) + [True]
+    names = readback_names(params)
+    assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, params[n]) for n in names)
+
+    def touch():
+        with torch.no_grad():
+            params[TARGET].view(-1)[7] += 1  # after its export, before the digest work read it
+        torch.cuda.synchronize()
+
+    seen.clear()
+    with pytest.raises(RefitVerificationError, match="modified in place after it was added") as ei:
+        _send(llm, params, packed, before_update=touch)
+    assert TARGET in str(ei.value) and ei.value.report.verified == 20 and seen
 
 
 def test_corrupted_ipc_tensor_named_unpacked(engine):

@@ -254,7 +254,8 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         if not mode.verifies or not _is_rank_zero() or isinstance(iterator, _Wrapped):
             return original(iterator, trainer_args)
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
-        if _shadowed(verifier):
+        _LAST["reports"] = []  # a send that fails before its check leaves no earlier pass in view
+        if _shadowed(verifier, trainer_args):
             verifier.defer()
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
@@ -496,8 +497,9 @@ def _wrap_llm_update(raw: Callable) -> Callable:
                     if target is self or not hasattr(target, "collective_rpc"):  # not a send that names another engine
                         v._saw_engine(self)
                 shadowed = [v for v in _ACTIVE if v.shadow_ready(self)]
-        if shadowed:  # the sender's digest work runs while this thread waits for the engine's reply
-            return run_in_shadow(lambda: raw(self, *args, **kwargs), lambda: [v.shadow_work() for v in shadowed])
+        if shadowed and _engine_elsewhere(self):  # the sender's digest work runs while this thread waits for the reply
+            return run_in_shadow(lambda: raw(self, *args, **kwargs), lambda: [v.shadow_work() for v in shadowed],
+                                 on_wait=shadowed[0]._waited)
         return raw(self, *args, **kwargs)
 
     return update_weights
@@ -512,11 +514,16 @@ def _engine_elsewhere(llm: Any) -> bool:
     return client is not None and isinstance(core, client)
 
 
-def _shadowed(verifier: NativeSendVerifier) -> bool:
-    """True iff ``verifier``'s send goes to an in-process ``LLM`` with its engine in another process:
-    named by the send's arguments, or, naming none, the one such ``LLM`` with an open update. Its
-    digest work is then done while the sending thread waits for that engine's ``update_weights``
-    (:func:`~refit_verify.shadow.run_in_shadow`), or when the send ends."""
+def _shadowed(verifier: NativeSendVerifier, trainer_args: Any) -> bool:
+    """True iff ``verifier``'s send hands its updates to a callable ``send_mode`` (0.26's ``ipc``)
+    and goes to an in-process ``LLM`` with its engine in another process: the callable's own, or,
+    naming none, the one such ``LLM`` with an open update. Its digest work is then done while the
+    sending thread waits for that engine's ``update_weights`` (:func:`~refit_verify.shadow.run_in_shadow`);
+    where no such wait comes (the callable calls it from another thread), every 1 GiB and when the
+    send ends. Not for ``nccl`` (no ``send_mode``: the update runs in another thread)."""
+    get = trainer_args.get if isinstance(trainer_args, dict) else lambda k, d=None: getattr(trainer_args, k, d)
+    if not callable(get("send_mode")):
+        return False
     target = getattr(verifier.target, "__self__", verifier.target)
     if target is None:
         with _LOCK:

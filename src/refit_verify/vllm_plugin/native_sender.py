@@ -75,6 +75,8 @@ class NativeSendVerifier:
         self._earlier: list[NativeSendVerifier] = []  # earlier sends into the same update (deferred to its finish)
         self._thread = threading.get_ident()  # the sending thread (its CUDA stream orders the digests)
         self.exhausted = False  # the wrapped iterator ran out: every exported tensor was added
+        self.shadow_wait_s = 0.0  # seconds the sending thread waited for shadow work after its RPC returned
+        self._shadow_error: BaseException | None = None  # shadow work that failed: raised by verify()
 
     @property
     def digests(self) -> dict[str, str]:
@@ -89,8 +91,9 @@ class NativeSendVerifier:
     @property
     def shadow_s(self) -> float:
         """Of :attr:`digest_s`, the seconds spent while the sending thread waited for the engine's
-        ``update_weights`` RPC (:meth:`shadow_work`), off the refit's critical path."""
-        return self._stream.drain_s
+        ``update_weights`` RPC (:meth:`shadow_work`, less what the sending thread waited for it after
+        the RPC returned): off the refit's critical path."""
+        return max(0.0, self._stream.drain_s - self.shadow_wait_s)
 
     def add(self, name: str, tensor: Any) -> None:
         """Digest one exported tensor (:class:`refit_verify.digest_stream.StreamDigests`: launched now, no
@@ -105,15 +108,22 @@ class NativeSendVerifier:
     def shadow_ready(self, llm: Any) -> bool:
         """True iff this send, from the calling thread, has deferred digest work and feeds ``llm`` (or
         names no engine)."""
-        if not self._stream.deferred or self._thread != threading.get_ident():
+        if not self._stream.deferred or self._thread != threading.get_ident() or self._shadow_error is not None:
             return False
         return self.target is None or self.target is llm or getattr(self.target, "__self__", None) is llm
 
     def shadow_work(self) -> None:
         """The deferred digest work so far (checks, signatures, launches), run while the sending thread
         waits for an ``update_weights`` RPC; once every exported tensor was added, the digests are
-        read too (one synchronisation), so :meth:`verify` only compares."""
-        self._stream.drain(collect=self.exhausted, shadow=True)
+        read too (one synchronisation), so :meth:`verify` only compares. Never raises into that RPC:
+        a failure is kept and raised by :meth:`verify`."""
+        try:
+            self._stream.drain(collect=self.exhausted, shadow=True)
+        except Exception as e:  # noqa: BLE001 - a device error while digesting: the check fails at verify()
+            self._shadow_error = e
+
+    def _waited(self, seconds: float) -> None:
+        self.shadow_wait_s += seconds
 
     def wrap(self, pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Yield ``pairs`` unchanged, digesting each tensor before it is handed on.
@@ -251,6 +261,9 @@ class NativeSendVerifier:
         sender: dict[str, str] = {}
         changed: dict[str, str] = {}
         for v in (*self._earlier, self):
+            if v._shadow_error is not None:
+                raise RefitProtocolError(f"refit-verify: digesting the exported tensors failed beside update_weights: "
+                                         f"{type(v._shadow_error).__name__}: {v._shadow_error}") from v._shadow_error
             got = v.digests
             for name, why in v._stream.changed.items():
                 sender.pop(name, None)
