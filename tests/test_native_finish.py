@@ -289,3 +289,17 @@ def test_lambda_sends_into_two_open_engines_are_refused_as_ambiguous(monkeypatch
     with pytest.raises(RefitConfigError, match="cannot tell which of 2"):
         send.__func__(iter(WEIGHTS.items()), {"send_mode": mode})
     assert not native._PENDING
+
+
+def test_the_deferral_budget_follows_the_send_mode_and_packing():
+    """Unpacked: the one update_weights follows every export, no budget; packed: two buffers (one
+    update_weights per buffer at least); a send with no callable send_mode (nccl) is never deferred."""
+    import math
+    from types import SimpleNamespace
+
+    assert native._defer_budget({"send_mode": print}) == math.inf
+    assert native._defer_budget({"send_mode": print, "packed": True, "packed_buffer_size_bytes": 1000}) == 2000
+    assert native._defer_budget(SimpleNamespace(send_mode=print, packed=True)) == 2 << 30  # 0.26's args object, default buffer
+    v = native.NativeSendVerifier(None, mode="enforce")
+    assert not native._shadowed(v, {"group": object()})  # nccl: the update runs in another thread
+    assert not native._shadowed(v, {"send_mode": "http", "url": "http://x"})

@@ -240,7 +240,7 @@ def test_deferred_bytes_past_the_budget_drain_at_once():
     ps = _params(6)
     s = StreamDigests(hold_parameters=True)
     s.defer_held = True
-    s.DEFER_BYTES = 3 * ps["layers.0.w"].untyped_storage().nbytes()
+    s.defer_bytes = 3 * ps["layers.0.w"].untyped_storage().nbytes()
     for i, (n, p) in enumerate(ps.items()):
         s.add(n, p)
         assert s.deferred == [1, 2, 0, 1, 2, 0][i]

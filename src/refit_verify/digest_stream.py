@@ -416,7 +416,7 @@ class StreamDigests:
     does that work there. A parameter written in place, freed, resized or given other memory
     between its add and the drain is named in :attr:`changed` (as an inline add would have found
     it at the flush), and one that cannot be digested at all is named there too (an inline add
-    raises at once); neither is digested. Past :data:`DEFER_BYTES` of deferred bytes with no drain,
+    raises at once); neither is digested. Past :attr:`defer_bytes` of deferred bytes with no drain,
     an add drains at once (no shadow came: the digests launch as they would inline).
 
     Args:
@@ -430,6 +430,8 @@ class StreamDigests:
         changed: ``{name: why}`` of held tensors that changed before their digests were taken
             (not in :meth:`digests`; see :class:`HeldBatch`).
         defer_held: defer held parameters' adds to :meth:`drain` (default False; ``hold_parameters`` only).
+        defer_bytes: deferred bytes at which an add drains at once (default :data:`DEFER_BYTES`;
+            ``math.inf``: never, the caller drains).
     """
 
     FLUSH_BYTES = 256 << 20
@@ -447,6 +449,7 @@ class StreamDigests:
         self.digest_s = 0.0
         self.drain_s = 0.0
         self.defer_held = False
+        self.defer_bytes: float = self.DEFER_BYTES
         # held adds not drained yet: (name, tensor, version, data_ptr, storage bytes) as at the add
         self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._deferred_bytes = 0
@@ -481,7 +484,7 @@ class StreamDigests:
             return False
         self._deferred.append((name, t, version_of(t), ptr, size))
         self._deferred_bytes += size
-        if self._deferred_bytes >= self.DEFER_BYTES:
+        if self._deferred_bytes >= self.defer_bytes:
             self._drain()
         return True
 

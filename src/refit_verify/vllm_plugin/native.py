@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import sys
 import threading
 import weakref
@@ -256,7 +257,7 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
         _LAST["reports"] = []  # a send that fails before its check leaves no earlier pass in view
         if _shadowed(verifier, trainer_args):
-            verifier.defer()
+            verifier.defer(_defer_budget(trainer_args))
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
         if _deferred(verifier):  # its update's finish (or the next start) in this process checks the whole session
@@ -514,15 +515,27 @@ def _engine_elsewhere(llm: Any) -> bool:
     return client is not None and isinstance(core, client)
 
 
+def _arg(trainer_args: Any, key: str) -> Any:
+    return trainer_args.get(key) if isinstance(trainer_args, dict) else getattr(trainer_args, key, None)
+
+
+def _defer_budget(trainer_args: Any) -> float:
+    """Deferred bytes past which a send's digest work is done at once: none for an unpacked send (its
+    one ``update_weights`` comes after every tensor was exported, and vLLM holds them all until then),
+    two packed buffers for a packed one (an ``update_weights`` comes at least once per buffer)."""
+    if not _arg(trainer_args, "packed"):
+        return math.inf
+    return 2 * int(_arg(trainer_args, "packed_buffer_size_bytes") or 1 << 30)
+
+
 def _shadowed(verifier: NativeSendVerifier, trainer_args: Any) -> bool:
     """True iff ``verifier``'s send hands its updates to a callable ``send_mode`` (0.26's ``ipc``)
     and goes to an in-process ``LLM`` with its engine in another process: the callable's own, or,
     naming none, the one such ``LLM`` with an open update. Its digest work is then done while the
     sending thread waits for that engine's ``update_weights`` (:func:`~refit_verify.shadow.run_in_shadow`);
-    where no such wait comes (the callable calls it from another thread), every 1 GiB and when the
-    send ends. Not for ``nccl`` (no ``send_mode``: the update runs in another thread)."""
-    get = trainer_args.get if isinstance(trainer_args, dict) else lambda k, d=None: getattr(trainer_args, k, d)
-    if not callable(get("send_mode")):
+    where no such wait comes (the callable calls it from another thread), past :func:`_defer_budget`
+    and when the send ends. Not for ``nccl`` (no ``send_mode``: the update runs in another thread)."""
+    if not callable(_arg(trainer_args, "send_mode")):
         return False
     target = getattr(verifier.target, "__self__", verifier.target)
     if target is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -100,10 +101,12 @@ class NativeSendVerifier:
         per-tensor sync; with :meth:`defer`, a parameter is only recorded, for :meth:`shadow_work`)."""
         self._stream.add(name, tensor)
 
-    def defer(self) -> None:
+    def defer(self, budget_bytes: float = math.inf) -> None:
         """Leave the digest work of exported parameters to :meth:`shadow_work` (the automatic wrapper
-        turns it on when the send goes to an in-process ``LLM`` whose engine runs in another process)."""
+        turns it on when the send goes to an in-process ``LLM`` whose engine runs in another process).
+        ``budget_bytes``: deferred bytes past which an add does the work at once (no shadow came)."""
         self._stream.defer_held = True
+        self._stream.defer_bytes = budget_bytes
 
     def shadow_ready(self, llm: Any) -> bool:
         """True iff this send, from the calling thread, has deferred digest work and feeds ``llm`` (or
