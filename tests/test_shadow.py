@@ -157,6 +157,15 @@ def _params(n=5, seed=0):
             for i in range(n)}
 
 
+def _deferring(ps: dict[str, torch.Tensor]) -> StreamDigests:
+    """A trainer's StreamDigests with deferred held adds, ``ps`` added."""
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    for n, p in ps.items():
+        s.add(n, p)
+    return s
+
+
 def test_deferred_parameters_digest_as_inline_ones():
     ps = _params()
     s = StreamDigests(hold_parameters=True)
@@ -176,10 +185,7 @@ def test_deferred_parameters_digest_as_inline_ones():
 def test_a_parameter_written_after_its_deferred_add_is_named_changed():
     """The version counter is read at the add: an in-place write before the drain is found."""
     ps = _params(3)
-    s = StreamDigests(hold_parameters=True)
-    s.defer_held = True
-    for n, p in ps.items():
-        s.add(n, p)
+    s = _deferring(ps)
     with torch.no_grad():
         ps["layers.1.w"].add_(1)
     got = s.digests()  # drains, then reads
@@ -204,10 +210,7 @@ def test_deferred_parameters_freed_moved_or_undigestible_are_named_changed_never
     bump), a tensor with no bytes (meta). None is digested, each is named with why, the rest are."""
     ps = _params(4)
     meta = torch.nn.Parameter(torch.empty(8, 8, device="meta"), requires_grad=False)
-    s = StreamDigests(hold_parameters=True)
-    s.defer_held = True
-    for n, p in ps.items():
-        s.add(n, p)
+    s = _deferring(ps)
     s.add("meta", meta)
     assert s.deferred == 5
     ps["layers.1.w"].untyped_storage().resize_(0)
@@ -249,10 +252,7 @@ def test_deferred_bytes_past_the_budget_drain_at_once():
 
 def test_launch_and_len_count_deferred_adds():
     ps = _params(4)
-    s = StreamDigests(hold_parameters=True)
-    s.defer_held = True
-    for n, p in ps.items():
-        s.add(n, p)
+    s = _deferring(ps)
     assert len(s) == 4 and s.deferred == 4
     s.launch()  # the inline path's launch drains first
     assert s.deferred == 0 and s.drain_s == 0.0
