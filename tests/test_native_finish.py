@@ -301,5 +301,5 @@ def test_the_deferral_budget_follows_the_send_mode_and_packing():
     assert native._defer_budget({"send_mode": print, "packed": True, "packed_buffer_size_bytes": 1000}) == 2000
     assert native._defer_budget(SimpleNamespace(send_mode=print, packed=True)) == 2 << 30  # 0.26's args object, default buffer
     v = native.NativeSendVerifier(None, mode="enforce")
-    assert not native._shadowed(v, {"group": object()})  # nccl: the update runs in another thread
-    assert not native._shadowed(v, {"send_mode": "http", "url": "http://x"})
+    assert native._shadow_target(v, {"group": object()}) is None  # nccl: the update runs in another thread
+    assert native._shadow_target(v, {"send_mode": "http", "url": "http://x"}) is None

@@ -99,6 +99,32 @@ def test_clean_update_verified_and_loaded(engine, packed):
 
 @needs_trainer_api
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_trainer_engine_parameters_digested_in_the_shadow(engine, packed, monkeypatch):
+    """vLLM >= 0.27's trainer engine with a client over the in-process LLM (its engine core in another
+    process): the exported nn.Parameters' digest work runs in a helper thread while each of the
+    client's update_weights waits, the last window reads the digests; verified, and a flipped byte named."""
+    from refit_verify.vllm_plugin.native_sender import NativeSendVerifier
+
+    llm, cfg, files = engine
+    seen, me = [], threading.get_ident()
+    raw_work = NativeSendVerifier.shadow_work
+    monkeypatch.setattr(NativeSendVerifier, "shadow_work",
+                        lambda v: (seen.append((threading.get_ident() != me, v.exhausted)), raw_work(v))[1])
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in models.random_state_dict(cfg, seed=65 + packed).items()}
+    eng = _send(llm, files, params, packed=packed, buffer_bytes=160 << 10)
+    (report,) = eng.refit_verify_reports
+    assert report.ok and report.verified == 21 and report.unchecked == ()
+    (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
+    assert len(seen) == worker["calls"] and (worker["calls"] > 1) == packed
+    assert all(helper for helper, _ in seen) and [last for _, last in seen] == [False] * (len(seen) - 1) + [True]
+    seen.clear()
+    with pytest.raises(RefitVerificationError, match="worker rank 0") as ei:
+        _send(llm, files, params, packed=packed, buffer_bytes=160 << 10, flip=TARGET)
+    assert ei.value.mismatched == [TARGET] and seen
+
+
+@needs_trainer_api
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 def test_corrupted_tensor_named_with_rank(engine, packed):
     """One byte flipped in the shared file after export: enforce raises naming that tensor and worker rank 0."""
     llm, cfg, files = engine

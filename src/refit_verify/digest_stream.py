@@ -453,6 +453,7 @@ class StreamDigests:
         # held adds not drained yet: (name, tensor, version, data_ptr, storage bytes) as at the add
         self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._deferred_bytes = 0
+        self._uncollected = 0  # adds since the digests were last read
 
     def _new(self) -> CopyingBatch | HeldBatch:
         return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
@@ -466,6 +467,7 @@ class StreamDigests:
         if not isinstance(name, str):
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         t0 = time.perf_counter()
+        self._uncollected += 1
         if self._held is not None:
             held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
             if held and self.defer_held and self._defer(name, tensor):
@@ -492,6 +494,11 @@ class StreamDigests:
     def deferred(self) -> int:
         """Held adds waiting for :meth:`drain`."""
         return len(self._deferred)
+
+    @property
+    def uncollected(self) -> int:
+        """Adds since the digests were last read (:meth:`digests`, or :meth:`drain` with ``collect``)."""
+        return self._uncollected
 
     def drain(self, *, collect: bool = False, shadow: bool = False) -> None:
         """Run the deferred adds (checks, signatures) and launch every digest added so far; with
@@ -563,6 +570,7 @@ class StreamDigests:
 
     def _take(self) -> None:
         """Collect both batches into :attr:`_done` (one synchronisation per device) and start new ones."""
+        self._uncollected = 0
         mixed = self._held is not None
         if len(self._batch):
             self._collect(self._batch, False if mixed else None)

@@ -164,6 +164,9 @@ def _instrument_trainer_engine(engine: Any) -> None:
         if not mode.verifies or not getattr(engine, "is_sender", True) or _unverifiable(engine, backend):
             return original(*args, **kwargs)
         verifier = NativeSendVerifier(getattr(engine, "client", None), mode=mode)
+        llm = _llm_behind(verifier.target)
+        if llm is not None and _engine_elsewhere(llm):  # its client's update_weights waits on that LLM: digest meanwhile
+            verifier.defer(_defer_budget(engine if hasattr(engine, "packed") else getattr(engine, "info", engine)), llm)
         source = engine.source
         engine.source = _digesting_source(source, verifier)
         try:
@@ -256,8 +259,9 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
             return original(iterator, trainer_args)
         verifier = NativeSendVerifier(_target_of_trainer_args(trainer_args), mode=mode)
         _LAST["reports"] = []  # a send that fails before its check leaves no earlier pass in view
-        if _shadowed(verifier, trainer_args):
-            verifier.defer(_defer_budget(trainer_args))
+        llm = _shadow_target(verifier, trainer_args)
+        if llm is not None:
+            verifier.defer(_defer_budget(trainer_args), llm)
         with verifier:
             out = original(verifier.wrap(iterator), trainer_args)
         if _deferred(verifier):  # its update's finish (or the next start) in this process checks the whole session
@@ -528,18 +532,28 @@ def _defer_budget(trainer_args: Any) -> float:
     return 2 * int(_arg(trainer_args, "packed_buffer_size_bytes") or 1 << 30)
 
 
-def _shadowed(verifier: NativeSendVerifier, trainer_args: Any) -> bool:
-    """True iff ``verifier``'s send hands its updates to a callable ``send_mode`` (0.26's ``ipc``)
-    and goes to an in-process ``LLM`` with its engine in another process: the callable's own, or,
-    naming none, the one such ``LLM`` with an open update. Its digest work is then done while the
-    sending thread waits for that engine's ``update_weights`` (:func:`~refit_verify.shadow.run_in_shadow`);
-    where no such wait comes (the callable calls it from another thread), past :func:`_defer_budget`
-    and when the send ends. Not for ``nccl`` (no ``send_mode``: the update runs in another thread)."""
+def _llm_behind(target: Any) -> Any:
+    """The in-process ``LLM`` a send's target is or holds (itself, a bound method's owner, or an
+    attribute of a client such as ``VLLMWeightSyncClient``), or None."""
+    target = getattr(target, "__self__", target)
+    if target is None or hasattr(target, "llm_engine"):
+        return target
+    return next((v for v in getattr(target, "__dict__", {}).values() if hasattr(v, "llm_engine")), None)
+
+
+def _shadow_target(verifier: NativeSendVerifier, trainer_args: Any) -> Any:
+    """The ``LLM`` whose ``update_weights`` a 0.26 static send will wait on in this thread, or None:
+    the send hands its updates to a callable ``send_mode`` (``ipc``) and goes to an in-process
+    ``LLM`` with its engine in another process (the callable's own, or, naming none, the one such
+    ``LLM`` with an open update). Its digest work is then done while the sending thread waits for
+    that engine's ``update_weights`` (:func:`~refit_verify.shadow.run_in_shadow`); where no such wait
+    comes (the callable calls it from another thread), past :func:`_defer_budget` and when the send
+    ends. None for ``nccl`` (no ``send_mode``: the update runs in another thread)."""
     if not callable(_arg(trainer_args, "send_mode")):
-        return False
-    target = getattr(verifier.target, "__self__", verifier.target)
+        return None
+    target = _llm_behind(verifier.target)
     if target is None:
         with _LOCK:
             live = [llm for llm in (r() for r in _OPEN) if llm is not None]
         target = live[0] if len(live) == 1 else None
-    return target is not None and _engine_elsewhere(target)
+    return target if target is not None and _engine_elsewhere(target) else None

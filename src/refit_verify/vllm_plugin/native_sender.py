@@ -78,6 +78,7 @@ class NativeSendVerifier:
         self.exhausted = False  # the wrapped iterator ran out: every exported tensor was added
         self.shadow_wait_s = 0.0  # seconds the sending thread waited for shadow work after its RPC returned
         self._shadow_error: BaseException | None = None  # shadow work that failed: raised by verify()
+        self._shadow_llm: weakref.ref | None = None  # the LLM whose update_weights the deferred work shadows
 
     @property
     def digests(self) -> dict[str, str]:
@@ -101,18 +102,25 @@ class NativeSendVerifier:
         per-tensor sync; with :meth:`defer`, a parameter is only recorded, for :meth:`shadow_work`)."""
         self._stream.add(name, tensor)
 
-    def defer(self, budget_bytes: float = math.inf) -> None:
-        """Leave the digest work of exported parameters to :meth:`shadow_work` (the automatic wrapper
-        turns it on when the send goes to an in-process ``LLM`` whose engine runs in another process).
-        ``budget_bytes``: deferred bytes past which an add does the work at once (no shadow came)."""
+    def defer(self, budget_bytes: float = math.inf, llm: Any = None) -> None:
+        """Leave the digest work of exported parameters to :meth:`shadow_work` (the automatic wrappers
+        turn it on when the send goes to an in-process ``LLM`` whose engine runs in another process).
+        ``budget_bytes``: deferred bytes past which an add does the work at once (no shadow came);
+        ``llm``: the engine whose ``update_weights`` the work shadows (default: the target's)."""
         self._stream.defer_held = True
         self._stream.defer_bytes = budget_bytes
+        self._shadow_llm = weakref.ref(llm) if llm is not None else None
 
     def shadow_ready(self, llm: Any) -> bool:
-        """True iff this send, from the calling thread, has deferred digest work and feeds ``llm`` (or
-        names no engine)."""
-        if not self._stream.deferred or self._thread != threading.get_ident() or self._shadow_error is not None:
+        """True iff this send, from the calling thread, has deferred digest work (or, every tensor
+        exported, digests to read) and feeds ``llm`` (or names no engine)."""
+        s = self._stream
+        if not (s.deferred or (self.exhausted and s.defer_held and s.uncollected)):
             return False
+        if self._thread != threading.get_ident() or self._shadow_error is not None:
+            return False
+        if self._shadow_llm is not None:
+            return self._shadow_llm() is llm
         return self.target is None or self.target is llm or getattr(self.target, "__self__", None) is llm
 
     def shadow_work(self) -> None:
