@@ -302,6 +302,44 @@ def test_log_mode_a_parameter_freed_after_its_export_is_named_and_the_send_compl
     assert "freed or resized" in caplog.text
 
 
+@pytest.mark.parametrize("mode", ["enforce", "log"])
+def test_digest_work_failing_beside_update_weights_fails_the_check_not_the_send(engine, monkeypatch, caplog, mode):
+    """A device error in the shadow work never comes out of vLLM's update_weights: the send completes,
+    and the check at the finish fails (enforce: RefitProtocolError) or says so (log)."""
+    from dataclasses import asdict
+
+    from refit_verify import RefitProtocolError
+    from refit_verify.digest_stream import StreamDigests
+
+    llm, cfg, files = engine
+    monkeypatch.setenv("REFIT_VERIFY", mode)
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    raw_drain = StreamDigests.drain
+
+    def drain(self, *, collect=False, shadow=False):
+        if shadow:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return raw_drain(self, collect=collect, shadow=shadow)
+
+    monkeypatch.setattr(StreamDigests, "drain", drain)
+    params = {n: torch.nn.Parameter(t, requires_grad=False) for n, t in models.random_state_dict(cfg, seed=66).items()}
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+    llm.start_weight_update()
+    nb.StaticShmEngine.trainer_send_weights(iter(params.items()), args)  # the send completes
+    if mode == "enforce":
+        with pytest.raises(RefitProtocolError, match="digesting the exported tensors failed beside update_weights: "
+                                                     "RuntimeError: CUDA error"):
+            llm.finish_weight_update()
+    else:
+        with caplog.at_level(logging.WARNING, logger="refit_verify"):
+            llm.finish_weight_update()
+        assert "failed beside update_weights" in caplog.text and native.last_reports() == []
+    (worker,) = llm.collective_rpc(native.MANIFEST_METHOD)
+    assert not worker["active"]  # the update closed either way
+
+
 def _finish_026(self):
     """Finish the current weight update."""
     self.llm_engine.collective_rpc("finish_weight_update")

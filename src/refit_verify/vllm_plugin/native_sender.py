@@ -222,7 +222,8 @@ class NativeSendVerifier:
                 parameters and the worker rank (other failing workers are logged first).
             RefitConfigError: a worker does not verify (``REFIT_VERIFY`` off in the server), or
                 the workers cannot be reached (``enforce``; ``log`` logs it).
-            RefitProtocolError: a worker could not build its manifest (``enforce``; ``log`` logs it).
+            RefitProtocolError: a worker could not build its manifest, or the digest work beside an
+                ``update_weights`` failed (``enforce``; ``log`` logs it).
         """
         self.checked = True
         for v in self._earlier:
@@ -232,6 +233,10 @@ class NativeSendVerifier:
         try:
             workers = self.fetch() if workers is None else list(workers)
             self.workers = workers
+            failed = next((v._shadow_error for v in (*self._earlier, self) if v._shadow_error is not None), None)
+            if failed is not None:
+                raise RefitProtocolError(f"refit-verify: digesting the exported tensors failed beside update_weights: "
+                                         f"{type(failed).__name__}: {failed}") from failed
             broken = [w for w in workers if w.get("error")]
             if broken:
                 raise RefitProtocolError(f"refit-verify: vLLM worker rank {broken[0].get('rank')} could not give its manifest "
@@ -272,9 +277,6 @@ class NativeSendVerifier:
         sender: dict[str, str] = {}
         changed: dict[str, str] = {}
         for v in (*self._earlier, self):
-            if v._shadow_error is not None:
-                raise RefitProtocolError(f"refit-verify: digesting the exported tensors failed beside update_weights: "
-                                         f"{type(v._shadow_error).__name__}: {v._shadow_error}") from v._shadow_error
             got = v.digests
             for name, why in v._stream.changed.items():
                 sender.pop(name, None)
