@@ -470,9 +470,7 @@ class StreamDigests:
         self._uncollected += 1
         if self._held is not None:
             held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
-            if held and self.defer_held and self._defer(name, tensor):
-                pass
-            else:
+            if not (held and self.defer_held and self._defer(name, tensor)):
                 (self._held if held else self._batch).add(name, tensor)
         else:
             self._batch.add(name, tensor)
@@ -559,13 +557,7 @@ class StreamDigests:
 
     def digests(self) -> dict[str, str]:
         """Return ``{name: 32-hex}`` of everything added so far (drains deferred adds, collects the launched kernels first)."""
-        t0 = time.perf_counter()
-        try:
-            if self._deferred:
-                self._drain()
-            self._take()
-        finally:
-            self.digest_s += time.perf_counter() - t0
+        self.drain(collect=True)
         return dict(self._done)
 
     def _take(self) -> None:

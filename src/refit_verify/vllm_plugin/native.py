@@ -345,12 +345,11 @@ def _wait_for_device() -> None:
 
 
 def _target_of_trainer_args(args: Any) -> Any:
-    get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
-    mode = get("send_mode") or get("mode")  # `mode` in early 0.2x releases
+    mode = _arg(args, "send_mode") or _arg(args, "mode")  # `mode` in early 0.2x releases
     if mode == "ray":
-        return get("llm_handle")
+        return _arg(args, "llm_handle")
     if mode == "http":
-        return get("url")
+        return _arg(args, "url")
     return getattr(mode, "__self__", None) if callable(mode) else None  # a bound method's engine; else tracking (nccl)
 
 
