@@ -56,6 +56,8 @@ class WorkerProfile:
             s = pstats.Stats(st["prof"], stream=buf)
             s.sort_stats("tottime").print_stats(50)
             s.sort_stats("cumulative").print_stats(80)
+            s.sort_stats("cumulative").print_stats("refit_verify", 120)  # our own functions, however small
+            s.sort_stats("tottime").print_stats("refit_verify", 60)
             with open(out, "w") as f:
                 f.write(buf.getvalue())
         else:

@@ -96,7 +96,8 @@ class Profile:
             buf.write(f"\n===== {path}: {self.runs[path]} profiled refits =====\n")
             st = pstats.Stats(p, stream=buf)
             st.sort_stats("tottime").print_stats(45)
-            st.sort_stats("cumulative").print_stats("refit_verify", 60)
+            st.sort_stats("cumulative").print_stats("refit_verify", 120)
+            st.sort_stats("tottime").print_stats("refit_verify", 60)
         for title, p in self.extras.items():
             if p.getstats():
                 buf.write(f"\n===== {title} =====\n")

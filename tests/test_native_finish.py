@@ -201,6 +201,13 @@ def test_only_0_26s_one_line_finish_is_replaced(monkeypatch):
         self.llm_engine.collective_rpc("finish_weight_update")
 
     assert native._is_026_finish(finish_026)
+    # vLLM 0.26's llm.py has no `from __future__ import annotations` (this module has): the same function
+    plain = compile('def finish_weight_update(self):\n    """Finish the current weight update."""\n'
+                    '    self.llm_engine.collective_rpc("finish_weight_update")\n', "vllm/entrypoints/llm.py", "exec", dont_inherit=True)
+    ns: dict = {}
+    exec(plain, ns)
+    assert not ns["finish_weight_update"].__code__.co_flags & 0x1000000 and finish_026.__code__.co_flags & 0x1000000
+    assert native._is_026_finish(ns["finish_weight_update"])
     for other in (_finish_two_rpcs, _finish_kwargs, _finish_returns, _finish_version):
         assert not native._is_026_finish(other), other.__name__
     monkeypatch.setattr(shims, "vllm_version", lambda: (0, 27))

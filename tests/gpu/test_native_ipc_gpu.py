@@ -161,3 +161,29 @@ def test_corrupted_ipc_tensor_named_packed(engine):
         llm.collective_rpc(faults.restore_staged_slice)
     assert (ei.value.mismatched, ei.value.missing, ei.value.unexpected) == ([TARGET], [], [])
     assert "worker rank 0" in str(ei.value)
+
+
+@pytest.mark.skipif(not STATIC, reason="vLLM 0.26's one-line finish_weight_update")
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_from_the_second_update_one_rpc_finishes_and_returns_the_manifest(engine, packed, monkeypatch):
+    """The calls of vLLM's own example with the trainer's nn.Parameters: once the workers said they
+    answer refit_verify_native_finish, each update closes with that one RPC (no finish_weight_update,
+    no manifest fetch after it) and is verified whole."""
+    from refit_verify.vllm_plugin.native_sender import NativeSendVerifier
+
+    llm, cfg = engine
+    calls, fetches = [], []
+    rpc, raw_fetch = llm.llm_engine.collective_rpc, NativeSendVerifier.fetch
+    monkeypatch.setattr(llm.llm_engine, "collective_rpc", lambda method, *a, **k: (calls.append(method), rpc(method, *a, **k))[1])
+    monkeypatch.setattr(NativeSendVerifier, "fetch", lambda v: (fetches.append(1), raw_fetch(v))[1])
+    params = {n: torch.nn.Parameter(t, requires_grad=False)
+              for n, t in models.random_state_dict(cfg, seed=90 + packed, device="cuda").items()}
+    for update in range(3):
+        calls.clear()
+        fetches.clear()
+        _send(llm, params, packed)
+        (report,) = native.last_reports()
+        assert report.ok and report.verified == 21 and report.unchecked == () and report.proven_bytes > 0
+        if update:
+            finish = [m for m in calls if "finish" in m or m == native.MANIFEST_METHOD]
+            assert (finish, fetches) == ([native.FINISH_METHOD], []), (update, calls)

@@ -472,6 +472,8 @@ def _finishing(llm: Any, run: Callable[[], Any], combined: bool) -> Any:
 
 
 _CO_NESTED = 0x10  # inspect.CO_NESTED: a method defined inside a function (a test's) compiles the same otherwise
+_CO_FUTURE_ANNOTATIONS = 0x1000000  # `from __future__ import annotations` in this module, not in vLLM 0.26's llm.py
+_FLAGS_IGNORED = _CO_NESTED | _CO_FUTURE_ANNOTATIONS  # neither changes what the function does
 
 
 def _finish_026(self) -> None:
@@ -486,7 +488,7 @@ def _is_026_finish(raw: Callable) -> bool:
     if code is None or shims.vllm_version() != (0, 26):
         return False
     return (code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_argcount == 1
-            and code.co_kwonlyargcount == 0 and code.co_flags & ~_CO_NESTED == ref.co_flags & ~_CO_NESTED
+            and code.co_kwonlyargcount == 0 and code.co_flags & ~_FLAGS_IGNORED == ref.co_flags & ~_FLAGS_IGNORED
             and set(code.co_consts) - {raw.__doc__} == set(ref.co_consts) - {_finish_026.__doc__})
 
 
