@@ -91,7 +91,7 @@ TIMED_WORKER = (
     "refit_verify.stream:ReceiveState.start",
     "refit_verify.vllm_plugin.worker:owned_copies",  # the layerwise reload's copies of a buffer's slots
     "refit_verify.model_boundary:ModelBoundary.learn",
-    "refit_verify.engine_state:_kept_program",
+    "refit_verify.readback:_kept_program",
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
     "refit_verify.model_boundary:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
     "refit_verify.delivery:digest_now",
@@ -112,7 +112,8 @@ TIMED_WORKER = (
     "refit_verify.kernels.digest:to_hex",
     "refit_verify.engine_state:read_back",
     "refit_verify.engine_state:_kept_set",
-    "refit_verify.engine_state:_evaluate",
+    "refit_verify.engine_state:_snapshot_digests",
+    "refit_verify.readback:_evaluate",
     "refit_verify.boundary:WorkerBoundary._refresh_indexes",
     "refit_verify.boundary:WorkerBoundary._audit_unwritten",
     "refit_verify.model_boundary:ModelBoundary.manifest",

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():  # the kernel path on CPU tensors, as tests/kernels (on a GPU: compiled)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from refit_verify import delivery, engine_state
+from refit_verify import delivery, engine_state, readback
 from refit_verify import digest as dg
 from refit_verify.boundary import WorkerBoundary, identity_of
 from refit_verify.check import compare_session
@@ -202,7 +202,7 @@ def test_replayed_read_back_keeps_its_program_and_equals_the_general_one(landed,
     model.swap_halves_after = None
     assert _refit(wb, model, w3, 6)[1].ok  # a correct loader again: verified
     # the same session records through the general path give the same engine state
-    monkeypatch.setattr(engine_state, "_kept_program", lambda *a: None)
+    monkeypatch.setattr(readback, "_kept_program", lambda *a: None)
     man4, r4 = _refit(wb, model, w3, 7)
     e3, e4 = man3.engine, man4.engine
     assert r4.ok and e4.params == e3.params and man4.modules["model"].digests == man3.modules["model"].digests

@@ -641,3 +641,63 @@ def test_after_a_replayed_pre_checked_session_that_failed_the_next_is_watched(wr
     r4 = _ok(w4, m4, 4)
     assert m4.modules["model"].replayed == 0 and len(writes) == 4  # watched: q, k, v, embed (norm skipped)
     assert not r4.ok and list(r4.unconsumed) == ["norm"]
+
+
+def _untimed(man) -> dict:
+    """A manifest's modules and engine state as plain data, without their seconds (``*_s``)."""
+    from refit_verify.manifest import to_wire
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip({"modules": to_wire(man)["modules"], "engine": to_wire(man)["engine"]})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkeypatch):
+    """From the third refit on the close reads the state and the kept read-back regions (the qkv
+    blocks) in one launch: the same manifest as two launches, a misplaced block still caught, and
+    region digests left by another session never taken."""
+    from refit_verify.digest_set import DigestSet
+
+    launches, closing = [], []
+    raw_launch, raw_close = DigestSet.launch, WorkerBoundary.close
+    monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (closing and launches.append(len(self)), raw_launch(self, *a, **k))[1])
+    monkeypatch.setattr(WorkerBoundary, "close",
+                        lambda self, *a, **k: (closing.append(1), raw_close(self, *a, **k), closing.clear())[1])
+    riding = engine_state._riding
+
+    def run(ride: bool):
+        monkeypatch.setattr(engine_state, "_riding", riding if ride else lambda *a: None)
+        wb, model = _worker(device)
+        mans = []
+        for v in (1, 2, 3):
+            launches.clear()
+            mans.append(_refit(wb, model, toy_weights(v, device=device), v))
+        return wb, model, mans, list(launches)
+
+    wb, model, mans, ridden = run(True)
+    wb2, _, plain, two = run(False)
+    assert ({k: st.digest for k, st in wb.baseline.params.items()} == {k: st.digest for k, st in wb2.baseline.params.items()}
+            and wb.baseline.params.keys() == {"qkv_proj", "embed", "norm"})  # the snapshot itself: the same digests
+    n_state = len(wb.baseline.params) + len(wb.baseline.buffers)
+    # the state, then the regions written in part: q, k, v in qkv_proj and the embedding's 13 rows (3 of padding)
+    assert ridden == [n_state + 4] and two == [n_state, 4]  # one launch, not two
+    for a, b in zip(mans, plain):
+        assert _untimed(a) == _untimed(b) and a.errors == b.errors == []
+    assert _ok(toy_weights(3, device=device), mans[2], 3).proven_bytes == ALL
+    monkeypatch.setattr(engine_state, "_riding", riding)
+    model.swap_halves_after = model.qkv_loads
+    launches.clear()
+    w = toy_weights(4, device=device)
+    r = _ok(w, _refit(wb, model, w, 4), 4)
+    assert launches == [n_state + 4] and not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
+    model.swap_halves_after = None
+    (_plan, prog), = [wb.modules["model"].index(refresh=False).kept["read_back"]]
+    monkeypatch.setattr(engine_state, "_riding", lambda *a: None)
+    prog.pre = (object(), ["0" * 32] * 4)  # another session's: never this close's
+    w = toy_weights(5, device=device)
+    r = _ok(w, _refit(wb, model, w, 5), 5)
+    assert r.ok and r.proven_bytes == ALL and prog.pre is None

@@ -216,19 +216,21 @@ class WorkerBoundary:
                 self._written_version.update({prefix + k: s.version for k in ms.written})
                 written.update(prefix + k for k in ms.written)
             previous = self.baseline
-            # the engine state first: read-back takes a parameter written whole from its digest (one pass)
+            # read back when asked, and always when a delivered tensor is proven only where it landed
+            reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
+            # the engine state first: read-back takes a parameter written whole from its digest (one pass),
+            # and the regions of a kept read-back program are read in the snapshot's launch
             if self.snapshotter is not None:
                 try:
                     self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
-                                                     dict(self._written_version))
+                                                     dict(self._written_version), sessions=sessions if reading else None)
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
                     errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
                     self.baseline = None
             known = {k: v.digest for k, v in self.baseline.params.items()} if self.baseline is not None else None
             engine = None
-            # read back when asked, and always when a delivered tensor is proven only where it landed
-            if self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values())):
+            if reading:
                 try:
                     engine = self.readback(sessions, self.modules, known=known)
                 except Exception as e:  # noqa: BLE001 - reported, never silent

