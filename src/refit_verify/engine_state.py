@@ -83,12 +83,12 @@ def _snapshot_digests(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> list[s
     tagged with ``ms``). The two read the same bytes as two launches would: nothing runs between
     the snapshot and the read-back of a close."""
     prog = _riding(ms, idx, prefix)
-    if prog is None:
+    if prog is None or ds.tensors is None:  # (a kept state set holds its tensors: the second is never true)
         return ds.digest(check=False)
     prog.pre = None
     entry = idx.kept.get("close_set")
     if entry is None or entry[0] is not ds or entry[1] is not prog:
-        state = ds.tensors or []
+        state = ds.tensors
         regions = [(0, tuple(t.shape), tuple(t.stride())) for t in state] + [g for _, g in prog.dest_regions]
         try:
             both = DigestSet(state + [p for p, _ in prog.dest_regions], regions)
