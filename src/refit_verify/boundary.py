@@ -99,7 +99,7 @@ class WorkerBoundary:
         self.max_version: int | None = None
         self.loading_context: str | None = None
         self.readback: Callable[[dict[str, ModuleSession], dict[str, ModelBoundary]], Any] | None = None
-        self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot, set by the plugin
+        self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot (its arguments, sessions= too), set by the plugin
         self.auditor: Callable[..., Any] | None = None  # engine_state.audit
         self.baseline: Any = None  # EngineSnapshot left by the last closed session
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
