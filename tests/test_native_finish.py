@@ -208,6 +208,12 @@ def test_only_0_26s_one_line_finish_is_replaced(monkeypatch):
     exec(plain, ns)
     assert not ns["finish_weight_update"].__code__.co_flags & 0x1000000 and finish_026.__code__.co_flags & 0x1000000
     assert native._is_026_finish(ns["finish_weight_update"])
+    # the same instructions over its constants in another order: collective_rpc(None), then return the name
+    ns = {}
+    exec(compile('def finish_weight_update(self):\n    """Something else."""\n    self.llm_engine.collective_rpc(None)\n'
+                 '    return "finish_weight_update"\n', "vllm/entrypoints/llm.py", "exec", dont_inherit=True), ns)
+    assert ns["finish_weight_update"].__code__.co_code == finish_026.__code__.co_code
+    assert not native._is_026_finish(ns["finish_weight_update"])
     for other in (_finish_two_rpcs, _finish_kwargs, _finish_returns, _finish_version):
         assert not native._is_026_finish(other), other.__name__
     monkeypatch.setattr(shims, "vllm_version", lambda: (0, 27))

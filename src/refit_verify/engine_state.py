@@ -56,6 +56,7 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str
         return None  # no set could be built, and nothing changed since
     gen = (entry[2] if entry is not None else 0) + 1
     kept.pop("read_back", None)  # its kept launch plan reads the addresses the parameters had
+    kept.pop("close_set", None)  # the same, with the state tensors
     seen: set[tuple[str, str]] = set()
     keys, tensors = [], []
     for label, t, kind in idx.state:

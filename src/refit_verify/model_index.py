@@ -69,7 +69,8 @@ class ModelIndex:
         state: ``[(name, tensor, "param" | "buffer")]``: every parameter (tied ones once), then
             every persistent buffer that is not None, in ``named_modules()`` order.
         kept: what is worked out once for these tensors and valid as long as this index is
-            (:mod:`refit_verify.engine_state`: the snapshot's kept digest set, a replayed read-back's program).
+            (:mod:`refit_verify.engine_state`: the snapshot's kept digest set and the one it shares with
+            the read-back; :mod:`refit_verify.readback`: a replayed read-back's program).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:

@@ -14,7 +14,8 @@ prepacked linear weights). Nothing is skipped silently.
 
 A session that replayed its whole plan (:mod:`refit_verify.refit_plan`) reads the same regions as
 the last one: what to read and compare is kept on the model index, and the close's engine-state
-snapshot (:mod:`refit_verify.engine_state`) reads those regions in its own launch.
+snapshot (:func:`refit_verify.engine_state.snapshot`) reads those regions in its own launch, with
+the state, leaving their digests for that session's read-back (:func:`_riding`).
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
     """The program of a session that replayed its whole plan, kept on the model index, or None.
 
     Kept while the index is the same (no parameter replaced), the snapshot just taken found every
-    tensor of the index as its kept set was built (:func:`snapshot`: same addresses, shapes,
+    tensor of the index as its kept set was built (:func:`refit_verify.engine_state.snapshot`: same addresses, shapes,
     strides, dtypes, storage sizes, so every region view still shows the parameter's bytes), and
     the session replayed the same plan with its names in the same order."""
     if idx is None or known is None or not _replayed_whole(ms):
@@ -279,7 +280,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     (:data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
     landed in (``ms.derived_hex``); one whose region cannot be read is named in ``ms.underived``.
     A session that replayed its whole plan reads the same regions as the last one: what to read and
-    compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again.
+    compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again;
+    when the close's snapshot just read those bytes in its own launch (``prog.pre``, tagged with this
+    module session: :func:`refit_verify.engine_state._snapshot_digests`), they are taken from it.
 
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
@@ -326,7 +329,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
 def _riding(ms, idx: ModelIndex, prefix: str) -> _Program | None:
     """The read-back program kept on ``idx`` that :func:`_kept_program` will hand the read-back of
     module session ``ms`` (same plan, same set generation, the same names replayed in order), when
-    it reads its regions as a kept set; else None. Call after :func:`_kept_set` (the generation)."""
+    it reads its regions as a kept set; else None. Call after :func:`refit_verify.engine_state._kept_set`
+    (the generation)."""
     kept, gen = idx.kept.get("read_back"), idx.kept.get("fresh")
     if ms is None or kept is None or gen is None or not _replayed_whole(ms):
         return None

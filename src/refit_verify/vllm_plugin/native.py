@@ -489,7 +489,13 @@ def _is_026_finish(raw: Callable) -> bool:
         return False
     return (code.co_code == ref.co_code and code.co_names == ref.co_names and code.co_argcount == 1
             and code.co_kwonlyargcount == 0 and code.co_flags & ~_FLAGS_IGNORED == ref.co_flags & ~_FLAGS_IGNORED
-            and set(code.co_consts) - {raw.__doc__} == set(ref.co_consts) - {_finish_026.__doc__})
+            and _consts(code, raw.__doc__) == _consts(ref, _finish_026.__doc__))
+
+
+def _consts(code: Any, doc: str | None) -> tuple:
+    """``code``'s constants in order (the instructions index them), without its docstring (the first one)."""
+    consts = code.co_consts
+    return consts[1:] if doc is not None and consts and consts[0] == doc else consts
 
 
 def _wrap_llm_update(raw: Callable) -> Callable:

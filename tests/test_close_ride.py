@@ -1,0 +1,120 @@
+"""The close's one launch (refit_verify.engine_state._snapshot_digests): the engine state and the
+regions of a kept read-back program read together, with two roles ("model" and "drafter"), an audit
+and a parameter given new memory between closes, a write after a replayed load in each role, and a
+drafter snapshot that fails after the model's ride. Every close must give the manifest the two
+launches give, and every write after loading must be caught. (A fresh reviewer's scenario.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from refit_verify import delivery, engine_state, readback
+from refit_verify.boundary import WorkerBoundary, identity_of
+from refit_verify.check import compare_session
+from refit_verify.digest import digest_tensors
+from refit_verify.digest_set import DigestSet
+from tests.support.toy_model import Q, default_weight_loader, toy_weights
+from tests.test_refit_plan import _Faulty, _untimed
+
+
+@pytest.fixture(autouse=True)
+def landed(monkeypatch):
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+
+
+class _Tamper(_Faulty):
+    """``tamper``: after its (replayed) load, the first element of k's block in ``qkv_proj`` changes."""
+
+    tamper = False
+
+    def load_weights(self, weights):
+        out = super().load_weights(weights)
+        if self.tamper:
+            self.qkv_proj.data[Q, 0] += 1
+        return out
+
+
+def _setup():
+    wb = WorkerBoundary(identity_of(rank=0))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    m, d = _Tamper(), _Tamper()
+    wb.attach("model", m, default_weight_loader)
+    wb.attach("drafter", d, default_weight_loader)
+    return wb, m, d
+
+
+def _close(wb, m, d, v):
+    wm, wd = toy_weights(v), toy_weights(100 + v)
+    sid = wb.open(f"s{v}", version=v)
+    m.load_weights(list(wm.items()))
+    d.load_weights(list(wd.items()))
+    man = wb.close(sid)
+    r = compare_session({"model": digest_tensors(wm.items()), "drafter": digest_tensors(wd.items())}, man,
+                        session=f"s{v}", version=v)
+    return man, r
+
+
+def _scenario(ride: bool, monkeypatch, fail_at: int | None = None):
+    monkeypatch.setattr(engine_state, "_riding", readback._riding if ride else (lambda *a: None))
+    raw, drafter_calls = engine_state._snapshot_digests, []
+
+    def snapshot_digests(idx, ds, ms, prefix):
+        out = raw(idx, ds, ms, prefix)
+        if prefix == "drafter:":
+            drafter_calls.append(1)
+            if len(drafter_calls) == fail_at:
+                raise RuntimeError("the drafter's snapshot fails after the model's ride")
+        return out
+
+    monkeypatch.setattr(engine_state, "_snapshot_digests", snapshot_digests)
+    wb, m, d = _setup()
+    out = []
+    for v in range(1, 10):
+        if v == 5:
+            assert wb.audit() is not None  # an audit between closes
+        if v == 6:  # new memory, the same bytes, between closes (a re-allocation)
+            d.qkv_proj.data = d.qkv_proj.data.clone()
+            wb.state()
+        m.tamper, d.tamper = v == 7, v == 8
+        out.append(_close(wb, m, d, v))
+    return out
+
+
+@pytest.mark.parametrize("fail_at", [None, 4], ids=["snapshots-ok", "drafter-snapshot-fails"])
+def test_one_launch_gives_the_two_launches_manifests_with_two_roles(monkeypatch, fail_at):
+    with_ride = _scenario(True, monkeypatch, fail_at)
+    without = _scenario(False, monkeypatch, fail_at)
+    for v, ((ma, ra), (mb, rb)) in enumerate(zip(with_ride, without), start=1):
+        assert _untimed(ma) == _untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
+        if v == 7:
+            assert not ra.ok and "k_proj" in ra.mismatched, (v, ra)
+        elif v == 8:
+            assert not ra.ok and "drafter:k_proj" in ra.mismatched, (v, ra)
+        elif v == fail_at:
+            assert any("snapshot failed" in e for e in ma.errors), v
+        else:
+            assert ra.ok, (v, ra)
+
+
+def test_both_roles_take_their_regions_from_the_snapshots_launch(monkeypatch):
+    """From the third close on, each role's read-back takes its region digests from the snapshot's
+    launch (``prog.pre``, tagged with its own module session): one launch per role, not two."""
+    taken, launched = [], []
+    raw_digest, raw_sd = DigestSet.digest, engine_state._snapshot_digests
+    monkeypatch.setattr(DigestSet, "digest", lambda self, *a, **k: (launched.append(len(self)), raw_digest(self, *a, **k))[1])
+
+    def snapshot_digests(idx, ds, ms, prefix):
+        out = raw_sd(idx, ds, ms, prefix)
+        kept = idx.kept.get("read_back")
+        taken.append((prefix, kept is not None and kept[1].pre is not None and kept[1].pre[0] is ms))
+        return out
+
+    monkeypatch.setattr(engine_state, "_snapshot_digests", snapshot_digests)
+    wb, m, d = _setup()
+    for v in range(1, 5):
+        taken.clear()
+        launched.clear()
+        assert _close(wb, m, d, v)[1].ok
+        if v >= 3:
+            assert taken == [("", True), ("drafter:", True)] and len(launched) == 2, (v, taken, launched)
