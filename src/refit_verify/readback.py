@@ -35,6 +35,7 @@ from refit_verify.placement import as_view
 
 __all__ = ["read_back"]
 
+
 @functools.lru_cache(maxsize=1 << 14)
 def _describe(dest) -> str:
     """A region as the manifest names it (memoised: a loader writes the same regions every refit)."""
