@@ -110,7 +110,6 @@ TIMED_WORKER = (
     "refit_verify.digest_set:DigestSet.collect",
     "refit_verify.kernels.digest:digest_views",
     "refit_verify.kernels.digest:to_hex",
-    "refit_verify.engine_state:read_back",
     "refit_verify.engine_state:_kept_set",
     "refit_verify.engine_state:_snapshot_digests",
     "refit_verify.readback:_evaluate",

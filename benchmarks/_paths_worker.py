@@ -207,8 +207,8 @@ class Bench:
                 return orig(verifier, *args, **kwargs)
             finally:
                 seen["t.verify"] = seen.get("t.verify", 0.0) + pc() - a
-                # a send is verified twice on vLLM 0.26 (at the send, again at finish_weight_update): its
-                # digest seconds (a running total) are counted once, as of its last verify
+                # a send can be verified twice on vLLM 0.26 (at the send, again at finish_weight_update, when
+                # its check is not left to the finish): its digest seconds (a running total) count once, as of its last verify
                 per = seen.setdefault("_digest_s", {})
                 per[id(verifier)] = (verifier.digest_s, verifier.shadow_s)
                 seen["t.digest"] = sum(d for d, _ in per.values())
