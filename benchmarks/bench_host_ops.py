@@ -6,7 +6,8 @@ For each of the 310 tensors of the Qwen3-0.6B-like set: tensor attribute reads, 
 ``logical_bytes`` makes, a device copy (``clone``), the cached §3 seed, and the batches built from
 them (``DigestBatch`` without copies, ``CopyingBatch`` / ``StreamDigests`` with one copy per
 tensor, ``engine_state.snapshot`` of a module holding the set, ``digest_now`` of the whole set and
-of 40 tensors at a time, as the transport's two sides read it). One sample times the host side
+of 40 tensors at a time, as the transport's two sides read it; kept sets read with JIT and with
+direct launches, ``refit_verify.kernels.direct``). One sample times the host side
 of one pass over the set (``time.perf_counter``, a CUDA synchronisation before the pass, none
 inside it unless the row says so); the table gives the median and quartiles over ``--rounds``
 samples in microseconds per tensor, and each row's ratio to the same run's ``t.view(-1)`` row.
@@ -16,6 +17,7 @@ This is where host time per tensor goes; ``bench_paths.py`` measures what a whol
 from __future__ import annotations
 
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -25,7 +27,9 @@ import torch
 
 from refit_verify import models
 from refit_verify.boundary import identity_of
+from refit_verify.config import DIRECT_LAUNCH_ENV_VAR
 from refit_verify.digest import DigestBatch, _tensor_seed, logical_bytes
+from refit_verify.digest_set import DigestSet
 from refit_verify.digest_stream import CopyingBatch, StreamDigests, _same_storage, digest_now
 from refit_verify.engine_state import snapshot
 
@@ -61,6 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     held = filled(lambda: StreamDigests(copy=False), "digests")
     plain = filled(DigestBatch, "hexdigests")
 
+    whole = DigestSet([t for _, t in ts])
+    forties = [DigestSet([t for _, t in ts[i:i + 40]]) for i in range(0, len(ts), 40)]
+
+    def kept(sets, jit: bool, collect: bool):
+        """Read kept sets (no signature check): launches only, or launches and the device-to-host read."""
+        def run() -> None:
+            if jit:
+                os.environ[DIRECT_LAUNCH_ENV_VAR] = "0"
+            try:
+                for k in sets:
+                    got = k.launch(check=False)
+                    if collect:
+                        DigestSet.collect(got)
+            finally:
+                os.environ.pop(DIRECT_LAUNCH_ENV_VAR, None)
+        return run
+
     rows = [
         ("t.view(-1)", lambda: [t.view(-1) for _, t in ts]),
         ("t.dtype, t.shape, t.numel()", lambda: [(t.dtype, t.shape, t.numel()) for _, t in ts]),
@@ -78,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         ("digest_now of the set, kept (incl. sync): the transport sender's digests ahead", lambda: digest_now(ts, space="bench")),
         ("digest_now, 40 tensors at a time (incl. syncs): the worker's check before loading",
          lambda: [digest_now(ts[i:i + 40], space="bench-40") for i in range(0, len(ts), 40)]),
+        ("kept set of the 310, launch only: JIT launches", kept([whole], True, False)),
+        ("kept set of the 310, launch only: direct launches", kept([whole], False, False)),
+        ("kept set of the 310, launch + read (incl. sync): JIT launches", kept([whole], True, True)),
+        ("kept set of the 310, launch + read (incl. sync): direct launches", kept([whole], False, True)),
+        ("8 kept sets of 40, launch + read each (incl. syncs): JIT launches", kept(forties, True, True)),
+        ("8 kept sets of 40, launch + read each (incl. syncs): direct launches", kept(forties, False, True)),
     ]
     samples: dict[str, list[float]] = {label: [] for label, _ in rows}
     for r in range(a.rounds + 1):

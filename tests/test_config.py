@@ -100,3 +100,16 @@ def test_a_cuda_graphs_value_that_means_nothing_is_refused_at_register(value):
     for ok in ("", "0", "off", "No", "1", "TRUE", "force"):
         check_cuda_graphs_env({"REFIT_VERIFY_CUDA_GRAPHS": ok})
     check_cuda_graphs_env({})
+
+
+@pytest.mark.parametrize("value", ["of", "2", "enforce", "never"])
+def test_a_direct_launch_value_that_means_nothing_is_refused_at_register(value):
+    from refit_verify.config import check_direct_launch_env, direct_launch_enabled
+
+    with pytest.raises(RefitConfigError, match=f"REFIT_VERIFY_DIRECT_LAUNCH='{value}' is not accepted"):
+        check_direct_launch_env({"REFIT_VERIFY_DIRECT_LAUNCH": value})
+    for ok, on in (("", True), ("1", True), ("Yes", True), (" on ", True), ("0", False), ("OFF", False), ("no", False)):
+        check_direct_launch_env({"REFIT_VERIFY_DIRECT_LAUNCH": ok})
+        assert direct_launch_enabled({"REFIT_VERIFY_DIRECT_LAUNCH": ok}) is on
+    check_direct_launch_env({})
+    assert direct_launch_enabled({}) is True

@@ -97,6 +97,33 @@ def check_cuda_graphs_env(environ: Mapping[str, str] | None = None) -> None:
                                "force (also below torch 2.12), 0 / false / off / no or unset (off, the default)")
 
 
+DIRECT_LAUNCH_ENV_VAR = "REFIT_VERIFY_DIRECT_LAUNCH"
+"""``0`` / ``false`` / ``off`` / ``no`` in a process's environment: launch kept digest plans through
+Triton's JIT dispatch at every run, never straight through their compiled kernels
+(:mod:`refit_verify.kernels.direct`; on by default). Read at each run."""
+
+
+_DIRECT_ON, _DIRECT_OFF = ("", "1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def direct_launch_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False iff :data:`DIRECT_LAUNCH_ENV_VAR` is ``0`` / ``false`` / ``off`` / ``no`` (read at each call)."""
+    return (os.environ if environ is None else environ).get(DIRECT_LAUNCH_ENV_VAR, "").strip().lower() not in _DIRECT_OFF
+
+
+def check_direct_launch_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a :data:`DIRECT_LAUNCH_ENV_VAR` value that means neither on nor off (a misspelt ``off``
+    would otherwise read as on). The plugin's ``register()`` calls it as the engine starts.
+
+    Raises:
+        RefitConfigError: any other value.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(DIRECT_LAUNCH_ENV_VAR, "").strip().lower() not in (*_DIRECT_ON, *_DIRECT_OFF):
+        raise RefitConfigError(f"{DIRECT_LAUNCH_ENV_VAR}={env[DIRECT_LAUNCH_ENV_VAR]!r} is not accepted; accepted values: "
+                               "1 / true / on / yes or unset (on, the default), 0 / false / off / no")
+
+
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
     """Return the mode from ``REFIT_VERIFY`` (unset means ``off``).
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from refit_verify import reference as _ref
+from refit_verify.kernels import direct as _direct
 from refit_verify.kernels.replay import replay as _graph_replay
 from refit_verify.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.kernels._mix import KM, MID_N, SCR_N
@@ -191,13 +192,15 @@ class Planned:
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.kernels.replay`),
             False when its capture could not be set up or its first replay differed from plain launches, else None.
+        direct: on CUDA, the compiled kernels its launches go to once it ran twice and they were
+            checked (:mod:`~refit_verify.kernels.direct`), False when it stays on JIT launches, else None.
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "__weakref__")
+    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "direct", "__weakref__")
 
     def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
-        self.runs, self.graph = 0, None
+        self.runs, self.graph, self.direct = 0, None, None
 
 
 def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8) -> Planned:
@@ -265,7 +268,11 @@ def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = No
 
 def _run(p: Planned, work: torch.Tensor, out: torch.Tensor | None, launch_fast: FastLaunch | None) -> None:
     """The launches of plan ``p`` on the current stream: leaf (fast, general), upper, and the chain
-    into ``out`` (skipped when None: the roots stay in ``work``, see :func:`_digest_upper_kernel`)."""
+    into ``out`` (skipped when None: the roots stay in ``work``, see :func:`_digest_upper_kernel`).
+    On CUDA, a plan run before goes straight to its compiled kernels (:mod:`~refit_verify.kernels.direct`)."""
+    if launch_fast is None and not _INTERPRETED and p.device.type == "cuda":
+        _direct.run(p, _launches(p, work, out), work, out)
+        return
     V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
     if F:
         (launch_fast or _launch_fast)(plan, work, V, C, 8 * V, F)
@@ -275,6 +282,25 @@ def _run(p: Planned, work: torch.Tensor, out: torch.Tensor | None, launch_fast: 
         _digest_upper_kernel[(C,)](plan, work, V, C, 8 * V + P, num_warps=4)
     if out is not None:
         _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
+
+
+def _launches(p: Planned, work: torch.Tensor, out: torch.Tensor | None) -> list[_direct.Launch]:
+    """The launches :func:`_run` makes for ``p`` (production FAST launch), as data."""
+    V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
+    L = _direct.Launch
+    out_l = []
+    if F:
+        lf = FAST_LEAF
+        S = _ref.STRIDE // lf["cols"]
+        out_l.append(L(_leaf_fast_kernel, (F * S,), (plan, work, V, C, 8 * V, *KM), (("COLS", lf["cols"]), ("ASM", lf["asm"])),
+                       {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}))
+    if P > F:
+        out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False),), {"num_warps": LEAF_WARPS}))
+    if C:
+        out_l.append(L(_digest_upper_kernel, (C,), (plan, work, V, C, 8 * V + P), (), {"num_warps": 4}))
+    if out is not None:
+        out_l.append(L(_digest_chain_kernel, (V,), (plan, work, out, V, C), (("RB", _CHAIN_RB),), {"num_warps": 1}))
+    return out_l
 
 
 def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool,

@@ -31,12 +31,13 @@ def register() -> None:
     Raises:
         RefitConfigError: ``REFIT_VERIFY`` holds a value other than ``off``, ``log``, ``enforce``, or
             ``REFIT_VERIFY_REPLAY`` one other than ``0``, ``1``, or ``REFIT_VERIFY_CUDA_GRAPHS`` one that
-            is neither on, ``force`` nor off (checked here, as the engine starts, so a bad value never
-            reaches a session open inside vLLM's own weight update).
+            is neither on, ``force`` nor off, or ``REFIT_VERIFY_DIRECT_LAUNCH`` one neither on nor off
+            (checked here, as the engine starts, so a bad value never reaches a session open inside
+            vLLM's own weight update).
         RuntimeError: verification is requested and this vLLM has no v1 ``WorkerBase`` (older than
             the supported range).
     """
-    from refit_verify.config import check_cuda_graphs_env, mode_from_env
+    from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, mode_from_env
     from refit_verify.vllm_plugin import patches, shims
 
     from refit_verify.refit_plan import replay_from_env
@@ -44,6 +45,7 @@ def register() -> None:
     mode = mode_from_env()
     replay_from_env()
     check_cuda_graphs_env()
+    check_direct_launch_env()
     try:
         import vllm.v1.worker.worker_base  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the installed vLLM

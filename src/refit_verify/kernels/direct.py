@@ -1,0 +1,160 @@
+"""Kept launch plans launched through Triton's compiled kernels: no JIT dispatch after the check.
+
+A kept plan (:class:`~refit_verify.kernels.digest.Planned`, held by a
+:class:`~refit_verify.digest_set.DigestSet`) is run again at every refit: the worker's check before
+loading, the engine-state snapshot, the read-back, a trainer's held tensors. Each run is up to four
+Triton launches, and each ``kernel[grid](...)`` goes through ``JITFunction.run``: it binds the
+arguments, specialises each one, builds the cache key, looks the compiled kernel up and checks the
+kernel's globals before it launches. The H200 host measured about 0.4 ms of host time per run of a
+plan (``docs/performance.md``, the nineteenth and twenty-second runs), however few bytes the plan
+reads.
+
+Here, from a plan's second run on, its launches go straight to the compiled kernels its JIT runs
+returned (``JITFunction.run`` returns the ``CompiledKernel`` it launched): ``compiled[grid](*args,
+stream=...)``, Triton's own launcher of a compiled kernel (``CompiledKernel.__getitem__``), which
+takes every argument in signature order, ``constexpr`` ones included (the launcher skips them).
+
+Why the compiled kernel is still the right one:
+
+* A kept plan's arguments never change between runs: its device plan tensor (same address), its
+  counts (``V``, ``C``, offsets) and the kernels' ``constexpr`` values. Only the scratch tensors
+  (``work``, ``out``) are fresh at each run.
+* The kernels specialise on no integer value (``do_not_specialize`` on every integer argument) and
+  on a pointer argument only through its 16-byte alignment. Every direct run checks that the
+  scratch tensors are 16-byte aligned (the caching allocator gives at least 512); otherwise that
+  run goes through ``JITFunction.run``.
+* **Checked once per plan.** At the plan's second run, the JIT launches run first (their result is
+  the one returned). Then the work area is filled with a sentinel and the direct launches run into an
+  output block filled with the same sentinel. The two outputs are compared on the device
+  (``torch.equal``: one synchronisation, once per plan). A mismatch keeps that plan on JIT launches
+  (logged). So does a launcher that raises (then direct launches are off for the whole process,
+  logged once: a Triton whose launcher takes other arguments). A missed launch cannot pass the
+  check, because the sentinel work area would reach the output.
+* Launch hooks (``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) still run: the
+  compiled kernel's launcher calls them as ``JITFunction.run`` does.
+
+Not used: under the Triton interpreter, for custom FAST launches (benchmarks), for a run whose
+roots stay in the work area (``chunk_roots``), while a CUDA graph is being captured before the
+plan's check, and when :data:`~refit_verify.config.DIRECT_LAUNCH_ENV_VAR` is ``0``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from refit_verify.config import direct_launch_enabled
+
+__all__ = ["Launch", "MIN_RUNS", "run"]
+
+logger = logging.getLogger("refit_verify")
+
+MIN_RUNS = 2
+"""A plan launches directly from its second run (the first compiles the kernels and may be its only one)."""
+
+_SENTINEL = -0x3C3C3C3C3C3C3C3D  # fills the work area and the direct output block at the check
+_OFF: str | None = None  # why direct launches are off for the process (a launcher raised), None while they are not
+_LOGGED: set[str] = set()
+
+
+class Launch(NamedTuple):
+    """One Triton launch of a plan.
+
+    Attributes:
+        fn: the ``@triton.jit`` function.
+        grid: the launch grid (1 to 3 ints).
+        args: the runtime arguments, in signature order (tensors and ints).
+        consts: ``((name, value), ...)`` of the ``constexpr`` arguments, in signature order, after ``args``.
+        options: launch options (``num_warps``, ``maxnreg``...), not arguments.
+    """
+
+    fn: Any
+    grid: tuple
+    args: tuple
+    consts: tuple = ()
+    options: dict | None = None
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.warning(msg, *args)
+
+
+def jit(launches: Sequence[Launch]) -> list:
+    """Launch through ``JITFunction.run``; returns the compiled kernel of each launch (None where
+    Triton returned none)."""
+    out = []
+    for la in launches:
+        out.append(la.fn[la.grid](*la.args, **dict(la.consts), **(la.options or {})))
+    return out
+
+
+def direct(compiled: Sequence[Any], launches: Sequence[Launch], stream: int) -> None:
+    """Launch each compiled kernel with its launch's grid and arguments on ``stream`` (a raw
+    ``cudaStream_t`` as an int)."""
+    for ck, la in zip(compiled, launches):
+        ck[la.grid](*la.args, *(v for _, v in la.consts), stream=stream)
+
+
+def _stream(device: torch.device) -> int:
+    """The raw current stream of ``device`` (what Triton's driver asks torch for)."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def _aligned(*ts: torch.Tensor | None) -> bool:
+    return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
+
+
+def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Run plan ``p``'s ``launches`` (CUDA, current stream, the current device being ``p.device``):
+    directly when ``p`` was checked, else through ``JITFunction.run`` (and check at the plan's
+    second run). ``p.runs`` (counted by the caller) and ``p.direct`` (None: not checked yet, False:
+    JIT only, else the compiled kernels) are kept up to date here.
+
+    Args:
+        p: a CUDA :class:`~refit_verify.kernels.digest.Planned`.
+        launches: its launches, in order; ``work`` and ``out`` are among their arguments.
+        work: its int64 work area. out: its int64 ``[V, 2]`` output block, or None (roots stay in
+            ``work``: never launched directly, never checked).
+    """
+    global _OFF
+    d = p.direct
+    if d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out):
+        try:
+            direct(d, launches, _stream(p.device))
+            return
+        except Exception as e:  # noqa: BLE001 - a launcher that takes other arguments: JIT from now on
+            _OFF = f"{type(e).__name__}: {e}"[:300]
+            p.direct = False
+            _log_once("raised", "refit-verify: launching a compiled digest kernel directly failed (%s); "
+                      "JIT launches from now on in this process", _OFF)
+            # the direct launches before the one that raised only wrote scratch: the JIT run redoes them all
+    compiled = jit(launches)
+    if (d is not None or out is None or p.runs < MIN_RUNS or _OFF is not None or not direct_launch_enabled()
+            or not _aligned(work, out)):
+        return
+    if any(ck is None for ck in compiled) or torch.cuda.is_current_stream_capturing():
+        if not torch.cuda.is_current_stream_capturing():
+            p.direct = False
+        return
+    probe = torch.full_like(out, _SENTINEL)
+    work.fill_(_SENTINEL)
+    into_probe = [la._replace(args=tuple(probe if a is out else a for a in la.args)) for la in launches]
+    try:
+        direct(compiled, into_probe, _stream(p.device))
+    except Exception as e:  # noqa: BLE001 - as above; the JIT result in ``out`` stands
+        _OFF = f"{type(e).__name__}: {e}"[:300]
+        p.direct = False
+        _log_once("raised", "refit-verify: launching a compiled digest kernel directly failed (%s); "
+                  "JIT launches from now on in this process", _OFF)
+        return
+    if torch.equal(probe, out):
+        p.direct = compiled
+    else:
+        p.direct = False
+        _log_once("differs", "refit-verify: a digest plan's direct launches gave other words than its JIT "
+                  "launches; that plan (and any other that differs) keeps JIT launches")

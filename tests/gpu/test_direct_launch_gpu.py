@@ -1,0 +1,121 @@
+"""Kept plans launched straight through their compiled Triton kernels (``refit_verify.kernels.direct``):
+from the second run on no ``JITFunction.run`` dispatch happens, the digests stay those of the
+reference while the memory changes, on another stream too, and with the switch off every run goes
+through the JIT. Needs a CUDA GPU (skipped without one: the Triton interpreter has no compiled kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled Triton kernels)")]
+
+if torch.cuda.is_available():
+    from refit_verify.config import CUDA_GRAPHS_ENV_VAR, DIRECT_LAUNCH_ENV_VAR
+    from refit_verify.digest import tensor_digest
+    from refit_verify.digest_set import DigestSet
+    from refit_verify.kernels import direct, replay
+
+
+@pytest.fixture(autouse=True)
+def _plain(monkeypatch):
+    """Graph replay off (direct launches are what is under test), direct launches on and not turned off."""
+    monkeypatch.setenv(CUDA_GRAPHS_ENV_VAR, "0")
+    monkeypatch.delenv(DIRECT_LAUNCH_ENV_VAR, raising=False)
+    monkeypatch.setattr(direct, "_OFF", None)
+
+
+@pytest.fixture
+def jit_calls(monkeypatch):
+    """Count the launches that go through ``JITFunction.run``."""
+    calls = []
+    real = direct.jit
+
+    def counting(launches):
+        calls.extend(la.fn.__name__ if hasattr(la.fn, "__name__") else str(la.fn) for la in launches)
+        return real(launches)
+
+    monkeypatch.setattr(direct, "jit", counting)
+    return calls
+
+
+def _tensors(seed: int) -> list[torch.Tensor]:
+    """Every kernel of a plan: a one-lane tensor, odd bytes, one leaf program, several chunks (8 MiB
+    each: FAST and general leaf programs, upper and chain), bf16 and fp32."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    specs = [((1,), torch.float32), ((3, 5), torch.bfloat16), ((4096, 17), torch.bfloat16),
+             ((1024, 1024), torch.float32), (((5 << 20) + 3,), torch.bfloat16)]
+    return [torch.randn(shape, generator=g, device="cuda").to(dtype) for shape, dtype in specs]
+
+
+def _plan_of(s: DigestSet):
+    (_pos, kept, _backend, _large), = s._groups
+    return kept
+
+
+def test_from_the_second_run_no_jit_dispatch_and_the_reference_digests(jit_calls):
+    ts = _tensors(1)
+    s = DigestSet(ts)
+    p = _plan_of(s)
+    for r in range(6):
+        ts[r % len(ts)].view(-1)[-1] += 1  # a change in place between runs: the direct launches read it
+        jit_calls.clear()
+        assert s.digest() == [tensor_digest(t) for t in ts], f"run {r + 1}"
+        if r >= 2:
+            assert jit_calls == [], f"run {r + 1} went through the JIT"
+    assert isinstance(p.direct, list) and len(p.direct) == 4  # FAST leaf, general leaf, upper, chain
+    assert p.runs == 6 and direct._OFF is None
+
+
+def test_direct_launches_run_on_the_current_stream():
+    ts = _tensors(2)
+    s = DigestSet(ts)
+    s.digest()
+    s.digest()
+    assert _plan_of(s).direct
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ts[3].mul_(-1)  # written on the side stream, read there in stream order
+        launched = s.launch()
+    side.synchronize()
+    assert DigestSet.collect(launched) == [tensor_digest(t) for t in ts]
+
+
+def test_two_sets_interleaved_keep_their_own_kernels():
+    a, b = _tensors(3), _tensors(4)[:3]
+    sa, sb = DigestSet(a), DigestSet(b)
+    for r in range(4):
+        la, lb = sa.launch(), sb.launch()  # both in flight: each has its own scratch
+        assert DigestSet.collect(lb) == [tensor_digest(t) for t in b]
+        assert DigestSet.collect(la) == [tensor_digest(t) for t in a]
+        a[0].add_(1)
+        b[2].add_(1)
+    assert _plan_of(sa).direct and _plan_of(sb).direct
+
+
+def test_switched_off_every_run_goes_through_the_jit(monkeypatch, jit_calls):
+    monkeypatch.setenv(DIRECT_LAUNCH_ENV_VAR, "0")
+    ts = _tensors(5)
+    s = DigestSet(ts)
+    for _ in range(3):
+        jit_calls.clear()
+        assert s.digest() == [tensor_digest(t) for t in ts]
+        assert len(jit_calls) == 4
+    assert _plan_of(s).direct is None
+
+
+def test_graph_capture_and_direct_launches_together(monkeypatch):
+    """With graph replay on, the capture's launches and the check's plain run stay correct."""
+    monkeypatch.setenv(CUDA_GRAPHS_ENV_VAR, "1")
+    monkeypatch.setattr(replay, "_TORCH_OK", True)
+    monkeypatch.setattr(replay, "_OFF", None)
+    try:
+        ts = _tensors(6)
+        s = DigestSet(ts)
+        for r in range(5):
+            ts[r % len(ts)].view(-1)[0] += 1
+            assert s.digest() == [tensor_digest(t) for t in ts], f"run {r + 1}"
+        assert _plan_of(s).graph
+    finally:
+        replay.release_all()

@@ -1,0 +1,200 @@
+"""The bookkeeping of direct launches (``refit_verify.kernels.direct``) with stand-in kernels on the CPU:
+the check at a plan's second run, a missed or wrong launch caught by it, a launcher that raises, the
+switch, misaligned scratch. The real kernels launched directly are in
+``tests/gpu/test_direct_launch_gpu.py`` (bit-identical digests, no JIT dispatch after the check)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from refit_verify.kernels import direct
+
+
+class _Compiled:
+    """Stands in for a Triton ``CompiledKernel``: ``compiled[grid](*args, stream=...)``."""
+
+    def __init__(self, body, log):
+        self.body, self.log = body, log
+
+    def __getitem__(self, grid):
+        def runner(*args, stream=None):
+            self.log.append(("direct", self.body.__name__, stream))
+            self.body(*args)
+        return runner
+
+
+class _Jit:
+    """Stands in for a ``JITFunction``: ``fn[grid](*args, **constexprs, **options)`` runs and returns a compiled kernel."""
+
+    def __init__(self, body, log, compiled_body=None):
+        self.body, self.log = body, log
+        self.compiled = _Compiled(compiled_body or body, log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            self.log.append(("jit", self.body.__name__, tuple(sorted(kw))))
+            consts = [v for k, v in kw.items() if k.isupper()]
+            self.body(*args, *consts)
+            return self.compiled
+        return run
+
+
+def leaf(src, work, scale):
+    work.copy_(src * scale)
+
+
+def chain(work, out):
+    out.copy_(work.sum().expand_as(out))
+
+
+def leaf_skipped(src, work, scale):  # a launcher that launches nothing
+    pass
+
+
+def leaf_wrong(src, work, scale):
+    work.copy_(src * (scale + 1))
+
+
+class _Plan:
+    def __init__(self):
+        self.runs, self.direct, self.device = 0, None, torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(direct, "_OFF", None)
+    monkeypatch.setattr(direct, "_LOGGED", set())
+    monkeypatch.setattr(direct, "_stream", lambda device: 7)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.delenv("REFIT_VERIFY_DIRECT_LAUNCH", raising=False)
+
+
+def _setup(log, leaf_compiled=None):
+    src = torch.arange(8, dtype=torch.int64)
+    work, out = torch.zeros(8, dtype=torch.int64), torch.zeros((1, 2), dtype=torch.int64)
+    launches = [direct.Launch(_Jit(leaf, log, leaf_compiled), (8,), (src, work), (("SCALE", 3),), {"num_warps": 4}),
+                direct.Launch(_Jit(chain, log), (1,), (work, out))]
+    return src, work, out, launches
+
+
+def _run(p, launches, work, out):
+    p.runs += 1  # as kernels.digest.run_plan counts them (through kernels.replay)
+    out.zero_()
+    direct.run(p, launches, work, out)
+    return out.clone()
+
+
+def test_the_second_run_checks_then_later_runs_go_straight_to_the_compiled_kernels():
+    log = []
+    src, work, out, launches = _setup(log)
+    p = _Plan()
+    assert _run(p, launches, work, out).tolist() == [[84, 84]]
+    assert [e[0] for e in log] == ["jit", "jit"] and p.direct is None  # run 1: JIT only, not checked
+    assert log[0][2] == ("SCALE", "num_warps")  # constexprs and options as keywords to JITFunction.run
+    log.clear()
+    assert _run(p, launches, work, out).tolist() == [[84, 84]]
+    assert [e[0] for e in log] == ["jit", "jit", "direct", "direct"]  # run 2: JIT result returned, direct checked
+    assert p.direct == [launches[0].fn.compiled, launches[1].fn.compiled]
+    src.add_(1)  # the memory changes: the direct launches read it as it is now
+    log.clear()
+    assert _run(p, launches, work, out).tolist() == [[108, 108]]
+    assert log == [("direct", "leaf", 7), ("direct", "chain", 7)]  # constexprs passed positionally, on the current stream
+
+
+@pytest.mark.parametrize("body", [leaf_skipped, leaf_wrong])
+def test_a_direct_launch_that_misses_or_differs_keeps_that_plan_on_jit(caplog, body):
+    log = []
+    src, work, out, launches = _setup(log, leaf_compiled=body)
+    p = _Plan()
+    _run(p, launches, work, out)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        assert _run(p, launches, work, out).tolist() == [[84, 84]]  # the JIT result stands
+    assert p.direct is False and direct._OFF is None  # this plan only
+    assert "gave other words than its JIT launches" in caplog.text
+    log.clear()
+    assert _run(p, launches, work, out).tolist() == [[84, 84]]
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
+def test_a_launcher_that_raises_turns_direct_launches_off_for_the_process(caplog):
+    log = []
+
+    def leaf_raising(*args):
+        raise TypeError("function takes exactly 2 arguments (3 given)")
+
+    src, work, out, launches = _setup(log, leaf_compiled=leaf_raising)
+    p = _Plan()
+    _run(p, launches, work, out)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        assert _run(p, launches, work, out).tolist() == [[84, 84]]
+    assert p.direct is False and "TypeError" in direct._OFF
+    assert "JIT launches from now on" in caplog.text
+    q = _Plan()  # another plan: never checked while off
+    for _ in range(3):
+        assert _run(q, launches, work, out).tolist() == [[84, 84]]
+    assert q.direct is None
+
+
+def test_a_launcher_that_raises_after_the_check_reruns_the_whole_plan_through_jit():
+    log = []
+    src, work, out, launches = _setup(log)
+    p = _Plan()
+    _run(p, launches, work, out)
+    _run(p, launches, work, out)
+    assert p.direct
+
+    def chain_raising(*args):
+        raise RuntimeError("launch failed")
+
+    launches[1].fn.compiled.body = chain_raising  # the first direct launch runs, the second raises
+    src.add_(2)
+    log.clear()
+    assert _run(p, launches, work, out).tolist() == [[132, 132]]
+    assert [e[0] for e in log] == ["direct", "direct", "jit", "jit"] and p.direct is False and direct._OFF
+
+
+def test_switched_off_misaligned_or_without_an_output_block_it_stays_on_jit(monkeypatch):
+    log = []
+    src, work, out, launches = _setup(log)
+    monkeypatch.setenv("REFIT_VERIFY_DIRECT_LAUNCH", "0")
+    p = _Plan()
+    for _ in range(3):
+        _run(p, launches, work, out)
+    assert p.direct is None and all(e[0] == "jit" for e in log)
+    monkeypatch.setenv("REFIT_VERIFY_DIRECT_LAUNCH", "1")
+    _run(p, launches, work, out)
+    assert p.direct  # checked at the next run once on again
+    log.clear()
+    monkeypatch.setenv("REFIT_VERIFY_DIRECT_LAUNCH", "off")
+    _run(p, launches, work, out)
+    assert [e[0] for e in log] == ["jit", "jit"]  # read at each run
+    monkeypatch.delenv("REFIT_VERIFY_DIRECT_LAUNCH")
+    odd = torch.zeros(9, dtype=torch.int64)[1:]  # 8 bytes past a 16-byte boundary
+    assert odd.data_ptr() % 16 == 8
+    mis = [launches[0]._replace(args=(src, odd)), direct.Launch(launches[1].fn, (1,), (odd, out))]
+    log.clear()
+    p.runs += 1
+    direct.run(p, mis, odd, out)
+    assert [e[0] for e in log] == ["jit", "jit"] and out.tolist() == [[84, 84]]
+    log.clear()
+    q = _Plan()
+    for _ in range(3):
+        q.runs += 1
+        direct.run(q, launches[:1], work, None)  # roots left in the work area (chunk_roots): never direct
+    assert q.direct is None and [e[0] for e in log] == ["jit"] * 3
+
+
+def test_no_check_while_a_graph_is_being_captured(monkeypatch):
+    log = []
+    src, work, out, launches = _setup(log)
+    p = _Plan()
+    _run(p, launches, work, out)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _run(p, launches, work, out)
+    assert p.direct is None  # a synchronising check cannot run inside a capture: checked at a later run
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _run(p, launches, work, out)
+    assert p.direct
