@@ -108,6 +108,8 @@ TIMED_WORKER = (
     "refit_verify.digest_set:DigestSet.__init__",
     "refit_verify.digest_set:DigestSet.launch",
     "refit_verify.digest_set:DigestSet.collect",
+    "refit_verify.kernels.direct:run",  # a CUDA plan's launches (JIT or straight to its compiled kernels)
+    "refit_verify.kernels.direct:jit",  # those that went through Triton's JIT dispatch
     "refit_verify.kernels.digest:digest_views",
     "refit_verify.kernels.digest:to_hex",
     "refit_verify.engine_state:_kept_set",
@@ -148,6 +150,8 @@ TIMED_TRAINER = (
     "refit_verify.digest_stream:signature",
     "refit_verify.digest_set:DigestSet.launch",
     "refit_verify.digest_set:DigestSet.collect",
+    "refit_verify.kernels.direct:run",
+    "refit_verify.kernels.direct:jit",
     "refit_verify.kernels.digest:to_hex",
     "refit_verify.digest_stream:HeldBatch.add",
     "refit_verify.check:compare_session",

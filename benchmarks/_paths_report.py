@@ -107,6 +107,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                                                           else "on (a steady-state refit replays the last watched one's plan)")
              + (f"; kept plans as CUDA graphs, the reload's copies from their own pool (`REFIT_VERIFY_CUDA_GRAPHS={a.cuda_graphs}`)"
                 if getattr(a, "cuda_graphs", None) else "")
+             + ("; kept plans through Triton's JIT dispatch (`--no-direct-launch`)" if getattr(a, "no_direct_launch", False)
+                else "; kept plans launched straight to their compiled kernels")
              + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
              *([f"- placement (`--pin`): {a.pinned}"] if getattr(a, "pinned", "") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "

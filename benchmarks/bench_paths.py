@@ -198,6 +198,10 @@ def parse() -> argparse.Namespace:
                     help="REFIT_VERIFY_CUDA_GRAPHS=1 (or =force: replay on torch < 2.12 too) in every child (engines in "
                          "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
                          "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
+    ap.add_argument("--no-direct-launch", action="store_true",
+                    help="REFIT_VERIFY_DIRECT_LAUNCH=0 in every child: kept digest plans go through Triton's JIT dispatch "
+                         "at every run (default: straight to their compiled kernels from the second run, "
+                         "refit_verify.kernels.direct)")
     ap.add_argument("--pin", action="store_true",
                     help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), the "
                          "blocks rotated among the children round by round, PYTHONHASHSEED=0 in every child: less "
@@ -274,6 +278,8 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
                 env["REFIT_VERIFY_REPLAY"] = "0"
             if a.cuda_graphs:
                 env["REFIT_VERIFY_CUDA_GRAPHS"] = a.cuda_graphs
+            if a.no_direct_launch:
+                env["REFIT_VERIFY_DIRECT_LAUNCH"] = "0"
             if a.landed_cpu:
                 env["REFIT_BENCH_LANDED_CPU"] = "1"
             if kind == "inproc":

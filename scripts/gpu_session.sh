@@ -18,6 +18,8 @@
 #           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT).
 #   stage q (carry as stage t): bench_paths with --profile (cProfile of every child and mp worker process), 4 rounds.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
+#   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
+#           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
 #           CUDA and benchmarks/bench_boundary.py.
 # Everything is logged under $OUT.
@@ -63,6 +65,16 @@ elif [ "$stage" = t ]; then
 elif [ "$stage" = u ]; then  # selected GPU tests only (carry as stage t): U_TESTS (files / -k), U_TIMEOUT seconds
   timeout ${U_TIMEOUT:-240} python3 -m pytest -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR|s call|s setup" "$OUT/gpu-tests.log" | head -30; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = d ]; then
+  timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
+    tests/test_digest_set.py tests/kernels/test_direct_launch.py -p no:cacheprovider >"$OUT/direct-tests.log" 2>&1
+  echo "direct tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/direct-tests.log" | head -16
+  timeout 90 python3 benchmarks/bench_host_ops.py --rounds 10 --out "$OUT/bench_host_ops.md" >"$OUT/bench_host_ops.log" 2>&1
+  echo "bench_host_ops rc=$?"; tail -8 "$OUT/bench_host_ops.md" 2>/dev/null || tail -12 "$OUT/bench_host_ops.log"
+  echo "stage d before bench_paths: $(( $(date +%s) - t0 )) s"
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout ${BENCH_TIMEOUT:-380} python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} ${BENCH_ARGS:-} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
+  echo "bench_paths rc=$?"; grep -A8 "^## Wall" "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
 elif [ "$stage" = p ]; then
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-20} ${BENCH_ARGS:-} --out "$OUT/bench_paths.md" >"$OUT/bench_paths.log" 2>&1
