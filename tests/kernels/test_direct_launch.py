@@ -20,6 +20,8 @@ class _Compiled:
         self.body, self.log = body, log
 
     def __getitem__(self, grid):
+        grid = (grid[0], grid[1], grid[2])  # as Triton's CompiledKernel.__getitem__ reads it
+
         def runner(*args, stream=None):
             self.log.append(("direct", self.body.__name__, stream))
             self.body(*args)

@@ -97,7 +97,8 @@ def direct(compiled: Sequence[Any], launches: Sequence[Launch], stream: int) -> 
     """Launch each compiled kernel with its launch's grid and arguments on ``stream`` (a raw
     ``cudaStream_t`` as an int)."""
     for ck, la in zip(compiled, launches):
-        ck[la.grid](*la.args, *(v for _, v in la.consts), stream=stream)
+        g = la.grid
+        ck[g if len(g) == 3 else (*g, 1, 1)[:3]](*la.args, *(v for _, v in la.consts), stream=stream)  # it reads grid[0..2]
 
 
 def _stream(device: torch.device) -> int:
