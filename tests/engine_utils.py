@@ -47,3 +47,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-l
     d = tmp_path_factory.mktemp(name)
     (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
     return d
+
+
+def settle_device_memory(timeout_s: float = 60.0, still_s: float = 3.0) -> None:
+    """Before an in-process CUDA engine starts: collect garbage, then wait (at most ``timeout_s``)
+    until the device's free memory has stopped rising for ``still_s``. An earlier module's engine
+    whose process is still exiting (or an ``LLM`` left in reference cycles) otherwise gives memory
+    back while vLLM profiles, and vLLM refuses to start ("Error in memory profiling"). No-op
+    without CUDA."""
+    import gc
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    end = time.monotonic() + timeout_s
+    last, since = torch.cuda.mem_get_info()[0], time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        free = torch.cuda.mem_get_info()[0]
+        if free > last + (64 << 20):
+            last, since = free, time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            return

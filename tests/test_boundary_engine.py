@@ -19,7 +19,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError, delivery, models  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
-from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402
 from tests.support.plugins import register_plain_linear  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -36,6 +36,7 @@ def engine(tmp_path_factory):
         import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
 
         register_plain_linear()  # in-process engine: plugins of this process apply to it
+    settle_device_memory()  # an earlier module's engine process may still be giving its memory back
     with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
         from refit_verify.demo import start_engine
         from refit_verify.vllm_plugin import register, shims
