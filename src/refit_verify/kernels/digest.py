@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from refit_verify import reference as _ref
-from refit_verify.kernels import direct as _direct
+import refit_verify.kernels.direct as _direct
 from refit_verify.kernels.replay import replay as _graph_replay
 from refit_verify.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.kernels._mix import KM, MID_N, SCR_N
