@@ -64,7 +64,7 @@ def test_from_the_second_run_no_jit_dispatch_and_the_reference_digests(jit_calls
         assert s.digest() == want, f"run {r + 1}"
         if r >= 2:
             assert jit_calls == [], f"run {r + 1} went through the JIT"
-    assert isinstance(p.direct, list) and len(p.direct) == 4  # FAST leaf, general leaf, upper, chain
+    assert isinstance(p.direct, tuple) and len(p.direct[0]) == 4  # FAST leaf, general leaf, upper, chain
     assert p.runs == 6 and direct._OFF is None
 
 

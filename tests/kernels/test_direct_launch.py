@@ -99,7 +99,7 @@ def test_the_second_run_checks_then_later_runs_go_straight_to_the_compiled_kerne
     log.clear()
     assert _run(p, launches, work, out).tolist() == [[84, 84]]
     assert [e[0] for e in log] == ["jit", "jit", "direct", "direct"]  # run 2: JIT result returned, direct checked
-    assert p.direct == [launches[0].fn.compiled, launches[1].fn.compiled]
+    assert p.direct[0] == [launches[0].fn.compiled, launches[1].fn.compiled]
     src.add_(1)  # the memory changes: the direct launches read it as it is now
     log.clear()
     assert _run(p, launches, work, out).tolist() == [[108, 108]]
@@ -200,3 +200,24 @@ def test_no_check_while_a_graph_is_being_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     _run(p, launches, work, out)
     assert p.direct
+
+
+def test_a_launch_shaped_otherwise_than_at_the_check_goes_through_the_jit():
+    """A module constant changed since the check (a constexpr, an option, the grid): the compiled
+    kernel of the check is not the one the JIT would pick, so the run goes through the JIT."""
+    log = []
+    src, work, out, launches = _setup(log)
+    p = _Plan()
+    _run(p, launches, work, out)
+    _run(p, launches, work, out)
+    assert p.direct
+    for changed in (launches[0]._replace(consts=(("SCALE", 4),)), launches[0]._replace(options={"num_warps": 8}),
+                    launches[0]._replace(grid=(16,))):
+        log.clear()
+        got = _run(p, [changed, launches[1]], work, out)
+        assert [e[0] for e in log] == ["jit", "jit"]
+        if changed.consts != launches[0].consts:
+            assert got.tolist() == [[112, 112]]  # what the JIT's kernel for SCALE=4 computes
+    log.clear()
+    _run(p, launches, work, out)
+    assert [e[0] for e in log] == ["direct", "direct"]  # the checked shape again: direct

@@ -192,7 +192,7 @@ class Planned:
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.kernels.replay`),
             False when its capture could not be set up or its first replay differed from plain launches, else None.
-        direct: on CUDA, the compiled kernels its launches go to once it ran twice and they were
+        direct: on CUDA, ``(compiled kernels, launch shape)`` its launches go to once it ran twice and they were
             checked (:mod:`~refit_verify.kernels.direct`), False when it stays on JIT launches, else None.
     """
 

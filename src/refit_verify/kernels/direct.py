@@ -106,6 +106,13 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def _shape(launches: Sequence[Launch]) -> list:
+    """What picks each compiled kernel besides the arguments' values: the function, grid, ``constexpr``
+    values and options (a module constant changed since the check, e.g. a benchmark's warp count,
+    sends the run through the JIT)."""
+    return [(la.fn, la.grid, la.consts, la.options, len(la.args)) for la in launches]
+
+
 def _aligned(*ts: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
@@ -114,7 +121,9 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     """Run plan ``p``'s ``launches`` (CUDA, current stream, the current device being ``p.device``):
     directly when ``p`` was checked, else through ``JITFunction.run`` (and check at the plan's
     second run). ``p.runs`` (counted by the caller) and ``p.direct`` (None: not checked yet, False:
-    JIT only, else the compiled kernels) are kept up to date here.
+    JIT only, else ``(compiled kernels, their launches' shape)``) are kept up to date here. A run
+    whose launches differ from the checked ones in function, grid, ``constexpr`` values, options or
+    argument count goes through the JIT.
 
     Args:
         p: a CUDA :class:`~refit_verify.kernels.digest.Planned`.
@@ -124,9 +133,9 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     """
     global _OFF
     d = p.direct
-    if d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out):
+    if d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out) and _shape(launches) == d[1]:
         try:
-            direct(d, launches, _stream(p.device))
+            direct(d[0], launches, _stream(p.device))
             return
         except Exception as e:  # noqa: BLE001 - a launcher that takes other arguments: JIT from now on
             _OFF = f"{type(e).__name__}: {e}"[:300]
@@ -154,7 +163,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
                   "JIT launches from now on in this process", _OFF)
         return
     if torch.equal(probe, out):
-        p.direct = compiled
+        p.direct = (compiled, _shape(launches))
     else:
         p.direct = False
         _log_once("differs", "refit-verify: a digest plan's direct launches gave other words than its JIT "
