@@ -244,10 +244,13 @@ class ModelBoundary:
         the layerwise reload's fresh clones take the general path (a plan per tensor).
         """
         t0 = time.perf_counter()
-        got = digest_now([item for item in weights  # read before the model sees any: one synchronisation per device
-                          if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)],
-                         space="checked before loading")
+        checked = [item for item in weights
+                   if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)]
+        got = digest_now(checked, space="checked before loading")  # read before the model sees any: one synchronisation per device
         target.digest_s += time.perf_counter() - t0
+        if [expected[n] for n in got] == list(got.values()):  # every one as the sender digested it: all loaded
+            target.prechecked.update(got)
+            return list(weights), {id(t): got[n] for n, t in checked}
         keep, pre = [], {}
         for item in weights:
             name = item[0] if isinstance(item, tuple) and len(item) == 2 else None
