@@ -200,7 +200,7 @@ def parse() -> argparse.Namespace:
                          "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
     ap.add_argument("--no-direct-launch", action="store_true",
                     help="REFIT_VERIFY_DIRECT_LAUNCH=0 in every child: kept digest plans go through Triton's JIT dispatch "
-                         "at every run (default: straight to their compiled kernels from the second run, "
+                         "at every run (default: straight to their compiled kernels from the third run, "
                          "refit_verify.kernels.direct)")
     ap.add_argument("--pin", action="store_true",
                     help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), the "

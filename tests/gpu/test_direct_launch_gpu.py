@@ -48,6 +48,12 @@ def _tensors(seed: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g, device="cuda").to(dtype) for shape, dtype in specs]
 
 
+def _reference(ts: list[torch.Tensor]) -> list[str]:
+    """The digests on the CPU path (numba): independent of the CUDA launches under test (a CUDA
+    ``tensor_digest`` runs kept plans through ``direct.run`` too)."""
+    return [tensor_digest(t.cpu()) for t in ts]
+
+
 def _plan_of(s: DigestSet):
     (_pos, kept, _backend, _large), = s._groups
     return kept
@@ -59,7 +65,7 @@ def test_from_the_second_run_no_jit_dispatch_and_the_reference_digests(jit_calls
     p = _plan_of(s)
     for r in range(6):
         ts[r % len(ts)].view(-1)[-1] += 1  # a change in place between runs: the direct launches read it
-        want = [tensor_digest(t) for t in ts]  # (the reference's own plans run through direct.run too)
+        want = _reference(ts)
         jit_calls.clear()
         assert s.digest() == want, f"run {r + 1}"
         if r >= 2:
@@ -77,10 +83,11 @@ def test_direct_launches_run_on_the_current_stream():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # the write lands late: a launch on any other stream would read the old bytes
         ts[3].mul_(-1)  # written on the side stream, read there in stream order
         launched = s.launch()
     side.synchronize()
-    assert DigestSet.collect(launched) == [tensor_digest(t) for t in ts]
+    assert DigestSet.collect(launched) == _reference(ts)
 
 
 def test_two_sets_interleaved_keep_their_own_kernels():
@@ -88,8 +95,8 @@ def test_two_sets_interleaved_keep_their_own_kernels():
     sa, sb = DigestSet(a), DigestSet(b)
     for r in range(4):
         la, lb = sa.launch(), sb.launch()  # both in flight: each has its own scratch
-        assert DigestSet.collect(lb) == [tensor_digest(t) for t in b]
-        assert DigestSet.collect(la) == [tensor_digest(t) for t in a]
+        assert DigestSet.collect(lb) == _reference(b)
+        assert DigestSet.collect(la) == _reference(a)
         a[0].add_(1)
         b[2].add_(1)
     assert _plan_of(sa).direct and _plan_of(sb).direct
@@ -100,7 +107,7 @@ def test_switched_off_every_run_goes_through_the_jit(monkeypatch, jit_calls):
     ts = _tensors(5)
     s = DigestSet(ts)
     for _ in range(3):
-        want = [tensor_digest(t) for t in ts]
+        want = _reference(ts)
         jit_calls.clear()
         assert s.digest() == want
         assert len(jit_calls) == 4
@@ -117,7 +124,27 @@ def test_graph_capture_and_direct_launches_together(monkeypatch):
         s = DigestSet(ts)
         for r in range(5):
             ts[r % len(ts)].view(-1)[0] += 1
-            assert s.digest() == [tensor_digest(t) for t in ts], f"run {r + 1}"
+            assert s.digest() == _reference(ts), f"run {r + 1}"
+        assert _plan_of(s).graph
+    finally:
+        replay.release_all()
+
+
+def test_a_checked_plan_captured_into_a_graph_later(monkeypatch):
+    """Direct launches first (checked at run 2, direct at run 3), then graph replay turned on: the
+    capture records the direct launches and the replays follow the memory."""
+    ts = _tensors(7)
+    s = DigestSet(ts)
+    for _ in range(3):
+        assert s.digest() == _reference(ts)
+    assert _plan_of(s).direct and not _plan_of(s).graph
+    monkeypatch.setenv(CUDA_GRAPHS_ENV_VAR, "1")
+    monkeypatch.setattr(replay, "_TORCH_OK", True)
+    monkeypatch.setattr(replay, "_OFF", None)
+    try:
+        for r in range(4):
+            ts[r % len(ts)].view(-1)[1] -= 1
+            assert s.digest() == _reference(ts), f"run {r + 4}"
         assert _plan_of(s).graph
     finally:
         replay.release_all()

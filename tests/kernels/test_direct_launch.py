@@ -106,16 +106,23 @@ def test_the_second_run_checks_then_later_runs_go_straight_to_the_compiled_kerne
     assert log == [("direct", "leaf", 7), ("direct", "chain", 7)]  # constexprs passed positionally, on the current stream
 
 
-@pytest.mark.parametrize("body", [leaf_skipped, leaf_wrong])
-def test_a_direct_launch_that_misses_or_differs_keeps_that_plan_on_jit(caplog, body):
+def chain_skipped(work, out):  # the last launch does nothing: only the probe's sentinel can show it
+    pass
+
+
+@pytest.mark.parametrize(("leaf_body", "chain_body"), [(leaf_skipped, None), (leaf_wrong, None), (None, chain_skipped),
+                                                       (leaf_skipped, chain_skipped)])
+def test_a_direct_launch_that_misses_or_differs_keeps_that_plan_on_jit(caplog, leaf_body, chain_body):
     log = []
-    src, work, out, launches = _setup(log, leaf_compiled=body)
+    src, work, out, launches = _setup(log, leaf_compiled=leaf_body)
+    if chain_body is not None:
+        launches[1].fn.compiled.body = chain_body
     p = _Plan()
     _run(p, launches, work, out)
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
         assert _run(p, launches, work, out).tolist() == [[84, 84]]  # the JIT result stands
     assert p.direct is False and direct._OFF is None  # this plan only
-    assert "gave other words than its JIT launches" in caplog.text
+    assert "gave other words through its compiled kernels than through the JIT" in caplog.text
     log.clear()
     assert _run(p, launches, work, out).tolist() == [[84, 84]]
     assert [e[0] for e in log] == ["jit", "jit"]
@@ -211,8 +218,10 @@ def test_a_launch_shaped_otherwise_than_at_the_check_goes_through_the_jit():
     _run(p, launches, work, out)
     _run(p, launches, work, out)
     assert p.direct
+    other = torch.arange(8, dtype=torch.int64)
     for changed in (launches[0]._replace(consts=(("SCALE", 4),)), launches[0]._replace(options={"num_warps": 8}),
-                    launches[0]._replace(grid=(16,))):
+                    launches[0]._replace(grid=(16,)), launches[0]._replace(args=(other, work)),  # another input tensor
+                    launches[0]._replace(args=(src.to(torch.int32), work))):  # another dtype
         log.clear()
         got = _run(p, [changed, launches[1]], work, out)
         assert [e[0] for e in log] == ["jit", "jit"]
