@@ -701,3 +701,35 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
     w = toy_weights(5, device=device)
     r = _ok(w, _refit(wb, model, w, 5), 5)
     assert r.ok and r.proven_bytes == ALL and prog.pre is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_transport_sessions_outcome_takes_the_replayed_plans_records_whole(writes, device):
+    """Our transport closes through SessionDigests: its outcome (landed, kept) is read just before the
+    close and expands a session that replayed its whole plan as the close would, from the plan's
+    records taken whole (not name by name), with the same verdict, landed list and manifest."""
+    from refit_verify.boundary import SessionDigests
+
+    wb, model = _worker(device)
+    staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}
+    buckets = (("q_proj", "k_proj"), ("v_proj", "embed", "norm"))
+    for v in (1, 2, 3):
+        w = toy_weights(v, device=device)
+        want = digest_tensors(w.items())
+        writes.clear()
+        sd = SessionDigests(wb, "transport")
+        sd.begin(f"refit-{v}", None)
+        for names in buckets:
+            for n in names:
+                staging[n].copy_(w[n])
+            sd.expect({n: want[n] for n in names}, True)
+            model.load_weights([(n, staging[n]) for n in names])
+        digests, man = sd.finish()
+        m = man.modules["model"]
+        r = compare_session({"model": want}, man, session=f"refit-{v}")
+        assert r.ok and r.verified == 5 and r.proven_bytes == ALL and digests == want
+        assert sorted(sd.landed) == ["embed", "norm", "qkv_proj"] and sd.rejected == {} and sd.kept == {}
+        if v >= 2:
+            assert m.replayed == 5 and writes == []
+    plan = wb.modules["model"].plan
+    assert plan is not None and plan._whole is not None  # taken whole at the outcome of refits 2 and 3

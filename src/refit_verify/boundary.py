@@ -336,13 +336,15 @@ class WorkerBoundary:
                 if kept:  # names replayed into a put-back layer (their tensors were not watched)
                     b.session.withhold_kept(kept)
 
-    def outcome(self) -> tuple[dict[str, str], list[str], dict[str, str]]:
+    def outcome(self, closing: bool = False) -> tuple[dict[str, str], list[str], dict[str, str]]:
         """What the open session did to the engine: ``(rejected, landed, kept)``.
 
         ``rejected``: ``{delivered name: why}`` refused before loading or withheld; ``landed``:
         parameters written (drafter ones prefixed ``"drafter:"``); ``kept``: ``{parameter: why}``
         of what still holds the previous version (a refused name whose parameters are not known
-        is listed under its own name)."""
+        is listed under its own name). ``closing``: nothing more is loaded in this session (it is
+        closed or abandoned next), so a session that replayed its whole plan takes the plan's
+        records as a whole (:func:`refit_verify.refit_plan.expand`), as the close would."""
         with self._lock:
             s = self.open_session
             rejected: dict[str, str] = {}
@@ -352,7 +354,7 @@ class WorkerBoundary:
                 ms = b.session
                 if ms is None:
                     continue
-                ms.expand()
+                ms.expand(whole=closing)
                 prefix = "" if role == "model" else f"{role}:"
                 for n, (_h, why) in ms.refused.items():
                     rejected[prefix + n] = why
@@ -463,7 +465,7 @@ class SessionDigests(ExternalDigests):
                 logger.exception("refit-verify: finalizing the load failed")
                 self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
         if self.wb.current_id() == self.sid:
-            self.rejected, self.landed, self.kept = self.wb.outcome()
+            self.rejected, self.landed, self.kept = self.wb.outcome(closing=True)
 
     def finish(self) -> tuple[dict[str, str], SessionManifest | None]:
         if self.sid is None:
