@@ -82,6 +82,16 @@ def _setup(log, leaf_compiled=None):
     return src, work, out, launches
 
 
+def _checked(log):
+    """A plan run twice: checked, its next runs go straight to the compiled kernels."""
+    src, work, out, launches = _setup(log)
+    p = _Plan()
+    _run(p, launches, work, out)
+    _run(p, launches, work, out)
+    assert p.direct
+    return src, work, out, launches, p
+
+
 def _run(p, launches, work, out):
     p.runs += 1  # as kernels.digest.run_plan counts them (through kernels.replay)
     out.zero_()
@@ -149,11 +159,7 @@ def test_a_launcher_that_raises_turns_direct_launches_off_for_the_process(caplog
 
 def test_a_launcher_that_raises_after_the_check_reruns_the_whole_plan_through_jit():
     log = []
-    src, work, out, launches = _setup(log)
-    p = _Plan()
-    _run(p, launches, work, out)
-    _run(p, launches, work, out)
-    assert p.direct
+    src, work, out, launches, p = _checked(log)
 
     def chain_raising(*args):
         raise RuntimeError("launch failed")
@@ -213,11 +219,7 @@ def test_a_launch_shaped_otherwise_than_at_the_check_goes_through_the_jit():
     """A module constant changed since the check (a constexpr, an option, the grid): the compiled
     kernel of the check is not the one the JIT would pick, so the run goes through the JIT."""
     log = []
-    src, work, out, launches = _setup(log)
-    p = _Plan()
-    _run(p, launches, work, out)
-    _run(p, launches, work, out)
-    assert p.direct
+    src, work, out, launches, p = _checked(log)
     other = torch.arange(8, dtype=torch.int64)
     for changed in (launches[0]._replace(consts=(("SCALE", 4),)), launches[0]._replace(options={"num_warps": 8}),
                     launches[0]._replace(grid=(16,)), launches[0]._replace(args=(other, work)),  # another input tensor
