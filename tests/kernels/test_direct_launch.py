@@ -60,6 +60,9 @@ def leaf_wrong(src, work, scale):
     work.copy_(src * (scale + 1))
 
 
+_CURRENT = [torch.device("cpu")]  # the stand-in for the current CUDA device
+
+
 class _Plan:
     def __init__(self):
         self.runs, self.direct, self.device = 0, None, torch.device("cpu")
@@ -70,6 +73,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(direct, "_OFF", None)
     monkeypatch.setattr(direct, "_LOGGED", set())
     monkeypatch.setattr(direct, "_stream", lambda device: 7)
+    monkeypatch.setattr(direct, "_on_device", lambda device: _CURRENT[0] == device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.delenv("REFIT_VERIFY_DIRECT_LAUNCH", raising=False)
 
@@ -232,3 +236,24 @@ def test_a_launch_shaped_otherwise_than_at_the_check_goes_through_the_jit():
     log.clear()
     _run(p, launches, work, out)
     assert [e[0] for e in log] == ["direct", "direct"]  # the checked shape again: direct
+
+
+def test_a_run_while_another_device_is_current_goes_through_the_jit():
+    """The compiled kernels were loaded on the plan's device: with another device current, the JIT
+    (which loads for the current device) runs them; nothing is checked there either."""
+    log = []
+    src, work, out, launches, p = _checked(log)
+    q = _Plan()
+    _CURRENT[0] = torch.device("meta")
+    try:
+        log.clear()
+        assert _run(p, launches, work, out).tolist() == [[84, 84]]
+        assert [e[0] for e in log] == ["jit", "jit"] and p.direct
+        for _ in range(3):
+            _run(q, launches, work, out)
+        assert q.direct is None
+    finally:
+        _CURRENT[0] = torch.device("cpu")
+    log.clear()
+    _run(p, launches, work, out)
+    assert [e[0] for e in log] == ["direct", "direct"]

@@ -44,7 +44,8 @@ compiled. None of them changes a digest (the kernels' globals are module constan
 that changes Triton's debug settings midway and wants them applied to kept plans sets
 :data:`~refit_verify.config.DIRECT_LAUNCH_ENV_VAR` to ``0``. The caller makes ``p.device`` the
 current device (both :func:`~refit_verify.kernels.digest.run_plan` and
-:func:`~refit_verify.kernels.replay.replay` do).
+:func:`~refit_verify.kernels.replay.replay` do); a run where another device is current goes through
+the JIT.
 
 Not used: under the Triton interpreter, for custom FAST launches (benchmarks), for a run whose
 roots stay in the work area (``chunk_roots``), while a CUDA graph is being captured before the
@@ -131,6 +132,11 @@ def _shape(launches: Sequence[Launch], work: torch.Tensor, out: torch.Tensor | N
                    for a in la.args)) for la in launches]
 
 
+def _on_device(device: torch.device) -> bool:
+    """True iff ``device`` is the current CUDA device (the compiled kernels were loaded there)."""
+    return torch.cuda.current_device() == device.index
+
+
 def _aligned(*ts: torch.Tensor | None) -> bool:
     return all(t is None or t.data_ptr() % 16 == 0 for t in ts)
 
@@ -150,7 +156,8 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     """
     global _OFF
     d = p.direct
-    if d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out) and _shape(launches, work, out) == d[1]:
+    if (d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out)
+            and _shape(launches, work, out) == d[1] and _on_device(p.device)):
         try:
             direct(d[0], launches, _stream(p.device))
             return
@@ -162,7 +169,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
             # the direct launches before the one that raised only wrote scratch: the JIT run redoes them all
     compiled = jit(launches)
     if (d is not None or out is None or p.runs < MIN_RUNS or _OFF is not None or not direct_launch_enabled()
-            or not _aligned(work, out)):
+            or not _aligned(work, out) or not _on_device(p.device)):
         return
     if any(ck is None for ck in compiled) or torch.cuda.is_current_stream_capturing():
         if not torch.cuda.is_current_stream_capturing():
