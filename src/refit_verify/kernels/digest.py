@@ -270,30 +270,23 @@ def _run(p: Planned, work: torch.Tensor, out: torch.Tensor | None, launch_fast: 
     """The launches of plan ``p`` on the current stream: leaf (fast, general), upper, and the chain
     into ``out`` (skipped when None: the roots stay in ``work``, see :func:`_digest_upper_kernel`).
     On CUDA, a plan run before goes straight to its compiled kernels (:mod:`~refit_verify.kernels.direct`)."""
-    if launch_fast is None and not _INTERPRETED and p.device.type == "cuda":
-        _direct.run(p, _launches(p, work, out), work, out)
-        return
-    V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
-    if F:
-        (launch_fast or _launch_fast)(plan, work, V, C, 8 * V, F)
-    if P > F:
-        _digest_leaf_kernel[(P - F,)](plan, work, V, C, 8 * V + F, FAST=False, num_warps=LEAF_WARPS)
-    if C:
-        _digest_upper_kernel[(C,)](plan, work, V, C, 8 * V + P, num_warps=4)
-    if out is not None:
-        _digest_chain_kernel[(V,)](plan, work, out, V, C, RB=_CHAIN_RB, num_warps=1)
+    launches = _launches(p, work, out)
+    if launch_fast is not None:  # a measured variant replaces the production FAST launch
+        if p.F:
+            launch_fast(p.plan, work, p.V, p.C, 8 * p.V, p.F)
+            launches = launches[1:]
+        _direct.jit(launches)
+    elif not _INTERPRETED and p.device.type == "cuda":
+        _direct.run(p, launches, work, out)
+    else:
+        _direct.jit(launches)
 
 
 def _launches(p: Planned, work: torch.Tensor, out: torch.Tensor | None) -> list[_direct.Launch]:
-    """The launches :func:`_run` makes for ``p`` (production FAST launch), as data."""
+    """The launches :func:`_run` makes for ``p`` (the production FAST launch first), as data."""
     V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
     L = _direct.Launch
-    out_l = []
-    if F:
-        lf = FAST_LEAF
-        S = _ref.STRIDE // lf["cols"]
-        out_l.append(L(_leaf_fast_kernel, (F * S,), (plan, work, V, C, 8 * V, *KM), (("COLS", lf["cols"]), ("ASM", lf["asm"])),
-                       {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}))
+    out_l = [_fast(plan, work, V, C, 8 * V, F)] if F else []
     if P > F:
         out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False),), {"num_warps": LEAF_WARPS}))
     if C:
@@ -314,13 +307,19 @@ def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool
     return run_plan(plan_views(views, seeds, align), chain, launch_fast)
 
 
-def _launch_fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> list:
-    """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F)."""
+def _fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> _direct.Launch:
+    """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F), as data (inline
+    PTX and the register cap are GPU-only: the interpreter runs ``ASM=0`` without a cap)."""
     lf = FAST_LEAF
-    opts = {} if _INTERPRETED else {"maxnreg": lf["maxnreg"]}
-    asm = 0 if _INTERPRETED else lf["asm"]  # inline PTX is GPU-only: the interpreter runs asm=0
+    opts = {"num_warps": lf["warps"]} if _INTERPRETED else {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}
     S = _ref.STRIDE // lf["cols"]  # column slices per superblock
-    return [_leaf_fast_kernel[(F * S,)](plan, work, V, C, LO, *KM, COLS=lf["cols"], ASM=asm, num_warps=lf["warps"], **opts)]
+    return _direct.Launch(_leaf_fast_kernel, (F * S,), (plan, work, V, C, LO, *KM),
+                          (("COLS", lf["cols"]), ("ASM", 0 if _INTERPRETED else lf["asm"])), opts)
+
+
+def _launch_fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> list:
+    """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F), through the JIT."""
+    return _direct.jit([_fast(plan, work, V, C, LO, F)])
 
 
 _INTERPRETED = type(_digest_chain_kernel).__name__ == "InterpretedFunction"
