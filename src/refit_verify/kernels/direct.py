@@ -101,7 +101,7 @@ def _log_once(key: str, msg: str, *args) -> None:
 
 def jit(launches: Sequence[Launch]) -> list:
     """Launch through ``JITFunction.run``; returns the compiled kernel of each launch (None where
-    Triton returned none)."""
+    Triton returned none). Raises what Triton raises (a compile error, a launch error)."""
     out = []
     for la in launches:
         out.append(la.fn[la.grid](*la.args, **dict(la.consts), **(la.options or {})))
@@ -110,7 +110,13 @@ def jit(launches: Sequence[Launch]) -> list:
 
 def direct(compiled: Sequence[Any], launches: Sequence[Launch], stream: int) -> None:
     """Launch each compiled kernel with its launch's grid and arguments on ``stream`` (a raw
-    ``cudaStream_t`` as an int)."""
+    ``cudaStream_t`` as an int).
+
+    Raises:
+        ValueError: ``compiled`` and ``launches`` differ in length.
+        Exception: what the compiled kernel's launcher raises (other arguments than it takes, a
+            launch error); the launches before it were enqueued.
+    """
     for ck, la in zip(compiled, launches, strict=True):
         g = la.grid
         ck[g if len(g) == 3 else (*g, 1, 1)[:3]](*la.args, *(v for _, v in la.consts), stream=stream)  # it reads grid[0..2]
@@ -153,6 +159,9 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
         launches: its launches, in order; ``work`` and ``out`` are among their arguments.
         work: its int64 work area. out: its int64 ``[V, 2]`` output block, or None (roots stay in
             ``work``: never launched directly, never checked).
+
+    Raises what the JIT launches raise; a direct launch that raises is never raised (the plan runs
+    through the JIT instead, and direct launches are off for the process).
     """
     global _OFF
     d = p.direct
