@@ -99,6 +99,15 @@ def _log_once(key: str, msg: str, *args) -> None:
         logger.warning(msg, *args)
 
 
+def _turn_off(p: Any, e: Exception) -> None:
+    """A compiled kernel's launcher raised: this plan, and every plan of the process, launch through the JIT."""
+    global _OFF
+    _OFF = f"{type(e).__name__}: {e}"[:300]
+    p.direct = False
+    _log_once("raised", "refit-verify: launching a compiled digest kernel directly failed (%s); "
+              "JIT launches from now on in this process", _OFF)
+
+
 def jit(launches: Sequence[Launch]) -> list:
     """Launch through ``JITFunction.run``; returns the compiled kernel of each launch (None where
     Triton returned none). Raises what Triton raises (a compile error, a launch error)."""
@@ -163,7 +172,6 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     Raises what the JIT launches raise; a direct launch that raises is never raised (the plan runs
     through the JIT instead, and direct launches are off for the process).
     """
-    global _OFF
     d = p.direct
     if (d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out)
             and _shape(launches, work, out) == d[1] and _on_device(p.device)):
@@ -171,18 +179,16 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
             direct(d[0], launches, _stream(p.device))
             return
         except Exception as e:  # noqa: BLE001 - a launcher that takes other arguments: JIT from now on
-            _OFF = f"{type(e).__name__}: {e}"[:300]
-            p.direct = False
-            _log_once("raised", "refit-verify: launching a compiled digest kernel directly failed (%s); "
-                      "JIT launches from now on in this process", _OFF)
+            _turn_off(p, e)
             # the direct launches before the one that raised only wrote scratch: the JIT run redoes them all
     compiled = jit(launches)
     if (d is not None or out is None or p.runs < MIN_RUNS or _OFF is not None or not direct_launch_enabled()
             or not _aligned(work, out) or not _on_device(p.device)):
         return
-    if any(ck is None for ck in compiled) or torch.cuda.is_current_stream_capturing():
-        if not torch.cuda.is_current_stream_capturing():
-            p.direct = False
+    if torch.cuda.is_current_stream_capturing():
+        return  # a synchronising check cannot run inside a capture: checked at a later run
+    if any(ck is None for ck in compiled):
+        p.direct = False
         return
     try:
         probe = torch.full_like(out, _SENTINEL)  # what catches a missed chain launch: it only writes ``out``
@@ -194,10 +200,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     try:
         direct(compiled, into_probe, _stream(p.device))
     except Exception as e:  # noqa: BLE001 - as above; the JIT result in ``out`` stands
-        _OFF = f"{type(e).__name__}: {e}"[:300]
-        p.direct = False
-        _log_once("raised", "refit-verify: launching a compiled digest kernel directly failed (%s); "
-                  "JIT launches from now on in this process", _OFF)
+        _turn_off(p, e)
         return
     try:
         same = torch.equal(probe, out)
