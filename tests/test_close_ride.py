@@ -7,6 +7,7 @@ launches give, and every write after loading must be caught. (A fresh reviewer's
 from __future__ import annotations
 
 import pytest
+import torch
 
 from refit_verify import delivery, engine_state, readback
 from refit_verify.boundary import WorkerBoundary, identity_of
@@ -118,3 +119,90 @@ def test_both_roles_take_their_regions_from_the_snapshots_launch(monkeypatch):
         assert _close(wb, m, d, v)[1].ok
         if v >= 3:
             assert taken == [("", True), ("drafter:", True)] and len(launched) == 2, (v, taken, launched)
+
+
+def test_the_flat_compare_gives_the_loops_manifests(monkeypatch):
+    """A kept read-back program compares its regions in one flat pass (``readback._flat``) when
+    every block is a whole delivered tensor; the manifests, verdicts and mismatch reasons are those
+    of the per-parameter loop, through an audit, a re-allocation, a write after a replayed load in
+    each role and a failing drafter snapshot."""
+    used = []
+    raw = readback._flat
+    monkeypatch.setattr(readback, "_flat", lambda prog: (lambda f: (used.append(f is not None), f)[1])(raw(prog)))
+    flat = _scenario(True, monkeypatch, 4)
+    assert any(used), "the flat compare never ran"
+    monkeypatch.setattr(readback, "_flat", lambda prog: None)
+    loop = _scenario(True, monkeypatch, 4)
+    for v, ((ma, ra), (mb, rb)) in enumerate(zip(flat, loop), start=1):
+        assert _untimed(ma) == _untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
+        assert ra.mismatched == rb.mismatched and ra.engine_mismatched == rb.engine_mismatched, v
+    r7, r8 = flat[6][1], flat[7][1]
+    assert r7.mismatched == ("k_proj",) and "qkv_proj" in r7.engine_mismatched, r7
+    assert r8.mismatched == ("drafter:k_proj",) and "drafter:qkv_proj" in r8.engine_mismatched, r8
+
+
+def test_a_kept_snapshot_records_what_the_general_path_records(monkeypatch):
+    """The kept state set's records (``engine_state._Columns``: labels with the role's prefix,
+    pointers, dtypes, shapes, replicated and written flags) equal those a snapshot of the bare
+    modules takes through a DigestBatch, buffers included, in the same order."""
+    wb, m, d = _setup()
+    m.register_buffer("scale", toy_weights(3)["norm"].clone())
+    d.register_buffer("scale", toy_weights(4)["norm"].clone())
+    for v in range(1, 4):
+        assert _close(wb, m, d, v)[1].ok
+    rep, wv = dict(wb._replicated), dict(wb._written_version)
+    assert any(rep.values()) and any(x is not None for x in wv.values())
+    kept = engine_state.snapshot(wb.modules, wb.identity, "s", 3, rep, wv)
+    assert wb.modules["model"].index(refresh=False).kept.get("columns") is not None  # the kept path ran
+    bare = engine_state.snapshot({"model": m, "drafter": d}, wb.identity, "s", 3, rep, wv)
+    for kind in ("params", "buffers"):
+        a, b = getattr(kept, kind), getattr(bare, kind)
+        assert list(a) == list(b) and a == b, kind
+    assert "scale" in kept.buffers and "drafter:scale" in kept.buffers and "drafter:qkv_proj" in kept.params
+
+
+class _Tied(torch.nn.Module):
+    """``w`` is copied whole into two parameters (a tied pair loaded from one tensor); ``tamper``:
+    after the load, ``b`` changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.c = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        for p in (self.a, self.b, self.c):
+            p.weight_loader = default_weight_loader
+        self.tamper = False
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "w":
+                for p in (self.a, self.b):
+                    p.weight_loader(p, t)
+            else:
+                self.c.weight_loader(self.c, t)
+        if self.tamper:
+            self.b.data[0, 0] += 1
+        return {"a", "b", "c"}
+
+
+def test_a_kept_program_finds_a_copy_that_changed_after_a_replayed_load():
+    """A name copied whole into two regions, one changed after a replayed load: the kept program's
+    compare names both regions' parameters mismatched (the flat pass must not call it verified)."""
+    wb = WorkerBoundary(identity_of(rank=0))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    m = _Tied()
+    wb.attach("model", m, default_weight_loader)
+    for v in range(1, 6):
+        w = {"w": torch.randn(8, 4, generator=torch.Generator().manual_seed(v)), "c": torch.full((4,), float(v))}
+        m.tamper = v == 5
+        sid = wb.open(f"s{v}", version=v)
+        m.load_weights(list(w.items()))
+        man = wb.close(sid)
+        r = compare_session({"model": digest_tensors(w.items())}, man, session=f"s{v}", version=v)
+        if v < 5:
+            assert r.ok, (v, r)
+            continue
+        assert man.modules["model"].replayed == 2, man.modules["model"]  # a replayed session, read by a kept program
+        assert man.engine.params["a"].status == "mismatch" and man.engine.params["b"].status == "mismatch", man.engine.params
+        assert man.engine.params["c"].status == "verified" and not r.ok and set(r.engine_mismatched) == {"a", "b"}, r

@@ -11,6 +11,7 @@ it keeps in the same launch (:func:`_snapshot_digests`).
 from __future__ import annotations
 
 import time
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,32 @@ def _snapshot_digests(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> list[s
     return hexes[:n]
 
 
+class _Columns:
+    """A kept state set's records (:func:`_kept_set`'s ``static``) as columns, labels prefixed for
+    one role, parameters first: what a snapshot builds its :class:`TensorState` records from in
+    one C-level pass per column."""
+
+    __slots__ = ("dtypes", "labels", "n_params", "prefix", "ptrs", "shapes", "static")
+
+    def __init__(self, static: list[tuple[str, str, int, str, list[int]]], prefix: str) -> None:
+        self.static, self.prefix = static, prefix
+        self.labels = [prefix + label for _, label, _, _, _ in static]
+        self.ptrs = [ptr for _, _, ptr, _, _ in static]
+        self.dtypes = [dt for _, _, _, dt, _ in static]
+        self.shapes = [shape for _, _, _, _, shape in static]
+        self.n_params = sum(1 for kind, _, _, _, _ in static if kind == "param")
+        if any(kind != "param" for kind, _, _, _, _ in static[: self.n_params]):  # ModelIndex.state: parameters first
+            raise ValueError("a state set lists a buffer before a parameter")
+
+
+def _columns(idx: ModelIndex, static: list, prefix: str) -> _Columns:
+    """:class:`_Columns` of ``static`` for ``prefix``, kept on the index while the set is the same."""
+    cols = idx.kept.get("columns")
+    if cols is None or cols.static is not static or cols.prefix != prefix:
+        cols = idx.kept["columns"] = _Columns(static, prefix)
+    return cols
+
+
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None,
@@ -134,9 +161,11 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     """
     t0 = time.perf_counter()
     batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
-    # (kind, label) -> storage pointer, dtype name, shape; the digest comes from a kept set or the batch
+    # (kind, label) -> storage pointer, dtype name, shape of the batch's tensors (their digests come from the batch)
     meta: dict[tuple[str, str], tuple[int, str, list[int]]] = {}
-    digests: dict[tuple[str, str], str] = {}
+    rep, wv = replicated or {}, written or {}
+    params: dict[str, TensorState] = {}
+    buffers: dict[str, TensorState] = {}
     for role, b in modules.items():
         idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
         if idx is None:
@@ -145,11 +174,13 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         fast = None if isinstance(b, torch.nn.Module) else _kept_set(idx)
         if fast is not None:
             ds, static = fast
-            for (kind, label, ptr, dt, shape), h in zip(static, _snapshot_digests(idx, ds, (sessions or {}).get(role), prefix)):
-                key = (kind, prefix + label)
-                if key not in meta:
-                    meta[key] = (ptr, dt, shape)
-                    digests[key] = h
+            cols = _columns(idx, static, prefix)
+            states = list(map(TensorState, _snapshot_digests(idx, ds, (sessions or {}).get(role), prefix), cols.ptrs,
+                              cols.dtypes, map(list, cols.shapes), map(bool, map(rep.get, cols.labels, repeat(False))),
+                              map(wv.get, cols.labels)))
+            n = cols.n_params
+            params.update(zip(cols.labels[:n], states[:n]))
+            buffers.update(zip(cols.labels[n:], states[n:]))
             continue
         for label, t, kind in idx.state:
             key = (kind, prefix + label)
@@ -157,11 +188,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
                 continue
             batch.add(key, t)
             meta[key] = (t.untyped_storage().data_ptr() if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
-    if len(batch):
-        digests.update(batch.hexdigests())
-    params: dict[str, TensorState] = {}
-    buffers: dict[str, TensorState] = {}
-    rep, wv = replicated or {}, written or {}
+    digests = batch.hexdigests() if len(batch) else {}
     for key, (ptr, dt, shape) in meta.items():
         kind, label = key
         st = TensorState(digests[key], ptr, dt, list(shape), bool(rep.get(label, False)), wv.get(label))

@@ -80,8 +80,8 @@ class _Program:
     and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
     """
 
-    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "given", "key", "padding", "params", "plan", "pre", "region_set",
-                 "underived", "unproven")
+    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "flat", "given", "key", "padding", "params", "plan", "pre",
+                 "region_set", "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
@@ -98,6 +98,33 @@ class _Program:
         # (module session, [32-hex] of dest_regions) read in the same launch as that session's close snapshot
         # (_snapshot_digests); taken once, by that session's read-back only
         self.pre: tuple[Any, list[str]] | None = None
+        # the compare as flat lists (:func:`_flat`), made at the first evaluation; False: not made yet
+        self.flat: _Flat | None | bool = False
+
+
+class _Flat:
+    """A program's compare as flat lists, for one C-level pass when everything holds (:func:`_evaluate`):
+    the names derived from one region each and those regions' keys; every plan entry's region key and
+    the delivered name whose digest it must hold (programs whose blocks are all whole delivered
+    tensors only); the bytes proven when every entry holds."""
+
+    __slots__ = ("dkeys", "names1", "keys1", "proven", "srcs")
+
+    def __init__(self, prog: _Program) -> None:
+        one = [(n, ks[0]) for n, ks in prog.derived_keys.items() if len(ks) == 1]
+        self.names1, self.keys1 = [n for n, _ in one], [k for _, k in one]
+        entries = [e for es in prog.plan.values() for e in es]
+        self.dkeys = [d for d, _, _, _ in entries]
+        self.srcs = [k[len(WHOLE):] for _, k, _, _ in entries]
+        self.proven = sum(prog.params[label].bytes for label in prog.plan)
+
+
+def _flat(prog: _Program) -> _Flat | None:
+    """:class:`_Flat` of ``prog`` (made once), or None when a plan entry's block is not a whole delivered tensor."""
+    if prog.flat is False:
+        whole = all(k.startswith(WHOLE) for es in prog.plan.values() for _, k, _, _ in es)
+        prog.flat = _Flat(prog) if whole else None
+    return prog.flat  # type: ignore[return-value]
 
 
 def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> tuple[_Program, list[torch.Tensor]]:
@@ -210,9 +237,13 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
     for dkey, label in prog.given.items():
         got[dkey] = known[label]  # type: ignore[index]
     ms.underived.update(prog.underived)
+    flat = _flat(prog) if not expected else None  # blocks expected: the entries name them, checked one by one
+    if flat is not None:
+        ms.derived_hex.update(zip(flat.names1, map(got.__getitem__, flat.keys1)))
     for name, keys in prog.derived_keys.items():
         if len(keys) == 1:
-            ms.derived_hex[name] = got[keys[0]]
+            if flat is None:
+                ms.derived_hex[name] = got[keys[0]]
             continue
         hexes = {got[k] for k in keys}
         if len(hexes) == 1:
@@ -224,6 +255,8 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
     delivered.update(ms.derived_hex)
     # fresh states: a kept program's are shared by every manifest it evaluates (a caller may edit its own)
     params = {k: ParamState(st.status, st.why, st.bytes, list(st.blocks)) for k, st in prog.params.items()}
+    if flat is not None and list(map(got.get, flat.dkeys)) == list(map(delivered.get, flat.srcs)):
+        return params, flat.proven, prog.unproven  # every region holds what was delivered: the loop below finds nothing
     proven, unproven = 0, prog.unproven
     for label, entries in prog.plan.items():
         bad = [f"{s} -> {where}" for d, k, s, where in entries
