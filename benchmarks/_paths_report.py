@@ -46,25 +46,31 @@ PHASES: dict[str, tuple[str, str]] = {
     "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
     "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
     "snapshot": ("worker: engine-state snapshot at session close", ""),
+    "w.open": ("worker: session open (the model index's check, the replayed plan or the loader tap)", "SessionManifest.open_s"),
+    "w.close": ("worker: session close (the index's check, snapshot, read-back, the plan kept, the manifests)",
+                "SessionManifest.close_s"),
     "gc": ("Python's cyclic garbage collector in the child (the engine too, when it runs in-process)",
            "gc.callbacks: start to stop of every collection during the refit"),
 }
-ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "m.engine", "snapshot", "push_rest", "staging_copy"],
+ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "w.open", "w.close", "m.engine", "snapshot", "push_rest",
+                       "staging_copy"],
          "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
          "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
                                "snapshot", "close_rest"],
-         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.shadow", "t.crit", "t.verify", "n.rest", "m.model", "m.engine", "snapshot"]}
+         "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.shadow", "t.crit", "t.verify", "n.rest", "m.model", "w.open", "w.close",
+                             "m.engine", "snapshot"]}
 ORDER["native-packed"] = ORDER["native-unpacked"]
 for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
     _order.append("gc")
-OWN = {"transport": ("s.digest", "m.model", "m.engine", "snapshot"), "boundary-per-param": ("open", "add", "m.model", "close"),
-       "boundary-bucketed": ("open", "add", "m.model", "close"), "native-unpacked": ("t.crit", "t.verify", "m.model", "m.engine", "snapshot")}
+OWN = {"transport": ("s.digest", "m.model", "w.open", "w.close"), "boundary-per-param": ("open", "add", "m.model", "close"),
+       "boundary-bucketed": ("open", "add", "m.model", "close"),
+       "native-unpacked": ("t.crit", "t.verify", "m.model", "w.open", "w.close")}
 OWN["native-packed"] = OWN["native-unpacked"]
-"""Rows that add up to refit-verify's own work in an enforce refit (close includes read-back and snapshot)."""
+"""Rows that add up to refit-verify's own work in an enforce refit (a close includes its read-back and snapshot)."""
 SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
-         "open": "open", "add": "r.add", "close": "close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare"}
+         "open": "open", "add": "r.add", "close": "close", "w.open": "worker open", "w.close": "worker close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare"}
 SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
-                "mp": "EngineSnapshot.digest_s of `refit_verify_engine_state` run after the refit (same work, untimed)"}
+                "mp": "SessionManifest.snapshot_s (the close's own snapshot)"}
 
 
 
@@ -154,8 +160,9 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
     lines += ["", "*own work*: the median over the enforce rounds of the breakdown rows that are refit-verify's own work on the "
               "refit's critical path (listed under each path below; work in the shadow of a blocked call excluded), as a "
               "share of the off median: a measure of the overhead that does not rest on comparing two processes' wall clocks. "
-              "A lower bound: it leaves out what no row covers (session bookkeeping, manifest building; the difference line "
-              "under each path)."]
+              "The worker's whole session open and close are in it (the index checks, snapshot, read-back, the plan kept, the "
+              "manifests). A lower bound still: it leaves out what no row covers (the loader tap's pass-through, the manifest's "
+              "encoding and RPC; the difference line under each path)."]
     if a.control:
         lines += _control_table(a, res, skipped, failed, ctl or {})
     notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]
@@ -187,8 +194,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
         own = pct([sum(x.phases.get(k, 0.0) for k in OWN[p]) for x in res[p]["enforce"]], .5)
         lines.append(f"\nAdded wall time (enforce − off medians): {ms(walls[1] - walls[0])} ms; refit-verify's own work from the rows "
                      f"above ({' + '.join(SHORT[k] for k in OWN[p])}, per round, median): {ms(own)} ms; the difference, "
-                     f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (placement recording in "
-                     "every weight_loader, session bookkeeping, manifest building and encoding) plus noise.")
+                     f"{ms(walls[1] - walls[0] - own)} ms, is work no figure of refit-verify covers (the loader tap in "
+                     "every weight_loader, the manifest's encoding and RPC) plus noise.")
         lines += _timers_table(res[p])
         c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
         extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates", "gc")

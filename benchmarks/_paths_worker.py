@@ -241,13 +241,14 @@ class Bench:
         self.version += 1  # versions rise across every path of this engine (a lower one is a stale refit)
         return self.version
 
-    def _worker_phases(self, man, snapshot_s: float, ph: dict[str, float], counts: dict[str, int]) -> None:
-        """Phases a worker's SessionManifest reports (plus the snapshot's seconds)."""
+    def _worker_phases(self, man, ph: dict[str, float], counts: dict[str, int]) -> None:
+        """Phases a worker's SessionManifest reports."""
         if man is None:
             return
         ph["m.model"] = sum(m.digest_s for m in man.modules.values())
         ph["m.engine"] = man.engine.digest_s if man.engine is not None else 0.0
-        ph["snapshot"] = snapshot_s
+        ph["snapshot"] = man.snapshot_s
+        ph["w.open"], ph["w.close"] = man.open_s, man.close_s
         counts["calls"] = sum(m.calls for m in man.modules.values())
         counts["replayed"] = sum(m.replayed for m in man.modules.values())  # refit_plan: loader tap off
         if man.engine is not None:
@@ -255,19 +256,9 @@ class Bench:
         if man.errors:
             raise RuntimeError(f"worker errors in session {man.session}: {man.errors}")
 
-    def _rpc_snapshot_s(self) -> float:
-        """Seconds of one engine-state snapshot on the worker (the same work the session close does), re-run untimed."""
-        (res,) = self.llm.collective_rpc("refit_verify_engine_state")
-        from refit_verify.manifest import EngineSnapshot, from_wire
-
-        return float(from_wire(res["state"], EngineSnapshot).digest_s)
-
     def _inproc_manifest(self, chk, ph, counts) -> None:
-        from refit_verify.vllm_plugin import sessions
-
         (man,) = chk.manifests
-        wb = getattr(self.worker, sessions._ATTR)
-        self._worker_phases(man, wb.baseline.digest_s if wb.baseline is not None else 0.0, ph, counts)
+        self._worker_phases(man, ph, counts)
         (rep,) = chk.reports
         counts["verified"] = rep.verified
         ph["close_rest"] = ph["close"] - ph["m.engine"] - ph["snapshot"]
@@ -332,7 +323,7 @@ class Bench:
             from refit_verify.manifest import from_wire
 
             (m,) = self.llm.collective_rpc("refit_verify_session_manifest")
-            self._worker_phases(from_wire(m["manifest"]), self._rpc_snapshot_s(), ph, counts)
+            self._worker_phases(from_wire(m["manifest"]), ph, counts)
             counts["verified"] = res.report.verified
         return wall, ph, counts
 
@@ -479,7 +470,7 @@ class Bench:
 
             (w,) = self.llm.collective_rpc("refit_verify_native_manifest")
             man = from_wire(w["session_manifest"]) if w.get("session_manifest") else None
-            self._worker_phases(man, self._rpc_snapshot_s(), ph, counts)
+            self._worker_phases(man, ph, counts)
             if len(reports) != 1 or not reports[0].ok:
                 raise RuntimeError(f"native send in enforce gave reports {reports!r}")
             counts["verified"] = reports[0].verified

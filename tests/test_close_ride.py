@@ -206,3 +206,18 @@ def test_a_kept_program_finds_a_copy_that_changed_after_a_replayed_load():
         assert man.modules["model"].replayed == 2, man.modules["model"]  # a replayed session, read by a kept program
         assert man.engine.params["a"].status == "mismatch" and man.engine.params["b"].status == "mismatch", man.engine.params
         assert man.engine.params["c"].status == "verified" and not r.ok and set(r.engine_mismatched) == {"a", "b"}, r
+
+
+def test_a_manifest_times_its_sessions_open_and_close():
+    """``open_s`` / ``close_s``: the worker's host seconds of the open and of the close up to the
+    manifest, which hold the close's snapshot and read-back; a joined open adds nothing."""
+    wb, m, d = _setup()
+    for v in range(1, 4):
+        man, r = _close(wb, m, d, v)
+        assert r.ok and man.open_s > 0 and man.close_s > 0, man
+        assert man.close_s >= man.snapshot_s + man.engine.digest_s, man
+    sid = wb.open("joined", version=9)
+    assert wb.open(explicit=False) == sid and wb.open_session.depth == 2
+    open_s = wb.open_session.open_s
+    wb.close(explicit=False)
+    assert wb.close(sid).open_s == open_s

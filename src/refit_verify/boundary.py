@@ -72,6 +72,7 @@ class _Open:
         self.stale: str | None = None
         self.errors: list[str] = []
         self.started = time.monotonic()
+        self.open_s = 0.0  # host seconds of the open (SessionManifest.open_s)
         self.expected: tuple[dict[str, str | None], bool] | None = None  # the sender's digests of the next load_weights call
         self.kept: dict[str, str] = {}  # engine parameter -> why it still holds the previous version
         self.attributed: set[str] = set()  # refused names whose parameters are named in kept
@@ -171,6 +172,7 @@ class WorkerBoundary:
                     return cur.id
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
                                          f"still open; close it before opening {session_id!r}")
+            t0 = time.perf_counter()
             sid = session_id or uuid.uuid4().hex[:16]
             s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
             if version is not None and self.max_version is not None and version < self.max_version:
@@ -184,6 +186,7 @@ class WorkerBoundary:
                     s.unsessioned.append(rec)
                 b.begin(derive=derive, replay=replay)
             self.open_session = s
+            s.open_s = time.perf_counter() - t0
             return sid
 
     def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
@@ -205,6 +208,7 @@ class WorkerBoundary:
                 return None
             if not explicit and s.explicit:
                 return None
+            t0 = time.perf_counter()
             self.open_session = None
             self._refresh_indexes()  # once per close: snapshot, read-back and the manifests use them as they are
             sessions = {role: b.end() for role, b in self.modules.items()}
@@ -245,13 +249,14 @@ class WorkerBoundary:
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
                                   partial=s.partial, errors=errors, audits=audits,
-                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0)
+                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s)
             if s.version is not None and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
             self.manifests[s.id] = man
             while len(self.manifests) > MAX_KEPT_MANIFESTS:
                 self.manifests.pop(next(iter(self.manifests)))
             self.last = man
+            man.close_s = time.perf_counter() - t0
             return man
 
     def _audit_unwritten(self, previous: Any, written: set[str]) -> None:

@@ -263,6 +263,11 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         audits: automatic audits (after ``wake_up`` / ``reload_weights``) that failed since the
             previous session: the engine's state changed between two refits.
         snapshot_s: host seconds spent digesting the engine state at close (the audits' baseline).
+        open_s: host seconds the worker spent opening the session (the model index's check, the
+            loader tap or the replayed plan), joins not counted.
+        close_s: host seconds the worker spent closing it, up to this manifest (the index's
+            check, snapshot, read-back, the plan kept for the next session, the manifests; not
+            the encoding that carries it back).
     """
 
     session: str
@@ -278,6 +283,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     errors: list[str] = []
     audits: list[AuditResult] = []
     snapshot_s: float = 0.0
+    open_s: float = 0.0
+    close_s: float = 0.0
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""
