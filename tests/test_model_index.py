@@ -27,6 +27,12 @@ class Net(torch.nn.Module):
         self.b[0].shared = self.a  # a module reached twice
 
 
+def _move_bias(n: Net) -> None:
+    bias = n.a.bias
+    del n.a.bias
+    n.b.register_parameter("bias", bias)  # b (registered after a) had no parameter of its own
+
+
 def test_index_matches_the_walks_and_is_fresh_until_the_structure_changes():
     m = Net()
     ix = ModelIndex(m)
@@ -47,6 +53,7 @@ def test_index_matches_the_walks_and_is_fresh_until_the_structure_changes():
         lambda n: n._non_persistent_buffers_set.add("steps"),  # a buffer made non-persistent
         lambda n: n.b.__setitem__(1, torch.nn.LayerNorm(2)),  # a child module replaced
         lambda n: n.b[1].add_module("inner", torch.nn.Linear(1, 1)),  # a child module added deep down
+        _move_bias,  # a parameter moved into a module that had none: the same names and objects in the same order
     ]
     for i, change in enumerate(changes):
         n = Net()

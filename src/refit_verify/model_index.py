@@ -6,7 +6,7 @@ Each ``named_parameters()`` / ``named_modules()`` walk is Python over every modu
 :class:`ModelIndex` records the walk once, with the structure it came from: for every module its
 own parameter, buffer and child dictionaries (keys, and the objects by identity) and its
 non-persistent buffer names. :meth:`ModelIndex.fresh` compares that structure with the model's
-now in a few C-level passes over all modules, no Python step per module (about 0.3 ms for 400
+now in a few C-level passes over all modules, no Python step per module (about 0.17 ms for 400
 modules on the CI machine, a third of a per-module walk); anything added, removed or replaced (a
 parameter object swapped by ``process_weights_after_loading``, a child module replaced, a buffer
 registered) makes it stale and the walk runs again. The tensors are the live objects: a parameter whose
@@ -39,13 +39,14 @@ class _Structure:
     identity, so no object is ever compared with ``==`` and no id can be reused while it lives), and
     their non-persistent buffer names."""
 
-    __slots__ = ("dicts", "keys", "nonp", "sizes", "values")
+    __slots__ = ("dicts", "full", "keys", "nonp", "sizes", "values")
 
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.dicts = _dicts(modules)
         self.sizes = list(map(len, self.dicts))
-        self.keys = list(chain.from_iterable(self.dicts))
-        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
+        self.full = [d for d in self.dicts if d]  # most are empty (a leaf's children, a buffer-less module's buffers)
+        self.keys = list(chain.from_iterable(self.full))
+        self.values = list(chain.from_iterable(map(dict.values, self.full)))
         self.nonp = list(map(frozenset, map(_NON_PERSISTENT, modules)))
 
     def same(self, modules: list[torch.nn.Module]) -> bool:
@@ -53,9 +54,10 @@ class _Structure:
         dicts = self.dicts
         if not all(map(is_, _dicts(modules), dicts)) or list(map(len, dicts)) != self.sizes:
             return False
-        if list(chain.from_iterable(dicts)) != self.keys:
+        full = self.full  # every other dictionary is still empty (its size is): its keys and values are those of these
+        if list(chain.from_iterable(full)) != self.keys:
             return False
-        values = list(chain.from_iterable(map(dict.values, dicts)))
+        values = list(chain.from_iterable(map(dict.values, full)))
         return (len(values) == len(self.values) and all(map(is_, values, self.values))
                 and list(map(_NON_PERSISTENT, modules)) == self.nonp)
 
