@@ -91,6 +91,19 @@ def test_a_mapping_is_compared_as_it_was_checked():
         compare_manifests({"w": HEX}, Lying({"w": other}, {"w": Anything()}))
     rep = compare_manifests({"w": HEX}, Lying({"w": other}, {"w": other}))
     assert not rep.ok and rep.mismatched == ("w",)
+    # a plain dict equal to the sender's only through a value's (or a key's) own __eq__ is checked, not taken as equal
+    with pytest.raises(RefitInputError, match="receiver manifest entry 'w'"):
+        compare_manifests({"w": HEX}, {"w": Anything()})
+
+    class Key:
+        def __hash__(self):
+            return hash("w")
+
+        def __eq__(self, other):
+            return other == "w"
+
+    with pytest.raises(RefitInputError, match="receiver manifest entry"):
+        compare_manifests({"w": HEX}, {Key(): HEX})
 
 
 def test_good_manifests_pass_with_str_subclasses():

@@ -180,9 +180,11 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
         the receiver rejected nothing.
     """
     sender = _check_manifest(sender, "sender")  # plain dicts of the pairs checked: a Mapping whose views disagree
+    if type(receiver) is dict and set(map(type, receiver)) <= _STR and set(map(type, receiver.values())) <= _STR \
+            and receiver == sender:  # the common case: str pairs equal to the sender's, checked just now
+        return VerificationReport((), (), (), sender, dict(receiver), rank, dict(rejected or {}), receiver_error)
     receiver = _check_manifest(receiver, "receiver")  # is compared as it was checked
     mismatched = tuple(k for k, v in sender.items() if k in receiver and receiver[k] != v)
     missing = tuple(k for k in sender if k not in receiver)
     unexpected = tuple(k for k in receiver if k not in sender)
-    return VerificationReport(mismatched, missing, unexpected, dict(sender), dict(receiver), rank,
-                              dict(rejected or {}), receiver_error)
+    return VerificationReport(mismatched, missing, unexpected, sender, receiver, rank, dict(rejected or {}), receiver_error)
