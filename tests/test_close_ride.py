@@ -221,3 +221,45 @@ def test_a_manifest_times_its_sessions_open_and_close():
     open_s = wb.open_session.open_s
     wb.close(explicit=False)
     assert wb.close(sid).open_s == open_s
+
+
+class _Named(torch.nn.Module):
+    """One parameter under ``name`` (``tamper``: it changes after its load)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.pname = name
+        self.register_parameter(name, torch.nn.Parameter(torch.zeros(4), requires_grad=False))
+        getattr(self, name).weight_loader = default_weight_loader
+        self.tamper = False
+
+    def load_weights(self, weights):
+        p = getattr(self, self.pname)
+        for _n, t in weights:
+            p.weight_loader(p, t)
+        if self.tamper:
+            p.data[0] += 1
+        return {self.pname}
+
+
+@pytest.mark.parametrize("tampered", ["model", "drafter"])
+def test_two_roles_naming_one_tensor_fail_the_close_instead_of_hiding_one(tampered):
+    """A ``model`` parameter registered as ``drafter:w`` next to role ``drafter``'s ``w``: both are
+    labelled ``drafter:w``, so one record would hide the other and a change to it would pass
+    (found in review). Every close reports the collision and no refit verifies."""
+    wb = WorkerBoundary(identity_of(rank=0))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    m, d = _Named("drafter:w"), _Named("w")
+    wb.attach("model", m, default_weight_loader)
+    wb.attach("drafter", d, default_weight_loader)
+    for v in range(1, 4):
+        t = torch.full((4,), float(v))
+        (m if tampered == "model" else d).tamper = v == 3
+        sid = wb.open(f"s{v}", version=v)
+        m.load_weights([("drafter:w", t)])
+        d.load_weights([("w", t)])
+        man = wb.close(sid)
+        r = compare_session({"model": digest_tensors({"drafter:w": t}.items()), "drafter": digest_tensors({"w": t}.items())},
+                            man, session=f"s{v}", version=v)
+        assert not r.ok and any("two roles name the same engine tensor" in e and "'drafter:w' (model and drafter)" in e
+                                for e in man.errors), (v, man.errors)

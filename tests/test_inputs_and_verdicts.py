@@ -173,3 +173,18 @@ def test_held_adds_refuse_what_cannot_be_digested(bad):
     with pytest.raises(RefitInputError):
         r.add("bad", t)
     assert r.expected() == {"model": {"good": refit_verify.tensor_digest(good)}}
+
+
+def test_a_sender_value_equal_to_anything_does_not_take_the_equal_receiver_shortcut():
+    """A sender value of a ``str`` subclass whose ``__eq__`` says yes to any string (it holds 32 hex
+    characters, so it passes the sender's check) must not make a receiver holding other bytes equal:
+    the comparison names the entry mismatched (found in review)."""
+
+    class LaxHex(str):
+        def __eq__(self, other):
+            return isinstance(other, str)
+
+        __hash__ = str.__hash__
+
+    rep = compare_manifests({"w": LaxHex("a" * 32)}, {"w": "b" * 32})
+    assert not rep.ok and rep.mismatched == ("w",)

@@ -96,3 +96,21 @@ def test_a_parameter_replaced_after_loading_is_read_where_the_model_has_it_now()
     model.norm = torch.nn.Parameter(torch.zeros_like(model.norm), requires_grad=False)  # outside any session
     res = wb.audit()
     assert res.changed == ["norm"] and res.moved == ["norm"]
+
+
+def test_a_dict_subclass_that_reports_itself_false_is_still_compared():
+    """The structure check re-reads the dictionaries that held entries when indexed, chosen by their
+    sizes (what the sizes pass compares), not their truth value: a parameter dictionary whose
+    ``__bool__`` says empty still has its replaced weight found (found in review)."""
+
+    class FalsyDict(dict):
+        def __bool__(self):
+            return False
+
+    m = torch.nn.Module()
+    m.lin = torch.nn.Linear(2, 2)
+    m.lin._parameters = FalsyDict(m.lin._parameters)
+    ix = ModelIndex(m)
+    assert ix.fresh(m)
+    m.lin._parameters["weight"] = torch.nn.Parameter(torch.full((2, 2), 7.0))
+    assert not ix.fresh(m)

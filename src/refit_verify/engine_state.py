@@ -19,6 +19,7 @@ import torch
 
 from refit_verify.digest import DigestBatch, dtype_name, plain_tensor_ops
 from refit_verify.digest_set import DigestSet, signature
+from refit_verify.errors import RefitInputError
 from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
 from refit_verify.model_index import ModelIndex
 from refit_verify.readback import _riding, read_back
@@ -131,6 +132,23 @@ def _columns(idx: ModelIndex, static: list, prefix: str) -> _Columns:
     return cols
 
 
+def _collision(modules: dict[str, Any]) -> RefitInputError:
+    """The error for two roles whose tensors have the same label (a ``model`` parameter registered
+    under a name such as ``drafter:w`` next to role ``drafter``'s ``w``): one record would hide the other."""
+    seen: dict[tuple[str, str], str] = {}
+    both: list[str] = []
+    for role, b in modules.items():
+        idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
+        prefix = "" if role == "model" else f"{role}:"
+        for label, _t, kind in idx.state if idx is not None else ():
+            other = seen.setdefault((kind, prefix + label), role)
+            if other != role:
+                both.append(f"{prefix + label!r} ({other} and {role})")
+    return RefitInputError(f"two roles name the same engine tensor, so neither could be checked apart: {', '.join(both[:5])}"
+                           + (f" (+{len(both) - 5})" if len(both) > 5 else "") + "; rename the parameter (a name with a "
+                           "role's prefix, 'role:', is read as that role's)")
+
+
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None,
@@ -157,7 +175,9 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         emptied prepacked weights) are recorded with their (empty) digest: their bytes live elsewhere.
 
     Raises:
-        RefitInputError: a tensor cannot be digested (freed storage, a meta tensor, ...).
+        RefitInputError: a tensor cannot be digested (freed storage, a meta tensor, ...), or two
+            roles name the same tensor (a ``model`` parameter registered as ``drafter:w`` next to
+            role ``drafter``'s ``w``: one record would hide the other's bytes).
     """
     t0 = time.perf_counter()
     batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
@@ -166,6 +186,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     rep, wv = replicated or {}, written or {}
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
+    records = 0  # one per (kind, label) of each role: fewer in params and buffers means two roles name one tensor
     for role, b in modules.items():
         idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
         if idx is None:
@@ -181,18 +202,22 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             n = cols.n_params
             params.update(zip(cols.labels[:n], states[:n]))
             buffers.update(zip(cols.labels[n:], states[n:]))
+            records += len(states)
             continue
         for label, t, kind in idx.state:
             key = (kind, prefix + label)
-            if key in meta:
-                continue
+            if key in meta:  # (a role's state names each tensor once: another role's)
+                raise _collision(modules)
             batch.add(key, t)
             meta[key] = (t.untyped_storage().data_ptr() if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
+            records += 1
     digests = batch.hexdigests() if len(batch) else {}
     for key, (ptr, dt, shape) in meta.items():
         kind, label = key
         st = TensorState(digests[key], ptr, dt, list(shape), bool(rep.get(label, False)), wv.get(label))
         (params if kind == "param" else buffers)[label] = st
+    if len(params) + len(buffers) != records:
+        raise _collision(modules)
     return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
                           digest_s=time.perf_counter() - t0)
 

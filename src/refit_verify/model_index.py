@@ -44,7 +44,8 @@ class _Structure:
     def __init__(self, modules: list[torch.nn.Module]) -> None:
         self.dicts = _dicts(modules)
         self.sizes = list(map(len, self.dicts))
-        self.full = [d for d in self.dicts if d]  # most are empty (a leaf's children, a buffer-less module's buffers)
+        # most are empty (a leaf's children, a buffer-less module's buffers); chosen by the sizes the sizes pass compares
+        self.full = [d for d, n in zip(self.dicts, self.sizes) if n]
         self.keys = list(chain.from_iterable(self.full))
         self.values = list(chain.from_iterable(map(dict.values, self.full)))
         self.nonp = list(map(frozenset, map(_NON_PERSISTENT, modules)))

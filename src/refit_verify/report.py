@@ -164,6 +164,11 @@ def _check_manifest(m: object, side: str) -> dict[str, str]:
     return dict(items)
 
 
+def _plain_str_pairs(m: dict) -> bool:
+    """True iff every key and value of ``m`` is exactly a ``str`` (no subclass with its own ``__eq__``)."""
+    return set(map(type, m)) <= _STR and set(map(type, m.values())) <= _STR
+
+
 def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None = None,
                       rejected: Mapping[str, str] | None = None, receiver_error: str | None = None) -> VerificationReport:
     """Compare a sender manifest with a receiver manifest over the union of their names.
@@ -180,8 +185,9 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
         the receiver rejected nothing.
     """
     sender = _check_manifest(sender, "sender")  # plain dicts of the pairs checked: a Mapping whose views disagree
-    if type(receiver) is dict and set(map(type, receiver)) <= _STR and set(map(type, receiver.values())) <= _STR \
-            and receiver == sender:  # the common case: str pairs equal to the sender's, checked just now
+    if type(receiver) is dict and _plain_str_pairs(receiver) and _plain_str_pairs(sender) \
+            and receiver == sender:  # the common case: str pairs equal to the sender's, checked just now (no __eq__ of
+        # a str subclass on either side decides the ==)
         return VerificationReport((), (), (), sender, dict(receiver), rank, dict(rejected or {}), receiver_error)
     receiver = _check_manifest(receiver, "receiver")  # is compared as it was checked
     mismatched = tuple(k for k, v in sender.items() if k in receiver and receiver[k] != v)
