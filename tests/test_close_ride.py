@@ -263,3 +263,12 @@ def test_two_roles_naming_one_tensor_fail_the_close_instead_of_hiding_one(tamper
                             man, session=f"s{v}", version=v)
         assert not r.ok and any("two roles name the same engine tensor" in e and "'drafter:w' (model and drafter)" in e
                                 for e in man.errors), (v, man.errors)
+
+
+def test_a_snapshot_of_bare_modules_refuses_two_roles_naming_one_tensor():
+    """The general path (``nn.Module`` roles, read through a DigestBatch) refuses the same collision."""
+    from refit_verify.errors import RefitInputError
+
+    m, d = _Named("drafter:w"), _Named("w")
+    with pytest.raises(RefitInputError, match=r"'drafter:w' \(model and drafter\)"):
+        engine_state.snapshot({"model": m, "drafter": d}, identity_of(rank=0))

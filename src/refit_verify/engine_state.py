@@ -186,7 +186,8 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     rep, wv = replicated or {}, written or {}
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
-    records = 0  # one per (kind, label) of each role: fewer in params and buffers means two roles name one tensor
+    records = 0  # one per (kind, label) of each role (a role's state names each tensor once): fewer in params and
+    # buffers means two roles name one tensor
     for role, b in modules.items():
         idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
         if idx is None:
@@ -206,8 +207,6 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             continue
         for label, t, kind in idx.state:
             key = (kind, prefix + label)
-            if key in meta:  # (a role's state names each tensor once: another role's)
-                raise _collision(modules)
             batch.add(key, t)
             meta[key] = (t.untyped_storage().data_ptr() if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
             records += 1
