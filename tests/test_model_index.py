@@ -33,6 +33,28 @@ def _move_bias(n: Net) -> None:
     n.b.register_parameter("bias", bias)  # b (registered after a) had no parameter of its own
 
 
+def _rename_bias(n: Net) -> None:
+    bias = n.a.bias
+    del n.a.bias
+    n.a.register_parameter("bias2", bias)  # the same object under another name: the same sizes and values
+
+
+CHANGES = [
+    lambda n: setattr(n.a, "weight", torch.nn.Parameter(torch.zeros(3, 4))),  # a parameter replaced
+    lambda n: n.a.register_parameter("extra", torch.nn.Parameter(torch.zeros(1))),  # one added
+    lambda n: delattr(n.a, "bias"),  # one removed
+    lambda n: n.register_buffer("more", torch.zeros(1)),  # a buffer added
+    lambda n: setattr(n, "steps", torch.ones(1)),  # a buffer replaced
+    lambda n: n._non_persistent_buffers_set.add("steps"),  # a buffer made non-persistent
+    lambda n: n.b.__setitem__(1, torch.nn.LayerNorm(2)),  # a child module replaced
+    lambda n: n.b[1].add_module("inner", torch.nn.Linear(1, 1)),  # a child module added deep down
+    _move_bias,  # a parameter moved into a module that had none: the same names and objects in the same order
+    _rename_bias,
+    lambda n: setattr(n.a, "_parameters", dict(n.a._parameters)),  # another dictionary object, the same entries
+]
+QUICK_MISSES = {5, 10}  # what ModelIndex.unchanged (a session open's check) leaves to the close's full check
+
+
 def test_index_matches_the_walks_and_is_fresh_until_the_structure_changes():
     m = Net()
     ix = ModelIndex(m)
@@ -44,18 +66,7 @@ def test_index_matches_the_walks_and_is_fresh_until_the_structure_changes():
     m.a.weight.data = torch.ones(3, 4)  # same parameter object, other storage: still fresh, read live
     assert ix.fresh(m) and torch.equal(ix.params["a.weight"], torch.ones(3, 4))
 
-    changes = [
-        lambda n: setattr(n.a, "weight", torch.nn.Parameter(torch.zeros(3, 4))),  # a parameter replaced
-        lambda n: n.a.register_parameter("extra", torch.nn.Parameter(torch.zeros(1))),  # one added
-        lambda n: delattr(n.a, "bias"),  # one removed
-        lambda n: n.register_buffer("more", torch.zeros(1)),  # a buffer added
-        lambda n: setattr(n, "steps", torch.ones(1)),  # a buffer replaced
-        lambda n: n._non_persistent_buffers_set.add("steps"),  # a buffer made non-persistent
-        lambda n: n.b.__setitem__(1, torch.nn.LayerNorm(2)),  # a child module replaced
-        lambda n: n.b[1].add_module("inner", torch.nn.Linear(1, 1)),  # a child module added deep down
-        _move_bias,  # a parameter moved into a module that had none: the same names and objects in the same order
-    ]
-    for i, change in enumerate(changes):
+    for i, change in enumerate(CHANGES):
         n = Net()
         ix = ModelIndex(n)
         change(n)
@@ -114,3 +125,95 @@ def test_a_dict_subclass_that_reports_itself_false_is_still_compared():
     assert ix.fresh(m)
     m.lin._parameters["weight"] = torch.nn.Parameter(torch.full((2, 2), 7.0))
     assert not ix.fresh(m)
+
+
+def test_the_opens_partial_check_sees_every_change_but_a_new_dictionary_object_or_a_buffers_persistence():
+    """``ModelIndex.unchanged`` (the check at a session's open) against the full check, change by change."""
+    m = Net()
+    ix = ModelIndex(m)
+    assert ix.unchanged(m) and not ix.unchanged(Net())
+    for i, change in enumerate(CHANGES):
+        n = Net()
+        ix = ModelIndex(n)
+        change(n)
+        assert not ix.fresh(n), i
+        assert ix.unchanged(n) is (i in QUICK_MISSES), i
+
+
+class _CachingLoader(ToyModel):
+    """A model whose load_weights resolves parameter names once and keeps the objects: after its
+    parameters are replaced it writes the old objects while the model computes with the new ones."""
+
+    def load_weights(self, weights) -> set[str]:
+        cached = self.__dict__.setdefault("_cached", dict(self.named_parameters()))
+        for name, w in weights:
+            shard = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(name)
+            p = cached["qkv_proj" if shard else name]
+            if shard:
+                p.weight_loader(p, w, shard)
+            else:
+                getattr(p, "weight_loader", default_weight_loader)(p, w)
+        return set()
+
+
+def _swap_dictionary(model: ToyModel) -> torch.nn.Parameter:
+    """Give the model a new parameter dictionary whose ``norm`` is a new object (what the open's check misses)."""
+    new = torch.nn.Parameter(torch.zeros_like(model.norm), requires_grad=False)
+    model._parameters = {**model._parameters, "norm": new}
+    return new
+
+
+def _replaying_worker(model: ToyModel, monkeypatch) -> WorkerBoundary:
+    from refit_verify import delivery
+
+    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))  # landing digests on the CPU
+    monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+    wb = _worker(model)
+    for v in (1, 2):
+        sid = wb.open(f"s{v}", version=v)
+        model.load_weights(list(toy_weights(v).items()))
+        man = wb.close(sid)
+        assert man.engine.unproven_bytes == 0 and man.modules["model"].replayed == (5 if v == 2 else 0)
+    return wb
+
+
+def test_a_change_the_opens_check_misses_is_read_back_from_the_live_tensors(monkeypatch):
+    """The open keeps the plan through a change it does not see (a new parameter dictionary): the
+    session replays, the loader writes the new ``norm`` (resolved by name), and the close's full check
+    reads the model's live tensors: verified, the bytes the trainer sent."""
+    from refit_verify.check import compare_session
+    from refit_verify.digest import digest_tensors
+
+    model = ToyModel()
+    wb = _replaying_worker(model, monkeypatch)
+    new = _swap_dictionary(model)
+    assert wb.modules["model"].index(refresh=False).unchanged(model)  # missed at the open
+    w = toy_weights(3)
+    sid = wb.open("s3", version=3)
+    model.load_weights(list(w.items()))
+    man = wb.close(sid)
+    assert man.modules["model"].replayed == 5
+    assert torch.equal(new, w["norm"]) and man.engine.params["norm"].status == "verified"
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s3", version=3)
+    assert r.ok and r.verified == 5
+
+
+def test_a_change_the_opens_check_misses_never_passes_bytes_the_model_does_not_use(monkeypatch):
+    """The same miss with a loader that still writes the old ``norm`` object: the model computes
+    with the new one, which holds other bytes. The replayed session must fail, not pass."""
+    from refit_verify.check import compare_session
+    from refit_verify.digest import digest_tensors
+
+    model = _CachingLoader()
+    wb = _replaying_worker(model, monkeypatch)
+    old = model.norm
+    new = _swap_dictionary(model)
+    w = toy_weights(3)
+    sid = wb.open("s3", version=3)
+    model.load_weights(list(w.items()))
+    man = wb.close(sid)
+    assert torch.equal(old, w["norm"]) and not torch.equal(new, w["norm"])  # written where the model no longer looks
+    # replayed: the worker knows the delivered norm only where the plan says it landed (the live norm)
+    assert man.modules["model"].replayed == 5 and man.modules["model"].digests["norm"] == wb.baseline.params["norm"].digest
+    r = compare_session({"model": digest_tensors(w.items())}, man, session="s3", version=3)
+    assert not r.ok and r.mismatched == ("norm",) and r.engine_mismatched == ("norm",) and r.verified == 4

@@ -62,6 +62,18 @@ class _Structure:
         return (len(values) == len(self.values) and all(map(is_, values, self.values))
                 and list(map(_NON_PERSISTENT, modules)) == self.nonp)
 
+    def quick(self) -> bool:
+        """:meth:`same` on the dictionaries as recorded, not re-read from the modules: True iff none
+        changed size and the non-empty ones hold the same keys and objects in the same order. Not
+        seen: a module given another dictionary object, a buffer made (non-)persistent."""
+        if list(map(len, self.dicts)) != self.sizes:
+            return False
+        full = self.full
+        if list(chain.from_iterable(full)) != self.keys:
+            return False
+        values = list(chain.from_iterable(map(dict.values, full)))
+        return len(values) == len(self.values) and all(map(is_, values, self.values))
+
 
 class ModelIndex:
     """One walk of ``model``'s tensors, and the structure it was taken from.
@@ -97,4 +109,14 @@ class ModelIndex:
         if self._model() is not model:
             return False
         return self._structure.same(self._modules)
+
+    def unchanged(self, model: torch.nn.Module) -> bool:
+        """A cheaper, partial :meth:`fresh` (about 40 % of its cost): True iff ``model`` is the indexed
+        model and none of the parameter, buffer and child dictionaries recorded changed size, keys or
+        objects. It does not see a module handed a new dictionary object or a buffer's persistence
+        changed; for a check whose miss can only make a verdict fail, never pass (a session's open,
+        whose close runs :meth:`fresh` and reads the live tensors)."""
+        if self._model() is not model:
+            return False
+        return self._structure.quick()
 
