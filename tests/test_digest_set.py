@@ -69,7 +69,7 @@ def test_the_kernel_path_on_the_interpreter_equals_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("change", ["data", "reshape", "resize", "dtype-view", "neg"])
+@pytest.mark.parametrize("change", ["data", "reshape", "resize", "dtype-view", "neg", "strides"])
 def test_memory_that_moved_is_never_read(change, device):
     p = torch.nn.Parameter(torch.randn(4, 6, device=device), requires_grad=False)
     other = torch.randn(8, device=device)
@@ -83,8 +83,26 @@ def test_memory_that_moved_is_never_read(change, device):
         p.untyped_storage().resize_(0)
     elif change == "dtype-view":
         p.data = p.data.view(torch.int32)
+    elif change == "strides":  # same address and shape, other strides
+        p.data = p.data.as_strided((4, 6), (1, 4))
     else:
         p.data = p.data._neg_view()
+    assert not ds.valid() and ds.digest() is None
+
+
+def test_the_same_address_in_another_storage_is_a_moved_tensor():
+    """The same data pointer, shape, strides, dtype and storage size, but another storage (it starts 2
+    elements earlier): the set's signature fields include the storage offset (a snapshot records the
+    storage pointer)."""
+    import numpy as np
+
+    arr = np.zeros(28, dtype=np.float32)
+    p = torch.nn.Parameter(torch.from_numpy(arr[:26]).as_strided((4, 6), (6, 1), 2), requires_grad=False)
+    ds = DigestSet([p])
+    assert ds.valid()
+    p.data = torch.from_numpy(arr[2:]).as_strided((4, 6), (6, 1), 0)
+    assert p.data_ptr() == ds.signatures[0][0] and p.untyped_storage().nbytes() == ds.signatures[0][5]
+    assert p.storage_offset() == 0 and p.untyped_storage().data_ptr() != ds.signatures[0][4]
     assert not ds.valid() and ds.digest() is None
 
 
