@@ -241,6 +241,8 @@ class LoaderTap:
 
             @functools.wraps(func)
             def tapped_method(owner, *args, **kwargs):
+                if not self.enabled:  # passing through (a replayed session): no frame or partial of ours
+                    return func(owner, *args, **kwargs)
                 return self._call(pname, functools.partial(func, owner), args, kwargs)
 
             setattr(tapped_method, _TAP_MARK, self)
@@ -248,6 +250,8 @@ class LoaderTap:
 
         @functools.wraps(original)
         def tapped(*args, **kwargs):
+            if not self.enabled:
+                return original(*args, **kwargs)
             return self._call(pname, original, args, kwargs)
 
         setattr(tapped, _TAP_MARK, self)
