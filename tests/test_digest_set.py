@@ -106,6 +106,20 @@ def test_the_same_address_in_another_storage_is_a_moved_tensor():
     assert not ds.valid() and ds.digest() is None
 
 
+def test_an_empty_tensor_whose_region_moved_to_another_storage_is_never_read():
+    """An empty tensor's data pointer is 0 whatever storage it views: a set reading a region of its
+    storage must compare the storage pointer itself (found in review: derived from the storage
+    offset, the set stayed valid and read the old storage)."""
+    b = torch.randn(16)
+    p = torch.nn.Parameter(b[:0], requires_grad=False)
+    ds = DigestSet([p], [(0, (4,), (1,))])
+    assert ds.valid() and ds.digest() == [tensor_digest(b[:4])]
+    other = torch.full((16,), 7.0)
+    p.data = other[:0]
+    assert p.data_ptr() == ds.signatures[0][0] and p.untyped_storage().nbytes() == ds.signatures[0][5]
+    assert not ds.valid() and ds.digest() is None
+
+
 def test_what_it_cannot_read_in_place_is_refused():
     base = torch.randn(4, 6)
     with pytest.raises(ValueError, match="contiguous"):

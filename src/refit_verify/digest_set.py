@@ -41,25 +41,28 @@ def signature(t: torch.Tensor) -> tuple:
 
 _T = torch.Tensor
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
-_NBYTES = torch.UntypedStorage.nbytes
+_NBYTES, _STORAGE_PTR = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
 
 
 def _same_signatures(ts: Sequence[torch.Tensor], cols: tuple[list, ...]) -> bool:
     """True iff ``ts`` have the :func:`signature` recorded in ``cols`` (:func:`_signature_columns`),
-    read column by column (one C-level pass per field, not a Python call per tensor): the same
-    data pointers, storage offsets (with the same data pointer and dtype: the same storage
-    pointer), shapes, strides, dtypes, storage bytes and conjugate / negative bits. The caller
-    runs on plain tensor ops."""
-    return (list(map(_T.data_ptr, ts)) == cols[0] and list(map(_T.storage_offset, ts)) == cols[1]
-            and list(map(_SHAPE, ts)) == cols[2] and list(map(_T.stride, ts)) == cols[3]
-            and list(map(_DTYPE, ts)) == cols[4] and list(map(_NBYTES, map(_T.untyped_storage, ts))) == cols[5]
+    read field by field (one C-level pass per field, not a Python call per tensor): the same data
+    pointers, shapes, strides, dtypes, storage pointers, storage bytes and conjugate / negative
+    bits. The storage pointer is compared itself, not derived from the storage offset: an empty
+    tensor's data pointer is 0 whatever storage it views. The caller runs on plain tensor ops."""
+    if not (list(map(_T.data_ptr, ts)) == cols[0] and list(map(_SHAPE, ts)) == cols[1]
+            and list(map(_T.stride, ts)) == cols[2] and list(map(_DTYPE, ts)) == cols[3]):
+        return False
+    storages = list(map(_T.untyped_storage, ts))
+    return (list(map(_STORAGE_PTR, storages)) == cols[4] and list(map(_NBYTES, storages)) == cols[5]
             and list(map(_T.is_conj, ts)) == cols[6] and list(map(_T.is_neg, ts)) == cols[7])
 
 
 def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """The fields :func:`_same_signatures` compares, one list per field."""
-    return (list(map(_T.data_ptr, ts)), list(map(_T.storage_offset, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)),
-            list(map(_DTYPE, ts)), list(map(_NBYTES, map(_T.untyped_storage, ts))), list(map(_T.is_conj, ts)),
+    """The fields of :func:`signature`, one list per field, in its order."""
+    storages = list(map(_T.untyped_storage, ts))
+    return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), list(map(_DTYPE, ts)),
+            list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), list(map(_T.is_conj, ts)),
             list(map(_T.is_neg, ts)))
 
 
