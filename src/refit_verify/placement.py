@@ -203,6 +203,7 @@ class LoaderTap:
         self.on_write, self.on_route, self.on_error = on_write, on_route, on_error
         self.placements: dict[tuple, Placement] = {}
         self.enabled = True
+        self._tokens = itertools.count()  # one per wrapper: a placement is learned per wrapped loader
 
     def install(self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
                 extra: Iterable[tuple[str, torch.Tensor]] = ()) -> int:
@@ -236,6 +237,7 @@ class LoaderTap:
         """Return the tapped loader. A bound method (``layer.weight_loader``) stays a bound method of
         the same object, so vLLM's layerwise reload can unbind and rebind it (``sanitize_layer_refs``
         / ``restore_layer_refs`` swap the layer for a sentinel while it holds meta copies)."""
+        token = next(self._tokens)
         if isinstance(original, types.MethodType):
             func = original.__func__
 
@@ -243,7 +245,7 @@ class LoaderTap:
             def tapped_method(owner, *args, **kwargs):
                 if not self.enabled:  # passing through (a replayed session): no frame or partial of ours
                     return func(owner, *args, **kwargs)
-                return self._call(pname, functools.partial(func, owner), args, kwargs)
+                return self._call(pname, token, functools.partial(func, owner), args, kwargs)
 
             setattr(tapped_method, _TAP_MARK, self)
             return types.MethodType(tapped_method, original.__self__)
@@ -252,13 +254,17 @@ class LoaderTap:
         def tapped(*args, **kwargs):
             if not self.enabled:
                 return original(*args, **kwargs)
-            return self._call(pname, original, args, kwargs)
+            return self._call(pname, token, original, args, kwargs)
 
         setattr(tapped, _TAP_MARK, self)
         return tapped
 
-    def _call(self, pname: str, original: Callable, args: tuple, kwargs: dict):
+    def _call(self, pname: str, token: int, original: Callable, args: tuple, kwargs: dict):
         """Run one loader call: record the placement (first time), report the write (a meta call: its route).
+
+        A placement is kept per wrapped loader (``token``: a parameter replaced under the same name gets
+        a wrapper of its own, its loader may write other elements), parameter geometry and arguments
+        (:func:`_key`).
 
         The bookkeeping runs on plain tensor ops (:func:`~refit_verify.digest.plain_tensor_ops`: vLLM's
         parameter classes make every attribute read a Python call); the loader itself runs as it is."""
@@ -275,7 +281,7 @@ class LoaderTap:
             else:
                 rest = args[2:]
                 kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")} if kwargs else {}
-                key = (pname, *_key(loaded, rest, kw))
+                key = (token, pname, tuple(param.shape), param.stride(), *_key(loaded, rest, kw))
         if meta:
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
         placement = self.placements.get(key)
