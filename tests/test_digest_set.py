@@ -136,6 +136,8 @@ def test_signature_names_address_geometry_and_storage():
     assert s[0] == t.data_ptr() and s[1] == t.shape and s[2] == (1,) and s[3] is torch.float32
     assert s[4] == t.untyped_storage().data_ptr() and s[5] == 48
     assert signature(t[2:]) != s and signature(t.view(3, 4)) != s
+    ts = [t, t[2:], t.view(3, 4), torch.empty(0)]
+    assert DigestSet(ts).signatures == [signature(u) for u in ts]  # a set's signatures are the same tuples
 
 
 # --------------------------------------------------------------------------- the close's kept paths

@@ -44,22 +44,10 @@ _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _NBYTES, _STORAGE_PTR = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
 
 
-def _same_signatures(ts: Sequence[torch.Tensor], cols: tuple[list, ...]) -> bool:
-    """True iff ``ts`` have the :func:`signature` recorded in ``cols`` (:func:`_signature_columns`),
-    read field by field (one C-level pass per field, not a Python call per tensor): the same data
-    pointers, shapes, strides, dtypes, storage pointers, storage bytes and conjugate / negative
-    bits. The storage pointer is compared itself, not derived from the storage offset: an empty
-    tensor's data pointer is 0 whatever storage it views. The caller runs on plain tensor ops."""
-    if not (list(map(_T.data_ptr, ts)) == cols[0] and list(map(_SHAPE, ts)) == cols[1]
-            and list(map(_T.stride, ts)) == cols[2] and list(map(_DTYPE, ts)) == cols[3]):
-        return False
-    storages = list(map(_T.untyped_storage, ts))
-    return (list(map(_STORAGE_PTR, storages)) == cols[4] and list(map(_NBYTES, storages)) == cols[5]
-            and list(map(_T.is_conj, ts)) == cols[6] and list(map(_T.is_neg, ts)) == cols[7])
-
-
 def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
-    """The fields of :func:`signature`, one list per field, in its order."""
+    """The fields of :func:`signature` of every tensor of ``ts``, one list per field, in its order:
+    read field by field (one C-level pass per field, not a Python call per tensor). The caller runs
+    on plain tensor ops."""
     storages = list(map(_T.untyped_storage, ts))
     return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), list(map(_DTYPE, ts)),
             list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), list(map(_T.is_conj, ts)),
@@ -90,8 +78,8 @@ class DigestSet:
             ``regions`` and ``tensors`` differ in length.
         RuntimeError: a region lies outside its tensor's storage.
 
-    Host cost of a call: the :func:`signature` fields of every tensor, compared field by field (eight
-    C-level passes over the tensors), one launch per CUDA
+    Host cost of a call: the :func:`signature` fields of every tensor, read and compared field by
+    field (eight C-level passes over the tensors), one launch per CUDA
     device (kept plan), one compiled call for the CPU's small tensors (one call each for the
     large ones), one device-to-host copy per device, one hex formatting of all the words.
     """
@@ -106,8 +94,8 @@ class DigestSet:
         views = [self._view(i) for i in range(self._n)]  # transient: only addresses are kept
         for u in views:
             _check(u)
-        self.signatures = [signature(t) for t in self.tensors]
-        self._columns = _signature_columns(self.tensors)  # the same, by field: what valid() compares
+        self._columns = _signature_columns(self.tensors)  # what valid() compares
+        self.signatures = list(zip(*self._columns))
         # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items (position, seeds))
         self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
         by: dict[tuple, list[int]] = {}
@@ -167,7 +155,7 @@ class DigestSet:
         if ts is None or len(ts) != self._n:
             return False
         try:
-            return _same_signatures(ts, self._columns)
+            return _signature_columns(ts) == self._columns
         except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign
             return False
 

@@ -281,7 +281,7 @@ class LoaderTap:
             else:
                 rest = args[2:]
                 kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")} if kwargs else {}
-                key = (token, pname, tuple(param.shape), param.stride(), *_key(loaded, rest, kw))
+                key = (token, tuple(param.shape), param.stride(), *_key(loaded, rest, kw))  # a wrapper has one pname
         if meta:
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
         placement = self.placements.get(key)
