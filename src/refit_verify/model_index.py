@@ -51,24 +51,19 @@ class _Structure:
         self.nonp = list(map(frozenset, map(_NON_PERSISTENT, modules)))
 
     def same(self, modules: list[torch.nn.Module]) -> bool:
-        """True iff nothing was added to, removed from or replaced in any of these dictionaries."""
-        dicts = self.dicts
-        if not all(map(is_, _dicts(modules), dicts)) or list(map(len, dicts)) != self.sizes:
-            return False
-        full = self.full  # every other dictionary is still empty (its size is): its keys and values are those of these
-        if list(chain.from_iterable(full)) != self.keys:
-            return False
-        values = list(chain.from_iterable(map(dict.values, full)))
-        return (len(values) == len(self.values) and all(map(is_, values, self.values))
+        """True iff nothing was added to, removed from or replaced in any of these dictionaries: the
+        modules still hold the recorded dictionary objects, :meth:`quick` holds for them, and the
+        non-persistent buffer names are the recorded ones."""
+        return (all(map(is_, _dicts(modules), self.dicts)) and self.quick()
                 and list(map(_NON_PERSISTENT, modules)) == self.nonp)
 
     def quick(self) -> bool:
-        """:meth:`same` on the dictionaries as recorded, not re-read from the modules: True iff none
+        """The recorded dictionaries as they are now, not re-read from the modules: True iff none
         changed size and the non-empty ones hold the same keys and objects in the same order. Not
         seen: a module given another dictionary object, a buffer made (non-)persistent."""
         if list(map(len, self.dicts)) != self.sizes:
             return False
-        full = self.full
+        full = self.full  # every other dictionary is still empty (its size is): its keys and values are those of these
         if list(chain.from_iterable(full)) != self.keys:
             return False
         values = list(chain.from_iterable(map(dict.values, full)))
