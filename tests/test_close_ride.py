@@ -1,4 +1,4 @@
-"""The close's one launch (refit_verify.engine_state._snapshot_digests): the engine state and the
+"""The close's one launch (refit_verify.engine_state._snapshot_launch): the engine state and the
 regions of a kept read-back program read together, with two roles ("model" and "drafter"), an audit
 and a parameter given new memory between closes, a write after a replayed load in each role, and a
 drafter snapshot that fails after the model's ride. Every close must give the manifest the two
@@ -58,9 +58,9 @@ def _close(wb, m, d, v):
 
 def _scenario(ride: bool, monkeypatch, fail_at: int | None = None):
     monkeypatch.setattr(engine_state, "_riding", readback._riding if ride else (lambda *a: None))
-    raw, drafter_calls = engine_state._snapshot_digests, []
+    raw, drafter_calls = engine_state._snapshot_launch, []
 
-    def snapshot_digests(idx, ds, ms, prefix):
+    def snapshot_launch(idx, ds, ms, prefix):
         out = raw(idx, ds, ms, prefix)
         if prefix == "drafter:":
             drafter_calls.append(1)
@@ -68,7 +68,7 @@ def _scenario(ride: bool, monkeypatch, fail_at: int | None = None):
                 raise RuntimeError("the drafter's snapshot fails after the model's ride")
         return out
 
-    monkeypatch.setattr(engine_state, "_snapshot_digests", snapshot_digests)
+    monkeypatch.setattr(engine_state, "_snapshot_launch", snapshot_launch)
     wb, m, d = _setup()
     out = []
     for v in range(1, 10):
@@ -102,23 +102,22 @@ def test_both_roles_take_their_regions_from_the_snapshots_launch(monkeypatch):
     """From the third close on, each role's read-back takes its region digests from the snapshot's
     launch (``prog.pre``, tagged with its own module session): one launch per role, not two."""
     taken, launched = [], []
-    raw_digest, raw_sd = DigestSet.digest, engine_state._snapshot_digests
-    monkeypatch.setattr(DigestSet, "digest", lambda self, *a, **k: (launched.append(len(self)), raw_digest(self, *a, **k))[1])
+    raw_launch, raw_collect = DigestSet.launch, engine_state._snapshot_collect
+    monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (launched.append(len(self)), raw_launch(self, *a, **k))[1])
 
-    def snapshot_digests(idx, ds, ms, prefix):
-        out = raw_sd(idx, ds, ms, prefix)
-        kept = idx.kept.get("read_back")
-        taken.append((prefix, kept is not None and kept[1].pre is not None and kept[1].pre[0] is ms))
+    def snapshot_collect(launch, prog, ms, n):
+        out = raw_collect(launch, prog, ms, n)
+        taken.append(prog is not None and prog.pre is not None and prog.pre[0] is ms)
         return out
 
-    monkeypatch.setattr(engine_state, "_snapshot_digests", snapshot_digests)
+    monkeypatch.setattr(engine_state, "_snapshot_collect", snapshot_collect)
     wb, m, d = _setup()
     for v in range(1, 5):
         taken.clear()
         launched.clear()
         assert _close(wb, m, d, v)[1].ok
         if v >= 3:
-            assert taken == [("", True), ("drafter:", True)] and len(launched) == 2, (v, taken, launched)
+            assert taken == [True, True] and len(launched) == 2, (v, taken, launched)  # the model's, then the drafter's
 
 
 def test_the_flat_compare_gives_the_loops_manifests(monkeypatch):
@@ -272,3 +271,85 @@ def test_a_snapshot_of_bare_modules_refuses_two_roles_naming_one_tensor():
     m, d = _Named("drafter:w"), _Named("w")
     with pytest.raises(RefitInputError, match=r"'drafter:w' \(model and drafter\)"):
         engine_state.snapshot({"model": m, "drafter": d}, identity_of(rank=0))
+
+
+def test_the_state_is_launched_before_the_closes_index_check(monkeypatch):
+    """In a steady state the close starts the device's read of the state (the kept set over the
+    index as the last check left it) and then checks the model index, one launch per role: the
+    check runs while the device reads (``snapshot(refresh=True)``)."""
+    from refit_verify.model_boundary import ModelBoundary
+
+    events = []
+    raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index
+    monkeypatch.setattr(engine_state, "_snapshot_launch",
+                        lambda idx, ds, ms, prefix: (events.append(("launch", prefix)), raw_launch(idx, ds, ms, prefix))[1])
+
+    def index(self, refresh=True, quick=False):
+        if refresh and not quick:
+            events.append(("check", self.role))
+        return raw_index(self, refresh, quick)
+
+    monkeypatch.setattr(ModelBoundary, "index", index)
+    wb, m, d = _setup()
+    for v in range(1, 4):
+        events.clear()
+        assert _close(wb, m, d, v)[1].ok
+    assert events == [("launch", ""), ("check", "model"), ("launch", "drafter:"), ("check", "drafter")], events
+
+
+class _Replacing(_Tamper):
+    """``replace``: after its load, ``qkv_proj`` is replaced by a copy in new memory (a model that
+    re-allocates a parameter after loading), and the old parameter, still alive, is overwritten."""
+
+    replace = False
+
+    def load_weights(self, weights):
+        out = super().load_weights(weights)
+        if self.replace:
+            old = self.qkv_proj
+            self.qkv_proj = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+            self.qkv_proj.weight_loader = old.weight_loader
+            self.replaced = [old]  # kept alive, not registered
+            old.data.fill_(7.0)
+        return out
+
+
+@pytest.mark.parametrize("ride", [True, False], ids=["riding", "state-only"])
+def test_a_parameter_replaced_before_the_close_drops_the_early_launch(monkeypatch, ride):
+    """A parameter replaced by another object after the load of a replayed session (the session's
+    open checked the index before): the close's launch over the index the last check left reads the
+    old tensors, so it is dropped when the close's check finds the change, and the new parameters
+    are read. The snapshot records the live parameter's bytes and storage (not the old one's, still
+    alive and overwritten), the refit verifies, and a write after the next load is still caught."""
+    monkeypatch.setattr(engine_state, "_riding", readback._riding if ride else (lambda *a: None))
+    launches = []
+    raw_launch = engine_state._snapshot_launch
+    monkeypatch.setattr(engine_state, "_snapshot_launch",
+                        lambda idx, ds, ms, prefix: (launches.append(prefix), raw_launch(idx, ds, ms, prefix))[1])
+    wb = WorkerBoundary(identity_of(rank=0))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    m, d = _Replacing(), _Replacing()
+    wb.attach("model", m, default_weight_loader)
+    wb.attach("drafter", d, default_weight_loader)
+    for v in (1, 2, 3):
+        assert _close(wb, m, d, v)[1].ok
+    assert man_replayed(wb)
+    launches.clear()
+    m.replace = True
+    man, r = _close(wb, m, d, 4)
+    m.replace = False
+    assert r.ok, r
+    assert launches == ["", "", "drafter:"], launches  # the model's first launch read the old index: dropped
+    st = wb.baseline.params["qkv_proj"]
+    assert st.digest == digest_tensors([("qkv_proj", m.qkv_proj.detach())])["qkv_proj"]
+    assert st.digest != digest_tensors([("qkv_proj", m.replaced[0].detach())])["qkv_proj"]
+    assert st.ptr == m.qkv_proj.untyped_storage().data_ptr() != m.replaced[0].untyped_storage().data_ptr()
+    m.tamper = True
+    man, r = _close(wb, m, d, 5)
+    assert not r.ok and "k_proj" in r.mismatched, r
+
+
+def man_replayed(wb) -> bool:
+    """True iff the last close's model session replayed every name it delivered."""
+    mm = wb.last.modules["model"]
+    return mm.replayed > 0 and mm.replayed == len(mm.digests)

