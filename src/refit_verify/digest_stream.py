@@ -325,7 +325,8 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     no held interval to guard, so none of :class:`HeldBatch`'s per-add checks runs. When the names
     (unique) and every tensor's :func:`~refit_verify.digest_set.signature` are those of a kept set
     (the same memory as the last call of these names under ``space``), the kept launch plan is run
-    with one signature per tensor and nothing else per tensor; otherwise the call goes through a
+    after :meth:`DigestSet.valid` (the signature fields compared field by field, nothing else per
+    tensor); otherwise the call goes through a
     :class:`HeldBatch` (every check, and the set is kept for the next call, as a flush's is).
 
     Args:
@@ -345,15 +346,12 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     ts = [t for _, t in items]
     key = (space, *names) if space else names
     with _HELD_LOCK:
-        built = isinstance(_HELD_SETS.get(key), DigestSet)  # else the HeldBatch below signs them (once)
-    if built and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
-        try:
-            sigs = list(map(signature, ts))
-        except (RuntimeError, NotImplementedError):  # no storage to sign: the general path says why
-            sigs = None
-        kept = _kept_held(key, sigs)
-        if kept is not None:
-            return dict(zip(names, kept.digest(check=False, tensors=ts)))
+        kept = _HELD_SETS.get(key)  # else the HeldBatch below signs them (once)
+        if isinstance(kept, DigestSet):
+            _HELD_SETS.move_to_end(key)
+    if (isinstance(kept, DigestSet) and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts)
+            and kept.valid(ts)):  # every signature the set's, compared field by field (no storage to sign: not valid)
+        return dict(zip(names, kept.digest(check=False, tensors=ts)))
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
     for name, t in items:
         batch.add(name, t)
