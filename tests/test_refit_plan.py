@@ -683,8 +683,8 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
     assert ({k: st.digest for k, st in wb.baseline.params.items()} == {k: st.digest for k, st in wb2.baseline.params.items()}
             and wb.baseline.params.keys() == {"qkv_proj", "embed", "norm"})  # the snapshot itself: the same digests
     n_state = len(wb.baseline.params) + len(wb.baseline.buffers)
-    # the state, then the regions written in part: q, k, v in qkv_proj and the embedding's 13 rows (3 of padding)
-    assert ridden == [n_state + 4] and two == [n_state, 4]  # one launch, not two
+    # the state, then the regions written in part: q, k, v in qkv_proj, the embedding's 13 rows and its 3 padding rows
+    assert ridden == [n_state + 5] and two == [n_state, 5]  # one launch, not two
     for a, b in zip(mans, plain):
         assert _untimed(a) == _untimed(b) and a.errors == b.errors == []
     assert _ok(toy_weights(3, device=device), mans[2], 3).proven_bytes == ALL
@@ -693,11 +693,11 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
     launches.clear()
     w = toy_weights(4, device=device)
     r = _ok(w, _refit(wb, model, w, 4), 4)
-    assert launches == [n_state + 4] and not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
+    assert launches == [n_state + 5] and not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
     model.swap_halves_after = None
     (_plan, prog), = [wb.modules["model"].index(refresh=False).kept["read_back"]]
     monkeypatch.setattr(engine_state, "_riding", lambda *a: None)
-    prog.pre = (object(), ["0" * 32] * 4)  # another session's: never this close's
+    prog.pre = (object(), ["0" * 32] * 5)  # another session's: never this close's
     w = toy_weights(5, device=device)
     r = _ok(w, _refit(wb, model, w, 5), 5)
     assert r.ok and r.proven_bytes == ALL and prog.pre is None

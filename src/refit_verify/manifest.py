@@ -116,12 +116,15 @@ class ParamState(msgspec.Struct, **_OPTS):
     """Read-back of one engine parameter against what was placed into it.
 
     Attributes:
-        status: ``"verified"`` (every written block equals its source block), ``"mismatch"``,
-            ``"not_coverable"`` (quantized, transformed, repacked: cannot be compared bytewise)
-            or ``"unwritten"``.
+        status: ``"verified"`` (every written block equals its source block, every padding region
+            the loader filled holds its fill), ``"mismatch"`` (a block or padding holds other
+            bytes), ``"not_coverable"`` (quantized, transformed, repacked: cannot be compared
+            bytewise; or padding whose fill value was not recorded) or ``"unwritten"``.
         why: the reason for anything but ``"verified"``.
-        bytes: bytes of the blocks written into the parameter (proven when ``verified``), or of
-            the whole parameter when it could not be covered.
+        bytes: bytes of the blocks written into the parameter (proven when ``verified``; also
+            when ``not_coverable`` only for padding that was not read, which the reason says), of
+            its blocks and padding when a mismatch, or of the whole parameter when it could not be
+            covered.
         blocks: ``[(source name, dest description)]`` of the blocks placed into it.
     """
 
@@ -139,7 +142,11 @@ class EngineState(msgspec.Struct, **_OPTS):
             and every parameter that could not be covered.
         proven_bytes: bytes of engine parameters proven equal to delivered bytes.
         unproven_bytes: bytes of parameters written in the session that could not be proven.
-        padding_bytes: bytes the loaders filled themselves (vocab padding), not delivered.
+        padding_bytes: bytes the loaders filled themselves (vocab padding: ``fill_`` / ``zero_``),
+            not delivered, read back and proven to hold the loader's fill value. Padding that holds
+            other bytes makes its parameter a ``"mismatch"`` and is not counted here; a fill whose
+            value was not recorded (or that a delivered block overlaps) is not read and counts in
+            ``unproven_bytes``, its parameter ``"not_coverable"`` with the reason.
         digest_s: host seconds spent.
     """
 

