@@ -113,9 +113,11 @@ TIMED_WORKER = (
     "refit_verify.kernels.digest:digest_views",
     "refit_verify.kernels.digest:to_hex",
     "refit_verify.engine_state:_kept_set",
-    "refit_verify.engine_state:_snapshot_digests",
+    "refit_verify.engine_state:_snapshot_launch",
+    "refit_verify.engine_state:_snapshot_collect",
     "refit_verify.readback:_evaluate",
     "refit_verify.boundary:WorkerBoundary._refresh_indexes",
+    "refit_verify.model_boundary:ModelBoundary.index",  # the close checks the index inside snapshot(refresh=True)
     "refit_verify.boundary:WorkerBoundary._audit_unwritten",
     "refit_verify.model_boundary:ModelBoundary.manifest",
     "refit_verify.model_boundary:ModelBoundary.end",

@@ -205,7 +205,7 @@ class _Program:
         self.key: tuple | None = None  # what a kept program was built for (see _kept_program)
         self.region_set: DigestSet | None = None  # the regions as a kept set (kept programs only)
         # (module session, [32-hex] of dest_regions) read in the same launch as that session's close snapshot
-        # (_snapshot_digests); taken once, by that session's read-back only
+        # (_snapshot_launch); taken once, by that session's read-back only
         self.pre: tuple[Any, list[str]] | None = None
         # the compare as flat lists (:func:`_flat`), made at the first evaluation; False: not made yet
         self.flat: _Flat | None | bool = False
@@ -479,7 +479,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     A session that replayed its whole plan reads the same regions as the last one: what to read and
     compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again;
     when the close's snapshot just read those bytes in its own launch (``prog.pre``, tagged with this
-    module session: :func:`refit_verify.engine_state._snapshot_digests`), they are taken from it.
+    module session: :func:`refit_verify.engine_state._snapshot_launch`), they are taken from it.
 
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.delivery`).
