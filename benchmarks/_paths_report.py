@@ -45,7 +45,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
     "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
     "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
-    "snapshot": ("worker: engine-state snapshot at session close", ""),
+    "snapshot": ("worker: engine-state snapshot at session close (with the close's check of the model index, run while the device reads)", ""),
     "w.open": ("worker: session open (the model index's check, the replayed plan or the loader tap)", "SessionManifest.open_s"),
     "w.close": ("worker: session close (the index's check, snapshot, read-back, the plan kept, the manifests)",
                 "SessionManifest.close_s"),

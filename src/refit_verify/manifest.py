@@ -269,7 +269,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
         audits: automatic audits (after ``wake_up`` / ``reload_weights``) that failed since the
             previous session: the engine's state changed between two refits.
-        snapshot_s: host seconds spent digesting the engine state at close (the audits' baseline).
+        snapshot_s: host seconds spent digesting the engine state at close (the audits' baseline),
+            including the close's check of the model indexes, which runs while the device reads.
         open_s: host seconds the worker spent opening the session (the model index's check, the
             loader tap or the replayed plan), joins not counted.
         close_s: host seconds the worker spent closing it, up to this manifest (the index's
