@@ -257,7 +257,7 @@ def test_a_fill_of_unknown_value_is_unproven_with_its_reason(model_cls, reason):
         man, r = _refit(wb, model, toy_weights(v), v)
         st = man.engine.params["embed"]
         assert st.status == "not_coverable", st
-        assert f"{PAD_BYTES} bytes of padding the loader filled itself were not read back" in st.why and reason in st.why
+        assert f"{PAD_BYTES} bytes the loader filled itself were not read back" in st.why and reason in st.why
         assert man.engine.padding_bytes == 0
         assert man.engine.unproven_bytes == PAD_BYTES and man.engine.proven_bytes == ALL
         assert r.ok and "embed" in r.not_proven and reason in r.not_proven["embed"]
@@ -285,10 +285,12 @@ def test_a_parameter_written_only_by_fills_stays_not_coverable_and_its_fill_is_r
     st = man.engine.params["norm"]
     assert st.status == "not_coverable" and st.why == "only padding was written" and st.bytes == NORM_BYTES
     assert man.engine.padding_bytes == PAD_BYTES + NORM_BYTES
+    assert man.engine.unproven_bytes == 0  # its bytes are counted once: as padding that holds its fill
     man, r = _refit(wb, model, toy_weights(2), 2, after_load=lambda m: m.norm.data.fill_(3))
     st = man.engine.params["norm"]
     assert st.status == "mismatch" and "holds other bytes than the loader's fill (0)" in st.why
     assert man.engine.padding_bytes == PAD_BYTES and not r.ok and "norm" in r.engine_mismatched
+    assert man.engine.unproven_bytes == NORM_BYTES
 
 
 class _ZeroThenRows(ToyModel):
@@ -311,3 +313,48 @@ def test_a_fill_a_delivered_block_overlaps_is_not_read():
     assert not readback._overlap((VOCAB * HIDDEN, (PAD, HIDDEN), (HIDDEN, 1)), (0, (VOCAB, HIDDEN), (HIDDEN, 1)))
     assert readback._overlap((0, (4, 2), (4, 1)), (1, (4, 2), (4, 1)))  # columns 0-1 and 1-2 of a 4x4
     assert not readback._overlap((0, (4, 2), (4, 1)), (2, (4, 2), (4, 1)))  # interleaved spans, no shared element
+
+
+class _WideViewFill(ToyModel):
+    """An embedding loader that zeroes the padding rows through a view of a wider dtype (32-bit
+    words over the bf16 parameter): the recorded geometry would be in int32 elements, half the
+    padding read as bf16 (a fresh reviewer's case)."""
+
+    def _embed_loader(self, param, loaded_weight):
+        param[: loaded_weight.shape[0]].data.copy_(loaded_weight)
+        words = param.data.view(torch.int32)  # [16, 4]
+        words[loaded_weight.shape[0]:].zero_()
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["watched", "replayed"])
+def test_a_fill_through_a_view_of_another_dtype_is_not_credited(landed, replay):
+    """The placement is inexact (the loader writes through a view of another dtype): the embedding
+    is not coverable with that reason, and no padding is counted, clean or with 7s in the second
+    half of the padding (which the int32-unit geometry would have missed)."""
+    wb, model = _worker(_WideViewFill(), state=True)
+    for v in range(1, 5):
+        scribble = v >= 3
+        man, r = _refit(wb, model, toy_weights(v), v, replay=replay,
+                        after_load=(lambda m: m.embed.data.view(-1)[VOCAB * HIDDEN + 12:] .fill_(7)) if scribble else None)
+        st = man.engine.params["embed"]
+        assert st.status == "not_coverable" and "through a view of another dtype" in st.why, st
+        assert man.engine.padding_bytes == 0, (v, man.engine)
+        assert "embed" in r.not_proven and "embed" not in {n for n in r.engine_mismatched}
+
+
+def test_overlap_is_exact_on_small_spans_and_says_when_it_cannot_tell():
+    """Filled columns beside delivered columns (interleaved spans): exact on a span of at most
+    ``_MASK_MAX`` elements, None beyond (the fill is then not read, and the reason says it may share
+    elements), never a mask of more than ``_MASK_MAX`` bytes."""
+    cols, rows = 64, 4
+    block = (0, (rows, cols - 8), (cols, 1))  # the first 56 columns of each row
+    pad = (cols - 8, (rows, 8), (cols, 1))  # the last 8
+    assert readback._overlap(block, pad) is False and readback._overlap(pad, (cols - 9, (rows, 2), (cols, 1))) is True
+    big = readback._MASK_MAX // cols + 2  # rows: the spans meet over more than _MASK_MAX elements
+    assert readback._overlap((0, (big, cols - 8), (cols, 1)), (cols - 8, (big, 8), (cols, 1))) is None
+    assert readback._first_overlap(pad, [block]) is False
+    assert readback._first_overlap((cols - 8, (big, 8), (cols, 1)), [(0, (big, cols - 8), (cols, 1)), block]) is None
+    p = torch.zeros(big, cols, dtype=torch.bfloat16)
+    read, unread = readback._fill_plan(p, [((cols - 8, (big, 8), (cols, 1)), Copy((cols - 8, (big, 8), (cols, 1)), None, True, 0))],
+                                       [(0, (big, cols - 8), (cols, 1))])
+    assert read == [] and len(unread) == 1 and "may share elements with it" in unread[0][1]

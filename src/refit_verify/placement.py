@@ -157,6 +157,8 @@ class _CopyRecorder(TorchDispatchMode):
         dst = args[0]
         if _storage_ptr(dst) != self.dest_ptr:
             return
+        if dst.dtype != self.param.dtype:  # its geometry is in another dtype's elements, a fill's bytes another dtype's
+            self.why = self.why or f"the loader writes the parameter through a view of another dtype ({dst.dtype}, not {self.param.dtype})"
         if func is _aten.copy_.default:
             src = args[1]
             same_src = isinstance(src, torch.Tensor) and self.src_ptr not in (None, 0) and _storage_ptr(src) == self.src_ptr

@@ -80,8 +80,9 @@ _FILL_HEX: dict[tuple, str] = {}
 _FILL_HEX_MAX = 256
 _FILL_MAX_BYTES = 1 << 28
 """A filled region larger than this (256 MiB) is not rebuilt on the host to get its expected digest."""
-_MASK_MAX = 1 << 26
-"""Regions whose spans meet within this many elements are tested for a shared element exactly; beyond, they are taken to share one."""
+_MASK_MAX = 1 << 20
+"""Regions whose spans meet within this many elements are tested for a shared element exactly (a
+host mask of that many bytes at most); beyond, they are not tested and may share one."""
 
 
 def _value_key(v: FillValue) -> tuple:
@@ -116,18 +117,31 @@ def _span(g) -> tuple[int, int] | None:
     return off, off + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
 
 
-def _overlap(a, b) -> bool:
-    """True iff regions ``a`` and ``b`` of one parameter may share an element (exact below
-    :data:`_MASK_MAX` elements of span, else True when their spans meet)."""
+def _overlap(a, b) -> bool | None:
+    """True iff regions ``a`` and ``b`` of one parameter share an element, False iff they do not;
+    None when their spans meet over more than :data:`_MASK_MAX` elements (not tested: they may)."""
     sa, sb = _span(a), _span(b)
     if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
         return False
     lo, hi = min(sa[0], sb[0]), max(sa[1], sb[1])
     if hi - lo > _MASK_MAX:
-        return True
+        return None
     mask = torch.zeros(hi - lo, dtype=torch.bool)
     mask.as_strided(b[1], b[2], b[0] - lo).fill_(True)
     return bool(mask.as_strided(a[1], a[2], a[0] - lo).any())
+
+
+def _first_overlap(region, others: list) -> bool | None:
+    """True iff ``region`` shares an element with one of ``others``; else None iff one of them may
+    (:func:`_overlap` could not test it); else False."""
+    maybe = False
+    for o in others:
+        hit = _overlap(region, o)
+        if hit:
+            return True
+        if hit is None:
+            maybe = None
+    return maybe
 
 
 def _fill_plan(p: torch.Tensor, fills: list[tuple[tuple, Copy]], blocks: list[tuple]) -> tuple[list, list]:
@@ -146,11 +160,13 @@ def _fill_plan(p: torch.Tensor, fills: list[tuple[tuple, Copy]], blocks: list[tu
             why = c.unknown or "the loader's fill value was not recorded"
         elif nb > _FILL_MAX_BYTES:
             why = f"the filled region ({nb} bytes) is too large to rebuild on the host"
-        elif any(_overlap(region, b) for b in blocks):
-            why = "a delivered block was written over part of it"
-        elif any(r != region and (o.value is None or _value_key(o.value) != _value_key(c.value)) and _overlap(region, r)
-                 for r, o in last.items()):
-            why = "another fill of another value was written over part of it"
+        elif (hit := _first_overlap(region, blocks)) is not False:
+            why = ("a delivered block was written over part of it" if hit else "a delivered block may share elements with it "
+                   f"(regions spanning more than {_MASK_MAX} elements are not tested)")
+        elif (hit := _first_overlap(region, [r for r, o in last.items() if r != region and (
+                o.value is None or _value_key(o.value) != _value_key(c.value))])) is not False:
+            why = ("another fill of another value was written over part of it" if hit else "a fill of another value may share "
+                   f"elements with it (regions spanning more than {_MASK_MAX} elements are not tested)")
         if why is None:
             try:
                 read.append((region, c.value, _fill_hex(p.dtype, region[1], c.value), nb))
@@ -239,6 +255,19 @@ def _flat(prog: _Program) -> _Flat | None:
     return prog.flat  # type: ignore[return-value]
 
 
+def _region(p: torch.Tensor, label: str, region, dkey: str, known: dict[str, str] | None, given: dict[str, str],
+            added: list) -> None:
+    """Read region ``region`` of parameter ``p`` under digest key ``dkey``: from ``known`` (the
+    snapshot's digest of the whole parameter, ``given``) when it is the whole parameter, else as a
+    checked view appended to ``added``. Raises what :func:`as_view` and ``_check`` raise."""
+    if known is not None and label in known and _whole(p, region):
+        given[dkey] = label
+        return
+    view = as_view(p.detach(), region)
+    _check(view)
+    added.append((dkey, region, view))
+
+
 def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, str] | None) -> tuple[_Program, list[torch.Tensor]]:
     """The read-back program of module session ``ms`` over its model's live parameters (no byte
     read), and the views of its regions, checked (for this read only: the program keeps none)."""
@@ -285,12 +314,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                     continue
                 block_bytes += ws[0][0].numel() * p.element_size()
                 dkey = f"{label}@{len(plan)}.{len(entries)}"
-                if known is not None and label in known and _whole(p, region):
-                    given[dkey] = label
-                else:
-                    view = as_view(p.detach(), region)
-                    _check(view)
-                    added.append((dkey, region, view))
+                _region(p, label, region, dkey, known, given, added)
                 region_key[(pname, region)] = dkey
                 regions_here.append((pname, region))
                 for copy, key, src in ws:
@@ -301,12 +325,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             read, unread = _fill_plan(p, fills, [r for _, r in regions_here]) if fills else ((), ())
             for region, value, hexd, _nb in read:  # padding: read like the blocks, compared with the fill's bytes
                 dkey = f"{label}@pad{len(fentries)}"
-                if known is not None and label in known and _whole(p, region):
-                    given[dkey] = label
-                else:
-                    view = as_view(p.detach(), region)
-                    _check(view)
-                    added.append((dkey, region, view))
+                _region(p, label, region, dkey, known, given, added)
                 fentries.append((dkey, hexd, _describe(region), repr(value)))
         except (RuntimeError, ValueError) as e:
             for r in regions_here:  # none of its regions is read: a name that landed there is not derived from it
@@ -324,14 +343,14 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         held = sum(nb for _, _, _, nb in read)
         not_read = sum(nb for _, _, nb in unread)
         prog.padding += held  # taken back by _evaluate when a region does not hold
-        why_not = (f"{not_read} bytes of padding the loader filled itself were not read back ("
+        why_not = (f"{not_read} bytes the loader filled itself were not read back ("
                    + "; ".join(f"{_describe(r)}: {w}" for r, w, _ in unread[:3]) + (f"; … (+{len(unread) - 3})" if len(unread) > 3 else "")
                    + ")") if unread else None
         if not entries:  # only fills: nothing delivered is proven in it (its padding is still read)
             params[label] = ParamState("not_coverable", "only padding was written" + (f"; {why_not}" if why_not else ""), nbytes)
-            prog.unproven += nbytes
+            prog.unproven += nbytes - held  # the padding read back is counted there while it holds
             if fills:
-                prog.fills[label] = _Fills(fentries, held, 0, nbytes)
+                prog.fills[label] = _Fills(fentries, held, held, nbytes)
             continue
         plan[label] = entries
         blocks = [(s, where) for _, _, s, where in entries]
