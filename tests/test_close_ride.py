@@ -353,3 +353,39 @@ def man_replayed(wb) -> bool:
     """True iff the last close's model session replayed every name it delivered."""
     mm = wb.last.modules["model"]
     return mm.replayed > 0 and mm.replayed == len(mm.digests)
+
+
+def test_a_model_that_replaces_its_parameters_at_every_load_is_read_once_per_close(monkeypatch):
+    """After a close whose check found other parameters, the next close checks the index first and
+    launches once (a model that re-registers a parameter at every load would otherwise have its
+    state read twice per close: the early launch, dropped, then the new index's); once a close finds
+    the same index, the following ones launch before the check again. Every verdict is right."""
+    from refit_verify.model_boundary import ModelBoundary
+
+    events = []
+    raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index
+    monkeypatch.setattr(engine_state, "_snapshot_launch",
+                        lambda idx, ds, ms, prefix: (events.append("launch"), raw_launch(idx, ds, ms, prefix))[1] if prefix == ""
+                        else raw_launch(idx, ds, ms, prefix))
+
+    def index(self, refresh=True, quick=False):
+        if refresh and not quick and self.role == "model":
+            events.append("check")
+        return raw_index(self, refresh, quick)
+
+    monkeypatch.setattr(ModelBoundary, "index", index)
+    wb = WorkerBoundary(identity_of(rank=0))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    m, d = _Replacing(), _Replacing()
+    wb.attach("model", m, default_weight_loader)
+    wb.attach("drafter", d, default_weight_loader)
+    seen = []
+    for v in range(1, 9):
+        m.replace = 3 <= v <= 5
+        events.clear()
+        man, r = _close(wb, m, d, v)
+        assert r.ok, (v, r)
+        assert wb.baseline.params["qkv_proj"].ptr == m.qkv_proj.untyped_storage().data_ptr()
+        seen.append(tuple(events))
+    early, late, dropped = ("launch", "check"), ("check", "launch"), ("launch", "check", "launch")
+    assert seen[2:] == [dropped, late, late, late, early, early], seen  # v3: dropped; v4, v5: replaced again; v6: the last built

@@ -181,6 +181,7 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             reads the state: the state set kept on the index as the last check left it is launched
             first, and its digests are used only when the check finds the index unchanged (the set's
             tensors are then the model's; otherwise the launch is dropped and the new index read).
+            An index a close's check built is checked first at the next close (no early launch).
             False: each index is used as it is (the caller checked it in this step).
 
     Returns:
@@ -210,13 +211,18 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             idx = ModelIndex(b)
         elif refresh:
             old = b.index(refresh=False)  # as the last check left it
-            fast = _kept_set(old) if old is not None else None
+            # not after a close whose check found other parameters (a model that re-registers them at every
+            # load would have its state read twice per close): that index is checked first, once
+            early = old is not None and not old.kept.pop("changed_at_close", False)
+            fast = _kept_set(old) if early else None
             if fast is not None:
                 launched = _snapshot_launch(old, fast[0], ms, prefix)  # the device reads while the index is checked
             idx = b.index()
-            tried = idx is old
-            if not tried:  # the model's parameters changed: that launch read the old index's tensors
+            tried = early and idx is old
+            if idx is not old:  # the model's parameters changed: a launch read the old index's tensors
                 fast = launched = None
+                if idx is not None:
+                    idx.kept["changed_at_close"] = True
         else:
             idx = b.index(refresh=False)
         if idx is None:
