@@ -335,7 +335,7 @@ def test_a_fill_through_a_view_of_another_dtype_is_not_credited(landed, replay):
     for v in range(1, 5):
         scribble = v >= 3
         man, r = _refit(wb, model, toy_weights(v), v, replay=replay,
-                        after_load=(lambda m: m.embed.data.view(-1)[VOCAB * HIDDEN + 12:] .fill_(7)) if scribble else None)
+                        after_load=(lambda m: m.embed.data.view(-1)[VOCAB * HIDDEN + 12:].fill_(7)) if scribble else None)
         st = man.engine.params["embed"]
         assert st.status == "not_coverable" and "through a view of another dtype" in st.why, st
         assert man.engine.padding_bytes == 0, (v, man.engine)
