@@ -180,13 +180,13 @@ def _fill_plan(p: torch.Tensor, fills: list[tuple[tuple, Copy]], blocks: list[tu
 class _Fills:
     """The filled regions of one parameter (:func:`_program`): ``entries`` (those read)
     ``[(digest key, expected 32-hex, region description, fill value)]``; ``held``: their bytes
-    (counted as padding when they hold); ``more``: bytes that become unproven when the parameter is
-    a mismatch (beyond its state's ``bytes``); ``nbytes``: its state's ``bytes`` then."""
+    (counted as padding when they hold, unproven when the parameter is a mismatch); ``nbytes``:
+    its state's ``bytes`` then."""
 
-    __slots__ = ("entries", "held", "more", "nbytes")
+    __slots__ = ("entries", "held", "nbytes")
 
-    def __init__(self, entries: list, held: int, more: int, nbytes: int) -> None:
-        self.entries, self.held, self.more, self.nbytes = entries, held, more, nbytes
+    def __init__(self, entries: list, held: int, nbytes: int) -> None:
+        self.entries, self.held, self.nbytes = entries, held, nbytes
 
 
 def _whole(p: torch.Tensor, dest) -> bool:
@@ -350,7 +350,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             params[label] = ParamState("not_coverable", "only padding was written" + (f"; {why_not}" if why_not else ""), nbytes)
             prog.unproven += nbytes - held  # the padding read back is counted there while it holds
             if fills:
-                prog.fills[label] = _Fills(fentries, held, held, nbytes)
+                prog.fills[label] = _Fills(fentries, held, nbytes)
             continue
         plan[label] = entries
         blocks = [(s, where) for _, _, s, where in entries]
@@ -361,7 +361,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             params[label] = ParamState("not_coverable", f"{why_not}; its {block_bytes} bytes of delivered blocks are compared "
                                        "(proven when they hold)", block_bytes, blocks)
         if fills:
-            prog.fills[label] = _Fills(fentries, held, held, block_bytes + held + not_read)
+            prog.fills[label] = _Fills(fentries, held, block_bytes + held + not_read)
     for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
         keys = []
         for i, (pname, where) in enumerate(regions):
@@ -441,7 +441,7 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
             if label in plan:  # (a parameter only filled is counted unproven already)
                 unproven += st.bytes
             if f is not None:
-                unproven, padding = unproven + f.more, padding - f.held
+                unproven, padding = unproven + f.held, padding - f.held
         elif label in plan:
             proven += st.bytes
     return params, proven, unproven, padding
