@@ -359,3 +359,121 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
         digest_now([("e", torch.empty(0, device="meta"))], space=space)
     assert digest_stream._HELD_SETS  # what was kept is signatures and plans only
     assert all(getattr(v, "tensors", None) is None for v in digest_stream._HELD_SETS.values())
+
+
+def _laid_out(seed: int, base_len: int = 100, start: int = 8) -> list[torch.Tensor]:
+    """CPU tensors of one fixed layout (dtypes, shapes, one view into a larger storage), values from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(base_len, generator=g)
+    return [torch.randn(13, generator=g).to(torch.bfloat16), torch.randn(5, 7, generator=g).to(torch.float16),
+            torch.zeros((), dtype=torch.bfloat16) + seed, torch.empty(0), torch.randint(0, 9, (3,), generator=g),
+            base[start:start + 32]]
+
+
+def test_a_cpu_set_reads_tensors_of_its_layout_where_they_are_now():
+    """A relocatable set (CPU, whole tensors, the compiled batch) reads tensors of its layout at other
+    addresses (a receiver's clones of a staged buffer, made at every refit), with the digests of the
+    bytes they hold; any other shape, dtype, strides, offset or storage size, or an address the batch
+    cannot read, is refused (None, nothing read)."""
+    ts = _laid_out(1)
+    ds = DigestSet(ts, hold=False)
+    assert ds.relocatable
+    other = _laid_out(2)
+    assert not ds.valid(other) and ds.moved(other)
+    got = ds.digest(tensors=other, moved=True)
+    assert got == [tensor_digest(t) for t in other] != [tensor_digest(t) for t in ts]
+    assert ds.digest(tensors=ts) == [tensor_digest(t) for t in ts]  # still the set of the first memory
+    changed = {
+        "shape": lambda o: o[:0] + [torch.randn(14).to(torch.bfloat16)] + o[1:],
+        "dtype": lambda o: [o[0].to(torch.float16)] + o[1:],
+        "strides": lambda o: o[:1] + [torch.randn(7, 5).to(torch.float16).t()] + o[2:],
+        "offset": lambda o: o[:5] + [_laid_out(3, start=16)[5]],
+        "storage": lambda o: o[:5] + [_laid_out(3, base_len=101)[5]],
+        "fewer": lambda o: o[:5],
+    }
+    for why, f in changed.items():
+        bad = f(_laid_out(3))
+        assert not ds.moved(bad), why
+        assert ds.digest(tensors=bad, moved=True) is None, why
+    raw = bytearray(40)
+    aligned = torch.frombuffer(raw, dtype=torch.uint8, count=32)
+    odd = torch.frombuffer(raw, dtype=torch.uint8, count=32, offset=1)  # the same layout at an address % 8 == 1
+    assert odd.data_ptr() % 8 and odd.untyped_storage().nbytes() == aligned.untyped_storage().nbytes()
+    one = DigestSet([aligned], hold=False)
+    assert one.relocatable and not one.moved([odd]) and one.moved([torch.zeros(32, dtype=torch.uint8)])
+
+
+def test_sets_that_cannot_follow_their_tensors_are_not_relocatable():
+    """Regions, tensors the compiled batch does not take (large ones) and kernel plans hold more
+    than a pointer per tensor: such a set never reads tensors at other addresses."""
+    ts = _laid_out(1)
+    assert not DigestSet(ts, regions=[(0, tuple(t.shape), tuple(t.stride())) for t in ts], hold=False).relocatable
+    large = [torch.zeros((dg.backend_for("cpu").many_max_bytes // 4) + 1)]
+    ds = DigestSet(large, hold=False)
+    assert not ds.relocatable and not ds.moved([large[0].clone()])
+    assert ds.digest(tensors=[large[0].clone()], moved=True) is None
+
+
+def test_digest_now_reads_clones_made_at_every_call_through_one_kept_set(monkeypatch):
+    """The CPU transport's check before loading digests the clones vLLM's layerwise reload keeps,
+    new memory at every refit: from the third call of the same names and layout the kept set reads
+    them where they are (no HeldBatch), with the digests of the bytes each call's clones hold; a
+    tensor of another layout under a name takes the general path again."""
+    from refit_verify.digest_stream import HeldBatch, digest_now
+
+    staged = [(f"layers.{i}.w", t) for i, t in enumerate(_laid_out(5)[:5] + [torch.randn(6, 4)])]
+    space = f"test moved {os.getpid()}"
+    adds = []
+    real_add = HeldBatch.add
+    monkeypatch.setattr(HeldBatch, "add", lambda self, n, t: (adds.append(n), real_add(self, n, t)))
+    for call in range(5):
+        copies = [(n, t.clone()) for n, t in staged]
+        if call == 3:
+            copies[5][1][2, 1] += 1  # this refit's copy holds other bytes: read as it is
+        want = {n: tensor_digest(t) for n, t in copies}
+        assert digest_now(copies, space=space) == want
+        assert adds == ([n for n, _ in copies] if call < 2 else []), call
+        adds.clear()
+    copies = [(n, t.clone()) for n, t in staged]
+    copies[1] = (copies[1][0], torch.randn(7, 5).to(torch.float16))  # another layout under the name
+    assert digest_now(copies, space=space) == {n: tensor_digest(t) for n, t in copies}
+    assert adds == [n for n, _ in copies]
+
+
+def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_changes(monkeypatch):
+    """A trainer that exports a new CPU copy of its weights at every refit (a gathered or cast
+    state dict): from the third refit each flush reads its kept set where the copies are; a copy
+    written after its add is still found (not digested, named in ``changed``)."""
+    from refit_verify import digest_stream as dst
+
+    monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
+    monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
+    moved_launches = []
+    real = DigestSet.launch
+    monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (moved_launches.append(k.get("moved", False)), real(self, *a, **k))[1])
+    weights = dict(zip("abcdef", _laid_out(7)))
+    for refit in range(4):
+        copies = {n: t.clone() for n, t in weights.items()}
+        hb = dst.HeldBatch(flush_bytes=1 << 30)
+        for n, t in copies.items():
+            hb.add(n, t)
+        if refit == 3:
+            copies["b"].add_(1)  # written after its add
+        got = hb.hexdigests()
+        if refit < 3:
+            assert got == {n: tensor_digest(t) for n, t in copies.items()} and not hb.changed
+        else:
+            assert list(hb.changed) == ["b"] and "modified in place" in hb.changed["b"]
+            assert got == {n: tensor_digest(t) for n, t in copies.items() if n != "b"}
+        assert moved_launches == ([True] if refit == 2 else []), refit  # refit 3: a version counter moved, general path
+        moved_launches.clear()
+
+
+def test_a_relocatable_set_never_reads_meta_or_device_tensors_of_its_layout():
+    """A meta tensor signs like memory at address 0 and a CUDA tensor is not the CPU batch's to
+    read: neither is ever taken as the set's layout elsewhere."""
+    ds = DigestSet([torch.zeros(8)], hold=False)
+    assert not ds.moved([torch.empty(8, device="meta")])
+    assert ds.digest(tensors=[torch.empty(8, device="meta")], moved=True) is None
+    if torch.cuda.is_available():
+        assert not ds.moved([torch.zeros(8, device="cuda")])

@@ -19,7 +19,8 @@ bit for bit; ``tests/test_digest_set.py`` compares them on every backend this ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
+from itertools import repeat
+from operator import and_, attrgetter, sub
 
 import torch
 
@@ -40,7 +41,8 @@ def signature(t: torch.Tensor) -> tuple:
 
 
 _T = torch.Tensor
-_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_CPU = {torch.device("cpu")}
 _NBYTES, _STORAGE_PTR = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
 
 
@@ -70,6 +72,9 @@ class DigestSet:
         tensors: the tensors given, in order (None with ``hold=False``).
         signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
             storage's data pointer, what an engine-state snapshot records).
+        relocatable: the set can read tensors of its layout at other addresses (:meth:`moved`):
+            every tensor is a whole CPU tensor digested by the compiled batch (no kernel plan, no
+            region), so its plan is one pointer per tensor, made again from the tensors given.
 
     Raises:
         RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.logical_bytes`).
@@ -96,6 +101,7 @@ class DigestSet:
             _check(u)
         self._columns = _signature_columns(self.tensors)  # what valid() compares
         self.signatures = list(zip(*self._columns))
+        self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
         # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items (position, seeds))
         self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
         by: dict[tuple, list[int]] = {}
@@ -135,6 +141,9 @@ class DigestSet:
             self._groups.append((mpos, many, backend, large))
         if not hold:
             self.tensors = None
+        # a set over CPU memory only, whole tensors, each digested through the compiled batch: it can read tensors of
+        # the same layout elsewhere (moved(), launch(moved=True)): a pointer per tensor is all its plan holds
+        self.relocatable = regions is None and all(isinstance(kept, list) and not large for _, kept, _, large in self._groups)
 
     def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
@@ -160,7 +169,28 @@ class DigestSet:
             return False
 
     @plain_tensor_ops
-    def launch(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None) -> SetLaunch | None:
+    def moved(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True iff the set is :attr:`relocatable` and ``tensors`` (in the set's order) are laid out
+        as the tensors it was built on, wherever they are now: the same shape, strides, dtype,
+        storage bytes, offset into their storage and conjugate / negative bits, and 8-byte aligned
+        addresses (the compiled batch's requirement). New tensors of a buffer's layout at another
+        address (clones made at every refit on the CPU) then need no new plan: :meth:`launch` with
+        ``moved=True`` reads them where they are."""
+        if not self.relocatable or len(tensors) != self._n or not set(map(_DEVICE, tensors)) <= _CPU:  # meta: not CPU
+            return False
+        try:
+            cols = _signature_columns(tensors)
+        except (RuntimeError, NotImplementedError):
+            return False
+        if self._layout is None:
+            c = self._columns
+            self._layout = (c[1], c[2], c[3], c[5], c[6], c[7], list(map(sub, c[0], c[4])))
+        ptrs = cols[0]
+        return ((cols[1], cols[2], cols[3], cols[5], cols[6], cols[7], list(map(sub, ptrs, cols[4]))) == self._layout
+                and not any(map(and_, ptrs, repeat(7))))
+
+    @plain_tensor_ops
+    def launch(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None, moved: bool = False) -> SetLaunch | None:
         """Start reading every tensor as it is now, without synchronising (the kernels run in
         stream order; the CPU's digests are taken now): a :class:`SetLaunch` to :meth:`collect`,
         or None when a tensor's signature moved since the set was built (nothing is read then).
@@ -168,7 +198,20 @@ class DigestSet:
         ``check=False``: the caller has just checked :meth:`valid` (or a set over the same
         tensors) in this step. ``tensors``: the tensors to read, for a set built with
         ``hold=False`` (they must have the set's signatures: checked unless ``check=False``).
+        ``moved``: ``tensors`` have the set's layout somewhere else (:meth:`moved`: checked unless
+        ``check=False``); they are read where they are now.
         """
+        if moved:
+            if tensors is None or (check and not self.moved(tensors)):
+                return None
+            hexes: list[str | None] = [None] * self._n
+            for pos, kept, backend, _large in self._groups:  # relocatable: CPU groups of whole tensors only
+                if kept:
+                    here = [(t.data_ptr(), nbytes, seeds) for t, (_, nbytes, seeds) in zip(map(tensors.__getitem__, pos), kept)]
+                    hx = _digest._many_hexes(*backend.digest_many(here))
+                    for j, i in enumerate(pos):
+                        hexes[i] = hx[32 * j : 32 * j + 32]
+            return SetLaunch(hexes, [])
         if check and not self.valid(tensors):
             return None
         out: list[str | None] = [None] * self._n
@@ -202,11 +245,11 @@ class DigestSet:
         launched.words = []
         return out  # type: ignore[return-value]
 
-    def digest(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None) -> list[str] | None:
+    def digest(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None, moved: bool = False) -> list[str] | None:
         """Digest every tensor as it is now: ``[32-hex]`` in the order given, or None when a
         tensor's signature moved since the set was built (nothing is read then). Arguments as
         :meth:`launch`."""
-        launched = self.launch(check, tensors)
+        launched = self.launch(check, tensors, moved)
         return None if launched is None else self.collect(launched)
 
 

@@ -216,16 +216,17 @@ class HeldBatch:
             sigs = list(map(signature, ts))
         except (RuntimeError, NotImplementedError):  # a tensor with no storage to sign: the general path says why
             sigs = None
-        kept = _kept_held(key, sigs)
-        if kept is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
-                                        for h, g in zip(held, sigs)):
+        found = _kept_held(key, sigs, ts)
+        if found is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
+                                         for h, g in zip(held, sigs)):
+            kept, moved = found
             keys = []
             for name in names:  # unique: a kept set's names are
                 self._adds += 1
                 self._order[name] = self._adds
                 self._batch._order.pop(name, None)
                 keys.append((name, self._adds))
-            self._sets.append((keys, kept.launch(check=False, tensors=ts)))
+            self._sets.append((keys, kept.launch(check=False, tensors=ts, moved=moved)))
             return
         self._launch_general(held, key, sigs)
 
@@ -281,8 +282,9 @@ _HELD_TENSORS = 0  # tensors over the entries of _HELD_SETS
 _HELD_LOCK = threading.Lock()
 
 
-def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None) -> DigestSet | None:
-    """The kept set of a flush of ``names`` whose tensors have signatures ``sigs``, or None."""
+def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None, tensors: list[torch.Tensor]) -> tuple[DigestSet, bool] | None:
+    """The kept set of a flush of ``names`` whose ``tensors`` have signatures ``sigs``, and whether
+    they moved (a relocatable set of their layout elsewhere, :meth:`DigestSet.moved`), or None."""
     if sigs is None:
         return None
     with _HELD_LOCK:
@@ -290,21 +292,38 @@ def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None) -> DigestSet | 
         if ds is None:
             return None
         _HELD_SETS.move_to_end(names)
-    return ds if isinstance(ds, DigestSet) and ds.signatures == sigs else None
+    if not isinstance(ds, DigestSet):
+        return None
+    if ds.signatures == sigs:
+        return ds, False
+    return (ds, True) if ds.moved(tensors) else None
+
+
+def _same_layout(a: list[tuple], b: list[tuple]) -> bool:
+    """True iff signatures ``a`` and ``b`` (:func:`~refit_verify.digest_set.signature`, in order)
+    describe tensors of one layout, wherever each is: all fields but the two addresses equal, and
+    the same offset into the storage."""
+    return len(a) == len(b) and all(x[1:4] == y[1:4] and x[5:] == y[5:] and x[0] - x[4] == y[0] - y[4] for x, y in zip(a, b))
 
 
 def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
     """Remember a flush that went the general way: its signatures the first time; a set over its
-    tensors (no tensors held) when the same names come again with the same signatures (memory
-    that moves at every refit, a sharded gather's, is never planned for nothing)."""
+    tensors (no tensors held) when the same names come again with the same signatures, or on the
+    CPU with the same layout elsewhere (a relocatable set, :meth:`DigestSet.moved`: clones made at
+    every refit). Memory that moves at every refit on a device with kernel plans (a sharded
+    gather's) is never planned for nothing."""
     with _HELD_LOCK:
         prev = _HELD_SETS.get(names)
     entry: DigestSet | list[tuple] = sigs
-    if prev is not None and (prev if isinstance(prev, list) else prev.signatures) == sigs:
+    before = None if prev is None else prev if isinstance(prev, list) else prev.signatures
+    same = before == sigs
+    if same or (before is not None and _same_layout(before, sigs)):
         try:
             entry = DigestSet(tensors, hold=False)
         except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
             entry = sigs
+        if not same and isinstance(entry, DigestSet) and not entry.relocatable:
+            entry = sigs  # memory that moves at every refit (a sharded gather's on a GPU): no set can follow it
     with _HELD_LOCK:
         global _HELD_TENSORS
         old = _HELD_SETS.pop(names, None)
@@ -326,7 +345,8 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     (unique) and every tensor's :func:`~refit_verify.digest_set.signature` are those of a kept set
     (the same memory as the last call of these names under ``space``), the kept launch plan is run
     after :meth:`DigestSet.valid` (the signature fields compared field by field, nothing else per
-    tensor); otherwise the call goes through a
+    tensor); CPU tensors of a kept set's layout at other addresses are read through it too
+    (:meth:`DigestSet.moved`, a pointer per tensor made again); otherwise the call goes through a
     :class:`HeldBatch` (every check, and the set is kept for the next call, as a flush's is).
 
     Args:
@@ -349,9 +369,11 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         kept = _HELD_SETS.get(key)  # else the HeldBatch below signs them (once)
         if isinstance(kept, DigestSet):
             _HELD_SETS.move_to_end(key)
-    if (isinstance(kept, DigestSet) and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts)
-            and kept.valid(ts)):  # every signature the set's, compared field by field (no storage to sign: not valid)
-        return dict(zip(names, kept.digest(check=False, tensors=ts)))
+    if isinstance(kept, DigestSet) and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
+        if kept.valid(ts):  # every signature the set's, compared field by field (no storage to sign: not valid)
+            return dict(zip(names, kept.digest(check=False, tensors=ts)))
+        if kept.moved(ts):  # the same layout elsewhere (the CPU's clones of a staged buffer, made at every refit)
+            return dict(zip(names, kept.digest(check=False, tensors=ts, moved=True)))
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
     for name, t in items:
         batch.add(name, t)

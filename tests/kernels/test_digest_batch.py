@@ -283,5 +283,5 @@ def test_held_sets_are_bounded_by_tensors_not_flushes(monkeypatch):
         assert got == {f"p{i}": dg.tensor_digest(p) for i, p in enumerate(params)}
     assert len(launched) == 40 and len(ds._HELD_SETS) == 40 and ds._HELD_TENSORS == 40
     monkeypatch.setattr(ds, "KEPT_HELD_TENSORS", 10)
-    refit(params[:3] + [torch.nn.Parameter(torch.randn(64), requires_grad=False)])  # a new flush: the bound applies
+    refit(params[:3] + [torch.nn.Parameter(torch.randn(32), requires_grad=False)])  # a new flush (another layout): the bound applies
     assert len(ds._HELD_SETS) == ds._HELD_TENSORS == 10 and ("p3",) in ds._HELD_SETS and ("p0",) in ds._HELD_SETS
