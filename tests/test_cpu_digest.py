@@ -246,6 +246,36 @@ def test_digest_many_equals_one_call_per_string():
         nm.digest_words_many([(big.data_ptr(), nm.MANY_MAX_BYTES, (0, 0))])
 
 
+def test_a_many_plan_reads_its_strings_where_they_are_now():
+    """``plan_many`` checks the strings once; ``run_many`` reads them as they are at each call, at
+    the planned addresses or at others given (copies of the same lengths), and refuses a wrong
+    count or a misaligned address before reading anything."""
+    from refit_verify import _numba_many as nm
+
+    g = torch.Generator().manual_seed(6)
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 5, 8, 13, 4096, 70_001)]
+    items = [(t.data_ptr(), t.numel(), (i * 7919, i * 104_729)) for i, t in enumerate(ts)]
+    plan = nm.plan_many(items)
+    assert len(plan) == len(ts)
+
+    def words(o):
+        return list(zip(o[0].tolist(), o[1].tolist()))
+
+    assert words(nm.run_many(plan)) == nm.digest_words_many(items)
+    ts[3][0] ^= 1  # read as it is now
+    assert words(nm.run_many(plan)) == [nd.digest_words(t, s) for t, (_, _, s) in zip(ts, items)]
+    copies = [t.clone() for t in ts]
+    copies[4][9] ^= 1
+    want = [nd.digest_words(t, s) for t, (_, _, s) in zip(copies, items)]
+    assert words(nm.run_many(plan, (t.data_ptr() for t in copies))) == want
+    with pytest.raises(ValueError, match="6 addresses"):
+        nm.run_many(plan, [t.data_ptr() for t in copies[:5]])
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        nm.run_many(plan, [t.data_ptr() + (1 if i == 2 else 0) for i, t in enumerate(copies)])
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        nm.plan_many([(ts[1].data_ptr() + 1, 3, (0, 0))])
+
+
 def test_held_cpu_batch_reads_at_launch_and_matches_tensor_digest():
     """``DigestBatch(hold_cpu=True)`` gives ``tensor_digest`` of each tensor as it is at the launch,
     whatever the tensor (empty, odd length, misaligned view, strided, complex, conjugate, bool, one

@@ -14,6 +14,8 @@ Source: ``docs/digest-spec.md`` §5-§8; the serial fold helpers are ``_numba_di
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from numba import carray, types
 from numba.core import cgutils
@@ -125,17 +127,64 @@ def digest_arrays_many(items: list[tuple[int, int, tuple[int, int]]]) -> tuple[n
         RefitInputError: (a ``ValueError``) an address is not 8-byte aligned or a length is out of
             range; nothing is read.
     """
+    return run_many(plan_many(items))
+
+
+class ManyPlan:
+    """The arguments of :func:`digest_many` for a fixed list of strings, checked once
+    (:func:`plan_many`): ``uint64`` addresses, ``int64`` lengths, the two ``uint64`` seed columns."""
+
+    __slots__ = ("addrs", "nbytes", "s0", "s1")
+
+    def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, s0: np.ndarray, s1: np.ndarray) -> None:
+        self.addrs, self.nbytes, self.s0, self.s1 = addrs, nbytes, s0, s1
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+
+def _aligned(addrs: np.ndarray) -> bool:
+    return not len(addrs) or not int((addrs & _U(7)).max())
+
+
+def plan_many(items: list[tuple[int, int, tuple[int, int]]]) -> ManyPlan:
+    """The checked arguments of :func:`digest_many` for ``items`` (as :func:`digest_arrays_many`), to
+    run again and again with :func:`run_many` (a kept digest set: no Python step per string per call).
+
+    Raises:
+        RefitInputError: as :func:`digest_arrays_many`.
+    """
     n = len(items)
     addrs = np.fromiter((a for a, _, _ in items), np.uint64, n)
     nbytes = np.fromiter((b for _, b, _ in items), np.int64, n)
-    if n and (int((addrs & _U(7)).max()) or int(nbytes.min()) < 0 or int(nbytes.max()) >= MANY_MAX_BYTES):
+    if n and (not _aligned(addrs) or int(nbytes.min()) < 0 or int(nbytes.max()) >= MANY_MAX_BYTES):
         raise RefitInputError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
     s0 = np.fromiter((s[0] for _, _, s in items), np.uint64, n)
     s1 = np.fromiter((s[1] for _, _, s in items), np.uint64, n)
+    return ManyPlan(addrs, nbytes, s0, s1)
+
+
+def run_many(plan: ManyPlan, addrs: Iterable[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Channel values of a :func:`plan_many` plan's strings as they are now (:func:`digest_arrays_many`'s
+    result); ``addrs``: the strings' addresses now, in order, when they moved (same lengths, seeds).
+
+    Raises:
+        RefitInputError: ``addrs`` has another count than the plan, or one is not 8-byte aligned;
+            nothing is read.
+    """
+    n = len(plan.addrs)
+    at = plan.addrs
+    if addrs is not None:
+        try:
+            at = np.fromiter(addrs, np.uint64, n)
+        except ValueError:  # fewer than n
+            raise RefitInputError(f"run_many takes {n} addresses") from None
+        if not _aligned(at):
+            raise RefitInputError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
     o0 = np.empty(n, np.uint64)
     o1 = np.empty(n, np.uint64)
     if n:
-        digest_many(addrs, nbytes, s0, s1, o0, o1)
+        digest_many(at, plan.nbytes, plan.s0, plan.s1, o0, o1)
     return o0, o1
 
 

@@ -57,6 +57,9 @@ class Backend:
             (``_numba_many.digest_arrays_many``: 8-byte aligned host addresses,
             ``nbytes < many_max_bytes``); ``None`` otherwise.
         many_max_bytes: the length bound of ``digest_many`` (0 without it).
+        plan_many, run_many: with ``digest_many``: its arguments checked once for a fixed list of
+            strings (``_numba_many.plan_many``) and run at each call, at the planned addresses or,
+            given ``addrs``, at others (``_numba_many.run_many``); ``None`` otherwise.
     """
 
     name: str
@@ -68,6 +71,8 @@ class Backend:
     run_plan: Callable[[Any], torch.Tensor] | None = None
     digest_many: Callable[[list[tuple[int, int, Words]]], tuple[Any, Any]] | None = None
     many_max_bytes: int = 0
+    plan_many: Callable[[list[tuple[int, int, Words]]], Any] | None = None
+    run_many: Callable[..., tuple[Any, Any]] | None = None
 
 
 _CHOSEN: dict[tuple[str, bool], Backend] = {}
@@ -132,7 +137,7 @@ def _pick(device_type: str, kernel: bool) -> Backend:
             return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
                           "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
         return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nm.digest_arrays_many,
-                       many_max_bytes=nm.MANY_MAX_BYTES)
+                       many_max_bytes=nm.MANY_MAX_BYTES, plan_many=nm.plan_many, run_many=nm.run_many)
     return _torch(None)  # no faster implementation exists for this device type
 
 

@@ -138,12 +138,13 @@ class DigestSet:
                     mpos.append(i)
                 else:
                     large.append((i, seeds))
-            self._groups.append((mpos, many, backend, large))
+            # the compiled batch's arguments checked once (no Python step per tensor per call), or its list
+            self._groups.append((mpos, backend.plan_many(many) if backend.plan_many is not None else many, backend, large))
         if not hold:
             self.tensors = None
-        # a set over CPU memory only, whole tensors, each digested through the compiled batch: it can read tensors of
-        # the same layout elsewhere (moved(), launch(moved=True)): a pointer per tensor is all its plan holds
-        self.relocatable = regions is None and all(isinstance(kept, list) and not large for _, kept, _, large in self._groups)
+        # a set over CPU memory only, whole tensors, each digested through a kept plan of the compiled batch: it can
+        # read tensors of the same layout elsewhere (moved(), launch(moved=True)): an address per tensor is all it holds
+        self.relocatable = regions is None and all(b.run_many is not None and not large for _, _, b, large in self._groups)
 
     def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
@@ -205,10 +206,9 @@ class DigestSet:
             if tensors is None or (check and not self.moved(tensors)):
                 return None
             hexes: list[str | None] = [None] * self._n
-            for pos, kept, backend, _large in self._groups:  # relocatable: CPU groups of whole tensors only
-                if kept:
-                    here = [(t.data_ptr(), nbytes, seeds) for t, (_, nbytes, seeds) in zip(map(tensors.__getitem__, pos), kept)]
-                    hx = _digest._many_hexes(*backend.digest_many(here))
+            for pos, kept, backend, _large in self._groups:  # relocatable: CPU groups of whole tensors, kept plans
+                if pos:
+                    hx = _digest._many_hexes(*backend.run_many(kept, map(_T.data_ptr, map(tensors.__getitem__, pos))))
                     for j, i in enumerate(pos):
                         hexes[i] = hx[32 * j : 32 * j + 32]
             return SetLaunch(hexes, [])
@@ -217,9 +217,9 @@ class DigestSet:
         out: list[str | None] = [None] * self._n
         words: list[tuple[list[int], torch.Tensor]] = []
         for pos, kept, backend, large in self._groups:
-            if isinstance(kept, list):  # the CPU: small tensors in one compiled call, the large one by one
-                if kept:
-                    hx = _digest._many_hexes(*backend.digest_many(kept))
+            if backend.digest_many is not None:  # the CPU: small tensors in one compiled call, the large one by one
+                if pos:
+                    hx = _digest._many_hexes(*(backend.run_many(kept) if backend.run_many is not None else backend.digest_many(kept)))
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:
