@@ -8,7 +8,11 @@ re-checks and re-plans each tensor at every call (a few µs of Python per tensor
 signature per tensor with the one it was built on: data pointer, shape, strides, dtype, storage
 bytes, conjugate / negative bits (:func:`signature`). A tensor whose signature moved (``.data``
 reassigned, storage freed or resized, re-viewed) makes :meth:`DigestSet.digest` return ``None``
-and the caller takes the general path, which checks everything again and builds a new set.
+and the caller takes the general path, which checks everything again and builds a new set. A set
+over CPU tensors digested by the compiled batch (no region, none large) is *relocatable*: new
+tensors of its exact layout at other addresses (the clones vLLM's layerwise reload is handed at
+every refit) are read through it where they are (:meth:`DigestSet.moved`), its plan being one
+address per tensor.
 
 The bytes are read at every call: the kernels (Triton on CUDA, one launch plan per device) and the
 CPU's compiled batch (numba, ``Backend.digest_many``) read the memory the tensors hold then. The
