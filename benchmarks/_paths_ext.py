@@ -77,6 +77,12 @@ TIMED_WORKER = (
     "refit_verify.staging:release",
     "refit_verify.stream:ReceiveState.deliver",
     "refit_verify.stream:ReceiveState.finish",
+    # the worker's side of the broadcast path (the module's own names: what its code calls)
+    "refit_verify.broadcast:BroadcastReceiver.receive",
+    "refit_verify.broadcast:BroadcastReceiver._receive_loop",
+    "refit_verify.broadcast:broadcast_message",
+    "refit_verify.broadcast:gather_messages",
+    "refit_verify.broadcast:_collective",  # every collective, its wait for the peer included
     # the model boundary and the session
     "refit_verify.model_boundary:ModelBoundary._check_first",
     "refit_verify.model_boundary:ModelBoundary._replayed",
@@ -143,6 +149,12 @@ TIMED_TRAINER = (
     "refit_verify.transport.sender:RefitSender._post",
     "refit_verify.pack:Packer.digest_first",
     "refit_verify.pack:Packer.add_all",
+    "refit_verify.broadcast:BroadcastSender.send",
+    "refit_verify.broadcast:BroadcastSender._verdict",
+    "refit_verify.broadcast:_BroadcastSend._post",
+    "refit_verify.broadcast:broadcast_message",
+    "refit_verify.broadcast:gather_messages",
+    "refit_verify.broadcast:_collective",  # every collective, its wait for the peers included
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.fetch",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",

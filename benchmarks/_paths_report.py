@@ -43,6 +43,15 @@ PHASES: dict[str, tuple[str, str]] = {
     "t.verify": ("trainer: fetch the workers' manifests + compare (vLLM 0.26 with an in-process LLM: compare only, the "
                  "manifests come back with the finish RPC)", "timed around NativeSendVerifier.verify (observing wrapper)"),
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
+    "b.wall": ("sender: header to the receivers' reports gathered", "BroadcastStats.wall_s (sender.last_stats)"),
+    "b.digest": ("sender digests (each tensor before it is packed)", "BroadcastStats.digest_s (sender.last_stats)"),
+    "b.verdict": ("sender: set-up before the header, and the verdict after the reports (manifests compared, mode applied)",
+                  "derived: `BroadcastSender.send` timed in the child - BroadcastStats.wall_s"),
+    "b.wdigest": ("worker digest seconds sent back (at the model boundary: the reload's finalize and the session close, "
+                  "inside ReceiveState.finish)", "`refit_verify_broadcast_receive` result digest_s"),
+    "b.rest": ("outside `send`: the receive RPC's helper thread started, the worker's work after its report went back (off: "
+               "vLLM's finalize_layerwise_reload, which in enforce runs before the report, in the session close), the RPC's return",
+               "derived: wall - `BroadcastSender.send` timed in the child"),
     "m.model": ("worker: digests of delivered tensors at the model boundary", "SessionManifest.modules[*].digest_s"),
     "m.engine": ("worker: read-back of the written regions", "SessionManifest.engine.digest_s"),
     "snapshot": ("worker: engine-state snapshot at session close (with the close's check of the model index, run while the device reads)", ""),
@@ -58,17 +67,21 @@ ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "w.open", "w
          "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
                                "snapshot", "close_rest"],
          "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.shadow", "t.crit", "t.verify", "n.rest", "m.model", "w.open", "w.close",
-                             "m.engine", "snapshot"]}
+                             "m.engine", "snapshot"],
+         "broadcast": ["b.wall", "b.digest", "b.verdict", "b.wdigest", "m.model", "w.open", "w.close", "m.engine", "snapshot",
+                       "b.rest"]}
 ORDER["native-packed"] = ORDER["native-unpacked"]
 for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
     _order.append("gc")
 OWN = {"transport": ("s.digest", "m.model", "w.open", "w.close"), "boundary-per-param": ("open", "add", "m.model", "close"),
        "boundary-bucketed": ("open", "add", "m.model", "close"),
-       "native-unpacked": ("t.crit", "t.verify", "m.model", "w.open", "w.close")}
+       "native-unpacked": ("t.crit", "t.verify", "m.model", "w.open", "w.close"),
+       "broadcast": ("b.digest", "b.verdict", "m.model", "w.open", "w.close")}
 OWN["native-packed"] = OWN["native-unpacked"]
 """Rows that add up to refit-verify's own work in an enforce refit (a close includes its read-back and snapshot)."""
 SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
-         "open": "open", "add": "r.add", "close": "close", "w.open": "worker open", "w.close": "worker close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare"}
+         "open": "open", "add": "r.add", "close": "close", "w.open": "worker open", "w.close": "worker close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare",
+         "b.digest": "sender digests", "b.verdict": "sender set-up + verdict"}
 SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
                 "mp": "SessionManifest.snapshot_s (the close's own snapshot)"}
 
@@ -124,14 +137,18 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              + f"; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
              f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
              f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
-             f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)",
+             f"{_mib(int(info['transport_buffer_bytes'])) if info.get('transport_buffer_bytes') else '–'} (two ping-pong halves)"
+             + (f"; broadcast: {_mib(a.bucket_bytes)} buckets" if "broadcast" in a.paths else ""),
              f"- trainer side of the boundary paths: `refit(copy={a.trainer_copy})` "
              + ("(one device copy per `r.add`)" if a.trainer_copy else "(tensors held and digested at the end, no copy)"),
              "- trainer side of the native paths: " + ("plain tensors (a `state_dict()`: one device copy per tensor)"
                                                        if a.native_tensors else "`nn.Parameter`s (`model.named_parameters()`: held, no copy)"),
              "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
-             "(transport, native)" + ("; `--control`: one more off engine per kind (off-b), built the same way" if a.control else "")]
+             "(transport, native, broadcast)" + ("; `--control`: one more off engine per kind (off-b), built the same way" if a.control else "")]
+    if info.get("broadcast"):
+        lines.append(f"- broadcast: {info['broadcast']}; per refit the sender in the child's main thread, "
+                     "`refit_verify_broadcast_receive` in a helper thread; one sender and one group per child, reused")
     if a.device == "cpu":
         lines.append("- CPU: plain linear weights kept in every engine (tests/support/plugins.py); native = the test backend "
                      "tests/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
@@ -198,7 +215,7 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                      "every weight_loader, the manifest's encoding and RPC) plus noise.")
         lines += _timers_table(res[p])
         c_off, c_enf = res[p]["off"][-1].counts, res[p]["enforce"][-1].counts
-        extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "updates", "gc")
+        extra = ", ".join(f"{'gc collections' if k == 'gc' else k} {c_off.get(k, '–')} / {c_enf.get(k, '–')}" for k in ("calls", "buffers", "buckets", "updates", "gc")
                           if k in c_off or k in c_enf)
         if extra:
             lines.append(f"\nCounts (off / enforce, last round): {extra}.")

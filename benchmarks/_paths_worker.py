@@ -13,7 +13,9 @@ Engine kinds:
   (``boundary-per-param``, ``boundary-bucketed``).
 * ``mp``: ``vllm.LLM`` as users start it (engine core and worker in processes of their own), for
   the paths whose bytes cross a process boundary (``transport``: shm / CUDA IPC staging;
-  ``native-*``: vLLM's weight-transfer API; CUDA IPC cannot open a handle in the exporting process).
+  ``native-*``: vLLM's weight-transfer API; CUDA IPC cannot open a handle in the exporting process;
+  ``broadcast``: a process group of this child, rank 0, and the engine's worker, rank 1:
+  ``benchmarks/_paths_broadcast.py``).
 
 Every refit is timed in this process around the refit (``time.perf_counter``, ending with
 ``torch.cuda.synchronize()`` on CUDA); what refit-verify reports about itself is collected after
@@ -35,13 +37,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import _paths_broadcast
 import msgspec
 from _paths_timing import GcTimer, Profile, TimedClient
 
 ROOT = Path(__file__).resolve().parents[1]
-PATHS = ("transport", "boundary-per-param", "boundary-bucketed", "native-unpacked", "native-packed")
+PATHS = ("transport", "boundary-per-param", "boundary-bucketed", "native-unpacked", "native-packed", "broadcast")
 KIND = {"transport": "mp", "boundary-per-param": "inproc", "boundary-bucketed": "inproc",
-        "native-unpacked": "mp", "native-packed": "mp"}
+        "native-unpacked": "mp", "native-packed": "mp", "broadcast": "mp"}
 """Engine kind each path runs on (see the module docstring)."""
 
 
@@ -118,6 +121,9 @@ class Bench:
         self.timers, self.grabbed = False, {}  # --timers: {"t:" or "w:" + function: [seconds, calls]} of the last refit
         want_native = any(p.startswith("native") for p in self.paths)
         backend = self._native_backend() if want_native else None
+        self.bcast = None  # the broadcast path (benchmarks/_paths_broadcast.py), once its group is formed
+        if "broadcast" in self.paths:
+            _paths_broadcast.prepare(self)  # before the engine starts: the CUDA skip, gloo's interface
         self.llm = self._start(backend)
         if self.kind == "inproc":
             self.worker = self.llm.llm_engine.model_executor.driver_worker.worker
@@ -134,6 +140,12 @@ class Bench:
                                       device=self.device)  # one sender reused across rounds
         if self.mode != "off" and want_native and backend is not None:
             self._observe_native_verify()
+        if "broadcast" in self.paths and "broadcast" not in self.skips:
+            try:  # the group, once per child; a failure skips this path only (the others of this engine still run)
+                self.bcast = _paths_broadcast.BroadcastPath(self)
+            except Exception as e:  # noqa: BLE001 - reported as the skip reason
+                traceback.print_exc()
+                self.skips["broadcast"] = f"the trainer-worker group did not form: {type(e).__name__}: {e}"[:400]
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -229,7 +241,8 @@ class Bench:
                 "native_api": ("static (0.26)" if getattr(self, "static", False) else "trainer engine (>= 0.27)")
                 if any(p.startswith("native") and p not in self.skips for p in self.paths) else "",
                 "native_backend": ("ipc" if self.cuda else "tests/native_cpu_backend.py (files in /dev/shm)")
-                if any(p.startswith("native") and p not in self.skips for p in self.paths) else ""}
+                if any(p.startswith("native") and p not in self.skips for p in self.paths) else "",
+                **(self.bcast.info() if self.bcast is not None else {})}
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -302,6 +315,8 @@ class Bench:
             return self.bucketed(off)
         if path in ("native-unpacked", "native-packed"):
             return self.native(off, packed=path == "native-packed")
+        if path == "broadcast" and self.bcast is not None:
+            return self.bcast.run(off)
         raise ValueError(f"unknown path {path!r}")
 
     def transport(self, off: bool):
@@ -479,6 +494,8 @@ class Bench:
     def close(self) -> None:
         if hasattr(self, "sender"):
             self.sender.close()
+        if self.bcast is not None:
+            self.bcast.close()
         if self.files is not None:
             for f in self.files.glob("*"):
                 f.unlink()

