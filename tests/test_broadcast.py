@@ -24,7 +24,7 @@ import torch
 from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
 from refit_verify import RefitConfig, RefitVerificationError
-from refit_verify.broadcast import BroadcastReceiver, BroadcastSender, BroadcastVerificationError
+from refit_verify.broadcast import AFTER_LOAD_UNCHECKED, BroadcastReceiver, BroadcastSender, BroadcastVerificationError
 from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError
 
 WORLD = 3
@@ -90,7 +90,7 @@ def _reports(reps) -> dict | None:
     if reps is None:
         return None
     return {r: {"ok": rep.ok, "mismatched": list(rep.mismatched), "missing": list(rep.missing), "verified": rep.verified,
-                "rank": rep.rank} for r, rep in reps.items()}
+                "rank": rep.rank, "unchecked": list(rep.unchecked), "text": rep.describe()} for r, rep in reps.items()}
 
 
 def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, timeout_group: bool = True) -> dict:
@@ -220,6 +220,8 @@ def check_clean(ranks: list[dict], world: int) -> None:
     assert sorted(reps) == list(range(1, world))
     for r in range(1, world):
         assert reps[r]["ok"] and reps[r]["verified"] == len(ALL) and reps[r]["rank"] == r
+        # what the digests before load cannot see is said, in the report and its text
+        assert reps[r]["unchecked"] == [AFTER_LOAD_UNCHECKED] and "not checked: what each receiver's load did" in reps[r]["text"]
         got = ranks[r]["clean_enforce"]
         assert got["ok"] and got["mode"] == "enforce" and got["manifest"] == len(ALL)
         assert got["loaded"] == sorted(ALL) and all(got["equal"].values())

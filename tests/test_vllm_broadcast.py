@@ -32,7 +32,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from refit_verify import RefitConfig, models  # noqa: E402
-from refit_verify.broadcast import BroadcastSender  # noqa: E402
+from refit_verify.broadcast import AFTER_LOAD_UNCHECKED, BroadcastSender  # noqa: E402
 from refit_verify.demo import readback_names, start_engine  # noqa: E402
 from refit_verify.digest import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
@@ -269,7 +269,10 @@ def test_clean_refit_verified_and_loaded(refits, engine):
     weights = _weights(engine, "clean")
     got = refits["trainer"]["clean"]
     assert "error" not in got, got
-    assert got["reports"] == {1: {"ok": True, "mismatched": [], "missing": [], "verified": 21, "rank": 1}}
+    rep = got["reports"][1]
+    assert {k: rep[k] for k in ("ok", "mismatched", "missing", "verified", "rank")} == {
+        "ok": True, "mismatched": [], "missing": [], "verified": 21, "rank": 1}
+    assert rep["unchecked"] == [AFTER_LOAD_UNCHECKED]  # the worker's read-back is not in the rank report: said so
     assert got["stats"]["tensors"] == 21 and got["stats"]["buckets"] == 4 and got["stats"]["receivers"] == 1
     (w,) = refits["workers"]["clean"]
     assert (w["rank"], w["group_rank"], w["tensors"], w["buckets"], w["mode"], w["error"]) == (0, 1, 21, 4, "enforce", None)

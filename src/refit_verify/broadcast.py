@@ -84,6 +84,14 @@ __all__ = [
 
 logger = logging.getLogger("refit_verify")
 
+AFTER_LOAD_UNCHECKED = (
+    "what each receiver's load did with the bytes it digested: a broadcast rank report carries the digests of what "
+    "arrived, not a vLLM worker's coverage and read-back of its engine (compare those with "
+    "collective_rpc('refit_verify_session_manifest') and refit_verify.check.compare_session)")
+"""The ``unchecked`` entry of every verifying broadcast report: the verdict compares the digests
+each receiver took before ``load``; nothing a receiver learns after it (a vLLM worker's read-back)
+travels back in its :class:`~refit_verify.dist_wire.RankReport`."""
+
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "peer closed")
 
 
@@ -353,6 +361,7 @@ class BroadcastSender:
             return None
         reports = {g.rank: receiver_report(sender_manifest, g.manifest, None, refit_id=refit_id, rejected=g.rejected or {},
                                            error=g.error, rank=g.rank) for g in results}
+        reports = {r: dataclasses.replace(rep, unchecked=(*rep.unchecked, AFTER_LOAD_UNCHECKED)) for r, rep in reports.items()}
         failing = False
         for rep in reports.values():
             try:  # a load error alone is the RefitReceiveError below, not a verification failure
