@@ -65,6 +65,20 @@ class FlipReceiver(BroadcastReceiver):
                 flat.view(torch.uint8)[0] ^= 1
 
 
+class LateWriteSender(BroadcastSender):
+    """Test-only sender: when its first bucket goes out, writes into a trainer tensor that a later
+    bucket carries (after the sender digested the whole list at once, before that tensor is packed)."""
+
+    def __init__(self, *args, late: torch.Tensor, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.late, self.written = late, False
+
+    def _sending(self, entries, data) -> None:
+        if not self.written:
+            self.late.add_(1)
+            self.written = True
+
+
 class _Capture(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -107,11 +121,16 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         return RefitConfig(mode=mode, buffer_bytes=BUFFER)
 
     def step(key: str, mode: str, *, flip: dict[int, str] | None = None, load_error: dict[int, str] | None = None,
-             items=None, label: int | None = None) -> None:
+             items=None, label: int | None = None, late: str | None = None) -> None:
         cap.records.clear()
         if rank == SRC:
             try:
-                res = BroadcastSender(group=None, src=SRC, config=cfg(mode)).send(items if items is not None else tensors)
+                if late is not None:  # a copy of the list, one tensor of it written while the refit is sent
+                    items = [(n, t.clone()) for n, t in tensors]
+                    sender = LateWriteSender(group=None, src=SRC, config=cfg(mode), late=dict(items)[late])
+                else:
+                    sender = BroadcastSender(group=None, src=SRC, config=cfg(mode))
+                res = sender.send(items if items is not None else tensors)
                 out[key] = {"reports": _reports(res)}
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": _err(e)}
@@ -153,6 +172,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
 
     step("abort", "enforce", items=bad_items() if rank == SRC else None)
     step("after_abort", "enforce")  # the group is still usable
+    step("late_write", "enforce", late="model.norm.weight")  # digested with the whole list, written before it is packed
     out["others"] = others
     if others:  # a load error on one rank and a mismatch on another: both reach the sender's error
         step("load_error_and_fault", "enforce", load_error={others[0]: "model.norm.weight"},
@@ -301,6 +321,16 @@ def test_wait_bounded_by_group_timeout(ranks) -> None:
     got = ranks[2]["timeout"]
     assert got["error"]["type"] == "RefitTimeoutError", got
     assert got["waited_s"] < 30
+
+
+def test_a_tensor_written_after_the_list_was_digested_is_a_mismatch(ranks) -> None:
+    """A list is digested at once before any bucket goes out (kept sets, one synchronisation per
+    refit): a trainer tensor written after that and before it is packed reaches every receiver with
+    other bytes than its digest, a mismatch on every rank, never a pass."""
+    err = ranks[SRC]["late_write"]["error"]
+    assert err["type"] == "BroadcastVerificationError" and err["failed"] == list(range(1, WORLD))
+    assert all(rep["mismatched"] == ["model.norm.weight"] for rep in err["per_rank"].values())
+    assert all(ranks[r]["late_write"]["ok"] for r in range(1, WORLD))  # each receiver got and loaded every tensor
 
 
 def test_error_types_are_exported() -> None:

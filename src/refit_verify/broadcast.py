@@ -309,6 +309,8 @@ class BroadcastSender:
         try:
             abort_due = True
             st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment), "header")
+            if isinstance(named_tensors, (list, tuple)):
+                packer.digest_first(named_tensors)  # the whole refit's digests at once (kept sets): no synchronisation per bucket
             packer.add_all(named_tensors)
             sender_manifest = packer.manifest()
             st.send(BroadcastComplete(n_tensors=packer.tensors), "complete")

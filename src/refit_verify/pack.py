@@ -124,12 +124,13 @@ class Packer:
         self.bytes += n
 
     def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """With ``digests_ahead``: digest a whole refit given as a sequence before any of it is
-        packed, at once through :func:`~refit_verify.digest_stream.digest_now` (kept sets: the
-        trainer's memory at every refit; no per-tensor check besides one signature): one
-        synchronisation per device for the refit instead of one per group. The tensors are the
-        trainer's, unchanged while it sends them; one changed in between is refused by the receiver
-        (its bytes differ from its digest): a failure, never a pass.
+        """When verifying: digest a whole refit given as a sequence before any of it is packed, at
+        once through :func:`~refit_verify.digest_stream.digest_now` (kept sets: the trainer's memory
+        at every refit; no per-tensor check besides one signature): one synchronisation per device
+        for the refit instead of one per group, and no digest work per :meth:`add`. The tensors are
+        the trainer's, unchanged while it sends them; one changed in between differs from its digest
+        where the receiver reads it (refused before loading with ``digests_ahead``, a mismatch in
+        the verdict without): a failure, never a pass.
 
         Digesting only the first group's tensors ahead and the rest after the first group was sent
         (while the receiver loads it) was tried and measured slower on one H200, about 17 ms per
@@ -140,7 +141,7 @@ class Packer:
             TypeError / ValueError: as :func:`checked_item` (before anything is sent);
             RefitInputError: a tensor cannot be digested.
         """
-        if not self.ahead:
+        if self.digests is None:
             return
         t0 = time.perf_counter()
         seen: set[str] = set()
@@ -195,6 +196,6 @@ class Packer:
         if self.ahead:
             return dict(self._group_hex())
         t0 = time.perf_counter()
-        out = self.digests.hexdigests()
+        out = {**self._known, **self.digests.hexdigests()}  # digest_first's, then any added one by one
         self.digest_s += time.perf_counter() - t0
         return out
