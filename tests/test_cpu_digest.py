@@ -270,6 +270,14 @@ def test_a_many_plan_reads_its_strings_where_they_are_now():
     assert words(nm.run_many(plan, (t.data_ptr() for t in copies))) == want
     with pytest.raises(ValueError, match="6 addresses"):
         nm.run_many(plan, [t.data_ptr() for t in copies[:5]])
+    with pytest.raises(ValueError, match="6 addresses"):  # one more than planned: refused, not cut
+        nm.run_many(plan, (t.data_ptr() for t in copies + copies[:1]))
+    with pytest.raises(ValueError, match="6 addresses"):
+        nm.run_many(plan, [float(t.data_ptr()) for t in copies])
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+        nm.run_many(plan, [-8] + [t.data_ptr() for t in copies[1:]])
+    with pytest.raises(ValueError, match="read-only"):
+        plan.addrs[0] = 0
     with pytest.raises(ValueError, match="8-byte aligned"):
         nm.run_many(plan, [t.data_ptr() + (1 if i == 2 else 0) for i, t in enumerate(copies)])
     with pytest.raises(ValueError, match="8-byte aligned"):

@@ -477,3 +477,34 @@ def test_a_relocatable_set_never_reads_meta_or_device_tensors_of_its_layout():
     assert ds.digest(tensors=[torch.empty(8, device="meta")], moved=True) is None
     if torch.cuda.is_available():
         assert not ds.moved([torch.zeros(8, device="cuda")])
+
+
+@pytest.mark.parametrize("kind", ["kernel", "large"])
+def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
+    """Memory that moves at every call where no set can follow it (the kernel path, a GPU's clones
+    or a sharded gather's; a CPU tensor past the compiled batch's bound) keeps only its signatures:
+    no set is built and thrown away at each call, and the digests stay right."""
+    from refit_verify import digest_stream as dst
+
+    if kind == "kernel":
+        monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
+    monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
+    built = []
+    real_init = DigestSet.__init__
+    monkeypatch.setattr(DigestSet, "__init__", lambda self, *a, **k: (built.append(1), real_init(self, *a, **k))[1])
+    base = _laid_out(9)[:2] + ([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)] if kind == "large" else [])
+    for call in range(4):
+        items = [(f"t{i}", t.clone()) for i, t in enumerate(base)]
+        assert dst.digest_now(items, space=f"moving {kind}") == {n: tensor_digest(t) for n, t in items}
+    assert built == [] and all(isinstance(v, list) for v in dst._HELD_SETS.values())
+
+
+def test_a_set_that_cannot_follow_its_tensors_never_reads_others_even_unchecked():
+    """``launch(moved=True, check=False)`` on a set that is not relocatable (regions, large tensors)
+    reads nothing (None): a region's digest is never taken of the start of another tensor."""
+    q = torch.randn(64)
+    regioned = DigestSet([q], regions=[(6, (6,), (1,))], hold=False)
+    assert regioned.launch(check=False, tensors=[torch.randn(64)], moved=True) is None
+    large = DigestSet([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)], hold=False)
+    assert large.digest(check=False, tensors=[torch.ones(dg.backend_for("cpu").many_max_bytes // 4 + 1)], moved=True) is None

@@ -40,6 +40,11 @@ def test_tensors_that_cannot_be_digested_are_refused():
         refit_verify.tensor_digest(nested)
     with pytest.raises(RefitInputError, match="at most 255 dimensions"):
         refit_verify.tensor_digest(torch.ones([1] * 256))
+    z = torch._efficientzerotensor(4)  # a plain Tensor at address 0 whose storage claims 16 bytes (found in review:
+    with pytest.raises(RefitInputError, match="ZeroTensor"):  # a garbage digest alone, a crash in a batch of 4)
+        refit_verify.tensor_digest(z)
+    with pytest.raises(RefitInputError, match="ZeroTensor"):
+        refit_verify.digest_tensors({"z": z, **{f"w{i}": torch.ones(4) for i in range(4)}})
 
 
 class _Str(str):
@@ -151,7 +156,7 @@ def test_waits_into_another_process_are_bounded_from_a_thread_in_process_ones_ar
     assert not _in_other_process(object())
 
 
-@pytest.mark.parametrize("bad", ["quantized", "nested", "meta", "freed", "not a tensor"])
+@pytest.mark.parametrize("bad", ["quantized", "nested", "meta", "freed", "zero tensor", "not a tensor"])
 def test_held_adds_refuse_what_cannot_be_digested(bad):
     """refit(copy=False) checks each tensor at its add too (inline for plain tensors and parameters):
     a refused add raises RefitInputError and leaves nothing behind."""
@@ -168,6 +173,8 @@ def test_held_adds_refuse_what_cannot_be_digested(bad):
     elif bad == "freed":
         t = torch.nn.Parameter(torch.ones(8), requires_grad=False)
         t.untyped_storage().resize_(0)
+    elif bad == "zero tensor":
+        t = torch._efficientzerotensor(4)
     else:
         t = [1.0, 2.0]
     with pytest.raises(RefitInputError):

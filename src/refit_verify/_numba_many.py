@@ -43,7 +43,7 @@ from refit_verify._numba_digest import (
     _tweak,
 )
 
-__all__ = ["MANY_MAX_BYTES", "digest_arrays_many", "digest_many", "digest_words_many"]
+__all__ = ["MANY_MAX_BYTES", "ManyPlan", "digest_arrays_many", "digest_many", "digest_words_many", "plan_many", "run_many"]
 
 
 @_jit()
@@ -137,6 +137,8 @@ class ManyPlan:
     __slots__ = ("addrs", "nbytes", "s0", "s1")
 
     def __init__(self, addrs: np.ndarray, nbytes: np.ndarray, s0: np.ndarray, s1: np.ndarray) -> None:
+        for a in (addrs, nbytes, s0, s1):
+            a.flags.writeable = False  # checked once: never changed after
         self.addrs, self.nbytes, self.s0, self.s1 = addrs, nbytes, s0, s1
 
     def __len__(self) -> int:
@@ -169,16 +171,19 @@ def run_many(plan: ManyPlan, addrs: Iterable[int] | None = None) -> tuple[np.nda
     result); ``addrs``: the strings' addresses now, in order, when they moved (same lengths, seeds).
 
     Raises:
-        RefitInputError: ``addrs`` has another count than the plan, or one is not 8-byte aligned;
-            nothing is read.
+        RefitInputError: ``addrs`` has another count than the plan, holds something else than
+            ints in [0, 2**64), or one is not 8-byte aligned; nothing is read.
     """
     n = len(plan.addrs)
     at = plan.addrs
     if addrs is not None:
+        given = list(addrs)
+        if len(given) != n or not set(map(type, given)) <= {int}:
+            raise RefitInputError(f"run_many takes {n} addresses (ints), got {len(given)}")
         try:
-            at = np.fromiter(addrs, np.uint64, n)
-        except ValueError:  # fewer than n
-            raise RefitInputError(f"run_many takes {n} addresses") from None
+            at = np.array(given, np.uint64)
+        except OverflowError:  # below 0 or from 2**64 on
+            raise RefitInputError("run_many takes addresses in [0, 2**64)") from None
         if not _aligned(at):
             raise RefitInputError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
     o0 = np.empty(n, np.uint64)

@@ -97,6 +97,8 @@ def _check(t: torch.Tensor) -> None:
                               "quantization parameters (q_per_channel_scales() ...) as tensors of their own")
     if t.is_meta:
         raise RefitInputError("a meta tensor has no bytes to digest")
+    if t._is_zerotensor():  # a plain Tensor whose data_ptr is 0 but whose storage claims bytes: reading it would crash
+        raise RefitInputError("a ZeroTensor (torch._efficientzerotensor) has no memory to digest; digest torch.zeros_like(t)")
     if t.dim() > 255:
         raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
     _check_storage(t)

@@ -33,7 +33,7 @@ from refit_verify import reference as _ref
 from refit_verify.digest import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
 from refit_verify.placement import as_view
 
-__all__ = ["DigestSet", "SetLaunch", "signature"]
+__all__ = ["DigestSet", "SetLaunch", "could_relocate", "signature"]
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -58,6 +58,21 @@ def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
     return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), list(map(_DTYPE, ts)),
             list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), list(map(_T.is_conj, ts)),
             list(map(_T.is_neg, ts)))
+
+
+def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a :class:`DigestSet` over ``tensors`` would be :attr:`~DigestSet.relocatable`, read
+    from the tensors alone (no set built): every one a contiguous CPU tensor at an 8-byte aligned
+    address, below the compiled batch's length bound, on a CPU without kernels. For a caller that
+    would otherwise build a set only to find it cannot follow moving memory. The caller runs on
+    plain tensor ops."""
+    if "cpu" in _digest._KERNEL_DEVICE_TYPES or not set(map(_DEVICE, tensors)) <= _CPU:
+        return False
+    backend = _digest.backend_for("cpu")
+    if backend.run_many is None:
+        return False
+    most = backend.many_max_bytes
+    return all(t.is_contiguous() and not t.data_ptr() & 7 and t.numel() * t.element_size() < most for t in tensors)
 
 
 class DigestSet:
@@ -207,7 +222,7 @@ class DigestSet:
         ``check=False``); they are read where they are now.
         """
         if moved:
-            if tensors is None or (check and not self.moved(tensors)):
+            if not self.relocatable or tensors is None or (check and not self.moved(tensors)):
                 return None
             hexes: list[str | None] = [None] * self._n
             for pos, kept, backend, _large in self._groups:  # relocatable: CPU groups of whole tensors, kept plans

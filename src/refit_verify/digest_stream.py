@@ -25,7 +25,7 @@ from refit_verify.digest import (
     logical_bytes,
     plain_tensor_ops,
 )
-from refit_verify.digest_set import DigestSet, SetLaunch, signature
+from refit_verify.digest_set import DigestSet, SetLaunch, could_relocate, signature
 from refit_verify.errors import RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
@@ -130,8 +130,10 @@ class HeldBatch:
     :data:`KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
     the tensors): a flush whose names and tensor signatures (address, shape, strides, dtype,
     storage) are those of the kept set launches its plan with one signature compare per tensor, no
-    planning. Anything else takes the general path (:class:`~refit_verify.digest.DigestBatch`) and
-    is remembered for the next refit (:func:`_keep_held`).
+    planning; on the CPU, so does a flush of the kept set's layout at other addresses (a relocatable
+    set, :meth:`~refit_verify.digest_set.DigestSet.moved`: a copy made at every refit). Anything
+    else takes the general path (:class:`~refit_verify.digest.DigestBatch`) and is remembered for
+    the next refit (:func:`_keep_held`).
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
@@ -176,7 +178,7 @@ class HeldBatch:
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta) and t.layout is _STRIDED \
+        if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
                 and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
             size = t.element_size()
             nbytes = t.numel() * size
@@ -308,22 +310,22 @@ def _same_layout(a: list[tuple], b: list[tuple]) -> bool:
 
 def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
     """Remember a flush that went the general way: its signatures the first time; a set over its
-    tensors (no tensors held) when the same names come again with the same signatures, or on the
-    CPU with the same layout elsewhere (a relocatable set, :meth:`DigestSet.moved`: clones made at
-    every refit). Memory that moves at every refit on a device with kernel plans (a sharded
-    gather's) is never planned for nothing."""
+    tensors (no tensors held) when the same names come again with the same signatures, or with the
+    same layout elsewhere when a set can follow it (:func:`~refit_verify.digest_set.could_relocate`:
+    CPU clones made at every refit). Memory that moves at every refit where no set can follow it
+    (a sharded gather's on a GPU, a large CPU tensor's) is never planned for nothing."""
     with _HELD_LOCK:
         prev = _HELD_SETS.get(names)
     entry: DigestSet | list[tuple] = sigs
     before = None if prev is None else prev if isinstance(prev, list) else prev.signatures
     same = before == sigs
-    if same or (before is not None and _same_layout(before, sigs)):
+    # memory that moves at every refit gets a set only where one can follow it (the CPU's compiled batch):
+    # a sharded gather's on a GPU, or a large CPU tensor's, is never planned for nothing
+    if same or (before is not None and _same_layout(before, sigs) and could_relocate(tensors)):
         try:
             entry = DigestSet(tensors, hold=False)
         except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
             entry = sigs
-        if not same and isinstance(entry, DigestSet) and not entry.relocatable:
-            entry = sigs  # memory that moves at every refit (a sharded gather's on a GPU): no set can follow it
     with _HELD_LOCK:
         global _HELD_TENSORS
         old = _HELD_SETS.pop(names, None)

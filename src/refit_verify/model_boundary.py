@@ -242,7 +242,9 @@ class ModelBoundary:
         read at once through :func:`~refit_verify.digest_stream.digest_now` (nothing runs between
         the hand-over and the read): a call with the same names over the same memory as the last
         one (a staging slot handed over in place) launches a kept set, one signature per tensor;
-        the layerwise reload's fresh clones take the general path (a plan per tensor).
+        so do the layerwise reload's fresh clones on the CPU (a relocatable set read where they are
+        now) and on CUDA when the allocator gives them the last refit's addresses; otherwise they
+        take the general path (a plan per tensor).
         """
         t0 = time.perf_counter()
         checked = [item for item in weights
