@@ -44,7 +44,7 @@ PHASES: dict[str, tuple[str, str]] = {
                  "manifests come back with the finish RPC)", "timed around NativeSendVerifier.verify (observing wrapper)"),
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
     "b.wall": ("sender: header to the receivers' reports gathered", "BroadcastStats.wall_s (sender.last_stats)"),
-    "b.digest": ("sender digests (each tensor before it is packed)", "BroadcastStats.digest_s (sender.last_stats)"),
+    "b.digest": ("sender digests (a list: all at once before the first bucket; else each tensor before it is packed)", "BroadcastStats.digest_s (sender.last_stats)"),
     "b.verdict": ("sender: set-up before the header, and the verdict after the reports (manifests compared, mode applied)",
                   "derived: `BroadcastSender.send` timed in the child - BroadcastStats.wall_s"),
     "b.wdigest": ("worker digest seconds sent back (at the model boundary: the reload's finalize and the session close, "
