@@ -69,7 +69,7 @@ def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
     if "cpu" in _digest._KERNEL_DEVICE_TYPES or not set(map(_DEVICE, tensors)) <= _CPU:
         return False
     backend = _digest.backend_for("cpu")
-    if backend.run_many is None:
+    if backend.plan_many is None:
         return False
     most = backend.many_max_bytes
     return all(t.is_contiguous() and not t.data_ptr() & 7 and t.numel() * t.element_size() < most for t in tensors)
@@ -121,7 +121,8 @@ class DigestSet:
         self._columns = _signature_columns(self.tensors)  # what valid() compares
         self.signatures = list(zip(*self._columns))
         self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
-        # per group: (positions in the output, kept kernel plan or CPU many-list, backend, large CPU items (position, seeds))
+        # per group: (positions in the output, kept kernel plan or the CPU's kept plan_many (its list without one), backend,
+        # large CPU items (position, seeds))
         self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
         by: dict[tuple, list[int]] = {}
         for i, t in enumerate(views):
@@ -163,7 +164,8 @@ class DigestSet:
             self.tensors = None
         # a set over CPU memory only, whole tensors, each digested through a kept plan of the compiled batch: it can
         # read tensors of the same layout elsewhere (moved(), launch(moved=True)): an address per tensor is all it holds
-        self.relocatable = regions is None and all(b.run_many is not None and not large for _, _, b, large in self._groups)
+        self.relocatable = regions is None and all(b.digest_many is not None and not isinstance(kept, list) and not large
+                                                   for _, kept, b, large in self._groups)
 
     def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
@@ -238,7 +240,7 @@ class DigestSet:
         for pos, kept, backend, large in self._groups:
             if backend.digest_many is not None:  # the CPU: small tensors in one compiled call, the large one by one
                 if pos:
-                    hx = _digest._many_hexes(*(backend.run_many(kept) if backend.run_many is not None else backend.digest_many(kept)))
+                    hx = _digest._many_hexes(*(backend.digest_many(kept) if isinstance(kept, list) else backend.run_many(kept)))
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:
