@@ -426,8 +426,10 @@ def test_digest_now_reads_clones_made_at_every_call_through_one_kept_set(monkeyp
     adds = []
     real_add = HeldBatch.add
     monkeypatch.setattr(HeldBatch, "add", lambda self, n, t: (adds.append(n), real_add(self, n, t)))
+    keep = []  # every call's copies stay alive: each call's are at other addresses, as vLLM's clones are
     for call in range(5):
         copies = [(n, t.clone()) for n, t in staged]
+        keep.append(copies)
         if call == 3:
             copies[5][1][2, 1] += 1  # this refit's copy holds other bytes: read as it is
         want = {n: tensor_digest(t) for n, t in copies}
@@ -452,8 +454,10 @@ def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_change
     real = DigestSet.launch
     monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (moved_launches.append(k.get("moved", False)), real(self, *a, **k))[1])
     weights = dict(zip("abcdef", _laid_out(7)))
+    keep = []  # every refit's copies stay alive: each refit's are at other addresses
     for refit in range(4):
         copies = {n: t.clone() for n, t in weights.items()}
+        keep.append(copies)
         hb = dst.HeldBatch(flush_bytes=1 << 30)
         for n, t in copies.items():
             hb.add(n, t)
@@ -486,7 +490,10 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     no set is built and thrown away at each call, and the digests stay right."""
     from refit_verify import digest_stream as dst
 
-    if kind == "kernel":
+    device = "cuda" if kind == "kernel" and torch.cuda.is_available() else "cpu"
+    if kind == "kernel" and device == "cpu":  # the kernels' kept plans on CPU tensors, as CUDA tensors go
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("neither a GPU nor the Triton interpreter in this process")
         monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
     monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
@@ -494,8 +501,11 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     real_init = DigestSet.__init__
     monkeypatch.setattr(DigestSet, "__init__", lambda self, *a, **k: (built.append(1), real_init(self, *a, **k))[1])
     base = _laid_out(9)[:2] + ([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)] if kind == "large" else [])
+    base = [t.to(device) for t in base]
+    keep = []  # every call's clones stay alive: the next ones are at other addresses, as at a refit whose memory moved
     for call in range(4):
         items = [(f"t{i}", t.clone()) for i, t in enumerate(base)]
+        keep.append(items)
         assert dst.digest_now(items, space=f"moving {kind}") == {n: tensor_digest(t) for n, t in items}
     assert built == [] and all(isinstance(v, list) for v in dst._HELD_SETS.values())
 
