@@ -406,6 +406,10 @@ def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(mon
     from refit_verify import digest_stream
     from refit_verify.digest import tensor_digest
 
+    # kept sets are process-wide: another test's toy model of the same names and layout would be read through its
+    # relocatable set from the first check on (right digests, no general path); this test starts with none
+    monkeypatch.setattr(digest_stream, "_HELD_SETS", type(digest_stream._HELD_SETS)())
+    monkeypatch.setattr(digest_stream, "_HELD_TENSORS", 0)
     wb, model = _worker()
     _refit(wb, model, toy_weights(1), 1)
     w = toy_weights(3)
