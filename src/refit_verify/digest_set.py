@@ -33,7 +33,7 @@ from refit_verify import reference as _ref
 from refit_verify.digest import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
 from refit_verify.placement import as_view
 
-__all__ = ["DigestSet", "SetLaunch", "could_relocate", "signature"]
+__all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature"]
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -42,6 +42,20 @@ def signature(t: torch.Tensor) -> tuple:
     plain tensor ops."""
     s = t.untyped_storage()
     return (t.data_ptr(), t.shape, t.stride(), t.dtype, s.data_ptr(), s.nbytes(), t.is_conj(), t.is_neg())
+
+
+def _layout(columns: Sequence[list]) -> tuple[list, ...]:
+    """What :func:`signature` fields say of tensors' layout wherever they are, from
+    :func:`_signature_columns`' columns: shape, strides, dtype, storage bytes, conjugate / negative
+    bits, and offset into the storage (data pointer minus storage pointer), one list each."""
+    return (columns[1], columns[2], columns[3], columns[5], columns[6], columns[7], list(map(sub, columns[0], columns[4])))
+
+
+def same_layout(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
+    """True iff signatures ``a`` and ``b`` (:func:`signature`, in order) describe tensors of one
+    layout, wherever each is: every field but the two addresses equal, and the same offset into the
+    storage (:meth:`DigestSet.moved`'s rule)."""
+    return len(a) == len(b) and (not a or _layout(list(map(list, zip(*a)))) == _layout(list(map(list, zip(*b)))))
 
 
 _T = torch.Tensor
@@ -72,7 +86,7 @@ def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
     if backend.plan_many is None:
         return False
     most = backend.many_max_bytes
-    return all(t.is_contiguous() and not t.data_ptr() & 7 and t.numel() * t.element_size() < most for t in tensors)
+    return all(_many_ok(t, most) for t in tensors)
 
 
 class DigestSet:
@@ -191,25 +205,23 @@ class DigestSet:
             return False
 
     @plain_tensor_ops
-    def moved(self, tensors: Sequence[torch.Tensor]) -> bool:
+    def moved(self, tensors: Sequence[torch.Tensor], columns: tuple[list, ...] | None = None) -> bool:
         """True iff the set is :attr:`relocatable` and ``tensors`` (in the set's order) are laid out
         as the tensors it was built on, wherever they are now: the same shape, strides, dtype,
         storage bytes, offset into their storage and conjugate / negative bits, and 8-byte aligned
         addresses (the compiled batch's requirement). New tensors of a buffer's layout at another
         address (clones made at every refit on the CPU) then need no new plan: :meth:`launch` with
-        ``moved=True`` reads them where they are."""
+        ``moved=True`` reads them where they are. ``columns``: ``tensors``' signature fields as
+        columns, when the caller read them just now (they are not read again)."""
         if not self.relocatable or len(tensors) != self._n or not set(map(_DEVICE, tensors)) <= _CPU:  # meta: not CPU
             return False
         try:
-            cols = _signature_columns(tensors)
+            cols = _signature_columns(tensors) if columns is None else columns
         except (RuntimeError, NotImplementedError):
             return False
         if self._layout is None:
-            c = self._columns
-            self._layout = (c[1], c[2], c[3], c[5], c[6], c[7], list(map(sub, c[0], c[4])))
-        ptrs = cols[0]
-        return ((cols[1], cols[2], cols[3], cols[5], cols[6], cols[7], list(map(sub, ptrs, cols[4]))) == self._layout
-                and not any(map(and_, ptrs, repeat(7))))
+            self._layout = _layout(self._columns)
+        return _layout(cols) == self._layout and not any(map(and_, cols[0], repeat(7)))
 
     @plain_tensor_ops
     def launch(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None, moved: bool = False) -> SetLaunch | None:

@@ -25,7 +25,7 @@ from refit_verify.digest import (
     logical_bytes,
     plain_tensor_ops,
 )
-from refit_verify.digest_set import DigestSet, SetLaunch, could_relocate, signature
+from refit_verify.digest_set import DigestSet, SetLaunch, _signature_columns, could_relocate, same_layout
 from refit_verify.errors import RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
@@ -215,10 +215,11 @@ class HeldBatch:
         key = self._space + names if self._space else names
         ts = [h[1] for h in held]
         try:
-            sigs = list(map(signature, ts))
+            cols = _signature_columns(ts)  # one pass per field, used for the signatures and a moved set's check
+            sigs = list(zip(*cols))
         except (RuntimeError, NotImplementedError):  # a tensor with no storage to sign: the general path says why
-            sigs = None
-        found = _kept_held(key, sigs, ts)
+            cols = sigs = None
+        found = _kept_held(key, sigs, ts, cols)
         if found is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
                                          for h, g in zip(held, sigs)):
             kept, moved = found
@@ -284,9 +285,11 @@ _HELD_TENSORS = 0  # tensors over the entries of _HELD_SETS
 _HELD_LOCK = threading.Lock()
 
 
-def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None, tensors: list[torch.Tensor]) -> tuple[DigestSet, bool] | None:
-    """The kept set of a flush of ``names`` whose ``tensors`` have signatures ``sigs``, and whether
-    they moved (a relocatable set of their layout elsewhere, :meth:`DigestSet.moved`), or None."""
+def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None, tensors: list[torch.Tensor],
+               columns: tuple[list, ...] | None = None) -> tuple[DigestSet, bool] | None:
+    """The kept set of a flush of ``names`` whose ``tensors`` have signatures ``sigs`` (``columns``:
+    the same fields as columns, when the caller has them), and whether they moved (a relocatable
+    set of their layout elsewhere, :meth:`DigestSet.moved`), or None."""
     if sigs is None:
         return None
     with _HELD_LOCK:
@@ -298,14 +301,7 @@ def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None, tensors: list[t
         return None
     if ds.signatures == sigs:
         return ds, False
-    return (ds, True) if ds.moved(tensors) else None
-
-
-def _same_layout(a: list[tuple], b: list[tuple]) -> bool:
-    """True iff signatures ``a`` and ``b`` (:func:`~refit_verify.digest_set.signature`, in order)
-    describe tensors of one layout, wherever each is: all fields but the two addresses equal, and
-    the same offset into the storage."""
-    return len(a) == len(b) and all(x[1:4] == y[1:4] and x[5:] == y[5:] and x[0] - x[4] == y[0] - y[4] for x, y in zip(a, b))
+    return (ds, True) if ds.moved(tensors, columns) else None
 
 
 def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
@@ -321,7 +317,7 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
     same = before == sigs
     # memory that moves at every refit gets a set only where one can follow it (the CPU's compiled batch):
     # a sharded gather's on a GPU, or a large CPU tensor's, is never planned for nothing
-    if same or (before is not None and _same_layout(before, sigs) and could_relocate(tensors)):
+    if same or (before is not None and same_layout(before, sigs) and could_relocate(tensors)):
         try:
             entry = DigestSet(tensors, hold=False)
         except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
