@@ -74,6 +74,15 @@ def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
             list(map(_T.is_neg, ts)))
 
 
+def _columns_or_none(ts: Sequence[torch.Tensor]) -> tuple[list, ...] | None:
+    """:func:`_signature_columns` of ``ts``, or None when one has no storage to sign (a caller's
+    general path then says why). The caller runs on plain tensor ops."""
+    try:
+        return _signature_columns(ts)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a :class:`DigestSet` over ``tensors`` would be :attr:`~DigestSet.relocatable`, read
     from the tensors alone (no set built): every one a contiguous CPU tensor at an 8-byte aligned
@@ -193,12 +202,15 @@ class DigestSet:
         return self._n
 
     @plain_tensor_ops
-    def valid(self, tensors: Sequence[torch.Tensor] | None = None) -> bool:
+    def valid(self, tensors: Sequence[torch.Tensor] | None = None, columns: tuple[list, ...] | None = None) -> bool:
         """True iff every tensor (``tensors``: these, in the set's order, for a set that holds none)
-        still has the signature the set was built on."""
+        still has the signature the set was built on. ``columns``: ``tensors``' signature fields as
+        columns (:func:`_signature_columns`), when the caller read them just now."""
         ts = self.tensors if tensors is None else tensors
         if ts is None or len(ts) != self._n:
             return False
+        if columns is not None:
+            return columns == self._columns
         try:
             return _signature_columns(ts) == self._columns
         except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign

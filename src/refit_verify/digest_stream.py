@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from operator import attrgetter
 
 import torch
 
@@ -25,7 +26,7 @@ from refit_verify.digest import (
     logical_bytes,
     plain_tensor_ops,
 )
-from refit_verify.digest_set import DigestSet, SetLaunch, _signature_columns, could_relocate, same_layout
+from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none, could_relocate, same_layout
 from refit_verify.errors import RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
@@ -214,11 +215,8 @@ class HeldBatch:
         names = tuple(h[0] for h in held)
         key = self._space + names if self._space else names
         ts = [h[1] for h in held]
-        try:
-            cols = _signature_columns(ts)  # one pass per field, used for the signatures and a moved set's check
-            sigs = list(zip(*cols))
-        except (RuntimeError, NotImplementedError):  # a tensor with no storage to sign: the general path says why
-            cols = sigs = None
+        cols = _columns_or_none(ts)  # one pass per field, for the signatures and a moved set's check (None: no storage
+        sigs = list(zip(*cols)) if cols is not None else None  # to sign, the general path says why)
         found = _kept_held(key, sigs, ts, cols)
         if found is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
                                          for h, g in zip(held, sigs)):
@@ -273,6 +271,8 @@ class HeldBatch:
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 """Tensor types whose attribute reads no Python ``__torch_function__`` redirects (checked inline at an add)."""
+_PLAIN_SET = frozenset(_PLAIN_TYPES)
+_IS_META = attrgetter("is_meta")
 _STRIDED = torch.strided
 
 KEPT_HELD_TENSORS = 1 << 17
@@ -367,10 +367,12 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         kept = _HELD_SETS.get(key)  # else the HeldBatch below signs them (once)
         if isinstance(kept, DigestSet):
             _HELD_SETS.move_to_end(key)
-    if isinstance(kept, DigestSet) and len(set(names)) == len(names) and all(type(t) in _PLAIN_TYPES and not t.is_meta for t in ts):
-        if kept.valid(ts):  # every signature the set's, compared field by field (no storage to sign: not valid)
+    if isinstance(kept, DigestSet) and len(set(names)) == len(names) and set(map(type, ts)) <= _PLAIN_SET \
+            and not any(map(_IS_META, ts)):
+        cols = _columns_or_none(ts)  # every signature field read once, for both checks (None: the HeldBatch says why)
+        if cols is not None and kept.valid(ts, cols):  # every signature the set's, compared field by field
             return dict(zip(names, kept.digest(check=False, tensors=ts)))
-        if kept.moved(ts):  # the same layout elsewhere (the CPU's clones of a staged buffer, made at every refit)
+        if cols is not None and kept.moved(ts, cols):  # the same layout elsewhere (the CPU's clones of a staged buffer)
             return dict(zip(names, kept.digest(check=False, tensors=ts, moved=True)))
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
     for name, t in items:
