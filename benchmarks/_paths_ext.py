@@ -276,9 +276,42 @@ def _time_gc() -> None:
     gc.callbacks.append(cb)
 
 
+_ALLOC_STATS = (("num_device_alloc", "cudaMalloc calls"), ("num_device_free", "cudaFree calls"),
+                ("num_alloc_retries", "allocation retries (cache freed, synchronising)"),
+                ("num_sync_all_streams", "synchronisations of every stream"))
+_HOST_STATS = (("num_host_alloc", "pinned host allocations (cudaHostAlloc)"), ("num_host_free", "pinned host frees"))
+_ALLOC_LAST: dict[str, int] = {}
+
+
+def _allocator_counts() -> dict[str, list[float]]:
+    """CUDA caching allocator counters of this process since the last read, as ``{"cuda: <what> (count)":
+    [0.0, n]}`` rows of the timers table (no time: the calls column is the count). A refit that makes the
+    allocator go to the device (``cudaMalloc`` / ``cudaFree``, a retry that empties the cache) pays
+    synchronisations no timer of refit-verify or vLLM names; off and enforce side by side show whether an
+    enforce engine's extra memory sends vLLM's own allocations there. Empty without an initialised CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    now: dict[str, int] = {}
+    try:
+        dev = torch.cuda.memory_stats()
+        now.update({label: int(dev.get(key, 0)) for key, label in _ALLOC_STATS})
+        host = torch.cuda.host_memory_stats()
+        now.update({label: int(host.get(key, 0)) for key, label in _HOST_STATS})
+    except (RuntimeError, AttributeError):  # an older torch without host stats: what was read
+        pass
+    out = {f"cuda: {label} (count)": [0.0, n - _ALLOC_LAST.get(label, n)] for label, n in now.items()}
+    _ALLOC_LAST.update(now)
+    return {k: v for k, v in out.items() if v[1]}
+
+
 def read_timers() -> dict[str, list[float]]:
-    """``{attr path: [seconds, calls]}`` since the last read (then reset)."""
+    """``{attr path: [seconds, calls]}`` since the last read (then reset), with the CUDA allocator's
+    counters since then (:func:`_allocator_counts`)."""
     out = {k: v[:2] for k, v in _TIMES.items() if v[1]}
     for v in _TIMES.values():
         v[0], v[1] = 0.0, 0
+    out.update(_allocator_counts())
     return out
