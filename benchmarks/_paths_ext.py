@@ -288,7 +288,9 @@ def _allocator_counts() -> dict[str, list[float]]:
     [0.0, n]}`` rows of the timers table (no time: the calls column is the count). A refit that makes the
     allocator go to the device (``cudaMalloc`` / ``cudaFree``, a retry that empties the cache) pays
     synchronisations no timer of refit-verify or vLLM names; off and enforce side by side show whether an
-    enforce engine's extra memory sends vLLM's own allocations there. Empty without an initialised CUDA."""
+    enforce engine's extra memory sends vLLM's own allocations there; with the memory the process holds
+    (allocated, reserved) at the read. Empty without an initialised CUDA."""
+    import contextlib
     import sys
 
     torch = sys.modules.get("torch")
@@ -304,7 +306,11 @@ def _allocator_counts() -> dict[str, list[float]]:
         pass
     out = {f"cuda: {label} (count)": [0.0, n - _ALLOC_LAST.get(label, n)] for label, n in now.items()}
     _ALLOC_LAST.update(now)
-    return {k: v for k, v in out.items() if v[1]}
+    out = {k: v for k, v in out.items() if v[1]}
+    with contextlib.suppress(RuntimeError):  # what the process holds at the read (levels, not deltas), in MiB
+        out["cuda: memory allocated at the read (MiB)"] = [0.0, torch.cuda.memory_allocated() >> 20]
+        out["cuda: memory reserved at the read (MiB)"] = [0.0, torch.cuda.memory_reserved() >> 20]
+    return out
 
 
 def read_timers() -> dict[str, list[float]]:

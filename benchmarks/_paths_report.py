@@ -236,8 +236,13 @@ def _timers_table(rp: dict) -> list[str]:
     out = ["", "Timed functions (`--timers`: wall-clock wrappers, inclusive, every thread; t: trainer, w: worker process; "
            "median ms per refit, calls in the last round):", "", "| function | off | enforce | enforce − off | calls off / enforce |",
            "|---|---|---|---|---|"]
-    for d, k, v, n in sorted(rows, key=lambda r: -r[0]):
+    alloc = [r for r in rows if r[1][1:].startswith(":cuda: ")]  # the allocator's counters (_paths_ext._allocator_counts)
+    for d, k, v, n in sorted((r for r in rows if r not in alloc), key=lambda r: -r[0]):
         out.append(f"| `{k}` | {ms(v[0])} | {ms(v[1])} | {ms(d)} | {n[0]} / {n[1]} |")
+    if alloc:
+        out += ["", "CUDA caching allocator per process (the last round's refit; counts since the previous read, memory at the "
+                "read):", "", "| counter | off | enforce |", "|---|---|---|"]
+        out += [f"| `{k}` | {n[0]} | {n[1]} |" for _d, k, _v, n in sorted(alloc, key=lambda r: r[1])]
     return out
 
 
