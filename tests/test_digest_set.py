@@ -90,6 +90,21 @@ def test_memory_that_moved_is_never_read(change, device):
     assert not ds.valid() and ds.digest() is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_conjugate_view_over_the_same_memory_is_never_read(device):
+    """Only a complex tensor can carry the conjugate bit, so signatures skip that field for sets
+    without a complex dtype; a complex parameter turned into its conjugate view keeps its address,
+    shape, strides and dtype and is still seen (a real one's negative view: ``neg`` above)."""
+    c = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.complex64, device=device), requires_grad=False)
+    other = torch.randn(8, device=device)
+    ds = DigestSet([other, c])
+    assert ds.valid() and ds.signatures[1][6:] == (False, False)
+    new = c.data.conj()
+    assert new.data_ptr() == c.data_ptr() and new.stride() == c.stride() and new.dtype == c.dtype and new.is_conj()
+    c.data = new
+    assert c.is_conj() and not ds.valid() and ds.digest() is None
+
+
 def test_the_same_address_in_another_storage_is_a_moved_tensor():
     """The same data pointer, shape, strides, dtype and storage size, but another storage (it starts 2
     elements earlier): the set's signature fields include the storage offset (a snapshot records the

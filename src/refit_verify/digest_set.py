@@ -59,19 +59,21 @@ def same_layout(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
 
 
 _T = torch.Tensor
-_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_SHAPE, _DTYPE, _DEVICE, _IS_COMPLEX = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("is_complex")
 _CPU = {torch.device("cpu")}
 _NBYTES, _STORAGE_PTR = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
 
 
 def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
     """The fields of :func:`signature` of every tensor of ``ts``, one list per field, in its order:
-    read field by field (one C-level pass per field, not a Python call per tensor). The caller runs
-    on plain tensor ops."""
+    read field by field (one C-level pass per field, not a Python call per tensor). Only a complex
+    tensor can carry the conjugate bit (torch asserts it), so with no complex dtype among them that
+    field is not read: all False. The caller runs on plain tensor ops."""
     storages = list(map(_T.untyped_storage, ts))
-    return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), list(map(_DTYPE, ts)),
-            list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), list(map(_T.is_conj, ts)),
-            list(map(_T.is_neg, ts)))
+    dtypes = list(map(_DTYPE, ts))
+    conj = list(map(_T.is_conj, ts)) if any(map(_IS_COMPLEX, set(dtypes))) else [False] * len(dtypes)
+    return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), dtypes,
+            list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), conj, list(map(_T.is_neg, ts)))
 
 
 def _columns_or_none(ts: Sequence[torch.Tensor]) -> tuple[list, ...] | None:
