@@ -101,12 +101,12 @@ TIMED_WORKER = (
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
     "refit_verify.model_boundary:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
     "refit_verify.delivery:digest_now",
-    "refit_verify.digest_stream:_kept_held?",
+    "refit_verify.held_sets:_kept_held?",
     "refit_verify.digest_stream:HeldBatch.add",
     # inside the digests and the close: where a call's milliseconds go
     "refit_verify.digest_stream:HeldBatch.hexdigests",
     "refit_verify.digest_stream:HeldBatch._launch_general",
-    "refit_verify.digest_stream:_keep_held",
+    "refit_verify.held_sets:_keep_held",
     "refit_verify.digest_stream:_signature_columns",  # a flush's signatures, column by column
     "refit_verify.digest:DigestBatch.add",
     "refit_verify.digest:DigestBatch.launch",
@@ -160,7 +160,7 @@ TIMED_TRAINER = (
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
     "refit_verify.engines:WorkerChannel.call",
     "refit_verify.pack:digest_now!",
-    "refit_verify.digest_stream:_kept_held?",
+    "refit_verify.held_sets:_kept_held?",
     "refit_verify.digest_stream:_signature_columns",  # a flush's signatures, column by column
     "refit_verify.digest_set:DigestSet.launch",
     "refit_verify.digest_set:DigestSet.collect",

@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():  # the kernel path on CPU tensors, as tests/kernels (on a GPU: compiled)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from refit_verify import delivery, engine_state, readback
+from refit_verify import delivery, digest_stream, engine_state, readback
 from refit_verify import digest as dg
 from refit_verify.boundary import WorkerBoundary, identity_of
 from refit_verify.check import compare_session
@@ -339,7 +339,7 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
     plan is run with no HeldBatch at all, and it reads the bytes as they are at each call. Other
     memory under the same names, a duplicate name or a tensor that cannot be read take the general
     path again, with the right digests."""
-    from refit_verify import digest_stream
+    from refit_verify import held_sets
     from refit_verify.digest_stream import HeldBatch, digest_now
 
     ts = _tensors(device)
@@ -372,8 +372,8 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
         assert digest_now(empty, space=space) == {"e": tensor_digest(empty[0][1])}
     with pytest.raises(RefitInputError):  # a meta tensor signs like an empty one: refused, never taken from the set
         digest_now([("e", torch.empty(0, device="meta"))], space=space)
-    assert digest_stream._HELD_SETS  # what was kept is signatures and plans only
-    assert all(getattr(v, "tensors", None) is None for v in digest_stream._HELD_SETS.values())
+    assert held_sets._HELD_SETS  # what was kept is signatures and plans only
+    assert all(getattr(v, "tensors", None) is None for v in held_sets._HELD_SETS.values())
 
 
 def _laid_out(seed: int, base_len: int = 100, start: int = 8) -> list[torch.Tensor]:
@@ -461,7 +461,7 @@ def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_change
     """A trainer that exports a new CPU copy of its weights at every refit (a gathered or cast
     state dict): from the third refit each flush reads its kept set where the copies are; a copy
     written after its add is still found (not digested, named in ``changed``)."""
-    from refit_verify import digest_stream as dst
+    from refit_verify import held_sets as dst
 
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
     monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
@@ -473,7 +473,7 @@ def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_change
     for refit in range(4):
         copies = {n: t.clone() for n, t in weights.items()}
         keep.append(copies)
-        hb = dst.HeldBatch(flush_bytes=1 << 30)
+        hb = digest_stream.HeldBatch(flush_bytes=1 << 30)
         for n, t in copies.items():
             hb.add(n, t)
         if refit == 3:
@@ -503,7 +503,7 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     """Memory that moves at every call where no set can follow it (the kernel path, a GPU's clones
     or a sharded gather's; a CPU tensor past the compiled batch's bound) keeps only its signatures:
     no set is built and thrown away at each call, and the digests stay right."""
-    from refit_verify import digest_stream as dst
+    from refit_verify import held_sets as dst
 
     device = "cuda" if kind == "kernel" and torch.cuda.is_available() else "cpu"
     if kind == "kernel" and device == "cpu":  # the kernels' kept plans on CPU tensors, as CUDA tensors go
@@ -521,7 +521,7 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     for call in range(4):
         items = [(f"t{i}", t.clone()) for i, t in enumerate(base)]
         keep.append(items)
-        assert dst.digest_now(items, space=f"moving {kind}") == {n: tensor_digest(t) for n, t in items}
+        assert digest_stream.digest_now(items, space=f"moving {kind}") == {n: tensor_digest(t) for n, t in items}
     assert built == [] and all(isinstance(v, list) for v in dst._HELD_SETS.values())
 
 

@@ -403,13 +403,13 @@ def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(mon
     (no HeldBatch add, no view per region), and still reads the bytes as they are now (a change in
     place between two checks is seen); a parameter replaced by other memory is read the general
     way again, and its new bytes are what the check gives."""
-    from refit_verify import digest_stream
+    from refit_verify import digest_stream, held_sets
     from refit_verify.digest import tensor_digest
 
     # kept sets are process-wide: another test's toy model of the same names and layout would be read through its
     # relocatable set from the first check on (right digests, no general path); this test starts with none
-    monkeypatch.setattr(digest_stream, "_HELD_SETS", type(digest_stream._HELD_SETS)())
-    monkeypatch.setattr(digest_stream, "_HELD_TENSORS", 0)
+    monkeypatch.setattr(held_sets, "_HELD_SETS", type(held_sets._HELD_SETS)())
+    monkeypatch.setattr(held_sets, "_HELD_TENSORS", 0)
     wb, model = _worker()
     _refit(wb, model, toy_weights(1), 1)
     w = toy_weights(3)
@@ -542,7 +542,7 @@ def test_checked_before_loading_then_replayed(writes, device):
     """Digests ahead of the bytes (our transport): every call is checked before loading and, once a
     watched session left a plan, replayed (tap off); the verdict reads what landed. The check reads
     a staging slot refilled in place through a kept set from the third refit on."""
-    from refit_verify import digest_stream
+    from refit_verify import held_sets
 
     wb, model = _worker(device)
     staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}
@@ -560,8 +560,8 @@ def test_checked_before_loading_then_replayed(writes, device):
         r = _ok(w, man, v)
         assert r.ok and r.verified == 5 and r.proven_bytes == ALL and m.digests == digest_tensors(w.items())
         assert torch.equal(model.qkv_proj[Q:Q + KV], w["k_proj"])
-    kept = digest_stream._HELD_SETS.get(("checked before loading", "v_proj", "embed", "norm"))
-    assert isinstance(kept, digest_stream.DigestSet)  # the same names over the same memory: planned once
+    kept = held_sets._HELD_SETS.get(("checked before loading", "v_proj", "embed", "norm"))
+    assert isinstance(kept, held_sets.DigestSet)  # the same names over the same memory: planned once
 
 
 @pytest.mark.parametrize("device", DEVICES)

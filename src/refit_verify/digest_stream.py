@@ -9,15 +9,14 @@ never one kernel per tensor, and synchronise once when the digests are read.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 import torch
 
 from refit_verify import digest as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify import held_sets as _held  # its store read at each use (tests replace it)
 from refit_verify.digest import (
     _PLAIN,
     DigestBatch,
@@ -26,7 +25,7 @@ from refit_verify.digest import (
     logical_bytes,
     plain_tensor_ops,
 )
-from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none, could_relocate, same_layout
+from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none
 from refit_verify.errors import RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
@@ -128,13 +127,13 @@ class HeldBatch:
 
     The same memory is exported at every refit, so each flush's list of names keeps a
     :class:`~refit_verify.digest_set.DigestSet` built over it (process-wide, up to
-    :data:`KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
+    :data:`~refit_verify.held_sets.KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
     the tensors): a flush whose names and tensor signatures (address, shape, strides, dtype,
     storage) are those of the kept set launches its plan with one signature compare per tensor, no
     planning; on the CPU, so does a flush of the kept set's layout at other addresses (a relocatable
     set, :meth:`~refit_verify.digest_set.DigestSet.moved`: a copy made at every refit). Anything
     else takes the general path (:class:`~refit_verify.digest.DigestBatch`) and is remembered for
-    the next refit (:func:`_keep_held`).
+    the next refit (:func:`refit_verify.held_sets._keep_held`).
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
@@ -166,7 +165,7 @@ class HeldBatch:
         self._pending = 0
         self._order: dict[str, int] = {}  # name -> number of its latest add, in first-insertion order
         self._adds = 0
-        self._sets: list[tuple[list[tuple[str, int]], SetLaunch]] = []  # kept-set launches: ((name, add number)s, launch)
+        self._sets: list[tuple[tuple[str, ...], int, SetLaunch]] = []  # kept-set launches: (names, first add number, launch)
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
 
@@ -212,28 +211,25 @@ class HeldBatch:
         held, self._held, self._pending = self._held, [], 0
         if not held:
             return
-        names = tuple(h[0] for h in held)
+        names, ts, versions, ptrs, sizes = zip(*held)  # the adds as columns
         key = self._space + names if self._space else names
-        ts = [h[1] for h in held]
-        cols = _columns_or_none(ts)  # one pass per field, for the signatures and a moved set's check (None: no storage
-        sigs = list(zip(*cols)) if cols is not None else None  # to sign, the general path says why)
-        found = _kept_held(key, sigs, ts, cols)
-        if found is not None and not any(h[2] is not None and h[1]._version != h[2] or g[0] != h[3] or (h[4] and g[5] != h[4])
-                                         for h, g in zip(held, sigs)):
+        cols = _columns_or_none(ts)  # one pass per field, for the kept set's checks (None: no storage to sign, the
+        found = _held._kept_held(key, cols, ts)  # general path says why)
+        if found is not None and _unchanged(ts, versions, ptrs, sizes, cols):  # type: ignore[arg-type]
             kept, moved = found
-            keys = []
-            for name in names:  # unique: a kept set's names are
-                self._adds += 1
-                self._order[name] = self._adds
-                self._batch._order.pop(name, None)
-                keys.append((name, self._adds))
-            self._sets.append((keys, kept.launch(check=False, tensors=ts, moved=moved)))
+            first = self._adds + 1  # a kept set's names are unique: one add number each, in order
+            self._adds += len(names)
+            self._order.update(zip(names, range(first, self._adds + 1)))
+            if self._batch._order:
+                for name in names:
+                    self._batch._order.pop(name, None)
+            self._sets.append((names, first, kept.launch(check=False, tensors=ts, moved=moved)))
             return
-        self._launch_general(held, key, sigs)
+        self._launch_general(held, key, list(zip(*cols)) if cols is not None else None)
 
     def _launch_general(self, held: list, key: tuple[str, ...], sigs: list[tuple] | None) -> None:
         """Check each held tensor and digest it through the :class:`DigestBatch`; when every one is
-        unchanged and the names are unique, remember the flush's signatures (:func:`_keep_held`)."""
+        unchanged and the names are unique, remember the flush's signatures (:func:`~refit_verify.held_sets._keep_held`)."""
         latest = {h[0]: i for i, h in enumerate(held)}
         ok = sigs is not None and len(latest) == len(held)
         for i, (name, t, version, ptr, size) in enumerate(held):
@@ -250,7 +246,7 @@ class HeldBatch:
             self._batch.add(name, t, checked=True)  # checked at its add, unchanged since
         self._batch.launch()
         if ok:
-            _keep_held(key, sigs, [h[1] for h in held])
+            _held._keep_held(key, sigs, [h[1] for h in held])
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""
@@ -258,11 +254,17 @@ class HeldBatch:
         done = self._done
         done.update(self._batch.hexdigests())
         order = self._order
-        for keys, launched in self._sets:
-            for (name, k), h in zip(keys, DigestSet.collect(launched)):
+        for names, first, launched in self._sets:
+            hexes = DigestSet.collect(launched)
+            if list(map(order.get, names)) == list(range(first, first + len(names))):  # none added again since
+                done.update(zip(names, hexes))
+                continue
+            for k, (name, h) in enumerate(zip(names, hexes), first):
                 if order.get(name) == k:
                     done[name] = h
         self._sets.clear()
+        if not self.changed and list(done) == list(order):  # every add digested, in order
+            return dict(done)
         return {n: done[n] for n in order if n in done and n not in self.changed}
 
     def __len__(self) -> int:
@@ -275,62 +277,24 @@ _PLAIN_SET = frozenset(_PLAIN_TYPES)
 _IS_META = attrgetter("is_meta")
 _STRIDED = torch.strided
 
-KEPT_HELD_TENSORS = 1 << 17
-"""Tensors over all the flush signatures and sets :class:`HeldBatch` keeps (one entry per flush of a
-trainer's export, least recently used dropped beyond this): an entry holds no tensor, only signatures
-and a launch plan, so a whole large model's flushes fit (a 7B model in bf16 is about 56 flushes of
-256 MiB; a bound by entries would drop each flush's entry just before it comes again)."""
-_HELD_SETS: OrderedDict[tuple[str, ...], DigestSet | list[tuple]] = OrderedDict()
-_HELD_TENSORS = 0  # tensors over the entries of _HELD_SETS
-_HELD_LOCK = threading.Lock()
+_VERSION = attrgetter("_version")
 
 
-def _kept_held(names: tuple[str, ...], sigs: list[tuple] | None, tensors: list[torch.Tensor],
-               columns: tuple[list, ...] | None = None) -> tuple[DigestSet, bool] | None:
-    """The kept set of a flush of ``names`` whose ``tensors`` have signatures ``sigs`` (``columns``:
-    the same fields as columns, when the caller has them), and whether they moved (a relocatable
-    set of their layout elsewhere, :meth:`DigestSet.moved`), or None."""
-    if sigs is None:
-        return None
-    with _HELD_LOCK:
-        ds = _HELD_SETS.get(names)
-        if ds is None:
-            return None
-        _HELD_SETS.move_to_end(names)
-    if not isinstance(ds, DigestSet):
-        return None
-    if ds.signatures == sigs:
-        return ds, False
-    return (ds, True) if ds.moved(tensors, columns) else None
-
-
-def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
-    """Remember a flush that went the general way: its signatures the first time; a set over its
-    tensors (no tensors held) when the same names come again with the same signatures, or with the
-    same layout elsewhere when a set can follow it (:func:`~refit_verify.digest_set.could_relocate`:
-    CPU clones made at every refit). Memory that moves at every refit where no set can follow it
-    (a sharded gather's on a GPU, a large CPU tensor's) is never planned for nothing."""
-    with _HELD_LOCK:
-        prev = _HELD_SETS.get(names)
-    entry: DigestSet | list[tuple] = sigs
-    before = None if prev is None else prev if isinstance(prev, list) else prev.signatures
-    same = before == sigs
-    # memory that moves at every refit gets a set only where one can follow it (the CPU's compiled batch):
-    # a sharded gather's on a GPU, or a large CPU tensor's, is never planned for nothing
-    if same or (before is not None and same_layout(before, sigs) and could_relocate(tensors)):
-        try:
-            entry = DigestSet(tensors, hold=False)
-        except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
-            entry = sigs
-    with _HELD_LOCK:
-        global _HELD_TENSORS
-        old = _HELD_SETS.pop(names, None)
-        _HELD_TENSORS -= len(names) if old is not None else 0
-        _HELD_SETS[names] = entry
-        _HELD_TENSORS += len(names)
-        while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
-            dropped, _ = _HELD_SETS.popitem(last=False)
-            _HELD_TENSORS -= len(dropped)
+def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs: Sequence[int], sizes: Sequence[int],
+               columns: tuple[list, ...]) -> bool:
+    """True iff no held tensor changed since its add, read column by column: its version counter
+    (where one was read: not an inference tensor's), its address (``columns[0]``) and, for one
+    holding bytes, its storage's size (``columns[5]``; 0 recorded: an empty tensor)."""
+    if list(ptrs) != columns[0]:
+        return False
+    if 0 in sizes:
+        if not all(s == 0 or s == g for s, g in zip(sizes, columns[5])):
+            return False
+    elif list(sizes) != columns[5]:
+        return False
+    if None in versions:
+        return all(v is None or t._version == v for t, v in zip(ts, versions))
+    return list(map(_VERSION, ts)) == list(versions)
 
 
 @plain_tensor_ops
@@ -363,10 +327,7 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     names = tuple(n for n, _ in items)
     ts = [t for _, t in items]
     key = (space, *names) if space else names
-    with _HELD_LOCK:
-        kept = _HELD_SETS.get(key)  # else the HeldBatch below signs them (once)
-        if isinstance(kept, DigestSet):
-            _HELD_SETS.move_to_end(key)
+    kept = _held.kept_set(key)  # else the HeldBatch below signs them (once)
     if isinstance(kept, DigestSet) and len(set(names)) == len(names) and set(map(type, ts)) <= _PLAIN_SET \
             and not any(map(_IS_META, ts)):
         cols = _columns_or_none(ts)  # every signature field read once, for both checks (None: the HeldBatch says why)

@@ -80,7 +80,7 @@ def test_a_device_without_pools_gets_plain_clones(monkeypatch, caplog):
 def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_bytes():
     """The false-pass surface of the pool: a kept set (and its graph) hit at the same addresses must
     read the bytes there now."""
-    from refit_verify import digest_stream
+    from refit_verify import digest_stream, held_sets
     from refit_verify.digest import tensor_digest
     from refit_verify.digest_set import DigestSet
     from refit_verify.kernels import replay
@@ -101,7 +101,7 @@ def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_by
     assert seen[1] == seen[-1]  # the same addresses ...
     assert digests[-1] != digests[-2]  # ... different bytes, different digests
     key = (space, *[f"layers.{i}.weight" for i in range(5)])
-    kept = digest_stream._HELD_SETS.get(key)
+    kept = held_sets._HELD_SETS.get(key)
     assert isinstance(kept, DigestSet)
     assert any(isinstance(getattr(g[1], "graph", None), replay.Graph) for g in kept._groups), "no graph captured"
 

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from refit_verify import digest as dg  # noqa: E402
 from refit_verify import digest_stream as ds  # noqa: E402
+from refit_verify import held_sets as hs  # noqa: E402
 from refit_verify import reference as ref  # noqa: E402
 from refit_verify.kernels import digest as kd  # noqa: E402
 from tests.support.subclasses import RedirectingTensor  # noqa: E402
@@ -199,7 +200,7 @@ def test_held_batch_keeps_a_set_per_flush_and_checks_every_tensor_again(monkeypa
     if kernel:
         monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
     dev = DEV if kernel else "cpu"
-    monkeypatch.setattr(ds, "_HELD_SETS", type(ds._HELD_SETS)())
+    monkeypatch.setattr(hs, "_HELD_SETS", type(hs._HELD_SETS)())
     g = torch.Generator().manual_seed(31)
     params = {f"p{i}": torch.nn.Parameter(torch.randn(40 + 17 * i, generator=g).to(torch.bfloat16).to(dev), requires_grad=False)
               for i in range(9)}
@@ -216,23 +217,23 @@ def test_held_batch_keeps_a_set_per_flush_and_checks_every_tensor_again(monkeypa
 
     named = list(params.items())
     for r in range(4):
-        sets = sum(isinstance(v, ds.DigestSet) for v in ds._HELD_SETS.values())
+        sets = sum(isinstance(v, ds.DigestSet) for v in hs._HELD_SETS.values())
         hb, got = refit(named)
         assert got == want(named) and list(got) == list(params) and not hb.changed
         assert bool(hb._sets) is False  # collected
         if r == 0:
-            assert sets == 0 and len(ds._HELD_SETS) >= 2  # signatures remembered, one entry per flush
+            assert sets == 0 and len(hs._HELD_SETS) >= 2  # signatures remembered, one entry per flush
         if r >= 2:
-            assert sets == len(ds._HELD_SETS)  # every flush has its kept set
+            assert sets == len(hs._HELD_SETS)  # every flush has its kept set
         with torch.no_grad():
             params["p3"].add_(1)  # other bytes, same memory: read again, never remembered
-    kept = dict(ds._HELD_SETS)
+    kept = dict(hs._HELD_SETS)
     views = [(n, p.detach()) for n, p in named]  # new objects over the same memory
     hb, got = refit(views)
-    assert got == want(views) and dict(ds._HELD_SETS) == kept
+    assert got == want(views) and dict(hs._HELD_SETS) == kept
     for _ in range(3):  # one flush of all of them, kept from the third time on
         hb, got = refit(named, 1 << 30)
-    assert got == want(named) and isinstance(ds._HELD_SETS[tuple(params)], ds.DigestSet)
+    assert got == want(named) and isinstance(hs._HELD_SETS[tuple(params)], ds.DigestSet)
     hb = ds.HeldBatch(1 << 30)
     for n, t in named:
         hb.add(n, t)
@@ -264,8 +265,8 @@ def test_held_sets_are_bounded_by_tensors_not_flushes(monkeypatch):
     """A large export goes through many flushes in the same order every refit: each keeps its set (a
     bound by entries would drop every flush's set just before it comes again); the bound counts the
     tensors over all entries, least recently used dropped first."""
-    monkeypatch.setattr(ds, "_HELD_SETS", type(ds._HELD_SETS)())
-    monkeypatch.setattr(ds, "_HELD_TENSORS", 0)
+    monkeypatch.setattr(hs, "_HELD_SETS", type(hs._HELD_SETS)())
+    monkeypatch.setattr(hs, "_HELD_TENSORS", 0)
     launched = []
     orig = ds.DigestSet.launch
     monkeypatch.setattr(ds.DigestSet, "launch", lambda self, *a, **k: (launched.append(len(self)), orig(self, *a, **k))[1])
@@ -281,7 +282,7 @@ def test_held_sets_are_bounded_by_tensors_not_flushes(monkeypatch):
         launched.clear()
         got = refit(params)
         assert got == {f"p{i}": dg.tensor_digest(p) for i, p in enumerate(params)}
-    assert len(launched) == 40 and len(ds._HELD_SETS) == 40 and ds._HELD_TENSORS == 40
-    monkeypatch.setattr(ds, "KEPT_HELD_TENSORS", 10)
+    assert len(launched) == 40 and len(hs._HELD_SETS) == 40 and hs._HELD_TENSORS == 40
+    monkeypatch.setattr(hs, "KEPT_HELD_TENSORS", 10)
     refit(params[:3] + [torch.nn.Parameter(torch.randn(32), requires_grad=False)])  # a new flush (another layout): the bound applies
-    assert len(ds._HELD_SETS) == ds._HELD_TENSORS == 10 and ("p3",) in ds._HELD_SETS and ("p0",) in ds._HELD_SETS
+    assert len(hs._HELD_SETS) == hs._HELD_TENSORS == 10 and ("p3",) in hs._HELD_SETS and ("p0",) in hs._HELD_SETS
