@@ -533,3 +533,35 @@ def test_a_set_that_cannot_follow_its_tensors_never_reads_others_even_unchecked(
     assert regioned.launch(check=False, tensors=[torch.randn(64)], moved=True) is None
     large = DigestSet([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)], hold=False)
     assert large.digest(check=False, tensors=[torch.ones(dg.backend_for("cpu").many_max_bytes // 4 + 1)], moved=True) is None
+
+
+def test_a_kept_flush_with_an_inference_tensor_and_an_empty_one_still_sees_in_place_changes(monkeypatch):
+    """A flush's changed-since-add check reads version counters as a column, skipping where none was
+    read (an inference tensor: its address is checked) and storage sizes skipping empty tensors: a
+    flush holding both still reads its kept set, and a write after an add is still found."""
+    from refit_verify import held_sets
+
+    monkeypatch.setattr(held_sets, "_HELD_SETS", type(held_sets._HELD_SETS)())
+    monkeypatch.setattr(held_sets, "_HELD_TENSORS", 0)
+    with torch.inference_mode():
+        frozen = torch.arange(12, dtype=torch.float32)
+    weights = {"frozen": frozen, "empty": torch.empty(0, 3), "w": torch.nn.Parameter(torch.randn(5, 7), requires_grad=False),
+               "b": torch.nn.Parameter(torch.randn(7), requires_grad=False)}
+    launched = []
+    real = DigestSet.launch
+    monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (launched.append(len(self)), real(self, *a, **k))[1])
+    for refit in range(4):
+        hb = digest_stream.HeldBatch(flush_bytes=1 << 30)
+        for n, t in weights.items():
+            hb.add(n, t)
+        if refit == 3:
+            with torch.no_grad():
+                weights["w"].mul_(3)  # after its add
+        got = hb.hexdigests()
+        if refit < 3:
+            assert got == {n: tensor_digest(t) for n, t in weights.items()} and not hb.changed
+            assert launched == ([4] if refit == 2 else []), refit  # the kept set from the third flush on
+        else:
+            assert list(hb.changed) == ["w"] and "modified in place" in hb.changed["w"]
+            assert got == {n: tensor_digest(t) for n, t in weights.items() if n != "w"} and launched == []
+        launched.clear()
