@@ -316,3 +316,30 @@ def test_the_deferral_budget_follows_the_send_mode_and_packing():
     v = native.NativeSendVerifier(None, mode="enforce")
     assert native._shadow_target(v, {"group": object()}) is None  # nccl: the update runs in another thread
     assert native._shadow_target(v, {"send_mode": "http", "url": "http://x"}) is None
+
+
+def test_a_pending_send_does_not_keep_a_dropped_engine_alive(monkeypatch, caplog):
+    """A send waits in the pending list for its update's finish; an engine the user drops before
+    that finish (a failed update never finished, the engine rebuilt) is freed with its workers, and
+    the send leaves the list with a warning that it was never verified. A send into the next engine
+    is checked as usual."""
+    import gc
+    import logging
+    import weakref
+
+    ipc = _static_ipc(monkeypatch)
+    llm = _LLM026()
+    _update(ipc, llm)
+    assert any(v._feeds(llm) for v in native._PENDING)
+    gone = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert gone() is None  # the pending list held it weakly
+    assert len(native._PENDING) == 1 and not any(v._feeds(None) for v in native._PENDING)
+    fresh = _LLM026()
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        _update(ipc, fresh)
+    assert "1 weight send(s) into an in-process vLLM engine that was garbage-collected" in caplog.text
+    assert len(native._PENDING) == 1 and native._PENDING[0]._feeds(fresh)
+    fresh.finish_weight_update()
+    assert native.last_reports()[0].ok and not native._PENDING

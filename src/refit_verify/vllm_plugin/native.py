@@ -270,8 +270,7 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         _wait_for_device()
         verifier.verify()  # delivered digests now: nothing in this process will check this update's close
         if verifier.open_updates:
-            with _LOCK:
-                _PENDING.append(verifier)
+            _pend(verifier)
         return out
 
     return staticmethod(trainer_send_weights)
@@ -294,14 +293,39 @@ def _deferred(verifier: NativeSendVerifier) -> bool:
         if len(fed) != 1:  # none, or not one engine for sure: checked right after the send (which says why)
             return False
         verifier.open_updates = True
-        _PENDING.append(verifier)
+        _pend(verifier)
     return True
+
+
+def _pend(verifier: NativeSendVerifier) -> None:
+    """Leave ``verifier`` to its update's finish (:data:`_PENDING`), holding its engine weakly: an
+    engine the user drops before that finish (a failed update never finished, the engine rebuilt)
+    is freed with its workers, and the sends into it leave the list, named in a warning
+    (:func:`_prune_gone`)."""
+    verifier._hold_target_weakly()
+    with _LOCK:
+        _prune_gone()
+        _PENDING.append(verifier)
+
+
+def _prune_gone() -> None:
+    """Drop the pending sends whose engine was garbage-collected before its update finished (they
+    can never be checked now) and warn that they were not verified. The caller holds ``_LOCK``."""
+    gone = [v for v in _PENDING if v._target_gone()]
+    if not gone:
+        return
+    _PENDING[:] = [v for v in _PENDING if v not in gone]
+    unchecked = sum(1 for v in gone if v.mode.verifies and not v.checked)
+    if unchecked:
+        logger.warning("refit-verify: %d weight send(s) into an in-process vLLM engine that was garbage-collected before its "
+                       "update finished were never verified", unchecked)
 
 
 @atexit.register
 def _unchecked_at_exit() -> None:
     """Warn about sends whose update never closed through ``finish_weight_update`` in this process."""
     with _LOCK:
+        _prune_gone()
         left = [v for v in _PENDING if v.mode.verifies and not v.checked]
     if left:
         logger.warning("refit-verify: %d weight send(s) into an update that never finished (no finish_weight_update or "
@@ -389,6 +413,7 @@ def _wrap_llm_start(raw: Callable) -> Callable:
     @functools.wraps(raw)
     def start_weight_update(self, *args, **kwargs):
         with _LOCK:
+            _prune_gone()
             stale = [v for v in _PENDING if v._feeds(self)]
             _PENDING[:] = [v for v in _PENDING if v not in stale]
         if stale:  # their session never closed through finish_weight_update

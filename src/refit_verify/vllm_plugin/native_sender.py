@@ -67,7 +67,7 @@ class NativeSendVerifier:
         from refit_verify.digest_stream import StreamDigests
 
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
-        self.target = target
+        self._target, self._weak_target = target, False  # see target and _hold_target_weakly
         self._stream = StreamDigests(hold_parameters=True)  # the model's parameters held, temporaries copied
         self.engines: list[weakref.ref] = []
         self.open_updates = False
@@ -79,6 +79,30 @@ class NativeSendVerifier:
         self.shadow_wait_s = 0.0  # seconds the sending thread waited for shadow work after its RPC returned
         self._shadow_error: BaseException | None = None  # shadow work that failed: raised by verify()
         self._shadow_llm: weakref.ref | None = None  # the LLM whose update_weights the deferred work shadows
+
+    @property
+    def target(self) -> Any:
+        """Where the workers are (as given); None when it was held weakly while this send waited for
+        its update's finish and that engine has been garbage-collected since."""
+        return self._target() if self._weak_target else self._target
+
+    @target.setter
+    def target(self, value: Any) -> None:
+        self._target, self._weak_target = value, False
+
+    def _hold_target_weakly(self) -> None:
+        """While this send waits in the process-wide pending list for its in-process engine's
+        ``finish_weight_update``: hold that engine weakly, so one the user drops (a failed update
+        never finished, the engine rebuilt) is freed with its workers, not kept alive by this list."""
+        if self._target is not None and not self._weak_target:
+            try:
+                self._target, self._weak_target = weakref.ref(self._target), True
+            except TypeError:  # not weakly referenceable (a Ray handle's proxy, a URL): held as given
+                pass
+
+    def _target_gone(self) -> bool:
+        """True iff the engine this send went to was held weakly and has been garbage-collected."""
+        return self._weak_target and self._target() is None
 
     @property
     def digests(self) -> dict[str, str]:
@@ -121,7 +145,10 @@ class NativeSendVerifier:
             return False
         if self._shadow_llm is not None:
             return self._shadow_llm() is llm
-        return self.target is None or self.target is llm or getattr(self.target, "__self__", None) is llm
+        target = self.target
+        if target is None:
+            return not self._weak_target  # names no engine (a weakly held one that is gone feeds none)
+        return target is llm or getattr(target, "__self__", None) is llm
 
     def shadow_work(self) -> None:
         """The deferred digest work so far (checks, signatures, launches), run while the sending thread
@@ -162,8 +189,11 @@ class NativeSendVerifier:
         """True iff this send went to in-process engine ``llm`` and to no other: its target is ``llm``
         (or a method of it), or, with no target (``nccl``), ``llm`` is the one engine that received
         ``update_weights`` during the send."""
-        if self.target is not None:
-            return self.target is llm or getattr(self.target, "__self__", None) is llm
+        target = self.target
+        if target is not None:
+            return target is llm or getattr(target, "__self__", None) is llm
+        if self._weak_target:  # its engine is gone: it feeds none
+            return False
         seen = [e for e in (r() for r in self.engines) if e is not None]
         return len(seen) == 1 and seen[0] is llm
 
@@ -177,6 +207,9 @@ class NativeSendVerifier:
         """
         from refit_verify.engines import channel
 
+        if self._target_gone():
+            raise RefitConfigError("refit-verify cannot fetch the manifests of this send: the in-process vLLM engine it went "
+                                   "to was garbage-collected before its weight update finished")
         chans = [c for c in (channel(self.target),) if c is not None]
         if not chans:
             seen = [llm for llm in (r() for r in self.engines) if llm is not None]
