@@ -107,7 +107,7 @@ TIMED_WORKER = (
     "refit_verify.digest_stream:HeldBatch.hexdigests",
     "refit_verify.digest_stream:HeldBatch._launch_general",
     "refit_verify.held_sets:_keep_held",
-    "refit_verify.digest_stream:_signature_columns",  # a flush's signatures, column by column
+    "refit_verify.digest_stream:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
     "refit_verify.digest:DigestBatch.add",
     "refit_verify.digest:DigestBatch.launch",
     "refit_verify.digest:DigestBatch.hexdigests",
@@ -161,7 +161,7 @@ TIMED_TRAINER = (
     "refit_verify.engines:WorkerChannel.call",
     "refit_verify.pack:digest_now!",
     "refit_verify.held_sets:_kept_held?",
-    "refit_verify.digest_stream:_signature_columns",  # a flush's signatures, column by column
+    "refit_verify.digest_stream:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
     "refit_verify.digest_set:DigestSet.launch",
     "refit_verify.digest_set:DigestSet.collect",
     "refit_verify.kernels.direct:run",
