@@ -343,3 +343,23 @@ def test_a_pending_send_does_not_keep_a_dropped_engine_alive(monkeypatch, caplog
     assert len(native._PENDING) == 1 and native._PENDING[0]._feeds(fresh)
     fresh.finish_weight_update()
     assert native.last_reports()[0].ok and not native._PENDING
+
+
+def test_a_pending_send_with_no_target_leaves_the_list_when_the_engine_it_fed_is_gone(caplog):
+    """An nccl send names no engine: it finds the one it fed by tracking (held weakly). Once that
+    engine is garbage-collected the send is pruned with the same warning, never matched to another."""
+    import gc
+    import logging
+
+    llm, other = _LLM026(), _LLM026()
+    v = native.NativeSendVerifier(mode="enforce")
+    v._saw_engine(llm)
+    native._pend(v)
+    assert v._feeds(llm) and not v._feeds(other) and not v._target_gone()
+    del llm
+    gc.collect()
+    assert v._target_gone() and not v._feeds(other) and not v._feeds(None)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        with native._LOCK:
+            native._prune_gone()
+    assert not native._PENDING and "were never verified" in caplog.text

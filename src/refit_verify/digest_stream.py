@@ -249,7 +249,8 @@ class HeldBatch:
             _held._keep_held(key, sigs, [h[1] for h in held])
 
     def hexdigests(self) -> dict[str, str]:
-        """``{name: 32-hex}`` in insertion order of what was held and did not change (one synchronisation per device)."""
+        """``{name: 32-hex}`` of what was held and did not change, in the order added (a name added twice in one
+        flush: at its later add; across flushes: at its first), one synchronisation per device."""
         self.launch()
         done = self._done
         done.update(self._batch.hexdigests())
@@ -318,7 +319,7 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
 
     Returns:
         dict[str, str]: ``{name: 32 lowercase hex}`` (digest v1, ``docs/digest-spec.md``; equal to
-        :func:`~refit_verify.digest.tensor_digest` of each tensor), in first-insertion order.
+        :func:`~refit_verify.digest.tensor_digest` of each tensor), in the order given (a name given twice: at its later pair).
 
     Raises:
         RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`).

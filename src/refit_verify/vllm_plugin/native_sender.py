@@ -101,8 +101,11 @@ class NativeSendVerifier:
                 pass
 
     def _target_gone(self) -> bool:
-        """True iff the engine this send went to was held weakly and has been garbage-collected."""
-        return self._weak_target and self._target() is None
+        """True iff the engine this send went to has been garbage-collected: its target, held weakly,
+        or, with no target (``nccl``), every in-process engine it was seen to feed."""
+        if self._weak_target:
+            return self._target() is None
+        return self._target is None and bool(self.engines) and all(r() is None for r in self.engines)
 
     @property
     def digests(self) -> dict[str, str]:
