@@ -185,7 +185,7 @@ def run_many(plan: ManyPlan, addrs: Iterable[int] | None = None) -> tuple[np.nda
         except OverflowError:  # below 0 or from 2**64 on
             raise RefitInputError("run_many takes addresses in [0, 2**64)") from None
         if not _aligned(at):
-            raise RefitInputError("digest_arrays_many takes 8-byte aligned addresses of fewer than MANY_MAX_BYTES bytes")
+            raise RefitInputError("run_many takes 8-byte aligned addresses")
     o0 = np.empty(n, np.uint64)
     o1 = np.empty(n, np.uint64)
     if n:

@@ -211,12 +211,8 @@ class DigestSet:
         ts = self.tensors if tensors is None else tensors
         if ts is None or len(ts) != self._n:
             return False
-        if columns is not None:
-            return columns == self._columns
-        try:
-            return _signature_columns(ts) == self._columns
-        except (RuntimeError, NotImplementedError):  # given memory that has no storage to sign
-            return False
+        cols = _columns_or_none(ts) if columns is None else columns  # None: given memory with no storage to sign
+        return cols is not None and cols == self._columns
 
     @plain_tensor_ops
     def moved(self, tensors: Sequence[torch.Tensor], columns: tuple[list, ...] | None = None) -> bool:
@@ -229,9 +225,8 @@ class DigestSet:
         columns, when the caller read them just now (they are not read again)."""
         if not self.relocatable or len(tensors) != self._n or not set(map(_DEVICE, tensors)) <= _CPU:  # meta: not CPU
             return False
-        try:
-            cols = _signature_columns(tensors) if columns is None else columns
-        except (RuntimeError, NotImplementedError):
+        cols = _columns_or_none(tensors) if columns is None else columns
+        if cols is None:
             return False
         if self._layout is None:
             self._layout = _layout(self._columns)
@@ -249,24 +244,21 @@ class DigestSet:
         ``moved``: ``tensors`` have the set's layout somewhere else (:meth:`moved`: checked unless
         ``check=False``); they are read where they are now.
         """
-        if moved:
+        if moved:  # relocatable: CPU groups of whole tensors through kept plans, no large item, no kernel plan
             if not self.relocatable or tensors is None or (check and not self.moved(tensors)):
                 return None
-            hexes: list[str | None] = [None] * self._n
-            for pos, kept, backend, _large in self._groups:  # relocatable: CPU groups of whole tensors, kept plans
-                if pos:
-                    hx = _digest._many_hexes(*backend.run_many(kept, map(_T.data_ptr, map(tensors.__getitem__, pos))))
-                    for j, i in enumerate(pos):
-                        hexes[i] = hx[32 * j : 32 * j + 32]
-            return SetLaunch(hexes, [])
-        if check and not self.valid(tensors):
+        elif check and not self.valid(tensors):
             return None
         out: list[str | None] = [None] * self._n
         words: list[tuple[list[int], torch.Tensor]] = []
         for pos, kept, backend, large in self._groups:
             if backend.digest_many is not None:  # the CPU: small tensors in one compiled call, the large one by one
                 if pos:
-                    hx = _digest._many_hexes(*(backend.digest_many(kept) if isinstance(kept, list) else backend.run_many(kept)))
+                    if moved:  # read where the given tensors are now
+                        got = backend.run_many(kept, map(_T.data_ptr, map(tensors.__getitem__, pos)))  # type: ignore[union-attr]
+                    else:
+                        got = backend.digest_many(kept) if isinstance(kept, list) else backend.run_many(kept)
+                    hx = _digest._many_hexes(*got)
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:
