@@ -86,6 +86,14 @@ def test_an_interrupt_of_the_call_is_not_held_up_by_the_work():
         run_in_shadow(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), lambda: release.wait(WAIT_S))
     assert __import__("time").perf_counter() - t0 < WAIT_S / 2
     release.set()
+    from refit_verify import shadow
+
+    helper = shadow._LOCAL.helper  # its work ends now: the next test must find this thread's helper idle, not run inline
+    for _ in range(500):
+        if not helper.busy:
+            break
+        threading.Event().wait(0.01)
+    assert not helper.busy
 
 
 def test_a_work_error_beside_a_failed_call_is_logged(caplog):
