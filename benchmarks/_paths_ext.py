@@ -310,6 +310,7 @@ def _allocator_counts() -> dict[str, list[float]]:
     with contextlib.suppress(RuntimeError):  # what the process holds at the read (levels, not deltas), in MiB
         out["cuda: memory allocated at the read (MiB)"] = [0.0, torch.cuda.memory_allocated() >> 20]
         out["cuda: memory reserved at the read (MiB)"] = [0.0, torch.cuda.memory_reserved() >> 20]
+        out["cuda: device memory free at the read (MiB)"] = [0.0, torch.cuda.mem_get_info()[0] >> 20]
     return out
 
 
