@@ -565,3 +565,51 @@ def test_a_kept_flush_with_an_inference_tensor_and_an_empty_one_still_sees_in_pl
             assert list(hb.changed) == ["w"] and "modified in place" in hb.changed["w"]
             assert got == {n: tensor_digest(t) for n, t in weights.items() if n != "w"} and launched == []
         launched.clear()
+
+
+@pytest.mark.parametrize("fail_at", ["launch", "collect"])
+def test_a_held_batch_whose_launch_failed_never_answers_again(fail_at, monkeypatch):
+    """A kept-set flush whose launch (or read) raises leaves the batch refusing every later call: a
+    caller that catches the error and asks for the digests again never gets the earlier add's digest
+    of a name it added again with other bytes (a stale digest that would match an engine that kept the
+    old bytes), nor the failed flush's names silently missing."""
+    from refit_verify import held_sets as dst
+    from refit_verify.errors import RefitError
+
+    monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
+    monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
+    weights = dict(zip("abcd", _laid_out(5)))
+    hb0 = digest_stream.HeldBatch(flush_bytes=1 << 30)  # the first refit keeps the flush's set
+    for n, t in weights.items():
+        hb0.add(n, t)
+    assert hb0.hexdigests() == {n: tensor_digest(t) for n, t in weights.items()}
+    hb = digest_stream.HeldBatch(flush_bytes=1 << 30)
+    for n, t in weights.items():
+        hb.add(n, t)
+    old = hb.hexdigests()  # through the kept set
+    assert old == {n: tensor_digest(t) for n, t in weights.items()}
+    weights["a"].add_(1)  # new bytes, exported again into the same batch
+    for n, t in weights.items():
+        hb.add(n, t)
+    calls = []
+    real = DigestSet.launch if fail_at == "launch" else DigestSet.collect
+
+    def failing(*a, **k):
+        calls.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    if fail_at == "launch":
+        monkeypatch.setattr(DigestSet, "launch", failing)
+    else:
+        monkeypatch.setattr(DigestSet, "collect", staticmethod(failing))
+    with pytest.raises(RuntimeError, match="injected"):
+        hb.hexdigests()
+    assert calls == [1]  # the kept path was the one that failed
+    monkeypatch.setattr(DigestSet, fail_at, real if fail_at == "launch" else staticmethod(real))
+    for call in (hb.hexdigests, hb.launch, lambda: hb.add("e", torch.zeros(3))):
+        with pytest.raises(RefitError, match="failed earlier .*injected"):
+            call()
+    fresh = digest_stream.HeldBatch(flush_bytes=1 << 30)  # a new batch digests them again, right
+    for n, t in weights.items():
+        fresh.add(n, t)
+    assert fresh.hexdigests() == {n: tensor_digest(t) for n, t in weights.items()} != old

@@ -26,7 +26,7 @@ from refit_verify.digest import (
     plain_tensor_ops,
 )
 from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none
-from refit_verify.errors import RefitInputError
+from refit_verify.errors import RefitError, RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
 
@@ -168,6 +168,12 @@ class HeldBatch:
         self._sets: list[tuple[tuple[str, ...], int, SetLaunch]] = []  # kept-set launches: (names, first add number, launch)
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
+        self._failed: str | None = None  # why a launch or read of this batch raised: its digests are not known since
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RefitError(f"refit-verify: a digest launch or read of this batch failed earlier ({self._failed}); the "
+                             "digests of what it held are not known: a new batch must digest them again")
 
     def add(self, name: str, t: torch.Tensor, version: int | None | object = _NOW) -> None:
         """Hold ``t`` under ``name`` until the next flush (a later add of the same name replaces it).
@@ -177,7 +183,10 @@ class HeldBatch:
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
+            RefitError: a launch or read of this batch raised earlier (see :meth:`launch`).
         """
+        if self._failed is not None:
+            self._check_usable()
         if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
                 and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
             size = t.element_size()
@@ -207,10 +216,25 @@ class HeldBatch:
 
     @plain_tensor_ops
     def launch(self) -> None:
-        """Check the held tensors and launch their digests now (no synchronisation)."""
+        """Check the held tensors and launch their digests now (no synchronisation).
+
+        Raises:
+            RefitError: a launch or read of this batch raised earlier: once one has, the batch refuses
+                every later call (:meth:`add`, :meth:`launch`, :meth:`hexdigests`) rather than answer
+                with the names of the failed flush missing, or at an earlier add's digest.
+            Exception: what this launch raised (a device error); the batch refuses every later call.
+        """
+        self._check_usable()
         held, self._held, self._pending = self._held, [], 0
         if not held:
             return
+        try:
+            self._launch(held)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"[:300]
+            raise
+
+    def _launch(self, held: list) -> None:
         names, ts, versions, ptrs, sizes = zip(*held)  # the adds as columns
         key = self._space + names if self._space else names
         cols = _columns_or_none(ts)  # one pass per field, for the kept set's checks (None: no storage to sign, the
@@ -250,8 +274,19 @@ class HeldBatch:
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` of what was held and did not change, in the order added (a name added twice in one
-        flush: at its later add; across flushes: at its first), one synchronisation per device."""
+        flush: at its later add; across flushes: at its first), one synchronisation per device.
+
+        Raises:
+            RefitError: a launch or read of this batch raised, here or earlier (see :meth:`launch`).
+        """
         self.launch()
+        try:
+            return self._collect()
+        except BaseException as e:  # a read that failed halfway: some launches read, some not
+            self._failed = f"{type(e).__name__}: {e}"[:300]
+            raise
+
+    def _collect(self) -> dict[str, str]:
         done = self._done
         done.update(self._batch.hexdigests())
         order = self._order
