@@ -183,10 +183,9 @@ class HeldBatch:
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
-            RefitError: a launch or read of this batch raised earlier (see :meth:`launch`).
+            RefitError: the flush this add starts finds that a launch or read of this batch raised
+                earlier (see :meth:`launch`; an add below ``flush_bytes`` only holds ``t``).
         """
-        if self._failed is not None:
-            self._check_usable()
         if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
                 and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
             size = t.element_size()
@@ -220,7 +219,7 @@ class HeldBatch:
 
         Raises:
             RefitError: a launch or read of this batch raised earlier: once one has, the batch refuses
-                every later call (:meth:`add`, :meth:`launch`, :meth:`hexdigests`) rather than answer
+                every later launch and read (:meth:`launch`, :meth:`hexdigests`) rather than answer
                 with the names of the failed flush missing, or at an earlier add's digest.
             Exception: what this launch raised (a device error); the batch refuses every later call.
         """
