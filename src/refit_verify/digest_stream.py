@@ -221,7 +221,7 @@ class HeldBatch:
             RefitError: a launch or read of this batch raised earlier: once one has, the batch refuses
                 every later launch and read (:meth:`launch`, :meth:`hexdigests`) rather than answer
                 with the names of the failed flush missing, or at an earlier add's digest.
-            Exception: what this launch raised (a device error); the batch refuses every later call.
+            Exception: what this launch raised (a device error); the batch refuses every later launch and read.
         """
         self._check_usable()
         held, self._held, self._pending = self._held, [], 0
@@ -276,7 +276,8 @@ class HeldBatch:
         flush: at its later add; across flushes: at its first), one synchronisation per device.
 
         Raises:
-            RefitError: a launch or read of this batch raised, here or earlier (see :meth:`launch`).
+            RefitError: a launch or read of this batch raised earlier (see :meth:`launch`).
+            Exception: what this launch or read raised (a device error); the batch refuses every later launch and read.
         """
         self.launch()
         try:
