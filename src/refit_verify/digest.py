@@ -220,38 +220,55 @@ class DigestBatch:
         change since (:class:`~refit_verify.digest_stream.HeldBatch`: same version counter,
         address and storage size); they are not run again.
 
+        An add that raises leaves no digest under ``name``, an earlier add's included (:meth:`drop`):
+        the batch never answers for a name with bytes other than those of its latest add.
+
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        if not checked:
-            _check(t)
-        dtype = "cuda" if t.is_cuda else t.device.type
-        if dtype in _KERNEL_DEVICE_TYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            backend = backend_for(dtype)
-            if backend.digest_views is not None:
-                self._adds += 1
-                self._order[name] = self._adds
-                self._queued.setdefault((t.get_device(), backend), []).append((name, t, None, self._adds))
-                return
-        elif self.hold_cpu and dtype == "cpu" and t.is_contiguous():  # the rest is checked at the launch
-            backend = _CPU[0] or _cpu_backend()
-            if backend.digest_many is not None:
-                self._adds += 1
-                self._order[name] = self._adds
-                self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
-                return
-        u8 = logical_bytes(t)
-        self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
+        try:
+            if not checked:
+                _check(t)
+            dtype = "cuda" if t.is_cuda else t.device.type
+            if dtype in _KERNEL_DEVICE_TYPES and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                backend = backend_for(dtype)
+                if backend.digest_views is not None:
+                    self._adds += 1
+                    self._order[name] = self._adds
+                    self._queued.setdefault((t.get_device(), backend), []).append((name, t, None, self._adds))
+                    return
+            elif self.hold_cpu and dtype == "cpu" and t.is_contiguous():  # the rest is checked at the launch
+                backend = _CPU[0] or _cpu_backend()
+                if backend.digest_many is not None:
+                    self._adds += 1
+                    self._order[name] = self._adds
+                    self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
+                    return
+            u8 = logical_bytes(t)
+            self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
+        except BaseException:
+            self.drop(name)
+            raise
+
+    def drop(self, name: str) -> None:
+        """Forget ``name``: no digest of an earlier add of it is returned (a queued one is launched but
+        not read back) and it is not counted in ``len``; a later add digests it again. Unknown names are ignored."""
+        self._order.pop(name, None)
+        self._done.pop(name, None)
 
     def _queue(self, name: str, u8: torch.Tensor, seeds: tuple[int, int]) -> None:
         """Digest the logical bytes ``u8`` (1-D contiguous uint8, from :func:`logical_bytes`) under
-        ``name`` with the §3 ``seeds`` of the tensor they came from."""
+        ``name`` with the §3 ``seeds`` of the tensor they came from. Raising, it leaves no digest under ``name`` (:meth:`drop`)."""
         self._adds += 1
         self._order[name] = self._adds  # a digest from an earlier add of this name, pending or not, is dropped
         dtype = "cpu" if u8.is_cpu else u8.device.type
         backend = backend_for(dtype)
         if backend.digest_words is not None:
-            self._done[name] = _ref.hexdigest(*backend.digest_words(u8, seeds))
+            try:
+                self._done[name] = _ref.hexdigest(*backend.digest_words(u8, seeds))
+            except BaseException:
+                self.drop(name)
+                raise
         else:
             self._queued.setdefault((u8.get_device(), backend), []).append((name, u8, seeds, self._adds))
 

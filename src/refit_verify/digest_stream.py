@@ -73,23 +73,28 @@ class CopyingBatch:
 
     @plain_tensor_ops
     def add(self, name: str, t: torch.Tensor) -> None:
-        """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it).
+        """Digest ``t`` under ``name`` as it is now (a later add of the same name replaces it; one that
+        raises leaves no digest under ``name``, an earlier add's included).
 
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
         """
-        if not isinstance(t, torch.Tensor):
-            raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
-        if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
-            self._batch.add(name, t)
-            return
-        u8 = logical_bytes(t)
-        n = u8.numel()
-        seeds = _tensor_seed(t.dtype, t.shape, n)
-        if n and _same_storage(u8, t):
-            u8 = u8.clone()  # a view of t's memory (a non-contiguous t was already copied by logical_bytes)
+        try:
+            if not isinstance(t, torch.Tensor):
+                raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
+            if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
+                self._batch.add(name, t)
+                return
+            u8 = logical_bytes(t)
+            n = u8.numel()
+            seeds = _tensor_seed(t.dtype, t.shape, n)
+            if n and _same_storage(u8, t):
+                u8 = u8.clone()  # a view of t's memory (a non-contiguous t was already copied by logical_bytes)
+            self._batch._queue(name, u8, seeds)
+        except BaseException:
+            self._batch.drop(name)
+            raise
         self._pending += n
-        self._batch._queue(name, u8, seeds)
         if self._pending >= self.flush_bytes:
             self.launch()
 
@@ -181,25 +186,32 @@ class HeldBatch:
         ``version``: ``t``'s version counter as read when the caller took ``t`` (a deferred add,
         :meth:`StreamDigests.drain`: a write through ``t`` since then is then found); default: now.
 
+        An add whose checks raise records ``name`` in :attr:`changed` (:meth:`note_changed`): no
+        digest of an earlier add of it is returned.
+
         Raises:
             RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
             RefitError: the flush this add starts finds that a launch or read of this batch raised
                 earlier (see :meth:`launch`; an add below ``flush_bytes`` only holds ``t``).
         """
-        if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
-                and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
-            size = t.element_size()
-            nbytes = t.numel() * size
-            storage = t.untyped_storage().nbytes() if nbytes else 0
-            if nbytes and t.storage_offset() * size + nbytes > storage:
-                _check(t)  # freed or resized under the tensor: raises, naming it
-            held = (name, t, version_of(t) if version is _NOW else version, t.data_ptr(), storage)
-        else:
-            with _PLAIN():
-                _check(t)
-                version = version_of(t) if version is _NOW else version  # None for an inference tensor: its address is checked
-                nbytes = t.numel() * t.element_size()
-                held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
+        try:  # the checks: inline, an add is the per-tensor host cost
+            if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
+                    and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
+                size = t.element_size()
+                nbytes = t.numel() * size
+                storage = t.untyped_storage().nbytes() if nbytes else 0
+                if nbytes and t.storage_offset() * size + nbytes > storage:
+                    _check(t)  # freed or resized under the tensor: raises, naming it
+                held = (name, t, version_of(t) if version is _NOW else version, t.data_ptr(), storage)
+            else:
+                with _PLAIN():
+                    _check(t)
+                    version = version_of(t) if version is _NOW else version  # None for an inference tensor: its address is checked
+                    nbytes = t.numel() * t.element_size()
+                    held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
+        except BaseException as e:
+            self.note_changed(name, f"it cannot be digested: {e}")
+            raise
         self.changed.pop(name, None)
         self._held.append(held)
         self._pending += nbytes
@@ -207,7 +219,8 @@ class HeldBatch:
             self.launch()
 
     def note_changed(self, name: str, why: str) -> None:
-        """Record that ``name``'s latest add is not digested, and why (a deferred add found changed)."""
+        """Record that ``name``'s latest add is not digested, and why (a deferred add found changed, an
+        add whose checks raised): it is named in :attr:`changed` and no digest of it is returned."""
         self._adds += 1
         self._order[name] = self._adds
         self._batch._order.pop(name, None)
@@ -478,6 +491,10 @@ class StreamDigests:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
 
+        An add that raises names ``name`` in :attr:`changed` (why: it cannot be digested) until a later
+        add of it succeeds: no digest of an earlier add of it is returned, as for a deferred add
+        found undigestible at the drain.
+
         Raises:
             TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
         """
@@ -485,13 +502,19 @@ class StreamDigests:
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         t0 = time.perf_counter()
         self._uncollected += 1
-        if self._held is not None:
-            held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
-            if not (held and self.defer_held and self._defer(name, tensor)):
-                (self._held if held else self._batch).add(name, tensor)
-        else:
-            self._batch.add(name, tensor)
-        self.digest_s += time.perf_counter() - t0
+        try:
+            if self._held is not None:
+                held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
+                if not (held and self.defer_held and self._defer(name, tensor)):
+                    (self._held if held else self._batch).add(name, tensor)
+            else:
+                self._batch.add(name, tensor)
+        except BaseException as e:
+            self._done.pop(name, None)  # collected from an earlier add
+            self.changed[name] = f"it cannot be digested: {e}"
+            raise
+        finally:
+            self.digest_s += time.perf_counter() - t0
 
     def _defer(self, name: str, t: torch.Tensor) -> bool:
         """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
@@ -549,9 +572,9 @@ class StreamDigests:
             if why is None:
                 try:
                     held.add(name, t, version)
-                    continue
-                except RefitInputError as e:
-                    why = f"it cannot be digested: {e}"
+                except RefitInputError:
+                    pass  # named in held.changed by the add
+                continue
             held.note_changed(name, why)
 
     def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:

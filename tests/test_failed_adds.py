@@ -1,0 +1,151 @@
+"""An add that raises never leaves an earlier add's digest answering for the name.
+
+A caller that catches the error of a failed add (a tensor whose storage was freed, a digest that
+ran out of memory) and goes on must not get, for that name, the digest of bytes it added earlier:
+that digest matches an engine that kept the old bytes (a false pass). The name is left out of the
+batch (:class:`DigestBatch`, :class:`CopyingBatch`) or named in ``changed`` (:class:`HeldBatch`,
+:class:`StreamDigests`), as a deferred add found undigestible at the drain already was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from refit_verify import digest as dg
+from refit_verify.delivery import _each_readable
+from refit_verify.digest import DigestBatch, tensor_digest
+from refit_verify.digest_stream import CopyingBatch, HeldBatch, StreamDigests
+from refit_verify.errors import RefitInputError
+
+
+@contextlib.contextmanager
+def _digest_words_fails_once():
+    """The CPU backend's ``digest_words`` raises at its next call (an allocation failing, say), then works."""
+    be = dg.backend_for("cpu")
+    real = be.digest_words
+    calls = []
+
+    def flaky(u8, seeds):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: digest_words failed")
+        return real(u8, seeds)
+
+    object.__setattr__(be, "digest_words", flaky)  # a frozen dataclass
+    try:
+        yield calls
+    finally:
+        object.__setattr__(be, "digest_words", real)
+
+
+def _freed_parameter(values: torch.Tensor) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(values.clone(), requires_grad=False)
+    p.untyped_storage().resize_(0)  # as FSDP frees a gathered parameter
+    return p
+
+
+T1 = torch.arange(16, dtype=torch.float32)
+T2 = torch.arange(16, dtype=torch.float32) + 100
+
+
+@pytest.mark.parametrize("hold_cpu", [False, True])
+def test_digest_batch_failed_readd_leaves_the_name_out(hold_cpu):
+    b = DigestBatch(hold_cpu=hold_cpu)
+    b.add("w", T1)
+    b.add("v", T2)
+    with _digest_words_fails_once() as calls, pytest.raises(RuntimeError, match="injected"):
+        b.add("w", T2.view(4, 4).t())  # non-contiguous: digested at the add, through digest_words
+    assert calls == [1]
+    assert len(b) == 1
+    assert b.hexdigests() == {"v": tensor_digest(T2)}  # not the earlier add's digest of w
+    b.add("w", T2)
+    assert b.hexdigests() == {"v": tensor_digest(T2), "w": tensor_digest(T2)}
+
+
+def test_digest_batch_failed_checks_leave_a_collected_name_out():
+    b = DigestBatch()
+    b.add("w", T1)
+    assert b.hexdigests() == {"w": tensor_digest(T1)}
+    with pytest.raises(RefitInputError):
+        b.add("w", torch.empty(4, device="meta"))
+    assert b.hexdigests() == {}
+
+
+def test_digest_batch_failed_first_add_is_no_key_error():
+    b = DigestBatch()
+    with _digest_words_fails_once(), pytest.raises(RuntimeError, match="injected"):
+        b.add("x", T2.view(4, 4).t())
+    b.add("y", T1)
+    assert len(b) == 1 and b.hexdigests() == {"y": tensor_digest(T1)}
+
+
+def test_each_readable_leaves_out_only_the_region_that_failed():
+    base = torch.arange(64, dtype=torch.float32).view(8, 8)
+    items = [("0:a", base.t()), ("0:b", base[::2].t()), ("0:c", torch.arange(8.0))]
+    with _digest_words_fails_once():
+        got = _each_readable(items)
+    assert got == {"0:b": tensor_digest(base[::2].t()), "0:c": tensor_digest(torch.arange(8.0))}
+
+
+def test_copying_batch_failed_readd_of_a_cpu_tensor_leaves_the_name_out():
+    b = CopyingBatch()
+    b.add("w", T1)
+    with pytest.raises(RefitInputError):
+        b.add("w", _freed_parameter(T2))
+    assert "w" not in b and b.hexdigests() == {}
+
+
+def test_held_batch_failed_readd_is_named_changed():
+    hb = HeldBatch()
+    hb.add("w", T1)
+    hb.add("v", T2)
+    with pytest.raises(RefitInputError):
+        hb.add("w", _freed_parameter(T2))
+    assert hb.hexdigests() == {"v": tensor_digest(T2)}
+    assert "cannot be digested" in hb.changed["w"] and "freed or resized" in hb.changed["w"]
+    hb.add("w", T2)  # a later add that succeeds counts again
+    assert hb.hexdigests() == {"v": tensor_digest(T2), "w": tensor_digest(T2)} and hb.changed == {}
+
+
+@pytest.mark.parametrize("mode", ["copy", "held", "hold_parameters"])
+@pytest.mark.parametrize("collected", [False, True])
+def test_stream_digests_failed_readd_is_named_changed_never_stale(mode, collected):
+    s = StreamDigests(copy=mode != "held", hold_parameters=mode == "hold_parameters")
+    first = torch.nn.Parameter(T1.clone(), requires_grad=False)
+    s.add("w", first)
+    s.add("v", T2)
+    if collected:  # the earlier add's digest already taken into the stream's own map
+        assert s.digests() == {"w": tensor_digest(T1), "v": tensor_digest(T2)}
+    with pytest.raises(RefitInputError):
+        s.add("w", _freed_parameter(T2))
+    assert s.digests() == {"v": tensor_digest(T2)}
+    assert list(s.changed) == ["w"] and s.changed["w"].startswith("it cannot be digested: ")
+    s.add("w", T2.clone())
+    assert s.digests() == {"v": tensor_digest(T2), "w": tensor_digest(T2)} and s.changed == {}
+
+
+@pytest.mark.parametrize("first_held", [True, False])
+def test_stream_digests_failed_readd_through_the_other_batch_is_named_changed(first_held):
+    """hold_parameters: a name held then re-added as a copy (or the other way round) whose add raised
+    is named in ``changed``, not silently missing from both."""
+    s = StreamDigests(hold_parameters=True)
+    s.add("w", torch.nn.Parameter(T1.clone(), requires_grad=False) if first_held else T1.clone())
+    bad = torch.empty(4, device="meta") if first_held else _freed_parameter(T2)
+    with pytest.raises(RefitInputError):
+        s.add("w", bad)
+    assert s.digests() == {} and list(s.changed) == ["w"]
+
+
+def test_deferred_and_inline_failed_adds_say_the_same():
+    got = {}
+    for defer in (False, True):
+        s = StreamDigests(hold_parameters=True)
+        s.defer_held = defer
+        s.add("w", torch.nn.Parameter(T1.clone(), requires_grad=False))
+        with contextlib.suppress(RefitInputError):
+            s.add("w", _freed_parameter(T2))
+        got[defer] = (s.digests(), dict(s.changed))
+    assert got[False] == got[True] and got[False][0] == {} and "freed or resized" in got[False][1]["w"]
