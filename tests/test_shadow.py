@@ -265,3 +265,41 @@ def test_launch_and_len_count_deferred_adds():
     s.launch()  # the inline path's launch drains first
     assert s.deferred == 0 and s.drain_s == 0.0
     assert s.digests() == {n: tensor_digest(p) for n, p in ps.items()}
+
+
+def test_a_drain_that_timed_out_in_the_shadow_blocks_every_other_drain_until_it_ends(monkeypatch):
+    """A caller that catches the shadow's timeout and reads the digests while the timed-out drain still
+    runs gets a clear error, not the digests of the names that drain reached so far (the rest silently
+    missing from the digests and from ``changed``); once it ends, the digests are all there and right."""
+    from refit_verify.digest_stream import HeldBatch
+    from refit_verify.errors import RefitProtocolError
+
+    params = {f"p{i}": torch.nn.Parameter(torch.full((64,), float(i)), requires_grad=False) for i in range(40)}
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held, s.defer_bytes = True, float("inf")
+    for n, p in params.items():
+        s.add(n, p)
+    release, reached = threading.Event(), threading.Event()
+    real, seen = HeldBatch.add, []
+
+    def stalling(self, *a, **k):  # the tenth deferred add of the shadow drain stalls (a device that stopped answering)
+        if threading.current_thread().name == "refit-verify-shadow":
+            seen.append(1)
+            if len(seen) == 10:
+                reached.set()
+                release.wait(WAIT_S)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(HeldBatch, "add", stalling)
+    with pytest.raises(RefitTimeoutError):
+        run_in_shadow(lambda: None, lambda: s.drain(shadow=True), timeout_s=0.2)
+    assert reached.is_set() and len(seen) == 10
+    for read in (s.digests, s.launch, lambda: s.drain(collect=True)):
+        with pytest.raises(RefitProtocolError, match="still running in another thread"):
+            read()
+    release.set()
+    for _ in range(int(WAIT_S / 0.01)):  # the stalled drain ends and lets go
+        if not s._draining.locked():
+            break
+        threading.Event().wait(0.01)
+    assert s.digests() == {n: tensor_digest(p) for n, p in params.items()} and s.changed == {}

@@ -9,6 +9,7 @@ never one kernel per tensor, and synchronise once when the digests are read.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
@@ -26,7 +27,7 @@ from refit_verify.digest import (
     plain_tensor_ops,
 )
 from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none
-from refit_verify.errors import RefitError, RefitInputError
+from refit_verify.errors import RefitError, RefitInputError, RefitProtocolError
 
 __all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
 
@@ -484,6 +485,7 @@ class StreamDigests:
         self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._deferred_bytes = 0
         self._uncollected = 0  # adds since the digests were last read
+        self._draining = threading.Lock()  # held by the drain running now (one at a time: see _drain_lock)
 
     def _new(self) -> CopyingBatch | HeldBatch:
         return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
@@ -525,8 +527,20 @@ class StreamDigests:
         self._deferred.append((name, t, version_of(t), ptr, size))
         self._deferred_bytes += size
         if self._deferred_bytes >= self.defer_bytes:
-            self._drain()
+            self._lock_drain()
+            try:
+                self._drain()
+            finally:
+                self._draining.release()
         return True
+
+    def _lock_drain(self) -> None:
+        """Take the drain lock, or raise: a drain still runs in another thread (shadow work whose call
+        returned and that timed out, :func:`~refit_verify.shadow.run_in_shadow`, still holds these digests)."""
+        if not self._draining.acquire(blocking=False):
+            raise RefitProtocolError("refit-verify: a drain of these digests is still running in another thread (shadow work "
+                             "that did not end in time?): what it has not digested yet is not known, so these digests "
+                             "cannot be read or added to until it ends")
 
     @property
     def deferred(self) -> int:
@@ -547,8 +561,13 @@ class StreamDigests:
 
         A deferred tensor that changed since its add or cannot be digested is named in
         :attr:`changed` (from :meth:`digests`), never raised.
+
+        Raises:
+            RefitProtocolError: a drain of these digests still runs in another thread (one that timed out
+                in the shadow of a call): the names it has not reached are neither digested nor changed yet.
         """
         t0 = time.perf_counter()
+        self._lock_drain()
         try:
             self._drain(YIELD_EVERY if shadow else 0)
             self._batch.launch()
@@ -557,6 +576,7 @@ class StreamDigests:
             if collect:
                 self._take()
         finally:
+            self._draining.release()
             dt = time.perf_counter() - t0
             self.digest_s += dt
             if shadow:
@@ -596,7 +616,11 @@ class StreamDigests:
         self.drain()
 
     def digests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex}`` of everything added so far (drains deferred adds, collects the launched kernels first)."""
+        """Return ``{name: 32-hex}`` of everything added so far (drains deferred adds, collects the launched kernels first).
+
+        Raises:
+            RefitProtocolError: a drain still runs in another thread (see :meth:`drain`).
+        """
         self.drain(collect=True)
         return dict(self._done)
 

@@ -284,13 +284,13 @@ class NativeSendVerifier:
                     f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank {w.get('rank')} does not "
                     f"verify ({w.get('reason', 'no workers answered')}); set REFIT_VERIFY in the vLLM server's environment too"
                 )
+            sender, changed = self._sent()  # a drain still running beside (shadow work that timed out): RefitProtocolError
         except (RefitConfigError, RefitProtocolError) as e:
             if self.mode is VerifyMode.ENFORCE:
                 raise
             logger.warning("%s", e)
             return []
         key = tuple(sorted((str(w.get("token")), int(w.get("session", 0))) for w in workers))
-        sender, changed = self._sent()
         with _LOCK:
             if _LAST["key"] == key:  # a further send into the same worker update
                 sender = {**_LAST["sender"], **sender}
