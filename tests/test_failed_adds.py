@@ -149,3 +149,18 @@ def test_deferred_and_inline_failed_adds_say_the_same():
             s.add("w", _freed_parameter(T2))
         got[defer] = (s.digests(), dict(s.changed))
     assert got[False] == got[True] and got[False][0] == {} and "freed or resized" in got[False][1]["w"]
+
+
+def test_a_failed_inline_add_after_a_deferred_one_of_the_same_name_is_never_drained_over():
+    """defer_held: a deferred add of ``w``, then an add of ``w`` that cannot be deferred (no storage to
+    record) and raises inline; the drain must not run the earlier deferred add over the failure."""
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("w", torch.nn.Parameter(T1.clone(), requires_grad=False))
+    s.add("v", torch.nn.Parameter(T2.clone(), requires_grad=False))
+    assert s.deferred == 2
+    sparse = torch.nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (16,)), requires_grad=False)
+    with pytest.raises(RefitInputError):
+        s.add("w", sparse)
+    assert s.deferred == 1
+    assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]

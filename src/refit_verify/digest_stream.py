@@ -513,6 +513,10 @@ class StreamDigests:
                 self._batch.add(name, tensor)
         except BaseException as e:
             self._done.pop(name, None)  # collected from an earlier add
+            if self._deferred:  # an earlier deferred add of it: never drained after this one
+                kept = [d for d in self._deferred if d[0] != name]
+                if len(kept) != len(self._deferred):
+                    self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
             self.changed[name] = f"it cannot be digested: {e}"
             raise
         finally:
