@@ -164,3 +164,49 @@ def test_a_failed_inline_add_after_a_deferred_one_of_the_same_name_is_never_drai
         s.add("w", sparse)
     assert s.deferred == 1
     assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]
+
+
+def test_a_drain_that_raises_keeps_the_adds_it_did_not_reach(monkeypatch):
+    """A deferred add whose checks raise something other than RefitInputError (a device error) stops the
+    drain; the adds after it stay deferred and are digested by the next read, none silently lost."""
+    import refit_verify.digest_stream as ds
+
+    freed = _freed_parameter(T1)
+    real = ds._check
+
+    def check(t):
+        if t is freed:
+            raise RuntimeError("injected: a device error in the checks")
+        return real(t)
+
+    monkeypatch.setattr(ds, "_check", check)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("a", torch.nn.Parameter(T1.clone(), requires_grad=False))
+    s.add("w", freed)
+    s.add("b", torch.nn.Parameter(T2.clone(), requires_grad=False))
+    with pytest.raises(RuntimeError, match="injected"):
+        s.digests()
+    assert s.deferred == 1  # b, not reached
+    assert s.digests() == {"a": tensor_digest(T1), "b": tensor_digest(T2)} and list(s.changed) == ["w"]
+
+
+def test_each_readable_leaves_out_a_queued_region_whose_read_failed():
+    """A contiguous region is queued and read at the batch's launch, outside the per-add guard: its
+    failure leaves that region out, the others read one by one."""
+    be = dg.backend_for("cpu")
+    real = be.digest_words
+    bad = torch.full((8,), 7.0)
+
+    def words(u8, seeds):
+        if u8.data_ptr() == bad.data_ptr():
+            raise RuntimeError("injected: this region cannot be read")
+        return real(u8, seeds)
+
+    items = [("0:a", bad), ("0:b", torch.arange(8.0)), ("0:c", torch.arange(8.0) + 1)]
+    object.__setattr__(be, "digest_words", words)
+    try:
+        got = _each_readable(items)
+    finally:
+        object.__setattr__(be, "digest_words", real)
+    assert got == {"0:b": tensor_digest(torch.arange(8.0)), "0:c": tensor_digest(torch.arange(8.0) + 1)}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, _check, plain_tensor_ops
+from refit_verify.digest import _KERNEL_DEVICE_TYPES, DigestBatch, _check, plain_tensor_ops, tensor_digest
 from refit_verify.digest_set import DigestSet
 from refit_verify.digest_stream import CopyingBatch, digest_now, version_of
 from refit_verify.errors import RefitProtocolError
@@ -511,4 +511,15 @@ def _each_readable(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
             batch.add(key, t)
         except (RuntimeError, ValueError):
             continue
-    return batch.hexdigests() if len(batch) else {}
+    if not len(batch):
+        return {}
+    try:
+        return batch.hexdigests()
+    except (RuntimeError, ValueError):  # one the launch reads raised (a queued one): each in a batch of its own
+        out = {}
+        for key, t in items:
+            try:
+                out[key] = tensor_digest(t)
+            except (RuntimeError, ValueError):
+                continue
+        return out

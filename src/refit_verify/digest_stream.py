@@ -589,17 +589,24 @@ class StreamDigests:
     def _drain(self, yield_every: int = 0) -> None:
         deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
         held = self._held
-        for i, (name, t, version, ptr, size) in enumerate(deferred):
-            if yield_every and i % yield_every == yield_every - 1:
-                time.sleep(0)
-            why = _changed(t, version, ptr, size)
-            if why is None:
-                try:
-                    held.add(name, t, version)
-                except RefitInputError:
-                    pass  # named in held.changed by the add
-                continue
-            held.note_changed(name, why)
+        i = 0
+        try:
+            for i, (name, t, version, ptr, size) in enumerate(deferred):
+                if yield_every and i % yield_every == yield_every - 1:
+                    time.sleep(0)
+                why = _changed(t, version, ptr, size)
+                if why is None:
+                    try:
+                        held.add(name, t, version)
+                    except RefitInputError:
+                        pass  # named in held.changed by the add
+                    continue
+                held.note_changed(name, why)
+        except BaseException:  # anything else (a device error): the adds not reached stay deferred, none lost
+            rest = deferred[i + 1 :]
+            self._deferred = rest + self._deferred
+            self._deferred_bytes = sum(d[4] for d in self._deferred)
+            raise
 
     def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
         """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went
