@@ -162,7 +162,6 @@ def test_a_failed_inline_add_after_a_deferred_one_of_the_same_name_is_never_drai
     sparse = torch.nn.Parameter(torch.sparse_coo_tensor([[0]], [1.0], (16,)), requires_grad=False)
     with pytest.raises(RefitInputError):
         s.add("w", sparse)
-    assert s.deferred == 1
     assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]
 
 
@@ -210,3 +209,22 @@ def test_each_readable_leaves_out_a_queued_region_whose_read_failed():
     finally:
         object.__setattr__(be, "digest_words", real)
     assert got == {"0:b": tensor_digest(torch.arange(8.0)), "0:c": tensor_digest(torch.arange(8.0) + 1)}
+
+
+def test_an_inline_held_add_after_defer_held_was_turned_off_wins_over_the_deferred_one():
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("w", torch.nn.Parameter(T1.clone(), requires_grad=False))
+    s.defer_held = False
+    s.add("w", torch.nn.Parameter(T2.clone(), requires_grad=False))
+    assert s.digests() == {"w": tensor_digest(T2)} and s.changed == {}
+
+
+def test_a_failed_copied_add_after_a_deferred_held_one_of_the_same_name_is_never_drained_over():
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("w", torch.nn.Parameter(T1.clone(), requires_grad=False))
+    with pytest.raises(RefitInputError):
+        s.add("w", torch.empty(4, device="meta"))  # a plain tensor: the copied batch, raises
+    assert s.deferred == 0
+    assert s.digests() == {} and list(s.changed) == ["w"]

@@ -508,6 +508,8 @@ class StreamDigests:
             if self._held is not None:
                 held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
                 if not (held and self.defer_held and self._defer(name, tensor)):
+                    if held and self._deferred:  # deferred adds first, in order (defer_held turned off since)
+                        self._drain_locked()
                     (self._held if held else self._batch).add(name, tensor)
             else:
                 self._batch.add(name, tensor)
@@ -531,12 +533,15 @@ class StreamDigests:
         self._deferred.append((name, t, version_of(t), ptr, size))
         self._deferred_bytes += size
         if self._deferred_bytes >= self.defer_bytes:
-            self._lock_drain()
-            try:
-                self._drain()
-            finally:
-                self._draining.release()
+            self._drain_locked()
         return True
+
+    def _drain_locked(self) -> None:
+        self._lock_drain()
+        try:
+            self._drain()
+        finally:
+            self._draining.release()
 
     def _lock_drain(self) -> None:
         """Take the drain lock, or raise: a drain still runs in another thread (shadow work whose call
