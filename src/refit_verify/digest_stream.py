@@ -520,9 +520,9 @@ class StreamDigests:
                 if len(kept) != len(self._deferred):
                     self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
             self.changed[name] = f"it cannot be digested: {e}"
-            raise
-        finally:
             self.digest_s += time.perf_counter() - t0
+            raise
+        self.digest_s += time.perf_counter() - t0
 
     def _defer(self, name: str, t: torch.Tensor) -> bool:
         """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
