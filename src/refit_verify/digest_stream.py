@@ -485,7 +485,7 @@ class StreamDigests:
         self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
         self._deferred_bytes = 0
         self._uncollected = 0  # adds since the digests were last read
-        self._draining = threading.Lock()  # held by the drain running now (one at a time: see _drain_lock)
+        self._draining = threading.Lock()  # held by the drain running now (one at a time: see _lock_drain)
 
     def _new(self) -> CopyingBatch | HeldBatch:
         return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
@@ -537,6 +537,7 @@ class StreamDigests:
         return True
 
     def _drain_locked(self) -> None:
+        """:meth:`_drain` under the drain lock (an add's: the budget reached, or deferred adds before an inline one)."""
         self._lock_drain()
         try:
             self._drain()
