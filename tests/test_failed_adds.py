@@ -228,3 +228,20 @@ def test_a_failed_copied_add_after_a_deferred_held_one_of_the_same_name_is_never
         s.add("w", torch.empty(4, device="meta"))  # a plain tensor: the copied batch, raises
     assert s.deferred == 0
     assert s.digests() == {} and list(s.changed) == ["w"]
+
+
+def test_an_add_that_raised_something_else_says_so_in_changed(monkeypatch):
+    """Only an input the digest cannot read is reported as "cannot be digested"; any other error of an
+    add (here a device error injected into the copied batch) is named as what it was."""
+    s = StreamDigests()
+    s.add("w", T1.clone())
+
+    def failing(self, name, t):
+        raise RuntimeError("injected: CUDA error")
+
+    monkeypatch.setattr(CopyingBatch, "add", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.add("w", T2.clone())
+    assert s.changed == {"w": "its add raised RuntimeError: injected: CUDA error"}
+    monkeypatch.undo()
+    assert s.digests() == {}

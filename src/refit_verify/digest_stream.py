@@ -99,6 +99,10 @@ class CopyingBatch:
         if self._pending >= self.flush_bytes:
             self.launch()
 
+    def drop(self, name: str) -> None:
+        """Forget ``name`` (:meth:`DigestBatch.drop <refit_verify.digest.DigestBatch.drop>`)."""
+        self._batch.drop(name)
+
     def launch(self) -> None:
         """Launch the digests of the pending copies now (the copies are freed after, in stream order)."""
         self._pending = 0
@@ -211,7 +215,7 @@ class HeldBatch:
                     nbytes = t.numel() * t.element_size()
                     held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
         except BaseException as e:
-            self.note_changed(name, f"it cannot be digested: {e}")
+            self.note_changed(name, _why_failed(e))
             raise
         self.changed.pop(name, None)
         self._held.append(held)
@@ -416,6 +420,13 @@ def changed_problems(changed: dict[str, str], *, verb: str, hint: str, more: str
     return out
 
 
+def _why_failed(e: BaseException) -> str:
+    """The ``changed`` reason of an add that raised ``e``."""
+    if isinstance(e, RefitInputError):
+        return f"it cannot be digested: {e}"
+    return f"its add raised {type(e).__name__}: {e}"[:500]
+
+
 def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:
     """Why held tensor ``t`` no longer holds what it held when it was added (None: it does): its
     version counter, address or storage size (``size`` bytes at the add; 0 for an empty tensor) moved."""
@@ -514,12 +525,18 @@ class StreamDigests:
             else:
                 self._batch.add(name, tensor)
         except BaseException as e:
+            why = _why_failed(e)
             self._done.pop(name, None)  # collected from an earlier add
+            for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
+                if isinstance(batch, HeldBatch):
+                    batch.note_changed(name, why)
+                elif batch is not None:
+                    batch.drop(name)
             if self._deferred:  # an earlier deferred add of it: never drained after this one
                 kept = [d for d in self._deferred if d[0] != name]
                 if len(kept) != len(self._deferred):
                     self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
-            self.changed[name] = f"it cannot be digested: {e}"
+            self.changed[name] = why
             self.digest_s += time.perf_counter() - t0
             raise
         self.digest_s += time.perf_counter() - t0
