@@ -245,3 +245,27 @@ def test_an_add_that_raised_something_else_says_so_in_changed(monkeypatch):
     assert s.changed == {"w": "its add raised RuntimeError: injected: CUDA error"}
     monkeypatch.undo()
     assert s.digests() == {}
+
+
+def test_a_drain_that_raises_in_its_own_check_names_that_add_changed(monkeypatch):
+    """The deferred add a drain stopped at is named in ``changed`` even when the drain's own
+    changed-since-add check raised (not only when the held batch's add did)."""
+    import refit_verify.digest_stream as ds
+
+    w = torch.nn.Parameter(T2.clone(), requires_grad=False)
+    real = ds._changed
+
+    def changed(t, *rest):
+        if t is w:
+            raise RuntimeError("injected: the storage cannot be read")
+        return real(t, *rest)
+
+    monkeypatch.setattr(ds, "_changed", changed)
+    s = StreamDigests(hold_parameters=True)
+    s.defer_held = True
+    s.add("a", torch.nn.Parameter(T1.clone(), requires_grad=False))
+    s.add("w", w)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.digests()
+    assert s.digests() == {"a": tensor_digest(T1)}
+    assert s.changed == {"w": "its add raised RuntimeError: injected: the storage cannot be read"}

@@ -625,7 +625,9 @@ class StreamDigests:
                         pass  # named in held.changed by the add
                     continue
                 held.note_changed(name, why)
-        except BaseException:  # anything else (a device error): the adds not reached stay deferred, none lost
+        except BaseException as e:  # anything else (a device error): the adds not reached stay deferred, none lost
+            if deferred:  # the add it stopped at is named changed (HeldBatch.add already did, unless _changed raised)
+                held.note_changed(deferred[i][0], _why_failed(e))
             rest = deferred[i + 1 :]
             self._deferred = rest + self._deferred
             self._deferred_bytes = sum(d[4] for d in self._deferred)
