@@ -118,6 +118,7 @@ TIMED_WORKER = (
     "refit_verify.kernels.direct:jit",  # those that went through Triton's JIT dispatch
     "refit_verify.kernels.digest:digest_views",
     "refit_verify.kernels.digest:to_hex",
+    "refit_verify.digest:_hexes",  # a device's words to hex: the device-to-host copy (its wait) and the formatting
     "refit_verify.engine_state:_kept_set",
     "refit_verify.engine_state:_snapshot_launch",
     "refit_verify.engine_state:_snapshot_collect",
@@ -167,6 +168,7 @@ TIMED_TRAINER = (
     "refit_verify.kernels.direct:run",
     "refit_verify.kernels.direct:jit",
     "refit_verify.kernels.digest:to_hex",
+    "refit_verify.digest:_hexes",
     "refit_verify.digest_stream:HeldBatch.add",
     "refit_verify.check:compare_session",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._sent",
@@ -314,6 +316,37 @@ def _allocator_counts() -> dict[str, list[float]]:
     return out
 
 
+def _calibration() -> dict[str, list[float]]:
+    """How fast this process runs Python and torch's tensor-method calls at the read (outside any refit): the
+    seconds of 100,000 steps of a Python loop and of 3,000 ``stride()`` / ``untyped_storage()`` calls on one tensor
+    (a CUDA one when CUDA is initialised here), as rows of the table (``calls`` = the count): the same work timed in
+    the trainer and in the worker process tells whether the worker runs the same code slower."""
+    import sys
+    import time
+
+    pc = time.perf_counter
+    t0 = pc()
+    n = 0
+    for i in range(100_000):
+        n += i
+    out = {"calibration: 100,000 Python loop steps": [pc() - t0, 100_000]}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return out
+    dev = "cuda" if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu"
+    t = torch.empty(64, 26, device=dev)
+    stride, storage = t.stride, t.untyped_storage
+    t0 = pc()
+    for _ in range(3000):
+        stride()
+    out[f"calibration: 3,000 {dev} tensor stride() calls"] = [pc() - t0, 3000]
+    t0 = pc()
+    for _ in range(3000):
+        storage()
+    out[f"calibration: 3,000 {dev} tensor untyped_storage() calls"] = [pc() - t0, 3000]
+    return out
+
+
 def read_timers() -> dict[str, list[float]]:
     """``{attr path: [seconds, calls]}`` since the last read (then reset), with the CUDA allocator's
     counters since then (:func:`_allocator_counts`)."""
@@ -321,4 +354,9 @@ def read_timers() -> dict[str, list[float]]:
     for v in _TIMES.values():
         v[0], v[1] = 0.0, 0
     out.update(_allocator_counts())
+    out.update(_calibration())
+    import threading  # other Python threads of the process contend for the GIL at every call that releases it
+    out["python: threads alive at the read (count)"] = [0.0, threading.active_count()]
+    for t in threading.enumerate():  # which: a thread that polls takes the GIL from the refit's host work
+        out[f"python: thread {t.name[:40]} (count)"] = [0.0, 1]
     return out
