@@ -84,11 +84,11 @@ TIMED_WORKER = (
     "refit_verify.broadcast:gather_messages",
     "refit_verify.broadcast:_collective",  # every collective, its wait for the peer included
     # the model boundary and the session
-    "refit_verify.model_boundary:ModelBoundary._check_first",
+    "refit_verify.model_boundary:ModelBoundary._check_first~",
     "refit_verify.model_boundary:ModelBoundary._replayed",
     "refit_verify.model_boundary:replay_call",
     "refit_verify.boundary:WorkerBoundary.open",
-    "refit_verify.boundary:WorkerBoundary.close",
+    "refit_verify.boundary:WorkerBoundary.close~",  # "~": a Python loop timed apart first (is the worker slowed in the refit?)
     "refit_verify.boundary:WorkerBoundary.snapshot",
     "refit_verify.boundary:SessionDigests.finish",
     "refit_verify.delivery:ModuleSession.landed_now",
@@ -157,7 +157,7 @@ TIMED_TRAINER = (
     "refit_verify.broadcast:gather_messages",
     "refit_verify.broadcast:_collective",  # every collective, its wait for the peers included
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.fetch",
-    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare",
+    "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare~",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
     "refit_verify.engines:WorkerChannel.call",
     "refit_verify.pack:digest_now!",
@@ -187,7 +187,9 @@ def install_timers(targets) -> list[str]:
     (this vLLM, this process). A target ending in ``?`` also counts the calls that returned something
     (row ``path?``); one ending in ``!`` first waits for the GPU work queued on the current CUDA stream
     and times that wait apart (row ``path backlog``): what the call would otherwise have waited for at
-    its read, queued before it (a diagnostic: the wait moves, it does not go away)."""
+    its read, queued before it (a diagnostic: the wait moves, it does not go away); one ending in ``~``
+    first runs the calibration's Python loop and times it apart (row ``calibration: … before path``):
+    compared with the same loop at the read, whether the process runs Python slower inside the refit."""
     import functools
     import importlib
     import time
@@ -195,8 +197,8 @@ def install_timers(targets) -> list[str]:
     pc = time.perf_counter
     missing = []
     for target in targets:
-        hits, backlog = target.endswith("?"), target.endswith("!")
-        mod_name, _, path = target.rstrip("?!").partition(":")
+        hits, backlog, calib = target.endswith("?"), target.endswith("!"), target.endswith("~")
+        mod_name, _, path = target.rstrip("?!~").partition(":")
         try:
             owner = importlib.import_module(mod_name)
             *parents, name = path.split(".")
@@ -213,13 +215,18 @@ def install_timers(targets) -> list[str]:
         acc = _TIMES.setdefault(path, [0.0, 0, 0])  # seconds, calls, depth (a recursive call is timed once, outermost)
         hit = _TIMES.setdefault(path + "?", [0.0, 0, 0]) if hits else None  # calls that returned something
         wait = _TIMES.setdefault(path + " backlog", [0.0, 0, 0]) if backlog else None  # queued GPU work waited for first
+        # the same Python loop as the read's calibration, run (and timed apart) before each call: inside a refit
+        cal = _TIMES.setdefault(f"calibration: {_CAL_STEPS:,} Python loop steps before {path}", [0.0, 0, 0]) if calib else None
 
-        def timed(*args, _fn=fn, _acc=acc, _hit=hit, _wait=wait, **kwargs):
+        def timed(*args, _fn=fn, _acc=acc, _hit=hit, _wait=wait, _cal=cal, **kwargs):
             if _acc[2]:
                 return _fn(*args, **kwargs)
             _acc[2] += 1
             if _wait is not None:
                 _sync_backlog(_wait)
+            if _cal is not None:
+                _cal[0] += _loop(_CAL_STEPS)
+                _cal[1] += _CAL_STEPS
             t0 = pc()
             try:
                 out = _fn(*args, **kwargs)
@@ -236,6 +243,20 @@ def install_timers(targets) -> list[str]:
         setattr(owner, name, kind(timed) if kind is not None else timed)
     _time_gc()
     return missing
+
+
+_CAL_STEPS = 10_000
+
+
+def _loop(n: int) -> float:
+    """Seconds of ``n`` steps of a Python loop (the calibration rows)."""
+    import time
+
+    t0 = time.perf_counter()
+    k = 0
+    for i in range(n):
+        k += i
+    return time.perf_counter() - t0
 
 
 def _sync_backlog(acc: list) -> None:
@@ -325,11 +346,7 @@ def _calibration() -> dict[str, list[float]]:
     import time
 
     pc = time.perf_counter
-    t0 = pc()
-    n = 0
-    for i in range(100_000):
-        n += i
-    out = {"calibration: 100,000 Python loop steps": [pc() - t0, 100_000]}
+    out = {f"calibration: {_CAL_STEPS:,} Python loop steps at the read": [_loop(_CAL_STEPS), _CAL_STEPS]}
     torch = sys.modules.get("torch")
     if torch is None:
         return out
@@ -349,7 +366,7 @@ def _calibration() -> dict[str, list[float]]:
 
 def read_timers() -> dict[str, list[float]]:
     """``{attr path: [seconds, calls]}`` since the last read (then reset), with the CUDA allocator's
-    counters since then (:func:`_allocator_counts`)."""
+    counters since then (:func:`_allocator_counts`), the calibration (:func:`_calibration`) and the threads alive."""
     out = {k: v[:2] for k, v in _TIMES.items() if v[1]}
     for v in _TIMES.values():
         v[0], v[1] = 0.0, 0
