@@ -147,7 +147,7 @@ TIMED_TRAINER = (
     "refit_verify.transport.sender:RefitSender._send_refit",
     "refit_verify.transport.sender:RefitSender._take_reply",
     "refit_verify.transport.sender:RefitSender._verdict",
-    "refit_verify.transport.sender:RefitSender._post",
+    "refit_verify.transport.sender:RefitSender._post^",
     "refit_verify.pack:Packer.digest_first",
     "refit_verify.pack:Packer.add_all",
     "refit_verify.broadcast:BroadcastSender.send",
@@ -189,7 +189,10 @@ def install_timers(targets) -> list[str]:
     and times that wait apart (row ``path backlog``): what the call would otherwise have waited for at
     its read, queued before it (a diagnostic: the wait moves, it does not go away); one ending in ``~``
     first runs the calibration's Python loop and times it apart (row ``calibration: … before path``):
-    compared with the same loop at the read, whether the process runs Python slower inside the refit."""
+    compared with the same loop at the read, whether the process runs Python slower inside the refit; one
+    ending in ``^`` sleeps ``BENCH_PAUSE_AFTER_MS`` after each call when that is set (row ``pause after
+    path``): the sender's pause after posting a buffer, before it packs the next one, tells whether its
+    packing slows the receiver's check of the buffer just posted (the two processes share the GPU)."""
     import functools
     import importlib
     import time
@@ -197,8 +200,8 @@ def install_timers(targets) -> list[str]:
     pc = time.perf_counter
     missing = []
     for target in targets:
-        hits, backlog, calib = target.endswith("?"), target.endswith("!"), target.endswith("~")
-        mod_name, _, path = target.rstrip("?!~").partition(":")
+        hits, backlog, calib, pause = target.endswith("?"), target.endswith("!"), target.endswith("~"), target.endswith("^")
+        mod_name, _, path = target.rstrip("?!~^").partition(":")
         try:
             owner = importlib.import_module(mod_name)
             *parents, name = path.split(".")
@@ -217,8 +220,10 @@ def install_timers(targets) -> list[str]:
         wait = _TIMES.setdefault(path + " backlog", [0.0, 0, 0]) if backlog else None  # queued GPU work waited for first
         # the same Python loop as the read's calibration, run (and timed apart) before each call: inside a refit
         cal = _TIMES.setdefault(f"calibration: {_CAL_STEPS:,} Python loop steps before {path}", [0.0, 0, 0]) if calib else None
+        pause_s = float(os.environ.get("BENCH_PAUSE_AFTER_MS", "0") or 0) / 1000 if pause else 0.0
+        slept = _TIMES.setdefault(f"pause after {path} (BENCH_PAUSE_AFTER_MS)", [0.0, 0, 0]) if pause_s > 0 else None
 
-        def timed(*args, _fn=fn, _acc=acc, _hit=hit, _wait=wait, _cal=cal, **kwargs):
+        def timed(*args, _fn=fn, _acc=acc, _hit=hit, _wait=wait, _cal=cal, _slept=slept, _pause=pause_s, **kwargs):
             if _acc[2]:
                 return _fn(*args, **kwargs)
             _acc[2] += 1
@@ -237,6 +242,11 @@ def install_timers(targets) -> list[str]:
                 _acc[0] += pc() - t0
                 _acc[1] += 1
                 _acc[2] -= 1
+                if _slept is not None:  # after the call, outside its time: what the caller does next starts later
+                    t1 = pc()
+                    time.sleep(_pause)
+                    _slept[0] += pc() - t1
+                    _slept[1] += 1
 
         functools.update_wrapper(timed, fn)
         timed.__bench_timed__ = True
