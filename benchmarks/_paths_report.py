@@ -152,6 +152,10 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                 else "; kept plans launched straight to their compiled kernels")
              + ("; landed digests on the CPU (`--landed-cpu`)" if a.landed_cpu else ""),
              *([f"- placement (`--pin`): {a.pinned}"] if getattr(a, "pinned", "") else []),
+             *(["- `BENCH_NO_SHADOW=1`: the native trainer's digest work runs on its sending thread, between the engine's "
+                "RPCs (no helper thread beside them)"] if os.environ.get("BENCH_NO_SHADOW") == "1" else []),
+             *([f"- `BENCH_PAUSE_AFTER_MS={os.environ['BENCH_PAUSE_AFTER_MS']}`: the transport sender pauses after each "
+                "posted buffer (`--timers`)"] if os.environ.get("BENCH_PAUSE_AFTER_MS") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
              + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "
                 "three rotations, then the three reversed)" if a.control else

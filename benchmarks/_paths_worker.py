@@ -571,6 +571,10 @@ def main() -> None:
         proto.write(ENC.encode(r) + b"\n")
 
     sys.path.insert(0, str(ROOT))
+    if os.environ.get("BENCH_NO_SHADOW") == "1":  # diagnostic: the native trainer's digest work on its own thread, none beside the RPCs
+        from refit_verify.vllm_plugin import native as _native
+
+        _native._engine_elsewhere = lambda llm: False
     try:
         bench = Bench(a)
         if a.timers:
