@@ -349,7 +349,7 @@ def _allocator_counts() -> dict[str, list[float]]:
 
 def _calibration() -> dict[str, list[float]]:
     """How fast this process runs Python and torch's tensor-method calls at the read (outside any refit): the
-    seconds of 100,000 steps of a Python loop and of 3,000 ``stride()`` / ``untyped_storage()`` calls on one tensor
+    seconds of :data:`_CAL_STEPS` steps of a Python loop and of 3,000 ``stride()`` / ``untyped_storage()`` calls on one tensor
     (a CUDA one when CUDA is initialised here), as rows of the table (``calls`` = the count): the same work timed in
     the trainer and in the worker process tells whether the worker runs the same code slower."""
     import sys

@@ -13,6 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
+from _paths_ext import _loop
 from _paths_worker import KIND
 
 from refit_verify import models
@@ -117,14 +118,7 @@ def python_speed(steps: int = 10_000, repeat: int = 5) -> float:
     """Milliseconds of ``steps`` steps of a plain Python loop (median of ``repeat``): how fast this host runs
     Python. refit-verify's own work is host Python over every tensor, so its milliseconds scale with this figure
     from host to host (the lent GPU hosts: 0.33–0.56 ms; this project's CPU machine: about :data:`CI_LOOP_MS`)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        k = 0
-        for i in range(steps):
-            k += i
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(_loop(steps) for _ in range(repeat)) * 1e3
 
 
 def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None) -> str:
