@@ -149,7 +149,8 @@ class BroadcastPath:
         if problems:
             raise RuntimeError("broadcast refit: " + "; ".join(problems))
         send_s, sender_wall = s1 - s0, st.get("wall_s", 0.0)
-        ph = {"b.wall": sender_wall, "b.digest": st.get("digest_s", 0.0), "b.verdict": send_s - sender_wall,
+        ph = {"b.wall": sender_wall, "b.digest": st.get("digest_s", 0.0), "b.shadow": st.get("digest_shadow_s", 0.0),
+              "b.crit": st.get("digest_s", 0.0) - st.get("digest_shadow_s", 0.0), "b.verdict": send_s - sender_wall,
               "b.wdigest": float(w["digest_s"]), "b.rest": wall - send_s}
         counts = {"buckets": int(st.get("buckets", 0)), "tensors": int(st.get("tensors", 0))}
         if off:

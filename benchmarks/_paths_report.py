@@ -31,6 +31,9 @@ PHASES: dict[str, tuple[str, str]] = {
     "close_rest": ("close minus read-back and snapshot", "derived: close - read-back - snapshot (manifest build, RPC, compare)"),
     "s.wall": ("sender: Hello to Done", "RefitStats.wall_s (sender.last_stats)"),
     "s.digest": ("sender digests", "RefitStats.digest_s (sender.last_stats)"),
+    "s.shadow": ("of those, after the first buffer was sent (while the receiver checks and loads it)",
+                 "RefitStats.digest_shadow_s (sender.last_stats)"),
+    "s.crit": ("sender digests on the refit's critical path (before the first buffer went)", "derived: sender digests - those after it"),
     "s.rdigest": ("receiver digest seconds sent back in Done", "RefitStats.receiver_digest_s (sender.last_stats)"),
     "w.digest": ("worker receive digest seconds", "`refit_verify_receive` result digest_s"),
     "push_rest": ("push outside Hello..Done (thread, RPC call and return)", "derived: wall - RefitStats.wall_s"),
@@ -46,7 +49,10 @@ PHASES: dict[str, tuple[str, str]] = {
                  "manifests come back with the finish RPC)", "timed around NativeSendVerifier.verify (observing wrapper)"),
     "n.rest": ("trainer export outside the client calls (packing, IPC export, file writes)", "derived: wall - client calls - verify"),
     "b.wall": ("sender: header to the receivers' reports gathered", "BroadcastStats.wall_s (sender.last_stats)"),
-    "b.digest": ("sender digests (a list: all at once before the first bucket; else each tensor before it is packed)", "BroadcastStats.digest_s (sender.last_stats)"),
+    "b.digest": ("sender digests (a list: the first bucket's tensors before it, the rest right after it; else each tensor "
+                 "before it is packed)", "BroadcastStats.digest_s (sender.last_stats)"),
+    "b.shadow": ("of those, after the first bucket was sent", "BroadcastStats.digest_shadow_s (sender.last_stats)"),
+    "b.crit": ("sender digests before the first bucket went", "derived: sender digests - those after it"),
     "b.verdict": ("sender: set-up before the header, and the verdict after the reports (manifests compared, mode applied)",
                   "derived: `BroadcastSender.send` timed in the child - BroadcastStats.wall_s"),
     "b.wdigest": ("worker digest seconds sent back (at the model boundary: the reload's finalize and the session close, "
@@ -63,27 +69,27 @@ PHASES: dict[str, tuple[str, str]] = {
     "gc": ("Python's cyclic garbage collector in the child (the engine too, when it runs in-process)",
            "gc.callbacks: start to stop of every collection during the refit"),
 }
-ORDER = {"transport": ["s.wall", "s.digest", "w.digest", "m.model", "w.open", "w.close", "m.engine", "snapshot", "push_rest",
+ORDER = {"transport": ["s.wall", "s.digest", "s.shadow", "s.crit", "w.digest", "m.model", "w.open", "w.close", "m.engine", "snapshot", "push_rest",
                        "staging_copy"],
          "boundary-per-param": ["open", "add", "load_weights", "close", "m.model", "m.engine", "snapshot", "close_rest"],
          "boundary-bucketed": ["open", "add", "init_reload", "load_weights", "finalize_reload", "close", "m.model", "m.engine",
                                "snapshot", "close_rest"],
          "native-unpacked": ["c.start", "c.update", "c.finish", "t.digest", "t.shadow", "t.crit", "t.verify", "n.rest", "m.model", "w.open", "w.close",
                              "m.engine", "snapshot"],
-         "broadcast": ["b.wall", "b.digest", "b.verdict", "b.wdigest", "m.model", "w.open", "w.close", "m.engine", "snapshot",
+         "broadcast": ["b.wall", "b.digest", "b.shadow", "b.crit", "b.verdict", "b.wdigest", "m.model", "w.open", "w.close", "m.engine", "snapshot",
                        "b.rest"]}
 ORDER["native-packed"] = ORDER["native-unpacked"]
 for _order in {id(o): o for o in ORDER.values()}.values():  # native-packed shares native-unpacked's list
     _order.append("gc")
-OWN = {"transport": ("s.digest", "m.model", "w.open", "w.close"), "boundary-per-param": ("open", "add", "m.model", "close"),
+OWN = {"transport": ("s.crit", "m.model", "w.open", "w.close"), "boundary-per-param": ("open", "add", "m.model", "close"),
        "boundary-bucketed": ("open", "add", "m.model", "close"),
        "native-unpacked": ("t.crit", "t.verify", "m.model", "w.open", "w.close"),
-       "broadcast": ("b.digest", "b.verdict", "m.model", "w.open", "w.close")}
+       "broadcast": ("b.crit", "b.verdict", "m.model", "w.open", "w.close")}
 OWN["native-packed"] = OWN["native-unpacked"]
 """Rows that add up to refit-verify's own work in an enforce refit (a close includes its read-back and snapshot)."""
-SHORT = {"s.digest": "sender digests", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
+SHORT = {"s.digest": "sender digests", "s.crit": "sender digests before the first buffer", "m.model": "boundary digests", "m.engine": "read-back", "snapshot": "snapshot",
          "open": "open", "add": "r.add", "close": "close", "w.open": "worker open", "w.close": "worker close", "t.digest": "trainer digests", "t.crit": "trainer digests outside the shadow", "t.verify": "fetch + compare",
-         "b.digest": "sender digests", "b.verdict": "sender set-up + verdict"}
+         "b.digest": "sender digests", "b.crit": "sender digests before the first bucket", "b.verdict": "sender set-up + verdict"}
 SNAPSHOT_HOW = {"inproc": "WorkerBoundary.baseline.digest_s (the close's own snapshot, read in-process)",
                 "mp": "SessionManifest.snapshot_s (the close's own snapshot)"}
 
@@ -148,6 +154,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              *([f"- placement (`--pin`): {a.pinned}"] if getattr(a, "pinned", "") else []),
              *(["- `BENCH_NO_SHADOW=1`: the native trainer's digest work runs on its sending thread, between the engine's "
                 "RPCs (no helper thread beside them)"] if os.environ.get("BENCH_NO_SHADOW") == "1" else []),
+             *(["- `BENCH_SENDER_WHOLE=1`: the transport sender digests the whole list before its first buffer (as before the "
+                "thirty-second run), none after it"] if os.environ.get("BENCH_SENDER_WHOLE") == "1" else []),
              *([f"- `BENCH_PAUSE_AFTER_MS={os.environ['BENCH_PAUSE_AFTER_MS']}`: the transport sender pauses after each "
                 "posted buffer (`--timers`)"] if os.environ.get("BENCH_PAUSE_AFTER_MS") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "

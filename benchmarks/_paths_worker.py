@@ -136,7 +136,8 @@ class Bench:
             from refit_verify import RefitConfig
             from refit_verify.transport import RefitSender
 
-            self.sender = RefitSender(config=RefitConfig.build(timeout_s=a.timeout_s, connect_timeout_s=a.timeout_s),
+            staging = {"buffer_bytes": a.staging_bytes} if a.staging_bytes else {}
+            self.sender = RefitSender(config=RefitConfig.build(timeout_s=a.timeout_s, connect_timeout_s=a.timeout_s, **staging),
                                       device=self.device)  # one sender reused across rounds
         if self.mode != "off" and want_native and backend is not None:
             self._observe_native_verify()
@@ -330,7 +331,8 @@ class Bench:
         wall = pc() - t0
         self._grab_timers()
         st = dict(self.sender.last_stats or {})
-        ph = {"s.wall": st.get("wall_s", 0.0), "s.digest": st.get("digest_s", 0.0), "s.rdigest": st.get("receiver_digest_s", 0.0),
+        ph = {"s.wall": st.get("wall_s", 0.0), "s.digest": st.get("digest_s", 0.0), "s.shadow": st.get("digest_shadow_s", 0.0),
+              "s.crit": st.get("digest_s", 0.0) - st.get("digest_shadow_s", 0.0), "s.rdigest": st.get("receiver_digest_s", 0.0),
               "w.digest": float(res.workers[0]["digest_s"]), "push_rest": wall - st.get("wall_s", 0.0)}
         counts = {"buffers": int(st.get("buffers", 0)), "tensors": int(st.get("tensors", 0))}
         ph["staging_copy"] = self._staging_copy_s()
@@ -563,6 +565,7 @@ def main() -> None:
     ap.add_argument("--timers", action="store_true", help="time the functions of benchmarks/_paths_ext.py (TIMED_*) per refit")
     ap.add_argument("--trainer-copy", action="store_true", help="boundary paths: refit(copy=True), a copy per r.add")
     ap.add_argument("--native-tensors", action="store_true", help="native paths: export plain tensors (default: nn.Parameters)")
+    ap.add_argument("--staging-bytes", type=int, default=None, help="transport: the sender's staging budget (default: RefitConfig's)")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log
@@ -575,6 +578,14 @@ def main() -> None:
         from refit_verify.vllm_plugin import native as _native
 
         _native._engine_elsewhere = lambda llm: False
+    if os.environ.get("BENCH_SENDER_WHOLE") == "1":  # diagnostic: the sender digests the whole list before the first group
+        from refit_verify.pack import Packer
+
+        def _whole(self, items):
+            if self.digests is not None:
+                self._digest_known(items)
+
+        Packer.digest_first = _whole
     try:
         bench = Bench(a)
         if a.timers:

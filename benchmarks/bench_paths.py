@@ -201,6 +201,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--native-tensors", action="store_true",
                     help="native paths: the trainer exports plain tensors (a state_dict: copied per tensor by the sender's "
                          "digests; default: its nn.Parameters, as model.named_parameters() yields them, held)")
+    ap.add_argument("--staging-mib", type=float, default=None,
+                    help="transport: the sender's staging budget in MiB, split into two ping-pong buffers (default: "
+                         "RefitConfig's, 256): fewer, larger buffers mean fewer checks before loading")
     ap.add_argument("--no-replay", action="store_true",
                     help="REFIT_VERIFY_REPLAY=0 in every child: every enforce refit is watched by the loader tap "
                          "(default: a steady-state refit replays the last watched one's plan, refit_verify.refit_plan)")
@@ -374,7 +377,8 @@ def main() -> int:
                         "--device", a.device, "--config-dir", str(work / "model"), "--paths", ",".join(kpaths),
                         "--bucket-bytes", str(a.bucket_bytes), "--gpu-memory-utilization", str(a.gpu_memory_utilization),
                         "--timeout-s", str(a.timeout_s), "--files-dir", str(shm)] + (["--trainer-copy"] if a.trainer_copy else []) \
-                        + (["--native-tensors"] if a.native_tensors else []) + (["--timers"] if a.timers else [])
+                        + (["--native-tensors"] if a.native_tensors else []) + (["--timers"] if a.timers else []) \
+                        + (["--staging-bytes", str(int(a.staging_mib * 2**20))] if a.staging_mib else [])
                 if a.profile:
                     Path(a.profile).mkdir(parents=True, exist_ok=True)
                     argv += ["--profile", str(Path(a.profile).resolve() / f"profile-{name}-{kind}.txt")]

@@ -66,17 +66,18 @@ class FlipReceiver(BroadcastReceiver):
 
 
 class LateWriteSender(BroadcastSender):
-    """Test-only sender: when its first bucket goes out, writes into a trainer tensor that a later
-    bucket carries (after the sender digested the whole list at once, before that tensor is packed)."""
+    """Test-only sender: when its second bucket goes out, writes into a trainer tensor that a later
+    bucket carries (the sender digested the first bucket's tensors before it and every other one
+    right after it went: the write comes after that tensor's digest and before it is packed)."""
 
     def __init__(self, *args, late: torch.Tensor, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.late, self.written = late, False
+        self.late, self.sent = late, 0
 
     def _sending(self, entries, data) -> None:
-        if not self.written:
+        self.sent += 1
+        if self.sent == 2:
             self.late.add_(1)
-            self.written = True
 
 
 class _Capture(logging.Handler):
@@ -172,7 +173,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
 
     step("abort", "enforce", items=bad_items() if rank == SRC else None)
     step("after_abort", "enforce")  # the group is still usable
-    step("late_write", "enforce", late="model.norm.weight")  # digested with the whole list, written before it is packed
+    step("late_write", "enforce", late="model.norm.weight")  # digested after the first bucket, written before it is packed
     out["others"] = others
     if others:  # a load error on one rank and a mismatch on another: both reach the sender's error
         step("load_error_and_fault", "enforce", load_error={others[0]: "model.norm.weight"},
@@ -324,9 +325,10 @@ def test_wait_bounded_by_group_timeout(ranks) -> None:
 
 
 def test_a_tensor_written_after_the_list_was_digested_is_a_mismatch(ranks) -> None:
-    """A list is digested at once before any bucket goes out (kept sets, one synchronisation per
-    refit): a trainer tensor written after that and before it is packed reaches every receiver with
-    other bytes than its digest, a mismatch on every rank, never a pass."""
+    """A list is digested ahead of its buckets (the first bucket's tensors before it goes, the rest
+    right after: kept sets, two synchronisations per refit): a trainer tensor written after its
+    digest and before it is packed reaches every receiver with other bytes than its digest, a
+    mismatch on every rank, never a pass."""
     err = ranks[SRC]["late_write"]["error"]
     assert err["type"] == "BroadcastVerificationError" and err["failed"] == list(range(1, WORLD))
     assert all(rep["mismatched"] == ["model.norm.weight"] for rep in err["per_rank"].values())

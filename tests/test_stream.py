@@ -86,10 +86,10 @@ def test_packer_digests_before_packing_and_off_runs_no_digest():
 
 
 def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_sending():
-    """digest_first (our transport's sender with a list): the whole refit is digested before any of
-    it is packed; every entry of every group carries its tensor's digest, as without it; a bad item
-    raises before anything is posted; a tensor changed after the digest keeps its earlier digest
-    (the receiver then refuses the changed bytes: a failure, never a pass)."""
+    """digest_first (our transport's sender with a list): the refit is digested ahead of its groups;
+    every entry of every group carries its tensor's digest, as without it; a bad item of the first
+    group raises before anything is posted; a tensor changed after the digest keeps its earlier
+    digest (the receiver then refuses the changed bytes: a failure, never a pass)."""
     align, cap = 64, 256
     tensors = [("a", _t(10, 0)), ("b", _t(3, 1, torch.bfloat16)), ("big", _t(100, 2)), ("c", _t(40, 3)), ("f", _t(30, 5))]
     want = {n: tensor_digest(t) for n, t in tensors}
@@ -98,9 +98,11 @@ def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_s
         p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
         if first:
             p.digest_first(tensors)
-            assert p._known == want
+            assert set(p._known) == {"a", "b"}  # what the first group can hold; the rest after it is sent
         p.add_all(tensors)
         assert {e.name: e.digest for _, ents, _, _ in sink.posts for e in ents} == want and p.manifest() == want
+        assert p._known == (want if first else {})
+        assert (p.digest_shadow_s > 0) == first and p.digest_shadow_s <= p.digest_s
     sink = RecordingSink(cap)
     p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
@@ -117,6 +119,68 @@ def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_s
     (_, ents, _, data), = sink.posts
     assert ents[0].digest == before != tensor_digest(changed[0][1])  # the staged bytes are the changed ones
     assert data[: ents[0].nbytes] == changed[0][1].view(torch.uint8).numpy().tobytes()
+
+
+def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_is_sent():
+    """digest_first digests only what the first group can hold before anything is sent; the rest
+    is digested right after the first group is posted (while the receiver loads it), before any of
+    it is packed, and its seconds are counted in digest_shadow_s. A bad item in the rest raises
+    after the first post (the transport aborts), and a tensor of the rest changed before that post
+    keeps the digest of its bytes as packed."""
+    align, cap = 64, 256
+    tensors = [("a", _t(10, 0)), ("b", _t(12, 1)), ("c", _t(30, 3)), ("big", _t(100, 2)), ("f", _t(30, 5)), ("g", _t(3, 6))]
+    want = {n: tensor_digest(t) for n, t in tensors}
+    seen_at_post: list[set[str]] = []
+
+    class Watching(RecordingSink):
+        def post(self, entries, used):
+            seen_at_post.append(set(p._known))
+            super().post(entries, used)
+
+        def post_alone(self, u8, entry, aligned):
+            seen_at_post.append(set(p._known))
+            super().post_alone(u8, entry, aligned)
+
+    sink = Watching(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    p.digest_first(tensors)
+    assert set(p._known) == {"a", "b", "c"}  # 64 + 64 + 128 aligned bytes fill the 256-byte group
+    assert p.digest_shadow_s == 0.0 < p.digest_s
+    p.add_all(tensors)
+    assert seen_at_post[0] == {"a", "b", "c"} and seen_at_post[1] == set(want)
+    assert [ents[0].name for _, ents, _, _ in sink.posts] == ["a", "big", "f"]
+    assert {e.name: e.digest for _, ents, _, _ in sink.posts for e in ents} == want and p.manifest() == want
+    assert 0.0 < p.digest_shadow_s < p.digest_s
+    # an oversized first tensor is the first part alone; the rest follows its post
+    seen_at_post.clear()
+    sink = Watching(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    p.digest_first(tensors[3:])
+    assert set(p._known) == {"big"}
+    p.add_all(tensors[3:])
+    assert seen_at_post == [{"big"}, {"big", "f", "g"}] and p.manifest() == {n: want[n] for n in ("big", "f", "g")}
+    # everything fits the first group: nothing is left for after it
+    sink = Watching(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    p.digest_first(tensors[:2])
+    p.add_all(tensors[:2])
+    assert p._rest is None and p.digest_shadow_s == 0.0 and p.manifest() == {n: want[n] for n in ("a", "b")}
+    # a bad item of the rest raises once the first group went
+    sink = RecordingSink(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    bad = [("a", _t(40, 0)), ("b", _t(40, 1)), ("c", [1, 2])]
+    p.digest_first(bad)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        p.add_all(bad)
+    assert [ents[0].name for _, ents, _, _ in sink.posts] == ["a"]
+    # a tensor of the rest changed before the first post: its digest is of the changed bytes, as packed
+    sink = RecordingSink(cap)
+    p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    later = [("x", _t(40, 7)), ("y", _t(40, 8))]
+    p.digest_first(later)
+    later[1][1].add_(1)
+    p.add_all(later)
+    assert {e.name: e.digest for _, ents, _, _ in sink.posts for e in ents} == {n: tensor_digest(t) for n, t in later}
 
 
 def test_packer_cuts_a_group_when_its_entry_list_would_grow_too_large():

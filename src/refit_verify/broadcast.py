@@ -310,7 +310,7 @@ class BroadcastSender:
             abort_due = True
             st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment), "header")
             if isinstance(named_tensors, (list, tuple)):
-                packer.digest_first(named_tensors)  # the whole refit's digests at once (kept sets): no synchronisation per bucket
+                packer.digest_first(named_tensors)  # the first bucket's digests now, the rest's once it is sent (kept sets)
             packer.add_all(named_tensors)
             sender_manifest = packer.manifest()
             st.send(BroadcastComplete(n_tensors=packer.tensors), "complete")
@@ -327,7 +327,7 @@ class BroadcastSender:
         results = [g for g in gathered if g is not None]
         self.last_stats = BroadcastStats(
             refit_id=refit_id, mode=mode.value, tensors=packer.tensors, bytes=packer.bytes, buckets=st.progress["buckets"],
-            receivers=len(results), digest_s=packer.digest_s, wall_s=time.perf_counter() - t_start,
+            receivers=len(results), digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start,
             receiver_digest_s=max((g.digest_s for g in results), default=0.0),
         )
         return self._verdict(mode, sender_manifest, results, refit_id)

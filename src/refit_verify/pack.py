@@ -61,7 +61,9 @@ class Packer:
 
     Attributes:
         tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
-        in digest code. last_name (str | None): the last name taken from the stream.
+        in digest code. digest_shadow_s (float): of those, the seconds :meth:`digest_first` spent
+        after the first group was sent (while the receivers check and load it). last_name
+        (str | None): the last name taken from the stream.
     """
 
     def __init__(self, sink: PackSink, *, capacity: int, alignment: int, digests: DigestBatch | None,
@@ -71,6 +73,8 @@ class Packer:
         self.ahead = digests_ahead and digests is not None
         self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead), and all of digest_first's
         self._known: dict[str, str] = {}  # digest_first's
+        self._rest: list[tuple[str, torch.Tensor]] | None = None  # digest_first's items left for after the first post
+        self._seen_first: set[str] = set()  # names digest_first validated
         self.names: set[str] = set()
         self.entries: list[Entry] = []
         self.used = 0
@@ -79,6 +83,7 @@ class Packer:
         self.tensors = 0
         self.bytes = 0
         self.digest_s = 0.0
+        self.digest_shadow_s = 0.0
         self.last_name: str | None = None
 
     def add(self, item: tuple[str, torch.Tensor]) -> None:
@@ -90,27 +95,28 @@ class Packer:
         """
         name, t = checked_item(item, self.names)
         self.last_name = name
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        a = round_up(n, self.alignment)
+        dt, shape = dtype_name(t.dtype), list(t.shape)
+        alone = a > self.capacity
+        cost = 0 if alone else entry_cost(name, dt, t.dim())
+        if alone or self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
+            self.flush()  # the previous group goes first (after the first one, digest_first's rest is digested)
         if self.digests is not None and name not in self._known:
             t0 = time.perf_counter()
             self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
             self.digest_s += time.perf_counter() - t0
             self._cuda_pending |= t.is_cuda
-        u8 = logical_bytes(t)
-        n = u8.numel()
-        a = round_up(n, self.alignment)
-        dt, shape = dtype_name(t.dtype), list(t.shape)
-        if a > self.capacity:
-            self.flush()
+        if alone:
             self.finish_digests()
             if self.ahead:
                 entry: Entry = DigestEntry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n, digest=self._group_hex()[name])
             else:
                 entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
             self.sink.post_alone(u8, entry, a)
+            self._digest_rest()
         else:
-            cost = entry_cost(name, dt, t.dim())
-            if self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
-                self.flush()
             buf = self.sink.buffer(u8)
             if n:
                 dst = buf[self.used : self.used + n]
@@ -124,31 +130,57 @@ class Packer:
         self.bytes += n
 
     def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """When verifying: digest a whole refit given as a sequence before any of it is packed, at
-        once through :func:`~refit_verify.digest_stream.digest_now` (kept sets: the trainer's memory
-        at every refit; no per-tensor check besides one signature): one synchronisation per device
-        for the refit instead of one per group, and no digest work per :meth:`add`. The tensors are
-        the trainer's, unchanged while it sends them; one changed in between differs from its digest
-        where the receiver reads it (refused before loading with ``digests_ahead``, a mismatch in
-        the verdict without): a failure, never a pass.
+        """When verifying: digest a refit given as a sequence ahead of its groups, in two parts, each
+        read at once through :func:`~refit_verify.digest_stream.digest_now` (kept sets: the
+        trainer's memory at every refit; no per-tensor check besides one signature): the tensors the
+        first group can hold (at most ``capacity`` aligned bytes, or the first tensor alone when it
+        is larger) now, the rest right after the first group is sent, while the receivers check and
+        load it. Two synchronisations per device for the refit instead of one per group, and only
+        the first part's on the refit's critical path (the rest's seconds are also counted in
+        ``digest_shadow_s``). No digest work is left to :meth:`add`.
 
-        Digesting only the first group's tensors ahead and the rest after the first group was sent
-        (while the receiver loads it) was tried and measured slower on one H200, about 17 ms per
-        refit more (``docs/performance.md``, the fourteenth run; the cause was not isolated: the
-        sender's digests then run on the GPU while the receiver's process loads).
+        The tensors are the trainer's, unchanged while it sends them; one changed in between differs
+        from its digest where the receiver reads it (refused before loading with ``digests_ahead``,
+        a mismatch in the verdict without): a failure, never a pass. A tensor of the rest changed
+        before the first group is sent is digested as it is packed.
+
+        History: the fourteenth run (``docs/performance.md``) measured this split 17 ms slower per
+        refit on one H200 and it was reverted; that run compared two engine processes without an
+        A/A control, whose own loading differs by 10-24 ms from process to process (the thirtieth
+        and thirty-first runs). The thirty-second run measures it on the refit's own work.
 
         Raises:
-            TypeError / ValueError: as :func:`checked_item` (before anything is sent);
+            TypeError / ValueError: as :func:`checked_item`, for the first part before anything is
+            sent, for the rest after the first group went (the transport then aborts the refit);
             RefitInputError: a tensor cannot be digested.
         """
         if self.digests is None:
             return
+        head, used = 0, 0
+        for _, t in items:
+            n = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            used += round_up(n, self.alignment)
+            if head and used > self.capacity:
+                break
+            head += 1
+        self._digest_known(items[:head])
+        self._rest = list(items[head:]) if head < len(items) else None
+
+    def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
+        """Digest ``items`` together now (one synchronisation per device); return the seconds it took."""
         t0 = time.perf_counter()
-        seen: set[str] = set()
-        got = digest_now([checked_item(item, seen) for item in items])
+        got = digest_now([checked_item(item, self._seen_first) for item in items])
         self._known.update(got)
         self._hex.update(got)
-        self.digest_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.digest_s += dt
+        return dt
+
+    def _digest_rest(self) -> None:
+        """After a group was sent: digest what :meth:`digest_first` left for then, if anything."""
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            self.digest_shadow_s += self._digest_known(rest)
 
     def add_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """:meth:`add` every item, then :meth:`flush` the last group."""
@@ -157,16 +189,18 @@ class Packer:
         self.flush()
 
     def flush(self) -> None:
-        """Send the pending group, if any (its CUDA digests finished first)."""
-        if self.entries:
+        """Send the pending group, if any (its CUDA digests finished first); after the first,
+        digest what :meth:`digest_first` left for then."""
+        entries, used = self.entries, self.used
+        self.entries, self.used, self._est = [], 0, 0
+        if entries:
             self.finish_digests()
-            entries = self.entries
             if self.ahead:
                 hexes = self._group_hex()
                 entries = [DigestEntry(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, nbytes=e.nbytes,
                                        digest=hexes[e.name]) for e in entries]
-            self.sink.post(entries, self.used)
-        self.entries, self.used, self._est = [], 0, 0
+            self.sink.post(entries, used)
+            self._digest_rest()
 
     def _group_hex(self) -> dict[str, str]:
         """Finish the digests added since the last group (one synchronisation on CUDA); return all so far."""

@@ -94,6 +94,10 @@ class StreamStats(TypedDict):
         tensors: tensors sent. bytes: their exact bytes (padding excluded).
         digest_s: seconds the sender spent in digest code (0.0 in ``off`` mode); on CUDA this
             includes waiting for earlier queued work at the synchronisation points.
+        digest_shadow_s: of ``digest_s``, the seconds spent after the first group was sent, while
+            the receivers check and load it (a refit given as a list: the digests of every tensor
+            the first group could not hold; off the refit's critical path unless the receivers
+            finish that group first).
         wall_s: seconds from the first message to the receivers' answer.
         receiver_digest_s: the receivers' digest seconds (the largest, with several receivers).
     """
@@ -103,6 +107,7 @@ class StreamStats(TypedDict):
     tensors: int
     bytes: int
     digest_s: float
+    digest_shadow_s: float
     wall_s: float
     receiver_digest_s: float
 

@@ -519,7 +519,7 @@ class RefitSender:
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
                                        digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
             if isinstance(named_tensors, (list, tuple)):
-                packer.digest_first(named_tensors)  # the whole refit's digests at once: no synchronisation per group
+                packer.digest_first(named_tensors)  # the first group's digests now, the rest's once it is sent (two synchronisations per refit)
             packer.add_all(named_tensors)
             self._settle(st)
             sender_manifest = packer.manifest()
@@ -538,7 +538,7 @@ class RefitSender:
             st.free_pool()
         self.last_stats = RefitStats(
             refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
-            digest_s=packer.digest_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
+            digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
         )
         return self._verdict(st.mode, sender_manifest, done)
 
