@@ -10,7 +10,10 @@ trainer's ``StreamDigests``):
 * ``bucketed``: lists of about 64 MiB (verl);
 * ``trainer``: the trainer side alone, ``StreamDigests.add`` per exported tensor, then ``digests()``
   (a device copy per tensor: ``refit(copy=True)``, the default);
-* ``trainer-held``: the same with ``StreamDigests(copy=False)`` (``refit(copy=False)``: held, no copy).
+* ``trainer-held``: the same with ``StreamDigests(copy=False)`` (``refit(copy=False)``: held, no copy),
+  launched every ``StreamDigests.HELD_FLUSH_BYTES`` (1 GiB);
+* ``trainer-held-256``: the same, launched every 256 MiB (``held_flush_bytes``; the default before
+  the thirty-second run): what the larger held flush saves.
 
 Prints a Markdown table (median, quartiles, ratio to the same run's ``off`` median).
 Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|cpu] [--model NAME] [--out FILE]``
@@ -100,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     replayed: dict[str, int] = {}  # per boundary shape: tensors the last enforce refit replayed from its plan
 
     def refit(model, mode, shape):
-        if shape in ("trainer", "trainer-held"):
+        if shape.startswith("trainer"):
             if mode == "enforce":
-                s = StreamDigests(copy=shape == "trainer")
+                s = StreamDigests(copy=shape == "trainer", held_flush_bytes=256 << 20 if shape == "trainer-held-256" else None)
                 for n, t in sd.items():
                     s.add(n, t)
                 s.digests()
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             assert man.engine is not None and man.engine.unproven_bytes == 0 and not man.modules["model"].unwritten
             replayed[shape] = man.modules["model"].replayed
 
-    shapes = ("per-param", "bucketed", "trainer", "trainer-held")
+    shapes = ("per-param", "bucketed", "trainer", "trainer-held", "trainer-held-256")
     times = {(s, m): [] for s in shapes for m in ("off", "enforce")}
     for r in range(a.rounds + 1):
         for s in shapes:

@@ -335,3 +335,35 @@ def test_a_tensor_whose_storage_was_freed_is_refused_never_read():
     with pytest.raises(RefitInputError, match="freed or resized"):
         b.hexdigests()
     assert tensor_digest(torch.zeros(3, 1).expand(3, 5)) == tensor_digest(torch.zeros(3, 5))  # stride 0 spans less
+
+
+def test_stream_digests_held_batches_launch_at_their_own_threshold(monkeypatch):
+    """Held tensors (``copy=False``, and the parameters of ``hold_parameters=True``) launch every
+    ``held_flush_bytes`` (default HELD_FLUSH_BYTES, 1 GiB: holding costs no memory of ours), copies
+    every FLUSH_BYTES; the digests are the same whatever the threshold."""
+    from refit_verify.digest import tensor_digest
+    from refit_verify.digest_stream import CopyingBatch, HeldBatch, StreamDigests
+
+    assert StreamDigests.HELD_FLUSH_BYTES == 1 << 30 and StreamDigests.FLUSH_BYTES == 256 << 20
+    held = StreamDigests(copy=False)
+    assert isinstance(held._batch, HeldBatch) and held._batch.flush_bytes == 1 << 30
+    mixed = StreamDigests(hold_parameters=True)
+    assert isinstance(mixed._batch, CopyingBatch) and mixed._batch.flush_bytes == 256 << 20
+    assert mixed._held.flush_bytes == 1 << 30
+    ts = {f"w{i}": torch.arange(100, dtype=torch.float32) + i for i in range(5)}  # 400 bytes each
+    want = {n: tensor_digest(t.clone()) for n, t in ts.items()}
+    launches = []
+    raw = HeldBatch.launch
+
+    def counting(self):
+        launches.append(len(self._held))
+        return raw(self)
+
+    monkeypatch.setattr(HeldBatch, "launch", counting)
+    for flush, pending in ((1000, [3, 2]), (None, [5])):  # 3 adds reach 1000 bytes; the default holds all five
+        launches.clear()
+        s = StreamDigests(copy=False, held_flush_bytes=flush)
+        for n, t in ts.items():
+            s.add(n, t)
+        assert s.digests() == want and s.changed == {}
+        assert [k for k in launches if k] == pending

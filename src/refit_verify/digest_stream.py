@@ -444,7 +444,8 @@ class StreamDigests:
 
     By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
     :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
-    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`): the caller
+    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`, launched every
+    :data:`HELD_FLUSH_BYTES`): the caller
     leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
     ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
     and any other tensor copied: a parameter is the model's own memory, not a temporary of the
@@ -464,6 +465,8 @@ class StreamDigests:
     Args:
         copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
         hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
+        held_flush_bytes: bytes held at which the held tensors' digests launch (default
+            :data:`HELD_FLUSH_BYTES`, 1 GiB; copies launch every :data:`FLUSH_BYTES`, 256 MiB).
 
     Attributes:
         digest_s: host seconds spent digesting (drains included, wherever they ran).
@@ -477,14 +480,21 @@ class StreamDigests:
     """
 
     FLUSH_BYTES = 256 << 20
+    """Bytes of copies at which a copying batch launches (bounds the copies the device holds at once)."""
+    HELD_FLUSH_BYTES = 1 << 30
+    """Bytes held at which a held batch launches: a held tensor costs no memory of ours, so a held
+    batch launches less often than a copying one (each launch is a fixed host cost: a signature pass,
+    the launches, later a read; about 0.45 ms on the lent GPU hosts, ``docs/performance.md``, the
+    thirty-second run); bounded so one launch's work area stays small (about 1 % of the bytes read)."""
     DEFER_BYTES = 1 << 30
     """Deferred bytes at which an add drains at once (:attr:`defer_held`)."""
 
-    def __init__(self, copy: bool = True, hold_parameters: bool = False) -> None:
+    def __init__(self, copy: bool = True, hold_parameters: bool = False, held_flush_bytes: int | None = None) -> None:
         self.copy = copy
         self.hold_parameters = hold_parameters and copy
+        self.held_flush_bytes = self.HELD_FLUSH_BYTES if held_flush_bytes is None else int(held_flush_bytes)
         self._batch = self._new()
-        self._held = HeldBatch(self.FLUSH_BYTES) if self.hold_parameters else None
+        self._held = HeldBatch(self.held_flush_bytes) if self.hold_parameters else None
         self._last: dict[str, bool] = {}  # name -> held (True) or copied, of its latest add (hold_parameters only)
         self._done: dict[str, str] = {}
         self.changed: dict[str, str] = {}
@@ -499,7 +509,7 @@ class StreamDigests:
         self._draining = threading.Lock()  # held by the drain running now (one at a time: see _lock_drain)
 
     def _new(self) -> CopyingBatch | HeldBatch:
-        return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.FLUSH_BYTES)
+        return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.held_flush_bytes)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
@@ -669,7 +679,7 @@ class StreamDigests:
             self._batch = self._new()
         if mixed and len(self._held):
             self._collect(self._held, True)
-            self._held = HeldBatch(self.FLUSH_BYTES)
+            self._held = HeldBatch(self.held_flush_bytes)
 
     def __len__(self) -> int:
         pending = len(self._batch) + (len(self._held) if self._held is not None else 0)
