@@ -33,7 +33,7 @@ import torch
 
 from refit_verify import delivery, models
 from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.digest_stream import StreamDigests
+from refit_verify.trainer_digests import StreamDigests
 from refit_verify.engine_state import audit, read_back, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -30,7 +30,8 @@ from refit_verify.boundary import identity_of
 from refit_verify.config import DIRECT_LAUNCH_ENV_VAR
 from refit_verify.digest import DigestBatch, _tensor_seed, logical_bytes
 from refit_verify.digest_set import DigestSet
-from refit_verify.digest_stream import CopyingBatch, StreamDigests, _same_storage, digest_now
+from refit_verify.digest_stream import CopyingBatch, _same_storage, digest_now
+from refit_verify.trainer_digests import StreamDigests
 from refit_verify.engine_state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

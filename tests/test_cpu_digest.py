@@ -187,7 +187,7 @@ def test_digesting_a_cpu_tensor_leaves_its_storage_resizable():
     """The CPU path reads the bytes through DLPack: Tensor.numpy() would pin the storage as not resizable,
     and a trainer that frees a pushed tensor's storage (resize_(0), as FSDP does) would fail after r.add."""
     from refit_verify.digest import tensor_digest
-    from refit_verify.digest_stream import StreamDigests
+    from refit_verify.trainer_digests import StreamDigests
 
     t = torch.arange(1001, dtype=torch.uint8)
     want = tensor_digest(t.clone())
@@ -203,7 +203,7 @@ def test_stream_digests_holds_parameters_and_copies_the_rest():
     its version counter and the name left out), any other tensor is taken as it was at the add, and
     the latest add of a name decides which of the two it is."""
     from refit_verify.digest import tensor_digest
-    from refit_verify.digest_stream import StreamDigests
+    from refit_verify.trainer_digests import StreamDigests
 
     p = torch.nn.Parameter(torch.arange(64, dtype=torch.float32), requires_grad=False)
     t = torch.arange(64, dtype=torch.float32) * 3
@@ -342,7 +342,8 @@ def test_stream_digests_held_batches_launch_at_their_own_threshold(monkeypatch):
     ``held_flush_bytes`` (default HELD_FLUSH_BYTES, 1 GiB: holding costs no memory of ours), copies
     every FLUSH_BYTES; the digests are the same whatever the threshold."""
     from refit_verify.digest import tensor_digest
-    from refit_verify.digest_stream import CopyingBatch, HeldBatch, StreamDigests
+    from refit_verify.digest_stream import CopyingBatch, HeldBatch
+    from refit_verify.trainer_digests import StreamDigests
 
     assert StreamDigests.HELD_FLUSH_BYTES == 1 << 30 and StreamDigests.FLUSH_BYTES == 256 << 20
     held = StreamDigests(copy=False)

@@ -17,7 +17,8 @@ import torch
 from refit_verify import digest as dg
 from refit_verify.delivery import _each_readable
 from refit_verify.digest import DigestBatch, tensor_digest
-from refit_verify.digest_stream import CopyingBatch, HeldBatch, StreamDigests
+from refit_verify.digest_stream import CopyingBatch, HeldBatch
+from refit_verify.trainer_digests import StreamDigests
 from refit_verify.errors import RefitInputError
 
 

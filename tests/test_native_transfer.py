@@ -309,7 +309,7 @@ def test_digest_work_failing_beside_update_weights_fails_the_check_not_the_send(
     from dataclasses import asdict
 
     from refit_verify import RefitProtocolError
-    from refit_verify.digest_stream import StreamDigests
+    from refit_verify.trainer_digests import StreamDigests
 
     llm, cfg, files = engine
     monkeypatch.setenv("REFIT_VERIFY", mode)

@@ -1,5 +1,5 @@
 """Digest work in the shadow of a blocking call (``refit_verify.shadow``) and the deferred held adds
-of :class:`~refit_verify.digest_stream.StreamDigests` it runs."""
+of :class:`~refit_verify.trainer_digests.StreamDigests` it runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from refit_verify import RefitInputError, RefitTimeoutError
 from refit_verify.digest import tensor_digest
-from refit_verify.digest_stream import StreamDigests
+from refit_verify.trainer_digests import StreamDigests
 from refit_verify.shadow import run_in_shadow
 
 WAIT_S = 10.0  # bound on every wait of these tests (each normally takes microseconds)

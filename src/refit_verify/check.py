@@ -32,7 +32,7 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
-from refit_verify.digest_stream import StreamDigests, changed_problems
+from refit_verify.trainer_digests import StreamDigests, changed_problems
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire

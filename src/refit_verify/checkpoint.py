@@ -12,7 +12,7 @@ worker's :class:`~refit_verify.manifest.SessionManifest` saved as JSON (``to_wir
 JSON object ``{name: 32-hex}``; :func:`compare` names every difference between two of them.
 
 Tensors are read with the ``safetensors`` library (``safe_open(..., framework="pt")``), one at a
-time, so memory holds one tensor (plus what :class:`~refit_verify.digest_stream.StreamDigests` keeps in
+time, so memory holds one tensor (plus what :class:`~refit_verify.trainer_digests.StreamDigests` keeps in
 flight on CUDA).
 
 Source: ``docs/digest-spec.md`` (digest v1).
@@ -287,7 +287,7 @@ def digest_checkpoint(path: str | Path, *, device: str | None = None, progress: 
 
     from refit_verify import __version__
     from refit_verify.digest import dtype_name, logical_bytes
-    from refit_verify.digest_stream import StreamDigests
+    from refit_verify.trainer_digests import StreamDigests
 
     root, files, wmap = checkpoint_files(path)
     device = device or _default_device()

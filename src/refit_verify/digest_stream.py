@@ -2,15 +2,14 @@
 
 :class:`CopyingBatch` copies each CUDA tensor as it is added (what it held then is what is
 digested), :class:`HeldBatch` holds the tensors themselves and checks, before reading them, that
-they did not change, and :class:`StreamDigests` is the trainer's face of both (``copy=True`` /
-``copy=False`` / ``hold_parameters=True``). All of them launch in batches (:class:`~refit_verify.digest.DigestBatch`),
+they did not change; :func:`digest_now` reads a list handed over right now. The trainer's face of
+both batches, :class:`~refit_verify.trainer_digests.StreamDigests` (``copy=True`` /
+``copy=False`` / ``hold_parameters=True``), is in :mod:`refit_verify.trainer_digests`. All of them launch in batches (:class:`~refit_verify.digest.DigestBatch`),
 never one kernel per tensor, and synchronise once when the digests are read.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
@@ -27,9 +26,9 @@ from refit_verify.digest import (
     plain_tensor_ops,
 )
 from refit_verify.digest_set import DigestSet, SetLaunch, _columns_or_none
-from refit_verify.errors import RefitError, RefitInputError, RefitProtocolError
+from refit_verify.errors import RefitError, RefitInputError
 
-__all__ = ["CopyingBatch", "HeldBatch", "StreamDigests", "changed_problems", "digest_now", "snapshot", "version_of"]
+__all__ = ["CopyingBatch", "HeldBatch", "digest_now", "snapshot", "version_of"]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -119,9 +118,6 @@ class CopyingBatch:
     def __len__(self) -> int:
         return len(self._batch._order)
 
-
-YIELD_EVERY = 32
-"""Tensors a drain in the shadow of a blocked call handles between two ``time.sleep(0)`` (GIL hand-overs)."""
 
 _NOW = object()
 """Default of :meth:`HeldBatch.add`'s ``version``: read the version counter at the add."""
@@ -404,22 +400,6 @@ def version_of(t: torch.Tensor) -> int | None:
         return None
 
 
-MAX_NAMED_CHANGED = 20
-"""Held tensors named one by one in a report before the rest are counted."""
-
-
-def changed_problems(changed: dict[str, str], *, verb: str, hint: str, more: str, label=lambda n: n) -> list[str]:
-    """Report lines for held tensors that changed before their digests were taken (``changed``:
-    ``{name: why}``, from :attr:`StreamDigests.changed`): one per tensor for the first
-    :data:`MAX_NAMED_CHANGED` (``the trainer's {label(name)} could not be digested as {verb}: {why}
-    ({hint})``), then ``… and N {more}``."""
-    out = [f"the trainer's {label(name)} could not be digested as {verb}: {why} ({hint})"
-           for name, why in list(changed.items())[:MAX_NAMED_CHANGED]]
-    if len(changed) > MAX_NAMED_CHANGED:
-        out.append(f"… and {len(changed) - MAX_NAMED_CHANGED} {more}")
-    return out
-
-
 def _why_failed(e: BaseException) -> str:
     """The ``changed`` reason of an add that raised ``e``."""
     if isinstance(e, RefitInputError):
@@ -437,250 +417,3 @@ def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str |
     if t.data_ptr() != ptr:
         return "its memory was replaced after it was added"
     return None
-
-
-class StreamDigests:
-    """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
-
-    By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
-    :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
-    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`, launched every
-    :data:`HELD_FLUSH_BYTES`): the caller
-    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
-    ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
-    and any other tensor copied: a parameter is the model's own memory, not a temporary of the
-    export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
-    when :meth:`digests` is read.
-
-    With :attr:`defer_held` set, an add of a held parameter only records it, its version counter,
-    address and storage size (an append); its checks, signature and launch run at the next
-    :meth:`drain` (or :meth:`launch` / :meth:`digests`): a caller that knows when it will be
-    blocked (a trainer waiting for the engine's ``update_weights`` RPC, :mod:`refit_verify.shadow`)
-    does that work there. A parameter written in place, freed, resized or given other memory
-    between its add and the drain is named in :attr:`changed` (as an inline add would have found
-    it at the flush), and one that cannot be digested at all is named there too (an inline add
-    raises at once); neither is digested. Past :attr:`defer_bytes` of deferred bytes with no drain,
-    an add drains at once (no shadow came: the digests launch as they would inline).
-
-    Args:
-        copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
-        hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
-        held_flush_bytes: bytes held at which the held tensors' digests launch (default
-            :data:`HELD_FLUSH_BYTES`, 1 GiB; copies launch every :data:`FLUSH_BYTES`, 256 MiB).
-
-    Attributes:
-        digest_s: host seconds spent digesting (drains included, wherever they ran).
-        drain_s: of those, seconds spent in :meth:`drain` calls made with ``shadow=True`` (while the
-            caller's own thread was blocked elsewhere).
-        changed: ``{name: why}`` of held tensors that changed before their digests were taken
-            (not in :meth:`digests`; see :class:`HeldBatch`).
-        defer_held: defer held parameters' adds to :meth:`drain` (default False; ``hold_parameters`` only).
-        defer_bytes: deferred bytes at which an add drains at once (default :data:`DEFER_BYTES`;
-            ``math.inf``: never, the caller drains).
-    """
-
-    FLUSH_BYTES = 256 << 20
-    """Bytes of copies at which a copying batch launches (bounds the copies the device holds at once)."""
-    HELD_FLUSH_BYTES = 1 << 30
-    """Bytes held at which a held batch launches: a held tensor costs no memory of ours, so a held
-    batch launches less often than a copying one (each launch is a fixed host cost: a signature pass,
-    the launches, later a read; about 0.45 ms on the lent GPU hosts, ``docs/performance.md``, the
-    thirty-second run); bounded so one launch's work area stays small (about 1 % of the bytes read)."""
-    DEFER_BYTES = 1 << 30
-    """Deferred bytes at which an add drains at once (:attr:`defer_held`)."""
-
-    def __init__(self, copy: bool = True, hold_parameters: bool = False, held_flush_bytes: int | None = None) -> None:
-        self.copy = copy
-        self.hold_parameters = hold_parameters and copy
-        self.held_flush_bytes = self.HELD_FLUSH_BYTES if held_flush_bytes is None else int(held_flush_bytes)
-        self._batch = self._new()
-        self._held = HeldBatch(self.held_flush_bytes) if self.hold_parameters else None
-        self._last: dict[str, bool] = {}  # name -> held (True) or copied, of its latest add (hold_parameters only)
-        self._done: dict[str, str] = {}
-        self.changed: dict[str, str] = {}
-        self.digest_s = 0.0
-        self.drain_s = 0.0
-        self.defer_held = False
-        self.defer_bytes: float = self.DEFER_BYTES
-        # held adds not drained yet: (name, tensor, version, data_ptr, storage bytes) as at the add
-        self._deferred: list[tuple[str, torch.Tensor, int | None, int, int]] = []
-        self._deferred_bytes = 0
-        self._uncollected = 0  # adds since the digests were last read
-        self._draining = threading.Lock()  # held by the drain running now (one at a time: see _lock_drain)
-
-    def _new(self) -> CopyingBatch | HeldBatch:
-        return CopyingBatch(self.FLUSH_BYTES) if self.copy else HeldBatch(self.held_flush_bytes)
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Digest ``tensor`` under ``name`` (a later add of the same name replaces it).
-
-        An add that raises names ``name`` in :attr:`changed` (why: it cannot be digested) until a later
-        add of it succeeds: no digest of an earlier add of it is returned, as for a deferred add
-        found undigestible at the drain.
-
-        Raises:
-            TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
-        """
-        if not isinstance(name, str):
-            raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
-        t0 = time.perf_counter()
-        self._uncollected += 1
-        try:
-            if self._held is not None:
-                held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
-                if not (held and self.defer_held and self._defer(name, tensor)):
-                    if held and self._deferred:  # deferred adds first, in order (defer_held turned off since)
-                        self._drain_locked()
-                    (self._held if held else self._batch).add(name, tensor)
-            else:
-                self._batch.add(name, tensor)
-        except BaseException as e:
-            why = _why_failed(e)
-            self._done.pop(name, None)  # collected from an earlier add
-            for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
-                if isinstance(batch, HeldBatch):
-                    batch.note_changed(name, why)
-                elif batch is not None:
-                    batch.drop(name)
-            if self._deferred:  # an earlier deferred add of it: never drained after this one
-                kept = [d for d in self._deferred if d[0] != name]
-                if len(kept) != len(self._deferred):
-                    self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
-            self.changed[name] = why
-            self.digest_s += time.perf_counter() - t0
-            raise
-        self.digest_s += time.perf_counter() - t0
-
-    def _defer(self, name: str, t: torch.Tensor) -> bool:
-        """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
-        try:
-            ptr, size = t.data_ptr(), t.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):
-            return False
-        self._deferred.append((name, t, version_of(t), ptr, size))
-        self._deferred_bytes += size
-        if self._deferred_bytes >= self.defer_bytes:
-            self._drain_locked()
-        return True
-
-    def _drain_locked(self) -> None:
-        """:meth:`_drain` under the drain lock (an add's: the budget reached, or deferred adds before an inline one)."""
-        self._lock_drain()
-        try:
-            self._drain()
-        finally:
-            self._draining.release()
-
-    def _lock_drain(self) -> None:
-        """Take the drain lock, or raise: a drain still runs in another thread (shadow work whose call
-        returned and that timed out, :func:`~refit_verify.shadow.run_in_shadow`, still holds these digests)."""
-        if not self._draining.acquire(blocking=False):
-            raise RefitProtocolError("refit-verify: a drain of these digests is still running in another thread (shadow work "
-                             "that did not end in time?): what it has not digested yet is not known, so these digests "
-                             "cannot be read or added to until it ends")
-
-    @property
-    def deferred(self) -> int:
-        """Held adds waiting for :meth:`drain`."""
-        return len(self._deferred)
-
-    @property
-    def uncollected(self) -> int:
-        """Adds since the digests were last read (:meth:`digests`, or :meth:`drain` with ``collect``)."""
-        return self._uncollected
-
-    def drain(self, *, collect: bool = False, shadow: bool = False) -> None:
-        """Run the deferred adds (checks, signatures) and launch every digest added so far; with
-        ``collect``, also wait for them and take their hex digests (what :meth:`digests` does).
-        ``shadow``: the caller's own thread is blocked meanwhile: count the seconds in
-        :attr:`drain_s` too, and let other threads run every :data:`YIELD_EVERY` tensors
-        (the blocked call's own Python, e.g. its reply's decoding, waits less for the GIL).
-
-        A deferred tensor that changed since its add or cannot be digested is named in
-        :attr:`changed` (from :meth:`digests`), never raised.
-
-        Raises:
-            RefitProtocolError: a drain of these digests still runs in another thread (one that timed out
-                in the shadow of a call): the names it has not reached are neither digested nor changed yet.
-        """
-        t0 = time.perf_counter()
-        self._lock_drain()
-        try:
-            self._drain(YIELD_EVERY if shadow else 0)
-            self._batch.launch()
-            if self._held is not None:
-                self._held.launch()
-            if collect:
-                self._take()
-        finally:
-            self._draining.release()
-            dt = time.perf_counter() - t0
-            self.digest_s += dt
-            if shadow:
-                self.drain_s += dt
-
-    def _drain(self, yield_every: int = 0) -> None:
-        deferred, self._deferred, self._deferred_bytes = self._deferred, [], 0
-        held = self._held
-        i = 0
-        try:
-            for i, (name, t, version, ptr, size) in enumerate(deferred):
-                if yield_every and i % yield_every == yield_every - 1:
-                    time.sleep(0)
-                why = _changed(t, version, ptr, size)
-                if why is None:
-                    try:
-                        held.add(name, t, version)
-                    except RefitInputError:
-                        pass  # named in held.changed by the add
-                    continue
-                held.note_changed(name, why)
-        except BaseException as e:  # anything else (a device error): the adds not reached stay deferred, none lost
-            if deferred:  # the add it stopped at is named changed (HeldBatch.add already did, unless _changed raised)
-                held.note_changed(deferred[i][0], _why_failed(e))
-            rest = deferred[i + 1 :]
-            self._deferred = rest + self._deferred
-            self._deferred_bytes = sum(d[4] for d in self._deferred)
-            raise
-
-    def _collect(self, batch: CopyingBatch | HeldBatch, held: bool | None) -> None:
-        """Take ``batch``'s digests into :attr:`_done` (``held``: keep only names whose latest add went
-        to this batch, True for the held one; None: every name)."""
-        got = batch.hexdigests()
-        for name, h in got.items():
-            if held is None or self._last.get(name) is held:
-                self.changed.pop(name, None)
-                self._done[name] = h
-        for name, why in getattr(batch, "changed", {}).items():
-            if held is None or self._last.get(name) is held:
-                self._done.pop(name, None)
-                self.changed[name] = why
-
-    def launch(self) -> None:
-        """Launch the digests of everything added and not launched yet (no synchronisation; deferred
-        adds drained first): a caller with other work before :meth:`digests` lets the device digest meanwhile."""
-        self.drain()
-
-    def digests(self) -> dict[str, str]:
-        """Return ``{name: 32-hex}`` of everything added so far (drains deferred adds, collects the launched kernels first).
-
-        Raises:
-            RefitProtocolError: a drain still runs in another thread (see :meth:`drain`).
-        """
-        self.drain(collect=True)
-        return dict(self._done)
-
-    def _take(self) -> None:
-        """Collect both batches into :attr:`_done` (one synchronisation per device) and start new ones."""
-        self._uncollected = 0
-        mixed = self._held is not None
-        if len(self._batch):
-            self._collect(self._batch, False if mixed else None)
-            self._batch = self._new()
-        if mixed and len(self._held):
-            self._collect(self._held, True)
-            self._held = HeldBatch(self.held_flush_bytes)
-
-    def __len__(self) -> int:
-        pending = len(self._batch) + (len(self._held) if self._held is not None else 0)
-        return len(self._done) + pending + len(self._deferred)

@@ -12,7 +12,7 @@ started by then; it returns ``call()``'s result once both are done. Why the call
 caller's thread and the work moves: the call releases the GIL while it waits (a socket, a
 future), so the helper gets it then. Both still share the GIL while the call runs Python of its
 own (encoding the request, and at the reply vLLM's output thread decoding it): the work should
-hand the GIL over now and then (``time.sleep(0)``; :meth:`~refit_verify.digest_stream.StreamDigests.drain`
+hand the GIL over now and then (``time.sleep(0)``; :meth:`~refit_verify.trainer_digests.StreamDigests.drain`
 does every 32 tensors), or the call can wait up to the interpreter's switch interval (5 ms) for
 it. The helper runs the work on the caller's current CUDA device and stream (captured at the
 call), so stream order with what the caller queued before and after is kept.

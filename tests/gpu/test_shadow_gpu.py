@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from refit_verify.digest import tensor_digest
-from refit_verify.digest_stream import StreamDigests
+from refit_verify.trainer_digests import StreamDigests
 from refit_verify.shadow import run_in_shadow
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams)")]

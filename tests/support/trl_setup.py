@@ -195,7 +195,7 @@ def shutdown(trainer) -> None:
 
 def _off_run(work: Path) -> dict:
     """Train 2 steps with ``REFIT_VERIFY=off``; return what refit-verify touched (nothing, if off is off)."""
-    from refit_verify import digest, digest_stream
+    from refit_verify import digest, trainer_digests
 
     calls = {"digests": 0}
 
@@ -208,7 +208,7 @@ def _off_run(work: Path) -> dict:
 
         setattr(cls, attr, f)
 
-    for cls in (digest.DigestBatch, digest_stream.StreamDigests):
+    for cls in (digest.DigestBatch, trainer_digests.StreamDigests):
         counting(cls, "add")
     with plugin_env(work, "off"):
         model_dir = make_model_dir(work / "model")

@@ -1,7 +1,7 @@
 """The sender half of a verified native weight update: :class:`NativeSendVerifier`.
 
 It digests what a trainer exports through vLLM's weight-transfer API (the model's parameters held,
-other tensors copied: :class:`~refit_verify.digest_stream.StreamDigests` with ``hold_parameters``), fetches
+other tensors copied: :class:`~refit_verify.trainer_digests.StreamDigests` with ``hold_parameters``), fetches
 every worker's manifest (``refit_verify_native_manifest``, :mod:`refit_verify.vllm_plugin.native_worker`)
 and compares. :mod:`refit_verify.vllm_plugin.native` installs the wrappers that use it with no user
 code; this module holds it and the state those wrappers share (which in-process engines have an
@@ -20,7 +20,7 @@ from typing import Any
 
 from refit_verify.check import compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
-from refit_verify.digest_stream import changed_problems
+from refit_verify.trainer_digests import changed_problems
 from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
@@ -64,7 +64,7 @@ class NativeSendVerifier:
     """
 
     def __init__(self, target: Any = None, *, mode: VerifyMode | str | None = None) -> None:
-        from refit_verify.digest_stream import StreamDigests
+        from refit_verify.trainer_digests import StreamDigests
 
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self._target, self._weak_target = target, False  # see target and _hold_target_weakly
@@ -125,7 +125,7 @@ class NativeSendVerifier:
         return max(0.0, self._stream.drain_s - self.shadow_wait_s)
 
     def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor (:class:`refit_verify.digest_stream.StreamDigests`: launched now, no
+        """Digest one exported tensor (:class:`refit_verify.trainer_digests.StreamDigests`: launched now, no
         per-tensor sync; with :meth:`defer`, a parameter is only recorded, for :meth:`shadow_work`)."""
         self._stream.add(name, tensor)
 
