@@ -2,10 +2,11 @@
 
 :class:`CopyingBatch` copies each CUDA tensor as it is added (what it held then is what is
 digested), :class:`HeldBatch` holds the tensors themselves and checks, before reading them, that
-they did not change; :func:`digest_now` reads a list handed over right now. The trainer's face of
-both batches, :class:`~refit_verify.trainer_digests.StreamDigests` (``copy=True`` /
-``copy=False`` / ``hold_parameters=True``), is in :mod:`refit_verify.trainer_digests`. All of them launch in batches (:class:`~refit_verify.digest.DigestBatch`),
-never one kernel per tensor, and synchronise once when the digests are read.
+they did not change; :func:`digest_now` reads a list handed over right now. All of them launch in
+batches (:class:`~refit_verify.digest.DigestBatch`), never one kernel per tensor, and synchronise
+once when the digests are read. The trainer's face of both batches,
+:class:`~refit_verify.trainer_digests.StreamDigests` (``copy=True`` / ``copy=False`` /
+``hold_parameters=True``), is in :mod:`refit_verify.trainer_digests`.
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ class StreamDigests:
     """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
 
     By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
-    :class:`CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`); CPU tensors are digested
-    at once. With ``copy=False`` the tensors are held, not copied (:class:`HeldBatch`, launched every
-    :data:`HELD_FLUSH_BYTES`): the caller
-    leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
+    :class:`~refit_verify.digest_stream.CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`);
+    CPU tensors are digested at once. With ``copy=False`` the tensors are held, not copied
+    (:class:`~refit_verify.digest_stream.HeldBatch`, launched every :data:`HELD_FLUSH_BYTES`): the
+    caller leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
     ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
     and any other tensor copied: a parameter is the model's own memory, not a temporary of the
     export (a gathered, cast or merged tensor) that holding would keep alive. One synchronisation
