@@ -3,11 +3,14 @@ the torch CPU path, for every size class of the tree, odd offsets and every dtyp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from refit_verify import _torch_digest, digest, reference, tensor_digest
+from refit_verify.errors import RefitConfigError
 
 nd = pytest.importorskip("refit_verify._numba_digest")
 
@@ -361,7 +364,10 @@ def test_stream_digests_held_batches_launch_at_their_own_threshold(monkeypatch):
         return raw(self)
 
     monkeypatch.setattr(HeldBatch, "launch", counting)
-    for flush, pending in ((1000, [3, 2]), (None, [5])):  # 3 adds reach 1000 bytes; the default holds all five
+    for bad in (0, -1, "1", True, float("nan")):
+        with pytest.raises(RefitConfigError, match="held_flush_bytes"):
+            StreamDigests(copy=False, held_flush_bytes=bad)
+    for flush, pending in ((1000, [3, 2]), (None, [5]), (math.inf, [5])):  # 3 adds reach 1000 bytes; the default holds all five
         launches.clear()
         s = StreamDigests(copy=False, held_flush_bytes=flush)
         for n, t in ts.items():

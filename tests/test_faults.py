@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from refit_verify import RefitConfig
-from refit_verify.errors import RefitAbortedError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitAbortedError, RefitInputError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import Complete
 from tests.faults import (
@@ -412,32 +412,33 @@ def test_sender_exception_aborts_receiver_at_once():
     assert len(tx.staging_names) == 2 and not shm_leftovers(tx.staging_names) and not mapped_staging()
 
 
-def test_a_bad_item_of_a_list_after_its_first_buffer_aborts_the_receiver_at_once():
+def test_a_bad_item_late_in_a_list_is_refused_before_any_buffer_goes():
     """A refit given as a list digests the tensors of its first buffer before sending it and the
-    rest right after it (``Packer.digest_first``): a bad item among the rest raises on the sender
-    once the first buffer went, which sends Abort; the receiver raises at once, having loaded only
-    that first buffer, and the sender's staging is gone."""
+    rest right after it (``Packer.digest_first``), but validates every item first: a bad item late in
+    the list raises on the sender before any buffer went, the receiver is aborted at once and loads
+    nothing (the engine keeps its previous weights whole), and the sender's staging is gone."""
     cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, **SMALL)
-    out: dict = {"loaded": []}
-    with FaultySender(config=cfg) as tx:  # no fault set: it records its staging names
-        def receive():
-            try:
-                with RefitReceiver(tx.endpoint, config=RefitConfig.build(timeout_s=30.0, connect_timeout_s=10.0)) as rx:
-                    rx.receive(lambda b: out["loaded"].extend(n for n, _ in b))
-            except BaseException as e:  # noqa: BLE001
-                out["error"], out["t"] = e, time.monotonic()
+    for bad in (("bad", [1, 2, 3]), ("t1", TENSORS[0][1]), ("m", torch.empty(4, device="meta"))):
+        out: dict = {"loaded": []}
+        with FaultySender(config=cfg) as tx:  # no fault set: it records its staging names
+            def receive():
+                try:
+                    with RefitReceiver(tx.endpoint, config=RefitConfig.build(timeout_s=30.0, connect_timeout_s=10.0)) as rx:
+                        rx.receive(lambda b: out["loaded"].extend(n for n, _ in b))
+                except BaseException as e:  # noqa: BLE001
+                    out["error"], out["t"] = e, time.monotonic()
 
-        th = threading.Thread(target=receive, daemon=True)
-        th.start()
-        with pytest.raises(TypeError, match="expected a torch.Tensor"):
-            tx.send(list(TENSORS[:9]) + [("bad", [1, 2, 3])])
-        t_raise = time.monotonic()
-        th.join(10)
-    e = out["error"]
-    assert isinstance(e, RefitAbortedError) and "TypeError" in e.reason and "expected a torch.Tensor" in str(e)
-    assert out["loaded"] == ["t0", "t1", "t2", "t3"]  # the first buffer (four 512-byte slots), and nothing after it
-    assert out["t"] - t_raise < 1.0
-    assert not shm_leftovers(tx.staging_names) and not mapped_staging()
+            th = threading.Thread(target=receive, daemon=True)
+            th.start()
+            with pytest.raises((TypeError, ValueError, RefitInputError)) as raised:
+                tx.send(list(TENSORS[:9]) + [bad])
+            t_raise = time.monotonic()
+            th.join(10)
+        e = out["error"]
+        assert isinstance(e, RefitAbortedError) and type(raised.value).__name__ in e.reason
+        assert e.progress["buffers"] == 0 and out["loaded"] == []
+        assert out["t"] - t_raise < 1.0
+        assert not shm_leftovers(tx.staging_names) and not mapped_staging()
 
 
 def test_receiver_never_connects():

@@ -13,6 +13,7 @@ import torch
 from refit_verify import tensor_digest
 from refit_verify.config import VerifyMode
 from refit_verify.digest import DigestBatch
+from refit_verify.errors import RefitInputError
 from refit_verify.pack import Packer
 from refit_verify.stream import SENT_TWICE, EntryChecker, ReceiveState, checked_item, round_up, view_slots
 from refit_verify.wire import Entry
@@ -124,9 +125,11 @@ def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_s
 def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_is_sent():
     """digest_first digests only what the first group can hold before anything is sent; the rest
     is digested right after the first group is posted (while the receiver loads it), before any of
-    it is packed, and its seconds are counted in digest_shadow_s. A bad item in the rest raises
-    after the first post (the transport aborts), and a tensor of the rest changed before that post
-    keeps the digest of its bytes as packed."""
+    it is packed, and its seconds are counted in digest_shadow_s (not after an oversized first
+    tensor, whose Ack our transport waits for). Every item is validated before anything is sent: a
+    bad item anywhere raises with nothing posted; only a storage freed under a tensor of the rest
+    after the call is found once the first group went. A tensor of the rest changed before that
+    post keeps the digest of its bytes as packed."""
     align, cap = 64, 256
     tensors = [("a", _t(10, 0)), ("b", _t(12, 1)), ("c", _t(30, 3)), ("big", _t(100, 2)), ("f", _t(30, 5)), ("g", _t(3, 6))]
     want = {n: tensor_digest(t) for n, t in tensors}
@@ -159,19 +162,32 @@ def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_i
     assert set(p._known) == {"big"}
     p.add_all(tensors[3:])
     assert seen_at_post == [{"big"}, {"big", "f", "g"}] and p.manifest() == {n: want[n] for n in ("big", "f", "g")}
+    assert p.digest_shadow_s == 0.0 < p.digest_s  # our transport waits for an oversized tensor's Ack: not in the shadow
     # everything fits the first group: nothing is left for after it
     sink = Watching(cap)
     p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
     p.digest_first(tensors[:2])
     p.add_all(tensors[:2])
     assert p._rest is None and p.digest_shadow_s == 0.0 and p.manifest() == {n: want[n] for n in ("a", "b")}
-    # a bad item of the rest raises once the first group went
+    # a bad item of the rest raises before anything is sent, whatever kind of bad it is
+    for bad_item, err, match in ((("c", [1, 2]), TypeError, "expected a torch.Tensor"), (("a", _t(3, 9)), ValueError, "given twice"),
+                                 (("", _t(3, 9)), ValueError, "tensor names must be str"), (42, TypeError, "cannot unpack"),
+                                 (("m", torch.empty(4, device="meta")), RefitInputError, "meta tensor"),
+                                 (("s", torch.eye(3).to_sparse()), RefitInputError, "dense strided")):
+        sink = RecordingSink(cap)
+        p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+        bad = [("a", _t(40, 0)), ("b", _t(40, 1)), bad_item]
+        with pytest.raises(err, match=match):
+            p.digest_first(bad)
+        assert sink.posts == [] and p._known == {}
+    # a tensor of the rest whose storage is freed after digest_first: found at its digest, once the first group went
     sink = RecordingSink(cap)
     p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
-    bad = [("a", _t(40, 0)), ("b", _t(40, 1)), ("c", [1, 2])]
-    p.digest_first(bad)
-    with pytest.raises(TypeError, match="expected a torch.Tensor"):
-        p.add_all(bad)
+    freed = [("a", _t(40, 0)), ("b", _t(40, 1)), ("c", _t(40, 2))]
+    p.digest_first(freed)
+    freed[2][1].untyped_storage().resize_(0)
+    with pytest.raises(RefitInputError, match="freed or resized"):
+        p.add_all(freed)
     assert [ents[0].name for _, ents, _, _ in sink.posts] == ["a"]
     # a tensor of the rest changed before the first post: its digest is of the changed bytes, as packed
     sink = RecordingSink(cap)

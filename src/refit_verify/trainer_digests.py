@@ -17,7 +17,7 @@ import torch
 
 from refit_verify import digest_stream as _ds  # its _changed read at each use (tests replace it)
 from refit_verify.digest_stream import CopyingBatch, HeldBatch, _why_failed, version_of
-from refit_verify.errors import RefitInputError, RefitProtocolError
+from refit_verify.errors import RefitConfigError, RefitInputError, RefitProtocolError
 
 __all__ = ["MAX_NAMED_CHANGED", "YIELD_EVERY", "StreamDigests", "changed_problems"]
 
@@ -68,7 +68,11 @@ class StreamDigests:
         copy: copy every tensor at :meth:`add` (True) or hold every tensor (False).
         hold_parameters: with ``copy=True``, hold ``torch.nn.Parameter`` tensors instead.
         held_flush_bytes: bytes held at which the held tensors' digests launch (default
-            :data:`HELD_FLUSH_BYTES`, 1 GiB; copies launch every :data:`FLUSH_BYTES`, 256 MiB).
+            :data:`HELD_FLUSH_BYTES`, 1 GiB; ``math.inf``: only when the digests are read; copies
+            launch every :data:`FLUSH_BYTES`, 256 MiB).
+
+    Raises:
+        RefitConfigError: ``held_flush_bytes`` is not a number > 0.
 
     Attributes:
         digest_s: host seconds spent digesting (drains included, wherever they ran).
@@ -94,7 +98,11 @@ class StreamDigests:
     def __init__(self, copy: bool = True, hold_parameters: bool = False, held_flush_bytes: int | None = None) -> None:
         self.copy = copy
         self.hold_parameters = hold_parameters and copy
-        self.held_flush_bytes = self.HELD_FLUSH_BYTES if held_flush_bytes is None else int(held_flush_bytes)
+        if held_flush_bytes is not None and (isinstance(held_flush_bytes, bool) or not isinstance(held_flush_bytes, (int, float))
+                                             or not held_flush_bytes > 0):
+            raise RefitConfigError(f"held_flush_bytes must be a number > 0 (bytes; math.inf: launch only when read), "
+                                   f"got {held_flush_bytes!r}")
+        self.held_flush_bytes: float = self.HELD_FLUSH_BYTES if held_flush_bytes is None else held_flush_bytes
         self._batch = self._new()
         self._held = HeldBatch(self.held_flush_bytes) if self.hold_parameters else None
         self._last: dict[str, bool] = {}  # name -> held (True) or copied, of its latest add (hold_parameters only)
