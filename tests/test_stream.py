@@ -46,6 +46,12 @@ def _t(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def _freed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its storage freed under it (as FSDP does after a gather)."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
 def test_packer_layout_cuts_and_oversized_path():
     align, cap = 64, 256
     tensors = [("a", _t(10, 0)), ("b", _t(3, 1, torch.bfloat16)), ("big", _t(100, 2)), ("c", _t(40, 3)), ("d", torch.zeros(0)),
@@ -173,7 +179,9 @@ def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_i
     for bad_item, err, match in ((("c", [1, 2]), TypeError, "expected a torch.Tensor"), (("a", _t(3, 9)), ValueError, "given twice"),
                                  (("", _t(3, 9)), ValueError, "tensor names must be str"), (42, TypeError, "cannot unpack"),
                                  (("m", torch.empty(4, device="meta")), RefitInputError, "meta tensor"),
-                                 (("s", torch.eye(3).to_sparse()), RefitInputError, "dense strided")):
+                                 (("s", torch.eye(3).to_sparse()), RefitInputError, "dense strided"),
+                                 (("f", _freed(_t(8, 3))), RefitInputError, "freed or resized"),
+                                 (("v", _freed(_t(8, 3)[2:])), RefitInputError, "freed or resized")):
         sink = RecordingSink(cap)
         p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
         bad = [("a", _t(40, 0)), ("b", _t(40, 1)), bad_item]
