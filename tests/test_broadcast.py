@@ -310,7 +310,7 @@ def test_load_error_reported_with_rank(ranks) -> None:
 
 
 def test_sender_error_aborts_receivers(ranks) -> None:
-    assert ranks[SRC]["abort"]["error"]["type"] == "TypeError"
+    assert ranks[SRC]["abort"]["error"]["type"] == "RefitInputError"
     for r in (1, 2):
         e = ranks[r]["abort"]["error"]
         assert e["type"] == "RefitAbortedError" and "not_a_tensor" in e["message"]

@@ -406,7 +406,7 @@ def test_sender_exception_aborts_receiver_at_once():
         th.join(10)
     e = out["error"]
     print(f"\nsender raised TypeError; receiver raised {type(e).__name__} {out['t'] - t_raise:+.3f} s later: {e}")
-    assert isinstance(e, RefitAbortedError) and "TypeError" in e.reason and "expected a torch.Tensor" in str(e)
+    assert isinstance(e, RefitAbortedError) and "RefitInputError" in e.reason and "expected a torch.Tensor" in str(e)
     assert e.progress["buffers"] == 2 and e.progress["tensors"] == 8 and e.progress["last_name"] == "t7"
     assert out["t"] - t_raise < 1.0
     assert len(tx.staging_names) == 2 and not shm_leftovers(tx.staging_names) and not mapped_staging()

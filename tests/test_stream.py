@@ -177,7 +177,8 @@ def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_i
     assert p._rest is None and p.digest_shadow_s == 0.0 and p.manifest() == {n: want[n] for n in ("a", "b")}
     # a bad item of the rest raises before anything is sent, whatever kind of bad it is
     for bad_item, err, match in ((("c", [1, 2]), TypeError, "expected a torch.Tensor"), (("a", _t(3, 9)), ValueError, "given twice"),
-                                 (("", _t(3, 9)), ValueError, "tensor names must be str"), (42, TypeError, "cannot unpack"),
+                                 (("", _t(3, 9)), ValueError, "tensor names must be str"), (42, RefitInputError, "a \\(name, tensor\\) pair, got int"),
+                                 (("x", _t(3, 9), 1), RefitInputError, "pair, got tuple of 3 items"),
                                  (("m", torch.empty(4, device="meta")), RefitInputError, "meta tensor"),
                                  (("s", torch.eye(3).to_sparse()), RefitInputError, "dense strided"),
                                  (("f", _freed(_t(8, 3))), RefitInputError, "freed or resized"),

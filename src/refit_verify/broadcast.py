@@ -282,7 +282,8 @@ class BroadcastSender:
                 refused entries or a count mismatch), after the reports were checked; its
                 ``reports`` attribute holds them (when verifying).
             RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
-            TypeError / ValueError: a bad name or tensor (receivers are sent an abort first).
+            RefitInputError (a ``TypeError`` and a ``ValueError``): a bad item, name or tensor (receivers
+                are sent an abort first).
             RefitProtocolError: this process is not rank ``src`` of ``group``, or not a member of it
                 (before any collective); receivers share a ``rank`` label, or a receiver's report is
                 malformed, oversized or inconsistent with the mode (at the verdict).

@@ -126,7 +126,7 @@ class Packer:
         """Digest one ``(name, tensor)`` (if verifying), then pack it; may send groups.
 
         Raises:
-            TypeError / ValueError: as :func:`checked_item`; what the digest raises for a tensor it
+            RefitInputError: as :func:`checked_item`; what the digest raises for a tensor it
             cannot read (sparse, meta); what the sink raises.
         """
         name, t = checked_item(item, self.names)
@@ -194,9 +194,9 @@ class Packer:
         differs by 10-24 ms from process to process; it was reverted then.
 
         Raises:
-            TypeError / ValueError: as :func:`checked_item` (before anything is sent);
-            RefitInputError: a tensor cannot be digested (before anything is sent; a storage freed
-            under a tensor of the rest after this call: once the first group went).
+            RefitInputError: as :func:`checked_item`, or a tensor cannot be digested (before anything
+            is sent; a storage freed under a tensor of the rest after this call: once the first
+            group went).
         """
         if self.digests is None:
             return

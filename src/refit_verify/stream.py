@@ -33,7 +33,7 @@ import torch
 
 from refit_verify.config import VerifyMode
 from refit_verify.digest import DigestBatch
-from refit_verify.errors import RefitProtocolError
+from refit_verify.errors import RefitInputError, RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
 from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.wire import MAX_NAME_BYTES, Entry, torch_dtype
@@ -71,16 +71,21 @@ def checked_item(item: tuple[str, torch.Tensor], seen: set[str]) -> tuple[str, t
     """Validate one ``(name, tensor)`` of a refit stream and record its name in ``seen``.
 
     Raises:
-        ValueError: the name is not a str of 1..MAX_NAME_BYTES characters, or was given before.
-        TypeError: the tensor is not a ``torch.Tensor``.
+        RefitInputError (a ``TypeError`` and a ``ValueError``): the item is not a ``(name, tensor)``
+            pair, the name is not a str of 1..MAX_NAME_BYTES characters or was given before, or the
+            tensor is not a ``torch.Tensor``.
     """
-    name, t = item
+    try:
+        name, t = item
+    except (TypeError, ValueError):
+        size = f" of {len(item)} items" if isinstance(item, (tuple, list)) else ""
+        raise RefitInputError(f"each item of a refit must be a (name, tensor) pair, got {type(item).__name__}{size}") from None
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_BYTES:
-        raise ValueError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
+        raise RefitInputError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise RefitInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if name in seen:
-        raise ValueError(f"{name}: given twice in one refit (wire names must be unique)")
+        raise RefitInputError(f"{name}: given twice in one refit (wire names must be unique)")
     seen.add(name)
     return name, t
 

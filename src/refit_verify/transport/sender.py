@@ -478,7 +478,8 @@ class RefitSender:
                 verify), the receiver rejected a message, or replied out of protocol; two receivers
                 are connected to the endpoint; another thread's ``send`` on this sender is in
                 progress (a concurrent send: raised at once, the running refit goes on).
-            TypeError / ValueError: a bad name, a name given twice, or a bad tensor.
+            RefitInputError (a ``TypeError`` and a ``ValueError``): an item that is not a ``(name, tensor)``
+                pair, a bad name, a name given twice, or a tensor the digest cannot read.
 
         Any exception raised after ``Hello`` went out (these, the iterator's own, an interrupt)
         first sends ``Abort`` so the receiver stops at once; the staging memory is freed in every case.
