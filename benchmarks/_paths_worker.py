@@ -580,9 +580,11 @@ def main() -> None:
         _native._engine_elsewhere = lambda llm: False
     if os.environ.get("BENCH_SENDER_WHOLE") == "1":  # diagnostic: the sender digests the whole list before the first group
         from refit_verify.pack import Packer
+        from refit_verify.stream import check_items
 
         def _whole(self, items):
             if self.digests is not None:
+                check_items(items)
                 self._digest_known(items)
 
         Packer.digest_first = _whole

@@ -14,51 +14,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from operator import add, attrgetter, gt, mul
 from typing import Protocol
 
 import torch
 
-from refit_verify.digest import DigestBatch, _check, dtype_name, logical_bytes
+from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
 from refit_verify.digest_stream import digest_now
-from refit_verify.stream import checked_item, entry_cost, round_up
-from refit_verify.wire import MAX_ENTRIES_BYTES, MAX_NAME_BYTES, DigestEntry, Entry
+from refit_verify.stream import check_items, checked_item, entry_cost, round_up
+from refit_verify.wire import MAX_ENTRIES_BYTES, DigestEntry, Entry
 
 __all__ = ["PackSink", "Packer"]
-
-
-_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
-_STRIDED_ONLY = frozenset((torch.strided,))
-_IS_NESTED, _IS_QUANTIZED, _IS_META, _LAYOUT, _NBYTES = (attrgetter("is_nested"), attrgetter("is_quantized"),
-                                                         attrgetter("is_meta"), attrgetter("layout"), attrgetter("nbytes"))
-
-
-def _plain_list(items: Sequence) -> bool:
-    """True iff every item is a ``(name, tensor)`` tuple with a unique str name of 1..MAX_NAME_BYTES
-    characters and a plain contiguous tensor the digest can read (``torch.Tensor`` /
-    ``nn.Parameter``, dense strided, not nested, quantized, meta or a ZeroTensor, at most 255
-    dimensions, every element inside its storage): C-level passes over the list, no Python step per
-    item (about 0.2 ms for 310 tensors on a CPU host). False means only "not all of the plain
-    kinds": the caller checks them one by one (:func:`~refit_verify.stream.checked_item`, the
-    digest's own checks)."""
-    if not items:
-        return True
-    if set(map(type, items)) != {tuple} or set(map(len, items)) != {2}:
-        return False
-    names, ts = zip(*items)
-    if set(map(type, names)) != {str} or len(set(names)) != len(names):
-        return False
-    lengths = list(map(len, names))
-    if min(lengths) < 1 or max(lengths) > MAX_NAME_BYTES or not set(map(type, ts)) <= _PLAIN_TYPES:
-        return False
-    if (any(map(_IS_NESTED, ts)) or any(map(_IS_QUANTIZED, ts)) or any(map(_IS_META, ts))
-            or set(map(_LAYOUT, ts)) != _STRIDED_ONLY or any(map(torch.Tensor._is_zerotensor, ts))
-            or max(map(torch.Tensor.dim, ts)) > 255 or not all(map(torch.Tensor.is_contiguous, ts))):
-        return False
-    # every element inside its storage (none freed or shrunk under its tensor, as FSDP does after a gather)
-    spans = (map(add, map(mul, map(torch.Tensor.storage_offset, ts), map(torch.Tensor.element_size, ts)), map(_NBYTES, ts))
-             if any(map(torch.Tensor.storage_offset, ts)) else map(_NBYTES, ts))  # parameters: each at offset 0
-    return not any(map(gt, spans, map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, ts))))
 
 
 class PackSink(Protocol):
@@ -110,7 +75,6 @@ class Packer:
         self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead), and all of digest_first's
         self._known: dict[str, str] = {}  # digest_first's
         self._rest: list[tuple[str, torch.Tensor]] | None = None  # digest_first's items left for after the first post
-        self._seen_first: set[str] = set()  # names digest_first validated
         self.names: set[str] = set()
         self.entries: list[Entry] = []
         self.used = 0
@@ -175,9 +139,8 @@ class Packer:
         the first part's on the refit's critical path (the rest's seconds are also counted in
         ``digest_shadow_s``). No digest work is left to :meth:`add`.
 
-        Every item is validated before anything is sent (names, duplicates, tensors the digest can
-        read, storage that holds them: C-level passes over the list, each item on its own only when
-        one is not of the plain kinds), so a bad item anywhere in the list raises before the receiver
+        Every item is validated before anything is sent (:func:`~refit_verify.stream.check_items`:
+        names, duplicates, tensors the digest can read, storage that holds them), so a bad item anywhere in the list raises before the receiver
         loads any of it. Only a tensor whose storage is freed or resized under it after this call is
         found later, when its digest is taken (the transport then aborts the refit).
 
@@ -200,10 +163,7 @@ class Packer:
         """
         if self.digests is None:
             return
-        if not _plain_list(items):  # some item is not of the plain kinds: each one checked, before anything is sent
-            seen: set[str] = set()
-            for item in items:
-                _check(checked_item(item, seen)[1])
+        check_items(items)  # every item, before anything is sent
         head, used = 0, 0
         for _, t in items:
             used += round_up(t.numel() * t.element_size(), self.alignment)
@@ -214,9 +174,10 @@ class Packer:
         self._rest = list(items[head:]) if head < len(items) else None
 
     def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
-        """Digest ``items`` together now (one synchronisation per device); return the seconds it took."""
+        """Digest ``items`` (checked: :func:`~refit_verify.stream.check_items`) together now (one
+        synchronisation per device); return the seconds it took."""
         t0 = time.perf_counter()
-        got = digest_now([checked_item(item, self._seen_first) for item in items])
+        got = digest_now(items)  # checked by digest_first (check_items)
         self._known.update(got)
         self._hex.update(got)
         dt = time.perf_counter() - t0

@@ -25,21 +25,23 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import add, attrgetter, gt, mul
 from typing import NamedTuple, TypedDict
 
 import torch
 
 from refit_verify.config import VerifyMode
-from refit_verify.digest import DigestBatch
+from refit_verify.digest import DigestBatch, _check
+from refit_verify.digest_stream import _IS_META, _PLAIN_SET
 from refit_verify.errors import RefitInputError, RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
 from refit_verify.report import VerificationReport, compare_manifests
 from refit_verify.wire import MAX_NAME_BYTES, Entry, torch_dtype
 
 __all__ = ["Batch", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "ReceiveState", "Slot",
-           "StreamResult", "StreamStats", "check_digest", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
+           "StreamResult", "StreamStats", "check_digest", "check_items", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
 
 logger = logging.getLogger("refit_verify")
 
@@ -88,6 +90,55 @@ def checked_item(item: tuple[str, torch.Tensor], seen: set[str]) -> tuple[str, t
         raise RefitInputError(f"{name}: given twice in one refit (wire names must be unique)")
     seen.add(name)
     return name, t
+
+
+_STRIDED_ONLY = frozenset((torch.strided,))
+_IS_NESTED, _IS_QUANTIZED, _LAYOUT, _NBYTES = attrgetter("is_nested"), attrgetter("is_quantized"), attrgetter("layout"), attrgetter("nbytes")
+
+
+def _plain_items(items: Sequence) -> bool:
+    """True iff every item is a ``(name, tensor)`` tuple with a unique str name of 1..MAX_NAME_BYTES
+    characters and a plain contiguous tensor the digest can read (``torch.Tensor`` /
+    ``nn.Parameter``, dense strided, not nested, quantized, meta or a ZeroTensor, at most 255
+    dimensions, every element inside its storage): C-level passes over the list, no Python step per
+    item (about 0.2 ms for 310 tensors on a CPU host). False means only "not all of the plain
+    kinds": :func:`check_items` then checks them one by one."""
+    if not items:
+        return True
+    if set(map(type, items)) != {tuple} or set(map(len, items)) != {2}:
+        return False
+    names, ts = zip(*items)
+    if set(map(type, names)) != {str} or len(set(names)) != len(names):
+        return False
+    lengths = list(map(len, names))
+    if min(lengths) < 1 or max(lengths) > MAX_NAME_BYTES or not set(map(type, ts)) <= _PLAIN_SET:
+        return False
+    if (any(map(_IS_NESTED, ts)) or any(map(_IS_QUANTIZED, ts)) or any(map(_IS_META, ts))
+            or set(map(_LAYOUT, ts)) != _STRIDED_ONLY or any(map(torch.Tensor._is_zerotensor, ts))
+            or max(map(torch.Tensor.dim, ts)) > 255 or not all(map(torch.Tensor.is_contiguous, ts))):
+        return False
+    # every element inside its storage (none freed or shrunk under its tensor, as FSDP does after a gather)
+    spans = (map(add, map(mul, map(torch.Tensor.storage_offset, ts), map(torch.Tensor.element_size, ts)), map(_NBYTES, ts))
+             if any(map(torch.Tensor.storage_offset, ts)) else map(_NBYTES, ts))  # parameters: each at offset 0
+    return not any(map(gt, spans, map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, ts))))
+
+
+def check_items(items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Validate every ``(name, tensor)`` of a refit given as a list, before any of it is sent: what
+    :func:`checked_item` and the digest's own checks (:func:`~refit_verify.digest._check`) would find
+    item by item, in C-level passes over the list when every item is of the plain kinds (the common
+    case: a trainer's contiguous parameters), else item by item.
+
+    Raises:
+        RefitInputError (a ``TypeError`` and a ``ValueError``): the first bad item: not a ``(name,
+            tensor)`` pair, a bad or repeated name, a tensor the digest cannot read (sparse, nested,
+            quantized, meta, its storage freed or shrunk under it).
+    """
+    if _plain_items(items):
+        return
+    seen: set[str] = set()
+    for item in items:
+        _check(checked_item(item, seen)[1])
 
 
 class StreamStats(TypedDict):

@@ -95,7 +95,7 @@ class StreamDigests:
     DEFER_BYTES = 1 << 30
     """Deferred bytes at which an add drains at once (:attr:`defer_held`)."""
 
-    def __init__(self, copy: bool = True, hold_parameters: bool = False, held_flush_bytes: int | None = None) -> None:
+    def __init__(self, copy: bool = True, hold_parameters: bool = False, held_flush_bytes: float | None = None) -> None:
         self.copy = copy
         self.hold_parameters = hold_parameters and copy
         if held_flush_bytes is not None and (isinstance(held_flush_bytes, bool) or not isinstance(held_flush_bytes, (int, float))
