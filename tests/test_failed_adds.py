@@ -17,7 +17,7 @@ import torch
 from refit_verify import digest as dg
 from refit_verify.delivery import _each_readable
 from refit_verify.digest import DigestBatch, tensor_digest
-from refit_verify.digest_stream import CopyingBatch, HeldBatch
+from refit_verify.digest_stream import CopyingBatch, HeldBatch, digest_now
 from refit_verify.trainer_digests import StreamDigests
 from refit_verify.errors import RefitInputError
 
@@ -109,6 +109,46 @@ def test_held_batch_failed_readd_is_named_changed():
     assert "cannot be digested" in hb.changed["w"] and "freed or resized" in hb.changed["w"]
     hb.add("w", T2)  # a later add that succeeds counts again
     assert hb.hexdigests() == {"v": tensor_digest(T2), "w": tensor_digest(T2)} and hb.changed == {}
+
+
+def _shrunk_parameter(values: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter whose storage was reallocated at half its bytes: it has an address, but not all its bytes."""
+    p = torch.nn.Parameter(values.clone(), requires_grad=False)
+    p.untyped_storage().resize_(values.numel() * values.element_size() // 2)
+    assert p.data_ptr() != 0
+    return p
+
+
+def test_a_held_add_whose_storage_no_longer_holds_it_is_named_at_the_launch_and_never_read():
+    """A held add takes a plain tensor with an address at once and leaves the other checks (layout,
+    dimensions, its storage holding every byte) to the launch, in passes over the flush: one that fails
+    them there is named in ``changed`` with why, never read, and no earlier add's digest answers for it.
+    ``digest_now`` (nothing runs between its adds and its launch) raises instead."""
+    hb = HeldBatch()
+    hb.add("w", T1)
+    assert hb.hexdigests() == {"w": tensor_digest(T1)}  # collected: an earlier add's digest is known
+    hb.add("v", T2)
+    shrunk = _shrunk_parameter(T2)
+    hb.add("w", shrunk)  # an address: taken, not checked yet
+    assert hb.hexdigests() == {"v": tensor_digest(T2)}
+    assert hb.changed["w"].startswith("it cannot be digested: ") and "storage" in hb.changed["w"]
+    with pytest.raises(RefitInputError, match="'w'"):
+        digest_now([("v", T2), ("w", shrunk)])
+    s = StreamDigests(copy=False)
+    s.add("v", T2)
+    s.add("w", shrunk)
+    assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]
+
+
+def test_a_held_tensor_freed_after_its_add_is_named_freed():
+    """The fast add reads no storage size; a tensor freed between its add and the launch (FSDP1's
+    resize to 0) is still named for what happened to it, not as replaced memory."""
+    hb = HeldBatch()
+    p = torch.nn.Parameter(T1.clone(), requires_grad=False)
+    hb.add("p", p)
+    p.untyped_storage().resize_(0)
+    assert hb.hexdigests() == {}
+    assert "freed or resized" in hb.changed["p"]
 
 
 @pytest.mark.parametrize("mode", ["copy", "held", "hold_parameters"])

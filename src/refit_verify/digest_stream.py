@@ -149,7 +149,8 @@ class HeldBatch:
     own) is not seen by the counter: the tensor is then digested as it is at the flush, which the
     engine's copy does not match (a false failure, never a false pass).
 
-    Host cost: an ``add`` is the input checks, four attribute reads and an append; a flush over
+    Host cost: an ``add`` of a plain tensor with an address is five attribute reads and an append
+    (the other input checks run at its flush; see :meth:`add`); a flush over
     a kept set one :func:`~refit_verify.digest_set.signature` per tensor and one launch per device
     (``benchmarks/bench_host_ops.py``).
 
@@ -191,21 +192,30 @@ class HeldBatch:
         An add whose checks raise records ``name`` in :attr:`changed` (:meth:`note_changed`): no
         digest of an earlier add of it is returned.
 
+        Host cost: a plain tensor or parameter with an address (not quantized, not nested) is taken
+        with four attribute reads (``data_ptr``, ``_version``, ``nbytes``) and an append; the rest of
+        :func:`logical_bytes`' checks (strided layout, at most 255 dimensions, a storage that holds
+        every byte) run at the launch, over the flush: a tensor failing them there is named in
+        :attr:`changed` with why and never read. Anything else is checked in full here.
+
         Raises:
-            RefitInputError: ``t`` cannot be digested (see :func:`logical_bytes`).
+            RefitInputError: ``t`` is not a tensor, or is one that has no bytes to read (meta, zero
+                tensor, freed storage, sparse), a quantized or nested one, or a subclass failing
+                :func:`logical_bytes`' checks.
             RefitError: the flush this add starts finds that a launch or read of this batch raised
                 earlier (see :meth:`launch`; an add below ``flush_bytes`` only holds ``t``).
         """
-        try:  # the checks: inline, an add is the per-tensor host cost
-            if type(t) in _PLAIN_TYPES and not (t.is_nested or t.is_quantized or t.is_meta or t._is_zerotensor()) and t.layout is _STRIDED \
-                    and t.dim() <= 255 and t.is_contiguous():  # a trainer's parameter: the checks of _check, inline
-                size = t.element_size()
-                nbytes = t.numel() * size
-                storage = t.untyped_storage().nbytes() if nbytes else 0
-                if nbytes and t.storage_offset() * size + nbytes > storage:
-                    _check(t)  # freed or resized under the tensor: raises, naming it
-                held = (name, t, version_of(t) if version is _NOW else version, t.data_ptr(), storage)
-            else:
+        try:  # an add is the per-tensor host cost: the fewest checks that refuse what cannot be read at all
+            held = None
+            if type(t) in _PLAIN_TYPES and not (t.is_quantized or t.is_nested):
+                try:  # 0: a meta or zero tensor, freed storage, no bytes; raises: no storage (sparse), an inference tensor's version
+                    ptr = t.data_ptr()
+                    if ptr:  # the rest of _check (layout, dims, the storage holding it) waits for the launch: see _launch
+                        held = (name, t, t._version if version is _NOW else version, ptr, None)
+                        nbytes = t.nbytes
+                except RuntimeError:
+                    held = None
+            if held is None:  # anything else: every check now
                 with _PLAIN():
                     _check(t)
                     version = version_of(t) if version is _NOW else version  # None for an inference tensor: its address is checked
@@ -276,12 +286,17 @@ class HeldBatch:
             self._adds += 1
             self._order[name] = self._adds
             why = _changed(t, version, ptr, size)
+            if why is None and size is None:  # added on the fast path: the checks it left for now
+                try:
+                    _check(t)
+                except RefitInputError as e:
+                    why = _why_failed(e)
             if why is not None:
                 self.changed[name] = why
                 self._batch._order.pop(name, None)
                 ok = False
                 continue
-            self._batch.add(name, t, checked=True)  # checked at its add, unchanged since
+            self._batch.add(name, t, checked=True)  # checked (at its add, or just now), unchanged since its add
         self._batch.launch()
         if ok:
             _held._keep_held(key, sigs, [h[1] for h in held])
@@ -331,18 +346,17 @@ _STRIDED = torch.strided
 _VERSION = attrgetter("_version")
 
 
-def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs: Sequence[int], sizes: Sequence[int],
+def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs: Sequence[int], sizes: tuple[int | None, ...],
                columns: tuple[list, ...]) -> bool:
     """True iff no held tensor changed since its add, read column by column: its version counter
     (where one was read: not an inference tensor's), its address (``columns[0]``) and, for one
-    holding bytes, its storage's size (``columns[5]``; 0 recorded: an empty tensor)."""
+    whose storage size was read at its add, that size (``columns[5]``; 0 recorded: an empty tensor;
+    None: not read, the kept set's signatures compare the storage as it is now)."""
     if list(ptrs) != columns[0]:
         return False
-    if 0 in sizes:
-        if not all(s == 0 or s == g for s, g in zip(sizes, columns[5])):
+    if sizes.count(None) != len(sizes):  # some added through every check, their storage sizes read then
+        if not all(s is None or s == 0 or s == g for s, g in zip(sizes, columns[5])):
             return False
-    elif list(sizes) != columns[5]:
-        return False
     if None in versions:
         return all(v is None or t._version == v for t, v in zip(ts, versions))
     return list(map(_VERSION, ts)) == list(versions)
@@ -389,7 +403,11 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
     for name, t in items:
         batch.add(name, t)
-    return batch.hexdigests()
+    out = batch.hexdigests()
+    if batch.changed:  # an add's checks left for the launch refused it (nothing ran in between: nothing else moves it)
+        name, why = next(iter(batch.changed.items()))
+        raise RefitInputError(f"{name!r:.100}: {why}")
+    return out
 
 
 def version_of(t: torch.Tensor) -> int | None:
@@ -408,13 +426,18 @@ def _why_failed(e: BaseException) -> str:
     return f"its add raised {type(e).__name__}: {e}"[:500]
 
 
-def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int) -> str | None:
+def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int | None) -> str | None:
     """Why held tensor ``t`` no longer holds what it held when it was added (None: it does): its
-    version counter, address or storage size (``size`` bytes at the add; 0 for an empty tensor) moved."""
+    version counter, address or storage size (``size`` bytes at the add; 0 for an empty tensor;
+    None: not read at the add, so a storage that no longer holds ``t`` is what is told) moved."""
     if version is not None and t._version != version:
         return f"it was modified in place after it was added ({version} -> {t._version} writes through it)"
     if size and t.untyped_storage().nbytes() != size:
         return f"its storage was freed or resized after it was added ({size} -> {t.untyped_storage().nbytes()} bytes)"
     if t.data_ptr() != ptr:
+        if size is None:
+            now = t.untyped_storage().nbytes()
+            if t.storage_offset() * t.element_size() + t.nbytes > now:
+                return f"its storage was freed or resized after it was added (now {now} bytes)"
         return "its memory was replaced after it was added"
     return None
