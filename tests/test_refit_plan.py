@@ -14,7 +14,7 @@ from refit_verify.boundary import WorkerBoundary, identity_of
 from refit_verify.check import compare_session
 from refit_verify.digest import digest_tensors
 from refit_verify.errors import RefitConfigError
-from refit_verify.refit_plan import replay_from_env
+from refit_verify.refit_plan import replay_call, replay_from_env
 from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
 
 QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
@@ -210,6 +210,63 @@ def test_what_the_plan_does_not_describe_is_watched_and_said(writes, change):
     writes.clear()
     m3 = _refit(wb, model, toy_weights(3), 3).modules["model"]
     assert m3.replayed == 0 and len(writes) == 5
+
+
+@pytest.mark.parametrize("change", ["unknown name", "twice", "dtype", "subclass", "name not a str", "not a pair", "kwargs"])
+def test_one_pair_calls_the_plan_does_not_describe_are_watched_and_said(writes, change, monkeypatch):
+    """One pair a call (TRL, OpenRLHF) takes the wrapper's inline replay (replay_call is not called);
+    whatever it does not describe falls to the watched path with replay_call's reason, the pairs
+    before it kept replayed."""
+    from refit_verify import model_boundary as mb
+
+    general = []
+    monkeypatch.setattr(mb, "replay_call", lambda *a: general.append(1) or replay_call(*a))
+
+    class Sub(torch.Tensor):
+        pass
+
+    wb, model = _worker()
+    _refit(wb, model, toy_weights(1), 1, per_param=True)
+    w = toy_weights(2)
+    items = list(w.items())
+    last = items[-1]
+    kw = False
+    if change == "unknown name":
+        last = ("layers.0.mlp.down_proj.bias", torch.ones(3, dtype=torch.bfloat16))
+    elif change == "twice":
+        last = items[0]
+    elif change == "dtype":
+        last = ("norm", w["norm"].float())
+    elif change == "subclass":
+        last = ("norm", w["norm"].as_subclass(Sub))
+    elif change == "name not a str":
+        last = (b"norm", w["norm"])
+    elif change == "not a pair":
+        last = ["norm", w["norm"]]
+    else:
+        kw = True
+    sid = wb.open("s2", version=2)
+    for it in items[:-1]:
+        model.load_weights([it])
+    assert not general  # the inline replay took every one
+    writes.clear()
+    try:
+        if kw:
+            model.load_weights(weights=[last])
+        else:
+            model.load_weights([last])
+    except Exception:  # noqa: BLE001 - the toy model refuses some of these itself
+        pass
+    man = wb.close(sid)
+    m = man.modules["model"]
+    if kw:  # a keyword call the plan describes: replayed by the general path
+        assert m.replayed == 5 and not m.replay_left
+        return
+    assert m.replayed == (3 if change == "twice" else 4) and m.replay_left  # a name given again is watched from then on
+    why = {"unknown name": "not a name of the plan", "twice": "delivered twice", "dtype": "another type, shape",
+           "subclass": "another type, shape", "name not a str": "not a name of the plan",
+           "not a pair": "not a (name, tensor) pair"}[change]
+    assert why in m.replay_left
 
 
 def test_fallback_in_a_later_call_keeps_what_was_replayed(writes):
