@@ -158,8 +158,9 @@ def test_waits_into_another_process_are_bounded_from_a_thread_in_process_ones_ar
 
 @pytest.mark.parametrize("bad", ["quantized", "nested", "meta", "freed", "zero tensor", "not a tensor"])
 def test_held_adds_refuse_what_cannot_be_digested(bad):
-    """refit(copy=False) checks each tensor at its add too (inline for plain tensors and parameters):
-    a refused add raises RefitInputError and leaves nothing behind."""
+    """refit(copy=False) refuses at its add a tensor that has no bytes to read, a quantized or a
+    nested one (the other checks wait for the launch: tests/test_failed_adds.py): a refused add
+    raises RefitInputError and leaves nothing behind."""
     r = refit_verify.refit(None, mode="off", copy=False)
     r.mode = refit_verify.VerifyMode.LOG
     good = torch.nn.Parameter(torch.ones(4), requires_grad=False)

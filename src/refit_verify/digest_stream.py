@@ -168,8 +168,8 @@ class HeldBatch:
         self.flush_bytes = flush_bytes
         self._space = (space,) if space else ()
         self._batch = DigestBatch(hold_cpu=True)  # the general path: checked unchanged right before the launch reads them
-        # (name, tensor, version counter, data_ptr, storage bytes) at the add
-        self._held: list[tuple[str, torch.Tensor, int | None, int, int]] = []
+        # (name, tensor, version counter, data_ptr, storage bytes or None: not read, see add) at the add
+        self._held: list[tuple[str, torch.Tensor, int | None, int, int | None]] = []
         self._pending = 0
         self._order: dict[str, int] = {}  # name -> number of its latest add, in first-insertion order
         self._adds = 0
