@@ -140,6 +140,38 @@ def test_a_held_add_whose_storage_no_longer_holds_it_is_named_at_the_launch_and_
     assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]
 
 
+def test_a_held_view_of_a_freed_storage_is_refused_at_its_add_at_any_offset():
+    """FSDP1 frees a flat buffer under its views: a view at offset 0 has address 0, one further in has
+    its offset for an address; both are refused at the add (review of the fast add)."""
+    flat = torch.arange(96, dtype=torch.float32)
+    views = {"a": flat[:32], "b": flat[32:96]}
+    flat.untyped_storage().resize_(0)
+    hb = HeldBatch()
+    for name, v in views.items():
+        with pytest.raises(RefitInputError, match="freed or resized"):
+            hb.add(name, v)
+    assert hb.hexdigests() == {} and set(hb.changed) == {"a", "b"}
+
+
+def test_digest_now_checks_every_pair_before_reading_any_a_pair_given_again_too():
+    """The check before loading reads a call's pairs at once: a bad pair raises before anything is
+    read, also when a later pair of the same name is good (review of the fast add: the later pair
+    would otherwise stand for the name and the bad one reach the model)."""
+    good = T2.clone()
+    deep = torch.ones((1,) * 256)
+    for bad in (_shrunk_parameter(T1), deep):
+        with pytest.raises(RefitInputError, match="'w'"):
+            digest_now([("w", bad), ("w", good)])
+
+
+def test_an_expanded_held_tensor_given_other_memory_is_named_replaced_not_freed():
+    t = torch.nn.Parameter(torch.ones(1).expand(64), requires_grad=False)
+    hb = HeldBatch()
+    hb.add("e", t)
+    t.data = torch.zeros(1).expand(64)
+    assert hb.hexdigests() == {} and hb.changed["e"] == "its memory was replaced after it was added"
+
+
 def test_a_held_tensor_freed_after_its_add_is_named_freed():
     """The fast add reads no storage size; a tensor freed between its add and the launch (FSDP1's
     resize to 0) is still named for what happened to it, not as replaced memory."""

@@ -22,6 +22,7 @@ from refit_verify.digest import (
     _PLAIN,
     DigestBatch,
     _check,
+    _check_storage,
     _tensor_seed,
     logical_bytes,
     plain_tensor_ops,
@@ -149,7 +150,7 @@ class HeldBatch:
     own) is not seen by the counter: the tensor is then digested as it is at the flush, which the
     engine's copy does not match (a false failure, never a false pass).
 
-    Host cost: an ``add`` of a plain tensor with an address is five attribute reads and an append
+    Host cost: an ``add`` of a plain tensor with an address is a few attribute reads and an append
     (the other input checks run at its flush; see :meth:`add`); a flush over
     a kept set one :func:`~refit_verify.digest_set.signature` per tensor and one launch per device
     (``benchmarks/bench_host_ops.py``).
@@ -192,26 +193,32 @@ class HeldBatch:
         An add whose checks raise records ``name`` in :attr:`changed` (:meth:`note_changed`): no
         digest of an earlier add of it is returned.
 
-        Host cost: a plain tensor or parameter with an address (not quantized, not nested) is taken
-        with four attribute reads (``data_ptr``, ``_version``, ``nbytes``) and an append; the rest of
-        :func:`logical_bytes`' checks (strided layout, at most 255 dimensions, a storage that holds
-        every byte) run at the launch, over the flush: a tensor failing them there is named in
-        :attr:`changed` with why and never read. Anything else is checked in full here.
+        Host cost: a plain tensor or parameter whose storage has an address (not quantized, not
+        nested) is taken with a few attribute reads (``data_ptr``, ``storage_offset``, ``itemsize``,
+        ``_version``, ``nbytes``) and an append, no storage object made: an add runs between a
+        loader's calls, where every step costs several times more than in a tight loop
+        (``docs/performance.md``, the thirty-third run). The rest of :func:`logical_bytes`' checks
+        (strided layout, at most 255 dimensions, a storage that holds every byte it spans) run at
+        the launch, over the flush: a tensor failing them there is named in :attr:`changed` with why
+        and never read. Anything else is checked in full here. The storage's size is not read at
+        such an add, so a storage freed and allocated again at the same address before the flush is
+        not named: its bytes are digested as they are then (a mismatch unless they are the bytes the
+        engine loaded).
 
         Raises:
             RefitInputError: ``t`` is not a tensor, or is one that has no bytes to read (meta, zero
-                tensor, freed storage, sparse), a quantized or nested one, or a subclass failing
-                :func:`logical_bytes`' checks.
+                tensor, a freed storage at any offset, sparse), a quantized or nested one, or one
+                taking the full checks that fails them (:func:`logical_bytes`).
             RefitError: the flush this add starts finds that a launch or read of this batch raised
                 earlier (see :meth:`launch`; an add below ``flush_bytes`` only holds ``t``).
         """
         try:  # an add is the per-tensor host cost: the fewest checks that refuse what cannot be read at all
             held = None
             if type(t) in _PLAIN_TYPES and not (t.is_quantized or t.is_nested):
-                try:  # 0: a meta or zero tensor, freed storage, no bytes; raises: no storage (sparse), an inference tensor's version
-                    ptr = t.data_ptr()
-                    if ptr:  # the rest of _check (layout, dims, the storage holding it) waits for the launch: see _launch
-                        held = (name, t, t._version if version is _NOW else version, ptr, None)
+                try:  # data_ptr: 0 for a meta or zero tensor, an empty one, a freed storage; its offset alone for a view of a
+                    ptr = t.data_ptr()  # freed storage; raises with no storage (sparse), _version for an inference tensor
+                    if ptr and ptr != t.storage_offset() * t.itemsize:  # the rest of _check (layout, dims, a storage that
+                        held = (name, t, t._version if version is _NOW else version, ptr, None)  # holds it all): at the launch
                         nbytes = t.nbytes
                 except RuntimeError:
                     held = None
@@ -373,8 +380,10 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     (the same memory as the last call of these names under ``space``), the kept launch plan is run
     after :meth:`DigestSet.valid` (the signature fields compared field by field, nothing else per
     tensor); CPU tensors of a kept set's layout at other addresses are read through it too
-    (:meth:`DigestSet.moved`, a pointer per tensor made again); otherwise the call goes through a
-    :class:`HeldBatch` (every check, and the set is kept for the next call, as a flush's is).
+    (:meth:`DigestSet.moved`, a pointer per tensor made again); otherwise every pair is checked
+    (:func:`~refit_verify.digest.logical_bytes`' checks, a pair replaced by a later one of its name
+    too: nothing is read when one fails) and the call goes through a :class:`HeldBatch` (the set is
+    kept for the next call, as a flush's is).
 
     Args:
         items: ``(name, tensor)`` pairs (any iterable, read once), tensors of any dtype, shape and
@@ -386,7 +395,8 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         :func:`~refit_verify.digest.tensor_digest` of each tensor), in the order given (a name given twice: at its later pair).
 
     Raises:
-        RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`).
+        RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.logical_bytes`),
+            naming its pair; nothing was read.
     """
     items = list(items)  # an iterator is read once
     names = tuple(n for n, _ in items)
@@ -400,11 +410,16 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
             return dict(zip(names, kept.digest(check=False, tensors=ts)))
         if cols is not None and kept.moved(ts, cols):  # the same layout elsewhere (the CPU's clones of a staged buffer)
             return dict(zip(names, kept.digest(check=False, tensors=ts, moved=True)))
+    for name, t in items:  # every pair checked before any is read: a bad one raises, a pair given again too
+        try:
+            _check(t)
+        except RefitInputError as e:
+            raise RefitInputError(f"{name!r:.100}: {e}") from None
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
     for name, t in items:
         batch.add(name, t)
     out = batch.hexdigests()
-    if batch.changed:  # an add's checks left for the launch refused it (nothing ran in between: nothing else moves it)
+    if batch.changed:  # unreachable after the checks above (nothing runs between them and the launch); never a silent gap
         name, why = next(iter(batch.changed.items()))
         raise RefitInputError(f"{name!r:.100}: {why}")
     return out
@@ -436,8 +451,9 @@ def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int | None) -
         return f"its storage was freed or resized after it was added ({size} -> {t.untyped_storage().nbytes()} bytes)"
     if t.data_ptr() != ptr:
         if size is None:
-            now = t.untyped_storage().nbytes()
-            if t.storage_offset() * t.element_size() + t.nbytes > now:
-                return f"its storage was freed or resized after it was added (now {now} bytes)"
+            try:
+                _check_storage(t)  # every element it spans still in its storage?
+            except RefitInputError:
+                return f"its storage was freed or resized after it was added (now {t.untyped_storage().nbytes()} bytes)"
         return "its memory was replaced after it was added"
     return None
