@@ -20,6 +20,7 @@ msgpack, JSON and Ray unchanged. Nothing is pickled by refit-verify.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import threading
@@ -124,11 +125,22 @@ def _bounded(f: Callable[[], list], what: str, timeout_s: float) -> list:
     return box["result"]
 
 
-def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
+@functools.lru_cache(maxsize=64)
+def _takes_timeout(fn: Callable) -> bool:
+    """Whether ``collective_rpc`` function ``fn`` takes ``timeout`` (read once per function: a
+    signature costs about 45 µs, and a refit resolves its engine's channel at every ``refit()``)."""
     try:
-        takes_timeout = "timeout" in inspect.signature(rpc).parameters
+        return "timeout" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        takes_timeout = False
+        return False
+
+
+def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
+    fn = getattr(rpc, "__func__", None)  # a bound method: its function's signature, less the bound first parameter
+    try:
+        takes_timeout = _takes_timeout(fn) if fn is not None and getattr(rpc, "__self__", None) is not None else _takes_timeout(rpc)
+    except TypeError:  # not hashable
+        takes_timeout = _takes_timeout.__wrapped__(rpc)
 
     def call(method: str, args: tuple, timeout_s: float) -> list:
         kw: dict[str, Any] = {"args": args} if args else {}
