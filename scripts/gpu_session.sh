@@ -15,7 +15,8 @@
 #   stage t (carry .gpu-vllm/extra .gpu-vllm/install.sh): finish vLLM, the GPU suite (tests/gpu, CUDA transport
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce
-#           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT).
+#           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT); WITH_INLOOP=1: then
+#           benchmarks/bench_inloop.py (per-call host cost inside a refit; not yet run on a GPU as of cf44d66).
 #   stage q (carry as stage t): bench_paths with --profile (cProfile of every child and mp worker process), 4 rounds.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
@@ -81,6 +82,10 @@ elif [ "$stage" = p ]; then
   echo "bench_paths rc=$?"; grep -A8 "^## Wall" "$OUT/bench_paths.md" 2>/dev/null || tail -30 "$OUT/bench_paths.log"
   [ -n "${WITH_BOUNDARY:-}" ] && timeout 120 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1 \
     && tail -6 "$OUT/bench_boundary.md"
+  if [ -n "${WITH_INLOOP:-}" ]; then
+    timeout 240 python3 benchmarks/bench_inloop.py --rounds 20 --out "$OUT/bench_inloop.md" >"$OUT/bench_inloop.log" 2>&1
+    echo "bench_inloop rc=$?"; tail -8 "$OUT/bench_inloop.md" 2>/dev/null || tail -20 "$OUT/bench_inloop.log"
+  fi
   [ -n "${WITH_BOUNDARY:-}" ] && timeout 60 python3 benchmarks/bench_host_ops.py --rounds 5 --out "$OUT/bench_host_ops.md" \
     >"$OUT/bench_host_ops.log" 2>&1 && tail -12 "$OUT/bench_host_ops.md"
 elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refit's host time goes, few rounds
