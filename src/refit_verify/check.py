@@ -242,13 +242,15 @@ class RefitCheck:
             RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
             RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
         """
-        if module not in MODULES:
-            raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
-        if not self.mode.verifies:
-            return
-        stream = self._streams.get(module)
+        stream = self._streams.get(module)  # an add runs per tensor, between a loader's calls: the fewest steps
         if stream is None:
+            if module not in MODULES:
+                raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
+            if not self.mode.verifies:
+                return
             stream = self._streams[module] = StreamDigests(copy=self.copy)
+        elif self.mode is VerifyMode.OFF:
+            return
         stream.add(name, tensor)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:

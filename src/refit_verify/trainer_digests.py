@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from time import perf_counter as _perf_counter
 
 import torch
 
@@ -131,19 +132,19 @@ class StreamDigests:
         Raises:
             TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
         """
-        if not isinstance(name, str):
+        if type(name) is not str and not isinstance(name, str):
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
-        t0 = time.perf_counter()
+        t0 = _perf_counter()
         self._uncollected += 1
         try:
-            if self._held is not None:
+            if self._held is None:  # one batch: copies (copy=True) or held tensors (copy=False)
+                self._batch.add(name, tensor)
+            else:
                 held = self._last[name] = isinstance(tensor, torch.nn.Parameter)
                 if not (held and self.defer_held and self._defer(name, tensor)):
                     if held and self._deferred:  # deferred adds first, in order (defer_held turned off since)
                         self._drain_locked()
                     (self._held if held else self._batch).add(name, tensor)
-            else:
-                self._batch.add(name, tensor)
         except BaseException as e:
             why = _why_failed(e)
             self._done.pop(name, None)  # collected from an earlier add
@@ -157,9 +158,9 @@ class StreamDigests:
                 if len(kept) != len(self._deferred):
                     self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
             self.changed[name] = why
-            self.digest_s += time.perf_counter() - t0
+            self.digest_s += _perf_counter() - t0
             raise
-        self.digest_s += time.perf_counter() - t0
+        self.digest_s += _perf_counter() - t0
 
     def _defer(self, name: str, t: torch.Tensor) -> bool:
         """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
