@@ -136,11 +136,11 @@ def _takes_timeout(fn: Callable) -> bool:
 
 
 def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
-    fn = getattr(rpc, "__func__", None)  # a bound method: its function's signature, less the bound first parameter
+    fn = getattr(rpc, "__func__", rpc)  # a bound method: its function (one per class), whose parameters name the same
     try:
-        takes_timeout = _takes_timeout(fn) if fn is not None and getattr(rpc, "__self__", None) is not None else _takes_timeout(rpc)
-    except TypeError:  # not hashable
-        takes_timeout = _takes_timeout.__wrapped__(rpc)
+        takes_timeout = _takes_timeout(fn)
+    except TypeError:  # not hashable: read it this once
+        takes_timeout = _takes_timeout.__wrapped__(fn)
 
     def call(method: str, args: tuple, timeout_s: float) -> list:
         kw: dict[str, Any] = {"args": args} if args else {}

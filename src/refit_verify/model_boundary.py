@@ -29,7 +29,7 @@ from refit_verify.digest_stream import _PLAIN_TYPES, digest_now
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.model_index import ModelIndex
 from refit_verify.placement import LoaderTap
-from refit_verify.refit_plan import RefitPlan, learn, replay_call
+from refit_verify.refit_plan import RefitPlan, learn, replay_call, spec_of
 from refit_verify.stream import check_digest
 
 if TYPE_CHECKING:
@@ -132,8 +132,7 @@ class ModelBoundary:
                     if type(t) in _PLAIN_TYPES and type(name) is str and name not in s.replayed:
                         spec = s.plan.spec.get(name)
                         o = owner.open_session
-                        if spec is not None and (o is None or o.expected is None) \
-                                and spec == (type(t), t.shape, t.stride(), t.dtype, t.device):  # refit_plan.spec_of
+                        if spec is not None and (o is None or o.expected is None) and spec == spec_of(t):
                             s.replayed[name] = None
                             s.unexpanded.append(name)
                             return boundary._replayed(s, original, args, kwargs)
