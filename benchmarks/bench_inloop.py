@@ -7,10 +7,11 @@ what it costs in a tight loop (``docs/performance.md``, the thirty-third run). T
 those steps where they run, in one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``REFIT_VERIFY=enforce``, the refit replaying its learned plan), interleaved round by round:
 
-* ``r.add, in the loop``: the trainer's ``r.add`` of each tensor, under ``refit(copy=False)`` (held);
+* ``r.add, in the loop``: the trainer's ``r.add`` of each tensor, under ``refit(copy=False)`` (held;
+  ``--trainer-copy``: ``refit(copy=True)``, a copy per add);
 * ``append, in the loop``: a list append of ``(name, tensor, version)`` in its place: the floor of
   any per-call Python there;
-* ``r.add, tight loop``: the same 310 adds to a fresh ``StreamDigests(copy=False)`` back to back;
+* ``r.add, tight loop``: the same 310 adds to a fresh ``StreamDigests`` (of the same ``copy``) back to back;
 * ``wrapper, in the loop``: the ``load_weights`` wrapper's own work before it hands the call to
   vLLM (from the call to ``ModelBoundary._replayed``).
 
@@ -43,6 +44,7 @@ ROUNDS = ("r.add, in the loop", "append, in the loop", "r.add, tight loop", "wra
 
 def _extra(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", choices=("qwen3-0.6b-like", "qwen3-shaped-small"), default=None)
+    ap.add_argument("--trainer-copy", action="store_true", help="refit(copy=True): a copy per r.add (default copy=False: held)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the engine's process: the model directory
 
 
@@ -76,7 +78,7 @@ def child(a: argparse.Namespace, device: str) -> None:
     def refit(kind: str) -> float:
         add, held = 0.0, []
         pre[0] = 0.0
-        with refit_verify.refit(bench.llm, version=bench._next_version(), copy=False) as chk:
+        with refit_verify.refit(bench.llm, version=bench._next_version(), copy=a.trainer_copy) as chk:
             for n, t in items:
                 a0 = pc()
                 if kind == "append":
@@ -93,7 +95,7 @@ def child(a: argparse.Namespace, device: str) -> None:
         return add
 
     def tight() -> float:
-        s = StreamDigests(copy=False, held_flush_bytes=float("inf"))
+        s = StreamDigests(copy=a.trainer_copy, held_flush_bytes=float("inf"))
         t0 = pc()
         for n, t in items:
             s.add(n, t)
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                             landed_cpu=device == "cpu")  # what bench_paths.build_env reads
     env = bp.build_env(pa, work)["enforce/inproc"]
     t0 = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--device", device, "--rounds", str(a.rounds), "--child", str(work / "model")],
+    proc = subprocess.run([sys.executable, __file__, "--device", device, "--rounds", str(a.rounds), "--child", str(work / "model")]
+                          + (["--trainer-copy"] if a.trainer_copy else []),
                           env=env, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run took {time.time() - t0:.0f} s",
              f"- refit-verify: {_rev() if Path(res['package']) == HERE.parent / 'src' / 'refit_verify' else 'the package at ' + res['package']}; "
              f"torch {res['torch']}; Python {sys.version.split()[0]}",
-             f"- one in-process engine, REFIT_VERIFY=enforce, refit(copy=False), {n} calls a refit (one r.add and one "
+             f"- one in-process engine, REFIT_VERIFY=enforce, refit(copy={a.trainer_copy}), {n} calls a refit (one r.add and one "
              f"load_weights([(name, t)]) per tensor), {a.rounds} rounds after 3 refits (watched, learned, replayed); "
              "the two in-loop kinds alternate which goes first", "",
              "| step | µs per call: median | p25–p75 | / append in the loop |", "|---|---|---|---|"]

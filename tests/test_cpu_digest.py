@@ -374,3 +374,48 @@ def test_stream_digests_held_batches_launch_at_their_own_threshold(monkeypatch):
             s.add(n, t)
         assert s.digests() == want and s.changed == {}
         assert [k for k in launches if k] == pending
+
+
+def test_a_copying_batch_reads_small_cpu_tensors_as_they_were_at_their_add_in_one_batched_call(monkeypatch):
+    """refit(copy=True) on CPU: a small tensor (below the compiled batch's bound) is copied at its add
+    and read at the flush with the others in one digest_many call; a large one is digested at once.
+    Either way the digest is of the bytes at the add, whatever the trainer writes afterwards, and
+    equals tensor_digest of them (contiguous, transposed, conjugate, empty, large)."""
+    from refit_verify import digest as dg
+    from refit_verify.digest_stream import CopyingBatch
+
+    be = dg.backend_for("cpu")
+    if be.digest_many is None:
+        pytest.skip("no compiled CPU batch on this machine")
+    calls = []
+    real = be.digest_many
+    object.__setattr__(be, "digest_many", lambda many: (calls.append(len(many)), real(many))[1])  # a frozen dataclass
+    try:
+        g = torch.Generator().manual_seed(5)
+        ts = {f"p{i}": torch.randn(7 + 13 * i, generator=g).to(torch.bfloat16) for i in range(6)}
+        ts["t"] = torch.randn(6, 5, generator=g).t()
+        ts["c"] = torch.randn(4, dtype=torch.complex64, generator=g).conj()
+        ts["e"] = torch.empty(0, 3)
+        ts["big"] = torch.randn(be.many_max_bytes // 4 + 1, generator=g)
+        want = {n: tensor_digest(t) for n, t in ts.items()}
+        b = CopyingBatch()
+        for n, t in ts.items():
+            b.add(n, t)
+        for t in ts.values():  # the trainer reuses its memory right after the push
+            t.zero_()
+        assert all(not t.any() for t in ts.values())
+        assert b.hexdigests() == want
+        assert calls and calls[0] >= 6  # the small ones in one call
+    finally:
+        object.__setattr__(be, "digest_many", real)
+
+
+def test_a_copying_batch_launches_its_small_cpu_copies_every_flush_bytes():
+    from refit_verify.digest_stream import CopyingBatch
+
+    ts = {f"p{i}": torch.full((64,), float(i)) for i in range(10)}  # 256 bytes each
+    b = CopyingBatch(flush_bytes=1024)
+    for n, t in ts.items():
+        b.add(n, t)
+        assert b._pending < 1024  # launched when it reached the flush
+    assert b.hexdigests() == {n: tensor_digest(t) for n, t in ts.items()}

@@ -250,6 +250,13 @@ class DigestBatch:
             self.drop(name)
             raise
 
+    def _hold_cpu(self, name: str, t: torch.Tensor, backend: _backends.Backend) -> None:
+        """Queue CPU tensor ``t`` (checked; nobody else writes it: a copy of the caller's own) for the
+        launch's one ``digest_many`` call, whatever ``hold_cpu`` is."""
+        self._adds += 1
+        self._order[name] = self._adds
+        self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
+
     def drop(self, name: str) -> None:
         """Forget ``name``: no digest of an earlier add of it is returned (a queued one is launched but
         not read back) and it is not counted in ``len``; a later add digests it again. Unknown names are ignored."""
