@@ -342,3 +342,68 @@ def test_a_drain_that_raises_in_its_own_check_names_that_add_changed(monkeypatch
         s.digests()
     assert s.digests() == {"a": tensor_digest(T1)}
     assert s.changed == {"w": "its add raised RuntimeError: injected: the storage cannot be read"}
+
+
+def test_a_wrapper_subclass_without_memory_of_its_own_is_refused_everywhere():
+    """A __torch_dispatch__ wrapper (TwoTensor here; DTensor is one) has elements but address 0: its
+    bytes are in the tensors it wraps. Digesting its own address read nothing of them (six of
+    different values once shared one digest) or, batched on the CPU, address 0 itself (a crash).
+    Every entry point refuses it with RefitInputError (review of 2f161ce)."""
+    two = pytest.importorskip("torch.testing._internal.two_tensor")
+    ts = [two.TwoTensor(torch.full((4,), float(i)), torch.full((4,), float(-i))) for i in range(6)]
+    assert ts[0].data_ptr() == 0
+    with pytest.raises(RefitInputError, match="no memory of its own"):
+        tensor_digest(ts[0])
+    for batch in (CopyingBatch(), HeldBatch(), StreamDigests(copy=True), StreamDigests(copy=False)):
+        for i, t in enumerate(ts):
+            with pytest.raises(RefitInputError, match="no memory of its own"):
+                batch.add(f"t{i}", t)
+    with pytest.raises(RefitInputError, match="no memory of its own"):
+        digest_now([(f"t{i}", t) for i, t in enumerate(ts)])
+
+
+def test_a_digest_that_fails_at_the_closing_flush_still_closes_the_workers_session():
+    """refit(copy=True) on CPU reads its small copies at the flush, which may be the with-exit's: a
+    digest failing there raises, and the workers' session is closed all the same (the next refit's
+    open would find it still open otherwise; review of 2f161ce)."""
+    import refit_verify
+
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def collective_rpc(self, method, args=(), timeout=None):
+            self.calls.append(method)
+            return [{"verifying": True, "rank": 0}] if method.endswith("open") else [{"rank": 0, "manifest": None}]
+
+    be = dg.backend_for("cpu")
+    if be.digest_many is None:
+        pytest.skip("no compiled CPU batch on this machine")
+    real, seen = be.digest_many, []
+
+    def fails_once(many):
+        seen.append(1)
+        if len(seen) == 1:
+            raise RuntimeError("injected: digest_many failed")
+        return real(many)
+
+    eng = Engine()
+    object.__setattr__(be, "digest_many", fails_once)  # a frozen dataclass
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            with refit_verify.refit(eng, mode="enforce") as r:
+                for i in range(8):
+                    r.add(f"w{i}", torch.randn(32))
+    finally:
+        object.__setattr__(be, "digest_many", real)
+    assert [c.rsplit("_", 1)[-1] for c in eng.calls] == ["open", "close"]
+
+
+def test_a_copying_batch_flushes_many_small_or_empty_copies_within_flush_bytes():
+    """Each queued CPU copy counts its bytes and a fixed cost, so flush_bytes bounds the queue even
+    for empty tensors or one name added again and again (review of 2f161ce)."""
+    b = CopyingBatch(flush_bytes=8192)
+    for _ in range(100):
+        b.add("w", torch.empty(0))
+        assert sum(map(len, b._batch._queued.values())) <= 16
+    assert b.hexdigests() == {"w": tensor_digest(torch.empty(0))}

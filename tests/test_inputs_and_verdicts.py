@@ -218,3 +218,40 @@ def test_a_channel_passes_timeout_only_to_a_collective_rpc_that_takes_it_every_t
         for engine in (WithTimeout(), Without()):
             assert channel(engine).call("m", timeout_s=7.0) == ["m"]
     assert seen == [("with", "m", 7.0), ("without", "m")] * 2
+
+
+@pytest.mark.parametrize("module", [["model"], {}, None, b"model", "drafters"])
+def test_an_add_to_a_module_that_is_not_one_is_a_config_error_before_and_after_a_good_add(module):
+    r = refit_verify.refit(None, mode="off", copy=False)
+    r.mode = refit_verify.VerifyMode.LOG
+    for _ in range(2):
+        with pytest.raises(RefitConfigError, match="module must be one of"):
+            r.add("w", torch.ones(2), module)
+        r.add("w", torch.ones(2))
+
+
+def test_a_channel_keeps_no_engine_alive_through_its_collective_rpc():
+    """Only a method's class function is remembered (whether it takes ``timeout``): a closure, a
+    partial or a callable object handed as collective_rpc, which may hold its engine, is not."""
+    import functools
+    import gc
+    import weakref
+
+    class Engine:
+        def rpc(self, method, args=(), timeout=None):
+            return [timeout]
+
+    class Holder:
+        pass
+
+    refs = []
+    for make in (lambda e: (lambda method, args=(), timeout=None: e.rpc(method, args, timeout)),
+                 lambda e: functools.partial(Engine.rpc, e)):
+        e = Engine()
+        h = Holder()
+        h.collective_rpc = make(e)
+        assert channel(h).call("m", timeout_s=3.0) == [3.0]
+        refs.append(weakref.ref(e))
+        del e, h
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

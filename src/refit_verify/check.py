@@ -242,8 +242,8 @@ class RefitCheck:
             RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
             RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
         """
-        stream = self._streams.get(module)  # an add runs per tensor, between a loader's calls: the fewest steps
-        if stream is None:
+        stream = self._streams.get(module) if type(module) is str else None  # an add runs per tensor, between a
+        if stream is None:  # loader's calls: the fewest steps
             if module not in MODULES:
                 raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
             if not self.mode.verifies:
@@ -361,8 +361,12 @@ class RefitCheck:
             raise
 
     def _verify(self) -> list[VerificationReport]:
-        for s in self._streams.values():  # the device digests the trainer's last tensors while the workers close
-            s.launch()
+        try:
+            for s in self._streams.values():  # the device digests the trainer's last tensors while the workers close
+                s.launch()
+        except BaseException:  # the trainer's digests are not known: close the workers' session, then raise
+            self._close_quietly()
+            raise
         results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()

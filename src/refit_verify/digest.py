@@ -102,6 +102,14 @@ def _check(t: torch.Tensor) -> None:
     if t.dim() > 255:
         raise RefitInputError(f"digest v1 binds at most 255 dimensions (spec §3), got {t.dim()}")
     _check_storage(t)
+    try:
+        own = t.data_ptr() != 0 or not t.numel()
+    except RuntimeError as e:
+        raise RefitInputError(f"the tensor's memory cannot be read: {e}"[:300]) from None
+    if not own:  # a __torch_dispatch__ wrapper (DTensor, TwoTensor): its bytes are in the tensors it wraps
+        raise RefitInputError(f"a {type(t).__name__} with elements but no memory of its own (address 0: a wrapper "
+                              "subclass) cannot be digested; digest the tensor that holds its bytes (a DTensor: "
+                              "t.full_tensor(), or t.to_local() for the local shard)")
 
 
 def _check_storage(t: torch.Tensor) -> None:
@@ -380,9 +388,10 @@ def _cpu_backend() -> _backends.Backend:
 
 def _many_ok(t: torch.Tensor, max_bytes: int) -> bool:
     """True iff CPU tensor ``t``'s memory is its logical bytes and ``Backend.digest_many`` can read it
-    (contiguous, no conjugate / negative bit, 8-byte aligned, fewer than ``max_bytes``)."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg() or t.data_ptr() & 7:
-        return False
+    (contiguous, no conjugate / negative bit, 8-byte aligned, memory of its own, fewer than ``max_bytes``)."""
+    ptr = t.data_ptr()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg() or ptr & 7 or (ptr == 0 and t.numel()):
+        return False  # (address 0 with elements: a wrapper subclass, e.g. a DTensor's, has no memory of its own)
     return t.numel() * t.element_size() < max_bytes
 
 

@@ -89,12 +89,14 @@ class CopyingBatch:
                 raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
             if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
                 be = _digest._CPU[0] or _digest._cpu_backend()
-                n = t.numel() * t.element_size() if t.is_cpu and be.digest_many is not None else be.many_max_bytes
+                n = t.numel() * t.element_size() if type(t) in _PLAIN_TYPES and t.is_cpu and be.digest_many is not None \
+                    else be.many_max_bytes  # a subclass (a DTensor's wrapper has no memory of its own): as before
                 if n >= be.many_max_bytes:  # large (or no compiled batch): digested at once, no copy
                     self._batch.add(name, t)
                     return
                 _check(t)
                 self._batch._hold_cpu(name, t.clone(), be)  # small: a copy of its own, read at the flush with the others
+                n += _HELD_COPY_OVERHEAD  # what a queued copy holds besides its bytes (an empty one too)
             else:
                 u8 = logical_bytes(t)
                 n = u8.numel()
@@ -114,9 +116,10 @@ class CopyingBatch:
         self._batch.drop(name)
 
     def launch(self) -> None:
-        """Launch the digests of the pending copies now (the copies are freed after, in stream order)."""
-        self._pending = 0
+        """Launch the digests of the pending copies now (the copies are freed after, in stream order).
+        A launch that raises leaves them pending: the next add past ``flush_bytes`` tries again."""
         self._batch.launch()
+        self._pending = 0
 
     def hexdigests(self) -> dict[str, str]:
         """``{name: 32-hex}`` in insertion order (launches what is pending; one synchronisation per device)."""
@@ -129,6 +132,10 @@ class CopyingBatch:
     def __len__(self) -> int:
         return len(self._batch._order)
 
+
+_HELD_COPY_OVERHEAD = 512
+"""Bytes a :class:`CopyingBatch` counts per queued CPU copy besides its own (the tensor object, its
+queue entry), so that ``flush_bytes`` bounds many small or empty copies too."""
 
 _NOW = object()
 """Default of :meth:`HeldBatch.add`'s ``version``: read the version counter at the add."""

@@ -125,22 +125,30 @@ def _bounded(f: Callable[[], list], what: str, timeout_s: float) -> list:
     return box["result"]
 
 
-@functools.lru_cache(maxsize=64)
-def _takes_timeout(fn: Callable) -> bool:
-    """Whether ``collective_rpc`` function ``fn`` takes ``timeout`` (read once per function: a
-    signature costs about 45 µs, and a refit resolves its engine's channel at every ``refit()``)."""
+def _takes_timeout(rpc: Callable) -> bool:
+    """Whether ``rpc`` (an engine's ``collective_rpc``) takes ``timeout``."""
     try:
-        return "timeout" in inspect.signature(fn).parameters
+        return "timeout" in inspect.signature(rpc).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=64)
+def _method_takes_timeout(func: Callable) -> bool:
+    """:func:`_takes_timeout` of a method bound to any instance of its class, read once per
+    function (a signature costs about 45 µs, and a refit resolves its engine's channel at every
+    ``refit()``); ``func`` is the class's function, which holds no engine."""
+    try:
+        return "timeout" in list(inspect.signature(func).parameters)[1:]  # the first is the instance
     except (TypeError, ValueError):
         return False
 
 
 def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
-    fn = getattr(rpc, "__func__", rpc)  # a bound method: its function (one per class), whose parameters name the same
-    try:
-        takes_timeout = _takes_timeout(fn)
-    except TypeError:  # not hashable: read it this once
-        takes_timeout = _takes_timeout.__wrapped__(fn)
+    if inspect.ismethod(rpc) and inspect.isfunction(rpc.__func__) and not inspect.isclass(rpc.__self__):
+        takes_timeout = _method_takes_timeout(rpc.__func__)
+    else:  # a function, a closure, a partial, a callable object, a classmethod: read each time (nothing kept)
+        takes_timeout = _takes_timeout(rpc)
 
     def call(method: str, args: tuple, timeout_s: float) -> list:
         kw: dict[str, Any] = {"args": args} if args else {}
