@@ -248,9 +248,7 @@ class DigestBatch:
             elif self.hold_cpu and dtype == "cpu" and t.is_contiguous():  # the rest is checked at the launch
                 backend = _CPU[0] or _cpu_backend()
                 if backend.digest_many is not None:
-                    self._adds += 1
-                    self._order[name] = self._adds
-                    self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
+                    self._hold_cpu(name, t, backend)
                     return
             u8 = logical_bytes(t)
             self._queue(name, u8, _tensor_seed(t.dtype, t.shape, u8.numel()))
@@ -259,8 +257,8 @@ class DigestBatch:
             raise
 
     def _hold_cpu(self, name: str, t: torch.Tensor, backend: _backends.Backend) -> None:
-        """Queue CPU tensor ``t`` (checked; nobody else writes it: a copy of the caller's own) for the
-        launch's one ``digest_many`` call, whatever ``hold_cpu`` is."""
+        """Queue CPU tensor ``t`` (checked, unchanged until the launch: held with ``hold_cpu``, or a
+        copy of the caller's own) for the launch's one ``digest_many`` call, whatever ``hold_cpu`` is."""
         self._adds += 1
         self._order[name] = self._adds
         self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))

@@ -89,10 +89,9 @@ class CopyingBatch:
                 raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
             if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
                 be = _digest._CPU[0] or _digest._cpu_backend()
-                n = t.numel() * t.element_size() if type(t) in _PLAIN_TYPES and t.is_cpu and be.digest_many is not None \
-                    else be.many_max_bytes  # a subclass (a DTensor's wrapper has no memory of its own): as before
-                if n >= be.many_max_bytes:  # large (or no compiled batch): digested at once, no copy
-                    self._batch.add(name, t)
+                n = t.numel() * t.element_size()
+                if not (type(t) in _PLAIN_TYPES and t.is_cpu and be.digest_many is not None and n < be.many_max_bytes):
+                    self._batch.add(name, t)  # large, a subclass, no compiled batch: digested at once, no copy
                     return
                 _check(t)
                 self._batch._hold_cpu(name, t.clone(), be)  # small: a copy of its own, read at the flush with the others

@@ -46,8 +46,8 @@ class StreamDigests:
     """Digests of tensors exported one at a time (a trainer's send), with no per-tensor launch or sync.
 
     By default each tensor is recorded as it is at :meth:`add` (a device copy on CUDA, see
-    :class:`~refit_verify.digest_stream.CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`);
-    CPU tensors are digested at once. With ``copy=False`` the tensors are held, not copied
+    :class:`~refit_verify.digest_stream.CopyingBatch`, digested in batches of :data:`FLUSH_BYTES`;
+    a small CPU tensor is copied and read with the others, a large one digested at once). With ``copy=False`` the tensors are held, not copied
     (:class:`~refit_verify.digest_stream.HeldBatch`, launched every :data:`HELD_FLUSH_BYTES`): the
     caller leaves them untouched until :meth:`digests`, and any that changed are in :attr:`changed`. With
     ``hold_parameters=True`` (and ``copy=True``) a tensor that is a ``torch.nn.Parameter`` is held
@@ -132,7 +132,7 @@ class StreamDigests:
         Raises:
             TypeError: ``name`` is not a str, or ``tensor`` cannot be digested (see :func:`tensor_digest`).
         """
-        if type(name) is not str and not isinstance(name, str):
+        if not isinstance(name, str):
             raise RefitInputError(f"tensor names must be str, got {name!r:.100}")
         t0 = _perf_counter()
         self._uncollected += 1
