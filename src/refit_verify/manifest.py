@@ -112,7 +112,10 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     replay_left: str | None = None
 
 
-class ParamState(msgspec.Struct, **_OPTS):
+# gc=False on the per-tensor records (ParamState, TensorState): a close builds, and the trainer decodes, one per
+# tensor; they hold only strings, numbers and lists of them (no reference cycle can pass through one), so the cyclic GC
+# need not track them, and the young-generation collections a refit pays for come less often
+class ParamState(msgspec.Struct, gc=False, **_OPTS):
     """Read-back of one engine parameter against what was placed into it.
 
     Attributes:
@@ -157,7 +160,7 @@ class EngineState(msgspec.Struct, **_OPTS):
     digest_s: float = 0.0
 
 
-class TensorState(msgspec.Struct, **_OPTS):
+class TensorState(msgspec.Struct, gc=False, **_OPTS):
     """One engine tensor as it is now.
 
     Attributes:
