@@ -407,3 +407,66 @@ def test_a_copying_batch_flushes_many_small_or_empty_copies_within_flush_bytes()
         b.add("w", torch.empty(0))
         assert sum(map(len, b._batch._queued.values())) <= 16
     assert b.hexdigests() == {"w": tensor_digest(torch.empty(0))}
+
+
+def _held_check():
+    """A ``refit(copy=False)`` with no engine, made to record (what its adds do does not need one)."""
+    import refit_verify
+
+    r = refit_verify.refit(None, mode="off", copy=False)
+    r.mode = refit_verify.VerifyMode.LOG
+    return r
+
+
+def test_taken_adds_and_full_adds_of_one_name_keep_their_order():
+    """``refit(copy=False)``'s add only takes a plain tensor (name, tensor, version) and hands what it
+    took to the stream in one loop later: an add that goes through the stream at once (a subclass,
+    here) after a taken add of the same name wins, and a taken add after it wins again."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    r = _held_check()
+    a, b, c = (torch.full((8,), float(i)) for i in range(3))
+    r.add("x", torch.ones(2))  # the first add makes the stream (at once)
+    r.add("w", a)  # taken
+    sub = b.clone().as_subclass(Sub)
+    r.add("w", sub)  # every check at once: the taken adds go first
+    assert r.expected()["model"] == {"x": tensor_digest(torch.ones(2)), "w": tensor_digest(sub)}
+    r.add("w", c)  # taken again, after it
+    r.add("v", a)
+    assert r.expected()["model"] == {"x": tensor_digest(torch.ones(2)), "w": tensor_digest(c), "v": tensor_digest(a)}
+
+
+def test_a_taken_add_written_or_freed_before_the_feed_is_named_and_never_raised():
+    r = _held_check()
+    r.add("first", T1)
+    written = torch.nn.Parameter(T1.clone(), requires_grad=False)
+    freed = torch.nn.Parameter(T2.clone(), requires_grad=False)
+    r.add("written", written)
+    r.add("freed", freed)
+    r.add("kept", T2)
+    with torch.no_grad():
+        written.add_(1)
+    freed.untyped_storage().resize_(0)
+    assert r.expected()["model"] == {"first": tensor_digest(T1), "kept": tensor_digest(T2)}
+    changed = r._streams["model"].changed
+    assert "modified in place" in changed["written"] and "freed or resized" in changed["freed"]
+    problems, labels = r._sender_problems()
+    assert sorted(labels) == ["freed", "written"] and len(problems) >= 1
+
+
+def test_taken_adds_are_fed_as_they_reach_the_held_flush_and_an_inference_tensor_takes_the_full_add(monkeypatch):
+    monkeypatch.setattr(StreamDigests, "HELD_FLUSH_BYTES", 1024)
+    r = _held_check()
+    ts = [torch.full((128,), float(i)) for i in range(7)]  # 512 bytes each: fed every second add
+    fed = []
+    for i, t in enumerate(ts):
+        r.add(f"t{i}", t)
+        fed.append(r._streams["model"].uncollected)
+    assert fed == [1, 1, 3, 3, 5, 5, 7]
+    with torch.inference_mode():
+        inf = torch.full((4,), 7.0)
+    r.add("inf", inf)  # its version counter cannot be read: the stream's own add, at once
+    got = r.expected()["model"]
+    assert got == {**{f"t{i}": tensor_digest(t) for i, t in enumerate(ts)}, "inf": tensor_digest(inf)}

@@ -32,6 +32,7 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
+from refit_verify.digest_stream import _PLAIN_TYPES
 from refit_verify.trainer_digests import StreamDigests, changed_problems
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
@@ -223,6 +224,11 @@ class RefitCheck:
         self.reports: list[VerificationReport] = []
         self.manifests: list[SessionManifest] = []
         self._streams: dict[str, StreamDigests] = {}
+        # copy=False: the model's plain tensors as taken by add, (name, tensor, version), handed to its stream in one
+        # loop (_feed) at the close, before any other add to it, and whenever they hold the stream's held_flush_bytes
+        self._taken: list[tuple[str, torch.Tensor, int]] | None = None
+        self._taken_bytes = 0
+        self._taken_flush: float = 0
         self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
         self._key = _engine_key(engine)
         self._opened = False
@@ -242,16 +248,39 @@ class RefitCheck:
             RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
             RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
         """
-        stream = self._streams.get(module) if type(module) is str else None  # an add runs per tensor, between a
-        if stream is None:  # loader's calls: the fewest steps
+        taken = self._taken  # an add runs per tensor, between a loader's calls: the fewest steps
+        if taken is not None and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:
+            try:  # HeldBatch.add's own first checks (a storage with an address, not quantized or nested); the rest at the feed
+                ptr = tensor.data_ptr()
+                if ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested):
+                    taken.append((name, tensor, tensor._version))
+                    self._taken_bytes += tensor.nbytes
+                    if self._taken_bytes >= self._taken_flush:
+                        self._feed()
+                    return
+            except RuntimeError:  # no storage (sparse), an inference tensor's version: every check, in the stream's add
+                pass
+        stream = self._streams.get(module) if type(module) is str else None
+        if stream is None:
             if module not in MODULES:
                 raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
             if not self.mode.verifies:
                 return
             stream = self._streams[module] = StreamDigests(copy=self.copy)
+            if not self.copy and module == "model":
+                self._taken, self._taken_flush = [], stream.held_flush_bytes
         elif self.mode is VerifyMode.OFF:
             return
+        if taken:  # taken adds first: a later add of a name replaces an earlier one
+            self._feed()
         stream.add(name, tensor)
+
+    def _feed(self) -> None:
+        """Hand the model's taken adds to its stream (:meth:`StreamDigests.add_taken`), in order."""
+        taken = self._taken
+        if taken:
+            self._taken, self._taken_bytes = [], 0
+            self._streams["model"].add_taken(taken)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``named_tensors`` unchanged, recording each tensor as it passes (iterator-style trainers)."""
@@ -326,6 +355,7 @@ class RefitCheck:
 
     def expected(self) -> dict[str, dict[str, str]]:
         """``{module: {name: 32-hex}}`` of everything added (collects the trainer's digests)."""
+        self._feed()
         return {m: s.digests() for m, s in self._streams.items()}
 
     def _sender_problems(self) -> tuple[list[str], list[str]]:
@@ -362,6 +392,7 @@ class RefitCheck:
 
     def _verify(self) -> list[VerificationReport]:
         try:
+            self._feed()
             for s in self._streams.values():  # the device digests the trainer's last tensors while the workers close
                 s.launch()
         except BaseException:  # the trainer's digests are not known: close the workers' session, then raise

@@ -146,21 +146,53 @@ class StreamDigests:
                         self._drain_locked()
                     (self._held if held else self._batch).add(name, tensor)
         except BaseException as e:
-            why = _why_failed(e)
-            self._done.pop(name, None)  # collected from an earlier add
-            for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
-                if isinstance(batch, HeldBatch):
-                    batch.note_changed(name, why)
-                elif batch is not None:
-                    batch.drop(name)
-            if self._deferred:  # an earlier deferred add of it: never drained after this one
-                kept = [d for d in self._deferred if d[0] != name]
-                if len(kept) != len(self._deferred):
-                    self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
-            self.changed[name] = why
+            self._failed_add(name, e)
             self.digest_s += _perf_counter() - t0
             raise
         self.digest_s += _perf_counter() - t0
+
+    def add_taken(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Add held tensors taken earlier, in order: ``(name, tensor, version counter as read when taken)``.
+
+        For a caller that only recorded its adds where they were made (between a loader's calls, where
+        every step costs several times more than in a loop of its own: :meth:`RefitCheck.add
+        <refit_verify.check.RefitCheck.add>`) and hands them over here in one loop. Each is
+        :meth:`HeldBatch.add <refit_verify.digest_stream.HeldBatch.add>` at its recorded version, so
+        a write through a tensor after it was taken is found at the launch, as for an add made then.
+        A stream of held tensors only (``copy=False``, no ``hold_parameters``).
+
+        An item that cannot be digested is named in :attr:`changed` with why, never raised (its add
+        was made already); the items after it are added.
+
+        Raises:
+            RefitConfigError: this stream copies its tensors, or sorts parameters apart.
+        """
+        if self.copy or self._held is not None:
+            raise RefitConfigError("add_taken adds held tensors: a StreamDigests(copy=False) without hold_parameters")
+        t0 = _perf_counter()
+        self._uncollected += len(items)
+        add = self._batch.add
+        for name, t, version in items:
+            try:
+                add(name, t, version)
+            except Exception as e:  # noqa: BLE001 - named in changed: the caller's add returned long ago
+                self._failed_add(name, e)
+        self.digest_s += _perf_counter() - t0
+
+    def _failed_add(self, name: str, e: BaseException) -> None:
+        """Name ``name`` in :attr:`changed` after its add raised ``e``, and forget every earlier add of it."""
+        why = _why_failed(e)
+        self._done.pop(name, None)  # collected from an earlier add
+        for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
+            if isinstance(batch, HeldBatch):
+                batch.note_changed(name, why)
+            elif batch is not None:
+                batch.drop(name)
+        if self._deferred:  # an earlier deferred add of it: never drained after this one
+            kept = [d for d in self._deferred if d[0] != name]
+            if len(kept) != len(self._deferred):
+                self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
+        self.changed[name] = why
 
     def _defer(self, name: str, t: torch.Tensor) -> bool:
         """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
