@@ -11,6 +11,9 @@ those steps where they run, in one in-process engine (``VLLM_ENABLE_V1_MULTIPROC
   ``--trainer-copy``: ``refit(copy=True)``, a copy per add);
 * ``append, in the loop``: a list append of ``(name, tensor, version)`` in its place: the floor of
   any per-call Python there;
+* ``taken adds fed to the stream``: ``refit(copy=False)``'s adds only take a plain tensor and hand
+  what they took to the stream in one loop (``RefitCheck._feed``), at the close or at a held flush
+  inside an add (then in the ``r.add`` row too); per call of the refit;
 * ``r.add, tight loop``: the same 310 adds to a fresh ``StreamDigests`` (of the same ``copy``) back to back;
 * ``wrapper, in the loop``: the ``load_weights`` wrapper's own work before it hands the call to
   vLLM (from the call to ``ModelBoundary._replayed``).
@@ -39,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _tables import emit, parse  # noqa: E402
 
-ROUNDS = ("r.add, in the loop", "append, in the loop", "r.add, tight loop", "wrapper, in the loop")
+ROUNDS = ("r.add, in the loop", "taken adds fed to the stream", "append, in the loop", "r.add, tight loop", "wrapper, in the loop")
 
 
 def _extra(ap: argparse.ArgumentParser) -> None:
@@ -73,11 +76,23 @@ def child(a: argparse.Namespace, device: str) -> None:
         return raw_replayed(self, target, original, args, kwargs)
 
     model_boundary.ModelBoundary._replayed = replayed
+    from refit_verify import check
+
+    raw_feed, fed = check.RefitCheck._feed, [0.0]
+
+    def feed(self):  # copy=False: what r.add took, handed to the stream in one loop (in the loop at a flush, else at the close)
+        f0 = pc()
+        try:
+            return raw_feed(self)
+        finally:
+            fed[0] += pc() - f0
+
+    check.RefitCheck._feed = feed
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def refit(kind: str) -> float:
         add, held = 0.0, []
-        pre[0] = 0.0
+        pre[0] = fed[0] = 0.0
         with refit_verify.refit(bench.llm, version=bench._next_version(), copy=a.trainer_copy) as chk:
             for n, t in items:
                 a0 = pc()
@@ -109,6 +124,7 @@ def child(a: argparse.Namespace, device: str) -> None:
             s = refit(kind)
             if kind == "add":
                 out["r.add, in the loop"].append(s)
+                out["taken adds fed to the stream"].append(fed[0])
                 out["wrapper, in the loop"].append(pre[0])
             else:
                 out["append, in the loop"].append(s)

@@ -445,15 +445,19 @@ def test_a_taken_add_written_or_freed_before_the_feed_is_named_and_never_raised(
     freed = torch.nn.Parameter(T2.clone(), requires_grad=False)
     r.add("written", written)
     r.add("freed", freed)
+    moved = torch.nn.Parameter(T2.clone(), requires_grad=False)
+    r.add("moved", moved)
     r.add("kept", T2)
     with torch.no_grad():
         written.add_(1)
     freed.untyped_storage().resize_(0)
+    moved.data = T2.clone()  # the same bytes elsewhere: not what was pushed from
     assert r.expected()["model"] == {"first": tensor_digest(T1), "kept": tensor_digest(T2)}
     changed = r._streams["model"].changed
     assert "modified in place" in changed["written"] and "freed or resized" in changed["freed"]
+    assert changed["moved"] == "its memory was replaced after it was added"
     problems, labels = r._sender_problems()
-    assert sorted(labels) == ["freed", "written"] and len(problems) >= 1
+    assert sorted(labels) == ["freed", "moved", "written"] and len(problems) >= 1
 
 
 def test_taken_adds_are_fed_as_they_reach_the_held_flush_and_an_inference_tensor_takes_the_full_add(monkeypatch):

@@ -224,9 +224,9 @@ class RefitCheck:
         self.reports: list[VerificationReport] = []
         self.manifests: list[SessionManifest] = []
         self._streams: dict[str, StreamDigests] = {}
-        # copy=False: the model's plain tensors as taken by add, (name, tensor, version), handed to its stream in one
+        # copy=False: the model's plain tensors as taken by add, (name, tensor, version, data_ptr, nbytes), handed to its stream in one
         # loop (_feed) at the close, before any other add to it, and whenever they hold the stream's held_flush_bytes
-        self._taken: list[tuple[str, torch.Tensor, int]] | None = None
+        self._taken: list[tuple[str, torch.Tensor, int, int, int]] | None = None
         self._taken_bytes = 0
         self._taken_flush: float = 0
         self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
@@ -253,8 +253,9 @@ class RefitCheck:
             try:  # HeldBatch.add's own first checks (a storage with an address, not quantized or nested); the rest at the feed
                 ptr = tensor.data_ptr()
                 if ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested):
-                    taken.append((name, tensor, tensor._version))
-                    self._taken_bytes += tensor.nbytes
+                    nbytes = tensor.nbytes
+                    taken.append((name, tensor, tensor._version, ptr, nbytes))
+                    self._taken_bytes += nbytes
                     if self._taken_bytes >= self._taken_flush:
                         self._feed()
                     return

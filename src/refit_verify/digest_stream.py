@@ -252,6 +252,27 @@ class HeldBatch:
         if self._pending >= self.flush_bytes:
             self.launch()
 
+    def take(self, items: list[tuple[str, torch.Tensor, int, int, int]]) -> None:
+        """Hold tensors whose adds were made earlier, in order: ``(name, tensor, version counter,
+        data_ptr, nbytes)`` as read at the add, after :meth:`add`'s own first checks passed then (a
+        plain tensor or parameter, not quantized or nested, ``data_ptr`` nonzero and not just its
+        offset). As :meth:`add` of each at that time: the rest of the checks, and whether it was
+        written, freed or given other memory since, run at the launch (a failing one is named in
+        :attr:`changed`); launches when the held bytes reach ``flush_bytes``.
+
+        Raises:
+            RefitError: the launch it starts finds that a launch or read of this batch raised earlier.
+        """
+        changed, held = self.changed, self._held
+        n = 0
+        for name, t, version, ptr, nbytes in items:
+            changed.pop(name, None)
+            held.append((name, t, version, ptr, None))
+            n += nbytes
+        self._pending += n
+        if self._pending >= self.flush_bytes:
+            self.launch()
+
     def note_changed(self, name: str, why: str) -> None:
         """Record that ``name``'s latest add is not digested, and why (a deferred add found changed, an
         add whose checks raised): it is named in :attr:`changed` and no digest of it is returned."""

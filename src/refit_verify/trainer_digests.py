@@ -151,33 +151,30 @@ class StreamDigests:
             raise
         self.digest_s += _perf_counter() - t0
 
-    def add_taken(self, items: list[tuple[str, torch.Tensor, int]]) -> None:
-        """Add held tensors taken earlier, in order: ``(name, tensor, version counter as read when taken)``.
+    def add_taken(self, items: list[tuple[str, torch.Tensor, int, int, int]]) -> None:
+        """Add held tensors taken earlier, in order: ``(name, tensor, version counter, data_ptr, nbytes)``
+        as read when taken, after :meth:`HeldBatch.add <refit_verify.digest_stream.HeldBatch.add>`'s
+        own first checks passed then (:meth:`HeldBatch.take <refit_verify.digest_stream.HeldBatch.take>`).
 
         For a caller that only recorded its adds where they were made (between a loader's calls, where
         every step costs several times more than in a loop of its own: :meth:`RefitCheck.add
-        <refit_verify.check.RefitCheck.add>`) and hands them over here in one loop. Each is
-        :meth:`HeldBatch.add <refit_verify.digest_stream.HeldBatch.add>` at its recorded version, so
-        a write through a tensor after it was taken is found at the launch, as for an add made then.
+        <refit_verify.check.RefitCheck.add>`) and hands them over here at once. Each counts as an
+        add made when it was taken: a tensor written, freed or given other memory since is named in
+        :attr:`changed` at the launch, as is one failing the checks left to it.
         A stream of held tensors only (``copy=False``, no ``hold_parameters``).
-
-        An item that cannot be digested is named in :attr:`changed` with why, never raised (its add
-        was made already); the items after it are added.
 
         Raises:
             RefitConfigError: this stream copies its tensors, or sorts parameters apart.
+            RefitError: the launch it starts finds that a launch or read of its batch raised earlier.
         """
         if self.copy or self._held is not None:
             raise RefitConfigError("add_taken adds held tensors: a StreamDigests(copy=False) without hold_parameters")
         t0 = _perf_counter()
         self._uncollected += len(items)
-        add = self._batch.add
-        for name, t, version in items:
-            try:
-                add(name, t, version)
-            except Exception as e:  # noqa: BLE001 - named in changed: the caller's add returned long ago
-                self._failed_add(name, e)
-        self.digest_s += _perf_counter() - t0
+        try:
+            self._batch.take(items)
+        finally:
+            self.digest_s += _perf_counter() - t0
 
     def _failed_add(self, name: str, e: BaseException) -> None:
         """Name ``name`` in :attr:`changed` after its add raised ``e``, and forget every earlier add of it."""
