@@ -474,3 +474,48 @@ def test_taken_adds_are_fed_as_they_reach_the_held_flush_and_an_inference_tensor
     r.add("inf", inf)  # its version counter cannot be read: the stream's own add, at once
     got = r.expected()["model"]
     assert got == {**{f"t{i}": tensor_digest(t) for i, t in enumerate(ts)}, "inf": tensor_digest(inf)}
+
+
+def test_a_launch_that_raises_at_a_taken_flush_raises_from_that_add_and_the_close_refuses(monkeypatch):
+    """The add whose taken bytes reach the held flush launches the digests: a launch that raises
+    (a device error) raises from that add, as the stream's own add would, and the batch refuses
+    every later read (review of the taken adds: the error was swallowed and the tensor added twice)."""
+    from refit_verify.errors import RefitError
+
+    monkeypatch.setattr(StreamDigests, "HELD_FLUSH_BYTES", 1024)
+    real, calls = HeldBatch._launch, []
+
+    def flaky(self, held):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        return real(self, held)
+
+    monkeypatch.setattr(HeldBatch, "_launch", flaky)
+    r = _held_check()
+    r.add("first", torch.ones(2))  # makes the stream
+    r.add("a", torch.full((128,), 1.0))  # 512 bytes: taken
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        r.add("b", torch.full((128,), 2.0))  # 1024: fed, launched
+    assert calls == [1]
+    with pytest.raises(RefitError, match="failed earlier"):
+        r.expected()
+
+
+def test_a_module_equal_to_model_but_not_a_plain_str_adds_to_the_same_stream():
+    """``numpy.str_("model")`` or a str subclass names the model: it must not start a new stream (which
+    dropped every earlier add, the taken ones too; found in review, older than the taken adds)."""
+    np = pytest.importorskip("numpy")
+
+    class Name(str):
+        pass
+
+    r = _held_check()
+    r.add("x", torch.ones(2))
+    r.add("w", torch.full((8,), 1.0))  # taken
+    r.add("v", torch.full((8,), 2.0), module=np.str_("model"))
+    r.add("u", torch.full((8,), 3.0), module=Name("model"))
+    r.add("d", torch.full((8,), 4.0), module=Name("drafter"))
+    got = r.expected()
+    assert set(got) == {"model", "drafter"} and all(type(k) is str for k in got)
+    assert set(got["model"]) == {"x", "w", "v", "u"} and set(got["drafter"]) == {"d"}

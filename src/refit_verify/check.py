@@ -249,28 +249,32 @@ class RefitCheck:
             RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
         """
         taken = self._taken  # an add runs per tensor, between a loader's calls: the fewest steps
-        if taken is not None and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:
+        if taken is not None and type(module) is str and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:
             try:  # HeldBatch.add's own first checks (a storage with an address, not quantized or nested); the rest at the feed
                 ptr = tensor.data_ptr()
-                if ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested):
-                    nbytes = tensor.nbytes
-                    taken.append((name, tensor, tensor._version, ptr, nbytes))
-                    self._taken_bytes += nbytes
-                    if self._taken_bytes >= self._taken_flush:
-                        self._feed()
-                    return
+                ok = ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested)
+                item = (name, tensor, tensor._version, ptr, tensor.nbytes) if ok else None
             except RuntimeError:  # no storage (sparse), an inference tensor's version: every check, in the stream's add
-                pass
+                item = None
+            if item is not None:
+                taken.append(item)
+                self._taken_bytes += item[4]
+                if self._taken_bytes >= self._taken_flush:
+                    self._feed()  # a launch that raises here raises from this add, as the stream's own add would
+                return
         stream = self._streams.get(module) if type(module) is str else None
         if stream is None:
             if module not in MODULES:
                 raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
-            if not self.mode.verifies:
-                return
-            stream = self._streams[module] = StreamDigests(copy=self.copy)
-            if not self.copy and module == "model":
-                self._taken, self._taken_flush = [], stream.held_flush_bytes
-        elif self.mode is VerifyMode.OFF:
+            module = MODULES[MODULES.index(module)]  # the str itself (a str subclass or numpy.str_ of it: the same stream)
+            stream = self._streams.get(module)
+            if stream is None:
+                if not self.mode.verifies:
+                    return
+                stream = self._streams[module] = StreamDigests(copy=self.copy)
+                if not self.copy and module == "model":
+                    self._taken, self._taken_flush = [], stream.held_flush_bytes
+        if self.mode is VerifyMode.OFF:
             return
         if taken:  # taken adds first: a later add of a name replaces an earlier one
             self._feed()
