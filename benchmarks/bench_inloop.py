@@ -78,7 +78,7 @@ def child(a: argparse.Namespace, device: str) -> None:
     model_boundary.ModelBoundary._replayed = replayed
     from refit_verify import check
 
-    raw_feed, fed = check.RefitCheck._feed, [0.0]
+    raw_feed, fed = getattr(check.RefitCheck, "_feed", None), [0.0]  # None: a tree before the taken adds (0 in its row)
 
     def feed(self):  # copy=False: what r.add took, handed to the stream in one loop (in the loop at a flush, else at the close)
         f0 = pc()
@@ -87,7 +87,8 @@ def child(a: argparse.Namespace, device: str) -> None:
         finally:
             fed[0] += pc() - f0
 
-    check.RefitCheck._feed = feed
+    if raw_feed is not None:
+        check.RefitCheck._feed = feed
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def refit(kind: str) -> float:
