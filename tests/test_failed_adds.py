@@ -140,10 +140,11 @@ def test_a_held_add_whose_storage_no_longer_holds_it_is_named_at_the_launch_and_
     assert s.digests() == {"v": tensor_digest(T2)} and list(s.changed) == ["w"]
 
 
-def test_a_held_view_of_a_freed_storage_is_refused_at_its_add_at_any_offset():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_held_view_of_a_freed_storage_is_refused_at_its_add_at_any_offset(device):
     """FSDP1 frees a flat buffer under its views: a view at offset 0 has address 0, one further in has
     its offset for an address; both are refused at the add (review of the fast add)."""
-    flat = torch.arange(96, dtype=torch.float32)
+    flat = torch.arange(96, dtype=torch.float32, device=device)
     views = {"a": flat[:32], "b": flat[32:96]}
     flat.untyped_storage().resize_(0)
     hb = HeldBatch()
