@@ -244,9 +244,19 @@ class RefitCheck:
             tensor: the tensor, as pushed (any device, dtype, layout of dense strided tensors).
             module: ``"model"`` or ``"drafter"`` (the draft / MTP module the tensor is for).
 
+        Host cost under ``copy=False``: from the model's second add on, a plain tensor or parameter
+        with a storage address is only taken (a few attribute reads and an append: an add runs
+        between a loader's calls, where every step costs several times what it costs in a loop of
+        its own, ``docs/performance.md``, the thirty-fifth run); what was taken goes to the digest
+        stream in one loop at the close, before any add that goes through the stream at once, and
+        whenever it holds ``StreamDigests.held_flush_bytes``. The checks and what is reported are
+        those of :meth:`HeldBatch.add <refit_verify.digest_stream.HeldBatch.add>` made at the add.
+
         Raises:
             RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
             RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
+            RefitError: a digest launch this add starts (the held flush) finds that an earlier one failed;
+                the launch's own error (a device error) as it is.
         """
         taken = self._taken  # an add runs per tensor, between a loader's calls: the fewest steps
         if taken is not None and type(module) is str and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:

@@ -146,7 +146,18 @@ class StreamDigests:
                         self._drain_locked()
                     (self._held if held else self._batch).add(name, tensor)
         except BaseException as e:
-            self._failed_add(name, e)
+            why = _why_failed(e)
+            self._done.pop(name, None)  # collected from an earlier add
+            for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
+                if isinstance(batch, HeldBatch):
+                    batch.note_changed(name, why)
+                elif batch is not None:
+                    batch.drop(name)
+            if self._deferred:  # an earlier deferred add of it: never drained after this one
+                kept = [d for d in self._deferred if d[0] != name]
+                if len(kept) != len(self._deferred):
+                    self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
+            self.changed[name] = why
             self.digest_s += _perf_counter() - t0
             raise
         self.digest_s += _perf_counter() - t0
@@ -175,21 +186,6 @@ class StreamDigests:
             self._batch.take(items)
         finally:
             self.digest_s += _perf_counter() - t0
-
-    def _failed_add(self, name: str, e: BaseException) -> None:
-        """Name ``name`` in :attr:`changed` after its add raised ``e``, and forget every earlier add of it."""
-        why = _why_failed(e)
-        self._done.pop(name, None)  # collected from an earlier add
-        for batch in (self._batch, self._held):  # pending from an earlier add (the failed batch forgot it already)
-            if isinstance(batch, HeldBatch):
-                batch.note_changed(name, why)
-            elif batch is not None:
-                batch.drop(name)
-        if self._deferred:  # an earlier deferred add of it: never drained after this one
-            kept = [d for d in self._deferred if d[0] != name]
-            if len(kept) != len(self._deferred):
-                self._deferred, self._deferred_bytes = kept, sum(d[4] for d in kept)
-        self.changed[name] = why
 
     def _defer(self, name: str, t: torch.Tensor) -> bool:
         """Record held parameter ``t`` for the next drain; False when it has no storage to record (added inline)."""
