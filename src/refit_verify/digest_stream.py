@@ -227,7 +227,9 @@ class HeldBatch:
             RefitError: the flush this add starts finds that a launch or read of this batch raised
                 earlier (see :meth:`launch`; an add below ``flush_bytes`` only holds ``t``).
         """
-        try:  # an add is the per-tensor host cost: the fewest checks that refuse what cannot be read at all
+        # an add is the per-tensor host cost: the fewest checks that refuse what cannot be read at all (RefitCheck.add runs
+        # these first checks inline for its taken adds, then take(): keep the two alike)
+        try:
             held = None
             if type(t) in _PLAIN_TYPES and not (t.is_quantized or t.is_nested):
                 try:  # data_ptr: 0 for a meta or zero tensor, an empty one, a freed storage; its offset alone for a view of a
