@@ -38,8 +38,10 @@ class RecordingSink:
         self.buf.fill_(0xEE)  # the next group must not depend on what was here
         self.buf = None
 
-    def post_alone(self, u8, entry, aligned):
+    def post_alone(self, u8, entry, aligned, meanwhile=None):
         self.posts.append(("alone", [entry], aligned, u8.numpy().tobytes()))
+        if meanwhile is not None:
+            meanwhile()
 
 
 def _t(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -131,8 +133,9 @@ def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_s
 def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_is_sent():
     """digest_first digests only what the first group can hold before anything is sent; the rest
     is digested right after the first group is posted (while the receiver loads it), before any of
-    it is packed, and its seconds are counted in digest_shadow_s (not after an oversized first
-    tensor, whose Ack our transport waits for). Every item is validated before anything is sent: a
+    it is packed, and its seconds are counted in digest_shadow_s (after an oversized first tensor:
+    inside post_alone, between its send and the wait for the receivers; out of the shadow, after
+    post_alone returns, when a sink does not run it). Every item is validated before anything is sent: a
     bad item anywhere raises with nothing posted; only a storage freed under a tensor of the rest
     after the call is found once the first group went. A tensor of the rest changed before that
     post keeps the digest of its bytes as packed."""
@@ -146,9 +149,10 @@ def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_i
             seen_at_post.append(set(p._known))
             super().post(entries, used)
 
-        def post_alone(self, u8, entry, aligned):
+        def post_alone(self, u8, entry, aligned, meanwhile=None):
             seen_at_post.append(set(p._known))
-            super().post_alone(u8, entry, aligned)
+            super().post_alone(u8, entry, aligned, meanwhile)
+            seen_at_post.append(("after the receivers' wait", set(p._known)))
 
     sink = Watching(cap)
     p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
@@ -167,8 +171,20 @@ def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_i
     p.digest_first(tensors[3:])
     assert set(p._known) == {"big"}
     p.add_all(tensors[3:])
-    assert seen_at_post == [{"big"}, {"big", "f", "g"}] and p.manifest() == {n: want[n] for n in ("big", "f", "g")}
-    assert p.digest_shadow_s == 0.0 < p.digest_s  # our transport waits for an oversized tensor's Ack: not in the shadow
+    # the rest is digested inside post_alone, once the tensor is sent and before the sink waits for the receivers
+    assert seen_at_post == [{"big"}, ("after the receivers' wait", {"big", "f", "g"}), {"big", "f", "g"}]
+    assert p.manifest() == {n: want[n] for n in ("big", "f", "g")}
+    assert 0.0 < p.digest_shadow_s < p.digest_s
+    # a sink that does not run meanwhile: the rest is digested after post_alone returns, out of the shadow
+    class Ignoring(RecordingSink):
+        def post_alone(self, u8, entry, aligned, meanwhile=None):
+            super().post_alone(u8, entry, aligned)
+
+    p = Packer(Ignoring(cap), capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+    p.digest_first(tensors[3:])
+    p.add_all(tensors[3:])
+    assert p._rest is None and p.manifest() == {n: want[n] for n in ("big", "f", "g")}
+    assert p.digest_shadow_s == 0.0 < p.digest_s
     # everything fits the first group: nothing is left for after it
     sink = Watching(cap)
     p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)

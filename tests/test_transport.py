@@ -19,7 +19,7 @@ import zmq
 import refit_verify.digest as digest_mod
 from refit_verify import RefitConfig, logical_bytes
 from refit_verify.digest import dtype_name
-from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import RefitAbortedError, RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply, encode
 
@@ -651,3 +651,56 @@ def test_one_element_strided_views_are_sent():
         report, out = _run_pair(tx, tensors, load=lambda b: got.update({n: t.clone() for n, t in b}))
     assert report.ok and report.verified == 3
     assert all(torch.equal(got[n], t) and got[n].shape == t.shape for n, t in tensors)
+
+
+def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_first_tensor(monkeypatch):
+    """A refit list whose first tensor is larger than a staging half (a model's embedding) goes
+    alone in a buffer of its own: the sender digests the rest of the list once that Buffer is sent
+    and before it waits for its Ack (while the receiver checks and loads it), counts those seconds
+    in ``digest_shadow_s``, and the refit verifies. A rest that fails to digest there aborts the refit
+    with the Buffer in flight: the receiver stops, nothing after it is loaded."""
+    from refit_verify.pack import Packer
+
+    order: list[str] = []
+    raw = Packer._digest_known
+
+    def digest_known(self, items):
+        order.append(f"digest {','.join(n for n, _ in items)}")
+        return raw(self, items)
+
+    monkeypatch.setattr(Packer, "_digest_known", digest_known)
+
+    class Watching(RefitSender):
+        def _exchange(self, msg, staging=None):
+            order.append(type(msg).__name__)
+            return super()._exchange(msg, staging)
+
+        def _take_reply(self, expect, seq=None):
+            order.append(f"wait {expect.__name__}")
+            return super()._take_reply(expect, seq)
+
+    tensors = [("embed", torch.randn(1024)), ("a", torch.randn(100)), ("b", torch.randn(100))]  # 4096 bytes > 2048
+    out: dict = {}
+    with Watching(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
+        th = _receiver_thread(tx.endpoint, out)
+        report = tx.send(tensors)
+        th.join(10)
+        stats = tx.last_stats
+    assert report.ok and report.verified == 3 and out["loaded"] == ["embed", "a", "b"]
+    assert order[:7] == ["Hello", "wait Welcome", "digest embed", "DigestBuffer", "digest a,b", "wait Ack", "DigestBuffer"]
+    assert 0.0 < stats["digest_shadow_s"] < stats["digest_s"]
+
+    def failing(self, items):  # the rest's storage freed under it after the list was checked
+        if len(items) > 1:
+            raise RefitInputError("storage freed under 'a'")
+        return raw(self, items)
+
+    monkeypatch.setattr(Packer, "_digest_known", failing)
+    out = {}
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
+        th = _receiver_thread(tx.endpoint, out)
+        with pytest.raises(RefitInputError, match="storage freed"):
+            tx.send(tensors)
+        th.join(10)
+    assert not th.is_alive() and isinstance(out.get("error"), RefitAbortedError)
+    assert out.get("loaded", []) in ([], ["embed"])  # the embedding was sent before the failure; nothing after it

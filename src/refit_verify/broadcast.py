@@ -53,7 +53,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -218,10 +218,13 @@ class _BroadcastSend:
         self._post(entries, self.bucket[:used])
         self.bucket = None
 
-    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
         # Broadcast straight from the tensor's bytes when they already lie on the group's device
         # (else one copy there); unpadded: the receivers check such an entry against its exact size.
+        # Nothing waits for the receivers here: ``meanwhile`` runs once it is sent.
         self._post([entry], u8 if u8.device == self.device else u8.to(self.device))
+        if meanwhile is not None:
+            meanwhile()
 
     def _post(self, entries: list[Entry], data: torch.Tensor) -> None:
         s, p = self.sender, self.progress

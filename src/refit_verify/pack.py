@@ -13,7 +13,7 @@ Source: ``docs/protocol.md`` (sender steps, invariants).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -36,9 +36,11 @@ class PackSink(Protocol):
     def post(self, entries: list[Entry], used: int) -> None:
         """Send the current group: ``entries`` at their offsets in the buffer, ``used`` aligned bytes."""
 
-    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
         """Send one oversized tensor alone: its logical bytes ``u8``, its entry (offset 0) and its
-        aligned size in bytes."""
+        aligned size in bytes. ``meanwhile``: the packer's work to run once the tensor is sent and
+        before the sink waits for the receivers to take it (:meth:`Packer.digest_first`'s rest):
+        called at most once; a sink that waits for no one calls it after sending."""
 
 
 class Packer:
@@ -114,8 +116,10 @@ class Packer:
                 entry: Entry = DigestEntry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n, digest=self._group_hex()[name])
             else:
                 entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
-            self.sink.post_alone(u8, entry, a)
-            self._digest_rest(shadow=False)  # our transport waits for an oversized tensor's Ack: not in the receiver's shadow
+            # digest_first's rest once the tensor is sent, while the receivers read it (before our transport waits
+            # for its Ack); a sink that did not run it leaves it for now, out of the receivers' shadow
+            self.sink.post_alone(u8, entry, a, meanwhile=self._digest_rest if self._rest is not None else None)
+            self._digest_rest(shadow=False)
         else:
             buf = self.sink.buffer(u8)
             if n:
@@ -135,8 +139,10 @@ class Packer:
         trainer's memory at every refit; no per-tensor check besides one signature): the tensors the
         first group can hold (at most ``capacity`` aligned bytes, or the first tensor alone when it
         is larger) now, the rest right after the first group is sent, while the receivers check and
-        load it. Two synchronisations per device for the refit instead of one per group, and only
-        the first part's on the refit's critical path (the rest's seconds are also counted in
+        load it (after an oversized first tensor, sent alone: once it is sent, before the sink waits
+        for the receivers to take it, :meth:`PackSink.post_alone`'s ``meanwhile``). Two
+        synchronisations per device for the refit instead of one per group, and only the first
+        part's on the refit's critical path (the rest's seconds are also counted in
         ``digest_shadow_s``). No digest work is left to :meth:`add`.
 
         Every item is validated before anything is sent (:func:`~refit_verify.stream.check_items`:
@@ -149,12 +155,14 @@ class Packer:
         a mismatch in the verdict without): a failure, never a pass. A tensor of the rest changed
         before the first group is sent is digested as it is packed.
 
-        Measured (``docs/performance.md``, the thirty-second run, one H100, our transport, 310
-        tensors in 8 buffers): the sender's digests on the critical path 2.42 ms whole, 0.84 ms split,
-        the receiver's checks before loading no slower (the validation of the whole list came after
-        that run: about 0.2 ms for 310 tensors on a CPU host). The fourteenth run had measured the split
-        17 ms slower per refit by comparing two engine processes' wall clocks, whose own loading
-        differs by 10-24 ms from process to process; it was reverted then.
+        Measured (``docs/performance.md``, one H100, our transport, 310 tensors in 8 buffers whose
+        first, the 297 MiB embedding, is sent alone): the thirty-second run gave 2.42 ms whole and
+        0.84 ms split on the critical path, but counted the rest as in the shadow while our transport
+        still waited for the embedding's Ack before digesting it; the thirty-sixth run, counting it
+        where it ran, 4.24 ms on a slower host. The rest now runs between that send and that wait
+        (not yet measured on a GPU). The fourteenth run had measured the split 17 ms slower per refit
+        by comparing two engine processes' wall clocks, whose own loading differs by 10-24 ms from
+        process to process; it was reverted then.
 
         Raises:
             RefitInputError: as :func:`checked_item`, or a tensor cannot be digested (before anything

@@ -7,6 +7,7 @@ is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -98,12 +99,15 @@ class SendState:
         self.sender._post(self, self.pool[self.cur], entries, used)
         self.cur ^= 1
 
-    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int) -> None:
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
         # Alone in a dedicated buffer of the exact aligned size (packed while the flushed group is
-        # in flight), sent alone, its Ack taken at once, then freed.
+        # in flight), sent alone, ``meanwhile`` run while the receiver reads it, its Ack taken, then
+        # freed (an error in ``meanwhile`` leaves it to the refit's abort, as a group in flight).
         self.dedicated = _staging.allocate(aligned, self._device_for(u8))
         self.dedicated.tensor[: entry.nbytes].copy_(u8, non_blocking=self.dedicated.tensor.is_cuda)
         self.sender._post(self, self.dedicated, [entry], aligned)
+        if meanwhile is not None:
+            meanwhile()
         self.sender._settle(self)
         self.dedicated.close()
         self.dedicated = None
