@@ -613,25 +613,32 @@ def test_older_receiver_fails_at_handshake_with_versions_named(tmp_path):
     assert "undecodable request" in str(ei.value) and f"protocol {PROTOCOL_VERSION}" in str(ei.value) and "older refit-verify" in str(ei.value)
 
 
+class _OrderedSender(RefitSender):
+    """A sender that records its requests (message type) and its waits for replies, with how many
+    tensors were packed by then, in ``order``."""
+
+    def __init__(self, order: list[str], **kw) -> None:
+        super().__init__(**kw)
+        self.order = order
+
+    def _exchange(self, msg, staging=None):
+        self.order.append(type(msg).__name__)
+        return super()._exchange(msg, staging)
+
+    def _take_reply(self, expect, seq=None):
+        self.order.append(f"wait {expect.__name__} (packed {self._progress.tensors_packed})")
+        return super()._take_reply(expect, seq)
+
+
 def test_off_sender_with_verifying_receiver_stays_unverified_and_lazy(monkeypatch):
     """Receiver able to verify, sender off: no digest anywhere, and no extra round trip — the
     Welcome is collected only after the first group is packed (as the Ack of Hello used to be)."""
     for attr in ("add", "hexdigests"):
         monkeypatch.setattr(digest_mod.DigestBatch, attr, lambda *a, **k: (_ for _ in ()).throw(AssertionError("digest in off mode")))
     order: list[str] = []
-
-    class Watching(RefitSender):
-        def _exchange(self, msg, staging=None):
-            order.append(type(msg).__name__)
-            return super()._exchange(msg, staging)
-
-        def _take_reply(self, expect, seq=None):
-            order.append(f"wait {expect.__name__} (packed {self._progress.tensors_packed})")
-            return super()._take_reply(expect, seq)
-
     out: dict = {}
     tensors = [(f"t{i}", torch.randn(100)) for i in range(6)]
-    with Watching(config=RefitConfig.build(mode="off", timeout_s=10.0, buffer_bytes=4096)) as tx:
+    with _OrderedSender(order, config=RefitConfig.build(mode="off", timeout_s=10.0, buffer_bytes=4096)) as tx:
         th = _receiver_thread(tx.endpoint, out)  # verify=True: it could verify
         assert tx.send(tensors) is None
         th.join(10)
@@ -670,24 +677,16 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
 
     monkeypatch.setattr(Packer, "_digest_known", digest_known)
 
-    class Watching(RefitSender):
-        def _exchange(self, msg, staging=None):
-            order.append(type(msg).__name__)
-            return super()._exchange(msg, staging)
-
-        def _take_reply(self, expect, seq=None):
-            order.append(f"wait {expect.__name__}")
-            return super()._take_reply(expect, seq)
-
     tensors = [("embed", torch.randn(1024)), ("a", torch.randn(100)), ("b", torch.randn(100))]  # 4096 bytes > 2048
     out: dict = {}
-    with Watching(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
+    with _OrderedSender(order, config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
         th = _receiver_thread(tx.endpoint, out)
         report = tx.send(tensors)
         th.join(10)
         stats = tx.last_stats
     assert report.ok and report.verified == 3 and out["loaded"] == ["embed", "a", "b"]
-    assert order[:7] == ["Hello", "wait Welcome", "digest embed", "DigestBuffer", "digest a,b", "wait Ack", "DigestBuffer"]
+    assert order[:7] == ["Hello", "wait Welcome (packed 0)", "digest embed", "DigestBuffer", "digest a,b", "wait Ack (packed 0)",
+                         "DigestBuffer"]
     assert 0.0 < stats["digest_shadow_s"] < stats["digest_s"]
 
     def failing(self, items):  # the rest's storage freed under it after the list was checked
