@@ -16,7 +16,8 @@
 #           tests, the model boundary in an in-process CUDA engine, e2e), the demo on CUDA;
 #   stage p (no carry; the machine of stage t, still warm): benchmarks/bench_paths.py, every path off vs enforce
 #           (BENCH_ARGS: more options, e.g. --control or --paths ...; ROUNDS, BENCH_TIMEOUT); WITH_INLOOP=1: then
-#           benchmarks/bench_inloop.py (per-call host cost inside a refit; not yet run on a GPU as of cf44d66).
+#           benchmarks/bench_inloop.py (per-call host cost inside a refit). Stage p alone takes about 330 s of a 600 s call (20 rounds):
+#           run it in a call of its own, not after tests.
 #   stage q (carry as stage t): bench_paths with --profile (cProfile of every child and mp worker process), 4 rounds.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
