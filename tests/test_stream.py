@@ -305,3 +305,22 @@ def test_broadcast_path_imports_neither_zmq_nor_the_transport():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_a_sink_without_meanwhile_still_takes_oversized_tensors():
+    """A PackSink written before ``post_alone`` took ``meanwhile`` (three arguments) still gets
+    every oversized tensor: the packer passes the keyword only when it has a list's rest to digest
+    (a refit given as an iterable, or one that verifies nothing, never has one)."""
+    align, cap = 64, 256
+
+    class OldSink(RecordingSink):
+        def post_alone(self, u8, entry, aligned):
+            self.posts.append(("alone", [entry], aligned, u8.numpy().tobytes()))
+
+    tensors = [("big", _t(100, 2)), ("a", _t(10, 0))]
+    for digests in (None, DigestBatch()):
+        sink = OldSink(cap)
+        p = Packer(sink, capacity=cap, alignment=align, digests=digests)
+        p.add_all(iter(tensors))
+        assert [(kind, [e.name for e in ents]) for kind, ents, _, _ in sink.posts] == [("alone", ["big"]), ("group", ["a"])]
+    assert p.manifest() == {n: tensor_digest(t) for n, t in tensors}

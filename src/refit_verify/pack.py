@@ -64,8 +64,9 @@ class Packer:
     Attributes:
         tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
         in digest code. digest_shadow_s (float): of those, the seconds :meth:`digest_first` spent
-        after the first group was sent (while the receivers check and load it; not after an
-        oversized first tensor sent alone, whose acknowledgement our transport waits for). last_name
+        after the first group was sent (while the receivers check and load it; after an oversized
+        first tensor sent alone: between its send and the wait for the receivers, when the sink
+        runs :meth:`PackSink.post_alone`'s ``meanwhile``). last_name
         (str | None): the last name taken from the stream.
     """
 
@@ -118,8 +119,11 @@ class Packer:
                 entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
             # digest_first's rest once the tensor is sent, while the receivers read it (before our transport waits
             # for its Ack); a sink that did not run it leaves it for now, out of the receivers' shadow
-            self.sink.post_alone(u8, entry, a, meanwhile=self._digest_rest if self._rest is not None else None)
-            self._digest_rest(shadow=False)
+            if self._rest is None:  # (a sink written before meanwhile existed takes three arguments)
+                self.sink.post_alone(u8, entry, a)
+            else:
+                self.sink.post_alone(u8, entry, a, meanwhile=self._digest_rest)
+                self._digest_rest(shadow=False)
         else:
             buf = self.sink.buffer(u8)
             if n:

@@ -153,8 +153,8 @@ class StreamStats(TypedDict):
         digest_shadow_s: of ``digest_s``, the seconds spent after the first group was sent, while
             the receivers check and load it (a refit given as a list: the digests of every tensor
             the first group could not hold; off the refit's critical path unless the receivers
-            finish that group first; 0.0 when the first tensor was oversized and sent alone, whose
-            acknowledgement the staged transport waits for).
+            finish that group first; after an oversized first tensor sent alone: while the
+            receivers read it, before the sender waits for their acknowledgement).
         wall_s: seconds from the first message to the receivers' answer.
         receiver_digest_s: the receivers' digest seconds (the largest, with several receivers).
     """
