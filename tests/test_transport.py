@@ -660,7 +660,8 @@ def test_one_element_strided_views_are_sent():
     assert all(torch.equal(got[n], t) and got[n].shape == t.shape for n, t in tensors)
 
 
-def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_first_tensor(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=[pytest.mark.gpu, needs_cuda])])
+def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_first_tensor(monkeypatch, device):
     """A refit list whose first tensor is larger than a staging half (a model's embedding) goes
     alone in a buffer of its own: the sender digests the rest of the list once that Buffer is sent
     and before it waits for its Ack (while the receiver checks and loads it), counts those seconds
@@ -677,9 +678,9 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
 
     monkeypatch.setattr(Packer, "_digest_known", digest_known)
 
-    tensors = [("embed", torch.randn(1024)), ("a", torch.randn(100)), ("b", torch.randn(100))]  # 4096 bytes > 2048
-    out: dict = {}
-    with _OrderedSender(order, config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
+    tensors = [(n, t.to(device)) for n, t in (("embed", torch.randn(1024)), ("a", torch.randn(100)), ("b", torch.randn(100)))]
+    out: dict = {}  # the embedding's 4096 bytes > a 2048-byte staging half
+    with _OrderedSender(order, config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096), device=device) as tx:
         th = _receiver_thread(tx.endpoint, out)
         report = tx.send(tensors)
         th.join(10)
@@ -696,7 +697,7 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
 
     monkeypatch.setattr(Packer, "_digest_known", failing)
     out = {}
-    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096), device=device) as tx:
         th = _receiver_thread(tx.endpoint, out)
         with pytest.raises(RefitInputError, match="storage freed"):
             tx.send(tensors)
