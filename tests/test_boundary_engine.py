@@ -113,6 +113,10 @@ def test_direct_loads_verified_with_every_byte_proven(engine):
     assert rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0 and rep.not_proven == {}
     (man,) = r.manifests
     assert man.opened_by == "rpc" and man.worker.rank == 0 and man.modules["model"].written == len(dict(model.named_parameters()))
+    from refit_verify.vllm_plugin.sessions import _ATTR
+
+    # an in-process engine: the worker's record itself came back, not JSON text (tests/test_local_reply.py)
+    assert getattr(llm.llm_engine.model_executor.driver_worker.worker, _ATTR).last is man
     # on CUDA every tensor is copied whole into its place by vLLM's loaders, so each is digested where it landed
     assert man.modules["model"].in_place == (list(w) if DEVICE in delivery.DERIVE_DEVICE_TYPES else [])
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]

@@ -36,7 +36,7 @@ from refit_verify.digest_stream import _PLAIN_TYPES
 from refit_verify.trainer_digests import StreamDigests, changed_problems
 from refit_verify.engines import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
-from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire
+from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire, local_reply_token
 from refit_verify.report import VerificationReport, compare_manifests
 
 logger = logging.getLogger("refit_verify")
@@ -413,7 +413,9 @@ class RefitCheck:
         except BaseException:  # the trainer's digests are not known: close the workers' session, then raise
             self._close_quietly()
             raise
-        results = self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
+        # an in-process engine's workers hand the manifest over as it is (no JSON both ways)
+        reply = (local_reply_token(),) if self._channel.local else ()
+        results = self._channel.call(CLOSE_METHOD, self.session, *reply, timeout_s=self.timeout_s)
         self._opened = False
         expected = self.expected()
         held, undigested = self._sender_problems()

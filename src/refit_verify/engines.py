@@ -42,10 +42,12 @@ class WorkerChannel:
     Args:
         calls: one function per engine, ``f(method, args, timeout_s) -> list`` (one result per worker).
         label: how the engine was reached (for messages).
+        local: the workers run in this process and are called directly (an engine whose core runs
+            in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): results may be records, not text.
     """
 
-    def __init__(self, calls: list[Callable[[str, tuple, float], list]], label: str) -> None:
-        self._calls, self.label = calls, label
+    def __init__(self, calls: list[Callable[[str, tuple, float], list]], label: str, local: bool = False) -> None:
+        self._calls, self.label, self.local = calls, label, local
 
     def call(self, method: str, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
         """Run ``method(*args)`` on every worker; return the results in engine, then worker order.
@@ -158,6 +160,7 @@ def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, floa
             return list(_bounded(lambda: rpc(method, **kw), method, timeout_s))
         return list(rpc(method, **kw))
 
+    call.local = not threaded  # type: ignore[attr-defined]  # the engine core runs in this thread (WorkerChannel.local)
     return call
 
 
@@ -226,7 +229,7 @@ def channel(target: Any) -> WorkerChannel | None:
     if found is None:
         return None
     call, label = found
-    return WorkerChannel([call], label)
+    return WorkerChannel([call], label, local=getattr(call, "local", False))
 
 
 def require_channel(target: Any) -> WorkerChannel:

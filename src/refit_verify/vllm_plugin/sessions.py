@@ -26,7 +26,7 @@ from typing import Any
 from refit_verify.boundary import WorkerBoundary
 from refit_verify.config import mode_from_env
 from refit_verify.errors import RefitConfigError
-from refit_verify.manifest import Producer, to_text
+from refit_verify.manifest import Producer, local_reply_token, to_text
 from refit_verify.vllm_plugin import shims
 
 logger = logging.getLogger("refit_verify")
@@ -238,12 +238,19 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
     return {"rank": wb.identity.rank, "verifying": True, "session": sid}
 
 
-def refit_verify_session_close(self, session_id: str) -> dict[str, Any]:
+def refit_verify_session_close(self, session_id: str, reply_to: str | None = None) -> dict[str, Any]:
     """Close session ``session_id`` and return this worker's manifest.
+
+    Args:
+        session_id: the session to close.
+        reply_to: the caller's :func:`~refit_verify.manifest.local_reply_token` (a trainer that calls
+            an in-process engine): when it is this process's own, the manifest is returned as the
+            record itself, not encoded.
 
     Returns:
         dict: ``rank``, ``verifying`` and, when verifying, ``manifest``: a
-        :class:`~refit_verify.manifest.SessionManifest` as JSON text (``manifest.to_text``; ``from_wire`` rebuilds it).
+        :class:`~refit_verify.manifest.SessionManifest` as JSON text (``manifest.to_text``; ``from_wire`` rebuilds it),
+        or the record itself for a caller in this process (``reply_to``).
 
     Raises:
         RefitProtocolError: another session is open on this worker, or none was (``manifest`` None
@@ -255,7 +262,9 @@ def refit_verify_session_close(self, session_id: str) -> dict[str, Any]:
     man = wb.close(session_id, explicit=True)
     if man is None:
         man = wb.manifests.get(session_id)
-    return {"rank": wb.identity.rank, "verifying": True, "manifest": to_text(man) if man is not None else None}
+    if man is not None and not (reply_to is not None and reply_to == local_reply_token()):
+        man = to_text(man)
+    return {"rank": wb.identity.rank, "verifying": True, "manifest": man}
 
 
 def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[str, Any]:
