@@ -111,6 +111,12 @@ class _LLM:
 def test_only_a_direct_channel_into_an_in_process_engine_is_local():
     assert channel(_LLM(InprocClient())).local is True
     assert channel(_LLM(SyncMPClient())).local is False  # the engine core in another process: text
+
+    class Forwarder:  # any other object with a collective_rpc: it may forward to an older refit-verify elsewhere
+        def collective_rpc(self, method, args=(), timeout=None):
+            return []
+
+    assert channel(Forwarder()).local is False  # (found in review: it was taken for an in-process engine)
     assert channel("http://127.0.0.1:1").local is False
 
     class Handle:  # a Ray actor handle
@@ -133,13 +139,15 @@ def test_a_refit_on_an_in_process_engine_sends_the_token_with_the_close(monkeypa
     monkeypatch.setattr(sessions, "attach_models", lambda *a, **k: None)  # the toy model is attached already
     seen = []
 
-    for core in (InprocClient(), SyncMPClient()):
+    for core in (InprocClient(), SyncMPClient(), None):
         class Engine(_LLM):
             def collective_rpc(self, method, args=(), timeout=None):
-                seen.append((type(core).__name__, method, len(args)))
+                seen.append((type(core).__name__ if core is not None else "none", method, len(args)))
                 return [rpcs[method](worker, *args)]
 
         eng = Engine(core)
+        if core is None:  # an object that holds no engine core: no token
+            del eng.llm_engine
         w = {"w": torch.full((4, 8), 3.0), "b": torch.arange(8.0) + 1}
         with refit_verify.refit(eng, version=len(seen) + 1, mode="enforce") as r:
             for n, t in w.items():
@@ -150,4 +158,5 @@ def test_a_refit_on_an_in_process_engine_sends_the_token_with_the_close(monkeypa
         (man,) = r.manifests
         assert (man is wb.last) == isinstance(core, InprocClient)
     assert [(c, m, n) for c, m, n in seen if m.endswith("close")] == [("InprocClient", "refit_verify_session_close", 2),
-                                                                      ("SyncMPClient", "refit_verify_session_close", 1)]
+                                                                      ("SyncMPClient", "refit_verify_session_close", 1),
+                                                                      ("none", "refit_verify_session_close", 1)]

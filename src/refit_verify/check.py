@@ -201,7 +201,8 @@ class RefitCheck:
 
     Attributes:
         reports: one :class:`~refit_verify.report.VerificationReport` per worker, after exit.
-        manifests: the workers' :class:`~refit_verify.manifest.SessionManifest`, after exit.
+        manifests: the workers' :class:`~refit_verify.manifest.SessionManifest`, after exit (from an
+            in-process engine, the worker's own record: read it, do not edit it).
         session: the session id.
     """
 

@@ -15,7 +15,9 @@ runs a worker method on every worker and returns one result per worker:
   method of one.
 
 Arguments and results are plain builtins (str, int, float, bool, None, lists, dicts): they cross
-msgpack, JSON and Ray unchanged. Nothing is pickled by refit-verify.
+msgpack, JSON and Ray unchanged. Nothing is pickled by refit-verify. One exception never crosses a
+process: a session close through a :attr:`WorkerChannel.local` channel may come back as the worker's
+:class:`~refit_verify.manifest.SessionManifest` itself, from a worker in the caller's own process.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class WorkerChannel:
     Args:
         calls: one function per engine, ``f(method, args, timeout_s) -> list`` (one result per worker).
         label: how the engine was reached (for messages).
-        local: the workers run in this process and are called directly (an engine whose core runs
-            in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): results may be records, not text.
+        local: the engine's core runs in this process (vLLM's ``InprocClient``,
+            ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and is called directly: the trainer then offers its
+            :func:`~refit_verify.manifest.local_reply_token` with a session close, and a worker that is
+            in this process too (not one of an ``mp`` executor) answers with the record itself.
     """
 
     def __init__(self, calls: list[Callable[[str, tuple, float], list]], label: str, local: bool = False) -> None:
@@ -86,16 +90,31 @@ def _is_ray_handle(obj: Any) -> bool:
     return callable(getattr(getattr(obj, "collective_rpc", None), "remote", None))
 
 
-def _in_other_process(target: Any) -> bool:
-    """True for a ``vllm.LLM``, ``LLMEngine`` or engine-core client whose engine core runs in another
-    process (V1 multiprocessing): its ``collective_rpc`` only waits in the calling thread, so the
-    wait can be bounded from another one. An in-process engine core runs the call in this thread."""
+def _core(target: Any) -> Any:
+    """The engine-core client of a ``vllm.LLM``, ``LLMEngine`` or engine-core client, or None."""
     core = getattr(getattr(target, "llm_engine", None), "engine_core", None)  # vllm.LLM
     if core is None:
         core = getattr(target, "engine_core", None)  # vllm's LLMEngine
     if core is None and type(target).__name__.endswith("Client"):
         core = target  # an engine-core client itself (SyncMPClient, ...)
+    return core
+
+
+def _in_other_process(target: Any) -> bool:
+    """True for a ``vllm.LLM``, ``LLMEngine`` or engine-core client whose engine core runs in another
+    process (V1 multiprocessing): its ``collective_rpc`` only waits in the calling thread, so the
+    wait can be bounded from another one. An in-process engine core runs the call in this thread."""
+    core = _core(target)
     return core is not None and type(core).__name__ != "InprocClient"
+
+
+def _in_this_process(target: Any) -> bool:
+    """True only for a ``vllm.LLM``, ``LLMEngine`` or client whose engine core is vLLM's in-process one
+    (``InprocClient``: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Its workers may still run elsewhere (an
+    ``mp`` executor); any other object with a ``collective_rpc`` (a wrapper forwarding to another
+    process, perhaps to an older refit-verify) is not taken for one."""
+    core = _core(target)
+    return core is not None and type(core).__name__ == "InprocClient"
 
 
 def _bounded(f: Callable[[], list], what: str, timeout_s: float) -> list:
@@ -146,7 +165,7 @@ def _method_takes_timeout(func: Callable) -> bool:
         return False
 
 
-def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, float], list]:
+def _direct(rpc: Callable, threaded: bool = False, local: bool = False) -> Callable[[str, tuple, float], list]:
     if inspect.ismethod(rpc) and inspect.isfunction(rpc.__func__) and not inspect.isclass(rpc.__self__):
         takes_timeout = _method_takes_timeout(rpc.__func__)
     else:  # a function, a closure, a partial, a callable object, a classmethod: read each time (nothing kept)
@@ -160,7 +179,7 @@ def _direct(rpc: Callable, threaded: bool = False) -> Callable[[str, tuple, floa
             return list(_bounded(lambda: rpc(method, **kw), method, timeout_s))
         return list(rpc(method, **kw))
 
-    call.local = not threaded  # type: ignore[attr-defined]  # the engine core runs in this thread (WorkerChannel.local)
+    call.local = local  # type: ignore[attr-defined]  # WorkerChannel.local
     return call
 
 
@@ -203,7 +222,7 @@ def _resolve(target: Any, depth: int = 0) -> tuple[Callable[[str, tuple, float],
         return _ray([target]), "a Ray actor handle"
     rpc = getattr(target, "collective_rpc", None)
     if callable(rpc) and not inspect.iscoroutinefunction(rpc):
-        return _direct(rpc, threaded=_in_other_process(target)), type(target).__name__
+        return _direct(rpc, threaded=_in_other_process(target), local=_in_this_process(target)), type(target).__name__
     base_url = getattr(target, "base_url", None)
     if isinstance(base_url, str):
         return _http(base_url), f"HTTP {base_url}"

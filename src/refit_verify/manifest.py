@@ -1,10 +1,12 @@
 """Typed records a vLLM worker returns at the end of a refit session (the worker's manifest).
 
 They travel through ``collective_rpc`` (msgpack inside vLLM, JSON over HTTP, Ray's own
-serialisation) as plain builtins made by :func:`to_wire`, and are rebuilt on the trainer with
-:func:`from_wire`, which validates every field with msgspec: a malformed or hostile reply is a
-:class:`~refit_verify.errors.RefitProtocolError`, never an object built from untrusted types. No
-pickle is involved.
+serialisation) as JSON text (:func:`to_text`) or plain builtins (:func:`to_wire`), and are rebuilt on
+the trainer with :func:`from_wire`, which validates every field with msgspec: a malformed or hostile
+reply is a :class:`~refit_verify.errors.RefitProtocolError`, never an object built from untrusted
+types. No pickle is involved. A worker in the trainer's own process (an in-process engine, see
+:func:`local_reply_token`) hands its session manifest over as the record itself: built by this
+package in this process, it is taken as it is.
 
 Field units: bytes are bytes, seconds are seconds; digests are 32 lowercase hex characters
 (``refit_verify.tensor_digest``).
@@ -337,12 +339,18 @@ _PROCESS = uuid.uuid4().hex  # this interpreter's refit_verify; a forked child k
 def local_reply_token() -> str:
     """A token naming this process (a random id of this import of ``refit_verify`` and the pid).
 
-    The trainer passes it with a close to workers it calls in its own process (an in-process
-    engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode); a worker whose own token is
-    the same returns its :class:`SessionManifest` itself instead of :func:`to_text`, and
-    :func:`from_wire` takes it as it is (about 0.25 ms of encoding and decoding saved per close
-    of 310 tensors on this project's CPU machine). A worker in any other process, a forked one
-    included (another pid), never matches and answers with text."""
+    The trainer passes it with a session close when the engine's core runs in its own process (an
+    in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode;
+    :attr:`~refit_verify.engines.WorkerChannel.local`); a worker whose own token is the same returns
+    its :class:`SessionManifest` itself instead of :func:`to_text`, and :func:`from_wire` takes it as
+    it is (about 0.25 ms of encoding and decoding saved per close of 310 tensors on this project's
+    CPU machine). The trainer's ``RefitCheck.manifests`` are then the worker's own records, the ones
+    it serves later (``refit_verify_session_manifest``): read them, do not edit them. A worker in any
+    other process (an ``mp`` executor's, a forked one: another pid) never matches and answers with text.
+
+    Returns:
+        str: ``"<32 hex>:<pid>"``.
+    """
     return f"{_PROCESS}:{os.getpid()}"
 
 
@@ -350,7 +358,8 @@ def from_wire(data: Any, cls: type = SessionManifest):
     """Rebuild a record of type ``cls`` received from a worker, validating every field.
 
     Args:
-        data: JSON text (:func:`to_text`, str or bytes), or builtins (:func:`to_wire`).
+        data: JSON text (:func:`to_text`, str or bytes), or builtins (:func:`to_wire`), or a ``cls``
+            record itself (a worker in this process: :func:`local_reply_token`), returned as it is.
 
     Raises:
         RefitProtocolError: ``data`` is not a well-formed ``cls`` (not JSON, wrong types, unknown
