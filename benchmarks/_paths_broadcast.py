@@ -91,7 +91,7 @@ class BroadcastPath:
 
     def __init__(self, bench: Any) -> None:
         from refit_verify import RefitConfig
-        from refit_verify.broadcast import BroadcastSender
+        from refit_verify.collective.broadcast import BroadcastSender
         from refit_verify.vllm_plugin import broadcast_group
 
         self.bench, self.llm = bench, bench.llm

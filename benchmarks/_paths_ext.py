@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu: the worker process too, as on CUDA
-    from refit_verify import delivery
+    from refit_verify.boundary import record as delivery
 
     delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
 
@@ -73,61 +73,61 @@ TIMED_WORKER = (
     "refit_verify.transport.receiver:RefitReceiver._recv",
     "refit_verify.transport.receiver:RefitReceiver._handle_buffer",
     "refit_verify.transport.receiver:RefitReceiver._reply",
-    "refit_verify.staging:open_handle",
-    "refit_verify.staging:release",
-    "refit_verify.stream:ReceiveState.deliver",
-    "refit_verify.stream:ReceiveState.finish",
+    "refit_verify.transport.staging:open_handle",
+    "refit_verify.transport.staging:release",
+    "refit_verify.stream.unpack:ReceiveState.deliver",
+    "refit_verify.stream.unpack:ReceiveState.finish",
     # the worker's side of the broadcast path (the module's own names: what its code calls)
-    "refit_verify.broadcast:BroadcastReceiver.receive",
-    "refit_verify.broadcast:BroadcastReceiver._receive_loop",
-    "refit_verify.broadcast:broadcast_message",
-    "refit_verify.broadcast:gather_messages",
-    "refit_verify.broadcast:_collective",  # every collective, its wait for the peer included
+    "refit_verify.collective.broadcast:BroadcastReceiver.receive",
+    "refit_verify.collective.broadcast:BroadcastReceiver._receive_loop",
+    "refit_verify.collective.broadcast:broadcast_message",
+    "refit_verify.collective.broadcast:gather_messages",
+    "refit_verify.collective.broadcast:_collective",  # every collective, its wait for the peer included
     # the model boundary and the session
-    "refit_verify.model_boundary:ModelBoundary._check_first~",
-    "refit_verify.model_boundary:ModelBoundary._replayed",
-    "refit_verify.model_boundary:replay_call",
-    "refit_verify.boundary:WorkerBoundary.open",
-    "refit_verify.boundary:WorkerBoundary.close~",  # "~": a Python loop timed apart first (is the worker slowed in the refit?)
-    "refit_verify.boundary:WorkerBoundary.snapshot",
-    "refit_verify.boundary:SessionDigests.finish",
-    "refit_verify.delivery:ModuleSession.landed_now",
-    "refit_verify.boundary:SessionDigests.begin",
-    "refit_verify.boundary:WorkerBoundary.outcome",
-    "refit_verify.stream:ReceiveState.start",
-    "refit_verify.vllm_plugin.worker:owned_copies",  # the layerwise reload's copies of a buffer's slots
-    "refit_verify.model_boundary:ModelBoundary.learn",
-    "refit_verify.readback:_kept_program",
+    "refit_verify.boundary.model:ModelBoundary._check_first~",
+    "refit_verify.boundary.model:ModelBoundary._replayed",
+    "refit_verify.boundary.model:replay_call",
+    "refit_verify.boundary.worker:WorkerBoundary.open",
+    "refit_verify.boundary.worker:WorkerBoundary.close~",  # "~": a Python loop timed apart first (is the worker slowed in the refit?)
+    "refit_verify.boundary.worker:WorkerBoundary.snapshot",
+    "refit_verify.boundary.worker:SessionDigests.finish",
+    "refit_verify.boundary.record:ModuleSession.landed_now",
+    "refit_verify.boundary.worker:SessionDigests.begin",
+    "refit_verify.boundary.worker:WorkerBoundary.outcome",
+    "refit_verify.stream.unpack:ReceiveState.start",
+    "refit_verify.vllm_plugin.worker_methods:owned_copies",  # the layerwise reload's copies of a buffer's slots
+    "refit_verify.boundary.model:ModelBoundary.learn",
+    "refit_verify.engine.readback:_kept_program",
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
-    "refit_verify.model_boundary:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
-    "refit_verify.delivery:digest_now",
-    "refit_verify.held_sets:_kept_held?",
-    "refit_verify.digest_stream:HeldBatch.add",
+    "refit_verify.boundary.model:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
+    "refit_verify.boundary.record:digest_now",
+    "refit_verify.digest.held:_kept_held?",
+    "refit_verify.digest.incremental:HeldBatch.add",
     # inside the digests and the close: where a call's milliseconds go
-    "refit_verify.digest_stream:HeldBatch.hexdigests",
-    "refit_verify.digest_stream:HeldBatch._launch_general",
-    "refit_verify.held_sets:_keep_held",
-    "refit_verify.digest_stream:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
-    "refit_verify.digest:DigestBatch.add",
-    "refit_verify.digest:DigestBatch.launch",
-    "refit_verify.digest:DigestBatch.hexdigests",
-    "refit_verify.digest_set:DigestSet.__init__",
-    "refit_verify.digest_set:DigestSet.launch",
-    "refit_verify.digest_set:DigestSet.collect",
-    "refit_verify.kernels.direct:run",  # a CUDA plan's launches (JIT or straight to its compiled kernels)
-    "refit_verify.kernels.direct:jit",  # those that went through Triton's JIT dispatch
-    "refit_verify.kernels.digest:digest_views",
-    "refit_verify.kernels.digest:to_hex",
-    "refit_verify.digest:_hexes",  # a device's words to hex: the device-to-host copy (its wait) and the formatting
-    "refit_verify.engine_state:_kept_set",
-    "refit_verify.engine_state:_snapshot_launch",
-    "refit_verify.engine_state:_snapshot_collect",
-    "refit_verify.readback:_evaluate",
-    "refit_verify.boundary:WorkerBoundary._refresh_indexes",
-    "refit_verify.model_boundary:ModelBoundary.index",  # the close checks the index inside snapshot(refresh=True)
-    "refit_verify.boundary:WorkerBoundary._audit_unwritten",
-    "refit_verify.model_boundary:ModelBoundary.manifest",
-    "refit_verify.model_boundary:ModelBoundary.end",
+    "refit_verify.digest.incremental:HeldBatch.hexdigests",
+    "refit_verify.digest.incremental:HeldBatch._launch_general",
+    "refit_verify.digest.held:_keep_held",
+    "refit_verify.digest.incremental:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
+    "refit_verify.digest.batch:DigestBatch.add",
+    "refit_verify.digest.batch:DigestBatch.launch",
+    "refit_verify.digest.batch:DigestBatch.hexdigests",
+    "refit_verify.digest.kept:DigestSet.__init__",
+    "refit_verify.digest.kept:DigestSet.launch",
+    "refit_verify.digest.kept:DigestSet.collect",
+    "refit_verify.digest.kernels.direct:run",  # a CUDA plan's launches (JIT or straight to its compiled kernels)
+    "refit_verify.digest.kernels.direct:jit",  # those that went through Triton's JIT dispatch
+    "refit_verify.digest.kernels.launch:digest_views",
+    "refit_verify.digest.kernels.launch:to_hex",
+    "refit_verify.digest.batch:_hexes",  # a device's words to hex: the device-to-host copy (its wait) and the formatting
+    "refit_verify.engine.state:_kept_set",
+    "refit_verify.engine.state:_snapshot_launch",
+    "refit_verify.engine.state:_snapshot_collect",
+    "refit_verify.engine.readback:_evaluate",
+    "refit_verify.boundary.worker:WorkerBoundary._refresh_indexes",
+    "refit_verify.boundary.model:ModelBoundary.index",  # the close checks the index inside snapshot(refresh=True)
+    "refit_verify.boundary.worker:WorkerBoundary._audit_unwritten",
+    "refit_verify.boundary.model:ModelBoundary.manifest",
+    "refit_verify.boundary.model:ModelBoundary.end",
     # vLLM's own
     "vllm.model_executor.models.utils:AutoWeightsLoader.load_weights",
     "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
@@ -136,7 +136,7 @@ TIMED_WORKER = (
     "vllm.model_executor.model_loader.reload.layerwise:get_numel_loaded",  # each buffered loader call, under a dispatch mode
     "vllm.model_executor.model_loader.reload.layerwise:materialize_layer",
     "vllm.model_executor.model_loader.reload.layerwise:_copy_and_restore_kernel_tensors",
-    "refit_verify.placement:LoaderTap._call",  # every weight_loader call through the tap (a pass-through when off)
+    "refit_verify.boundary.placement:LoaderTap._call",  # every weight_loader call through the tap (a pass-through when off)
     "vllm.distributed.weight_transfer.ipc_engine:IPCWeightTransferEngine.receive_weights",
     # the native worker's RPCs
     "refit_verify.vllm_plugin.native_worker:refit_verify_native_manifest",
@@ -148,29 +148,29 @@ TIMED_TRAINER = (
     "refit_verify.transport.sender:RefitSender._take_reply",
     "refit_verify.transport.sender:RefitSender._verdict",
     "refit_verify.transport.sender:RefitSender._post^",
-    "refit_verify.pack:Packer.digest_first",
-    "refit_verify.pack:Packer.add_all",
-    "refit_verify.broadcast:BroadcastSender.send",
-    "refit_verify.broadcast:BroadcastSender._verdict",
-    "refit_verify.broadcast:_BroadcastSend._post",
-    "refit_verify.broadcast:broadcast_message",
-    "refit_verify.broadcast:gather_messages",
-    "refit_verify.broadcast:_collective",  # every collective, its wait for the peers included
+    "refit_verify.stream.pack:Packer.digest_first",
+    "refit_verify.stream.pack:Packer.add_all",
+    "refit_verify.collective.broadcast:BroadcastSender.send",
+    "refit_verify.collective.broadcast:BroadcastSender._verdict",
+    "refit_verify.collective.broadcast:_BroadcastSend._post",
+    "refit_verify.collective.broadcast:broadcast_message",
+    "refit_verify.collective.broadcast:gather_messages",
+    "refit_verify.collective.broadcast:_collective",  # every collective, its wait for the peers included
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.fetch",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._compare~",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
-    "refit_verify.engines:WorkerChannel.call",
-    "refit_verify.pack:digest_now!",
-    "refit_verify.held_sets:_kept_held?",
-    "refit_verify.digest_stream:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
-    "refit_verify.digest_set:DigestSet.launch",
-    "refit_verify.digest_set:DigestSet.collect",
-    "refit_verify.kernels.direct:run",
-    "refit_verify.kernels.direct:jit",
-    "refit_verify.kernels.digest:to_hex",
-    "refit_verify.digest:_hexes",
-    "refit_verify.digest_stream:HeldBatch.add",
-    "refit_verify.check:compare_session",
+    "refit_verify.trainer.channel:WorkerChannel.call",
+    "refit_verify.stream.pack:digest_now!",
+    "refit_verify.digest.held:_kept_held?",
+    "refit_verify.digest.incremental:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
+    "refit_verify.digest.kept:DigestSet.launch",
+    "refit_verify.digest.kept:DigestSet.collect",
+    "refit_verify.digest.kernels.direct:run",
+    "refit_verify.digest.kernels.direct:jit",
+    "refit_verify.digest.kernels.launch:to_hex",
+    "refit_verify.digest.batch:_hexes",
+    "refit_verify.digest.incremental:HeldBatch.add",
+    "refit_verify.trainer.refit:compare_session",
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier._sent",
     "refit_verify.vllm_plugin.native_sender:from_wire",
     "refit_verify.vllm_plugin.native_sender:act_on_all",

@@ -16,7 +16,7 @@ from pathlib import Path
 from _paths_ext import _loop
 from _paths_worker import KIND
 
-from refit_verify import models
+from refit_verify.testing import models
 
 MODES = ("off", "enforce")
 CONTROL = "off-b"
@@ -144,7 +144,7 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              f"- torch {info.get('torch', '?')}, vLLM {info.get('vllm', '?')}, triton {info.get('triton', '?')}, "
              f"Python {info.get('python', '?')}",
              f"- model: {a.model}, {len(shapes)} tensors, {nbytes / 2**30:.3f} GiB bf16 (dummy weights, seed 0 in every engine)",
-             "- plan replay (refit_verify.refit_plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
+             "- plan replay (refit_verify.boundary.plan): " + ("off (`--no-replay`: every refit watched by the loader tap)" if a.no_replay
                                                           else "on (a steady-state refit replays the last watched one's plan)")
              + (f"; kept plans as CUDA graphs, the reload's copies from their own pool (`REFIT_VERIFY_CUDA_GRAPHS={a.cuda_graphs}`)"
                 if getattr(a, "cuda_graphs", None) else "")

@@ -97,7 +97,7 @@ class Bench:
     def __init__(self, a: argparse.Namespace) -> None:
         import torch
 
-        from refit_verify import models
+        from refit_verify.testing import models
 
         self.a, self.torch = a, torch
         self.mode, self.kind, self.device = a.mode, a.kind, a.device
@@ -152,7 +152,7 @@ class Bench:
 
     def _native_backend(self) -> str | None:
         """The native backend to start the engine with, or None (native paths then skipped, with why)."""
-        from refit_verify.vllm_plugin import native
+        from refit_verify.vllm_plugin import native_trainer as native
 
         info = native.detect()
         why = info["problem"]
@@ -210,7 +210,7 @@ class Bench:
 
     def _observe_native_verify(self) -> None:
         """Record the trainer side's digest and compare seconds (an observing wrapper; nothing else changes)."""
-        from refit_verify.vllm_plugin import native
+        from refit_verify.vllm_plugin import native_trainer as native
 
         cls, orig, seen = native.NativeSendVerifier, native.NativeSendVerifier.verify, self.observed
 
@@ -441,7 +441,7 @@ class Bench:
         if self.static:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerSendWeightsArgs, IPCWeightTransferEngine
 
-            from refit_verify.vllm_plugin import native
+            from refit_verify.vllm_plugin import native_trainer as native
 
             native._LAST["reports"] = []
             args = IPCTrainerSendWeightsArgs(send_mode=lambda info: client.update_weights(asdict(info)), packed=packed,
@@ -547,7 +547,7 @@ def main() -> None:
         lo, hi = (int(x) for x in cpus.split("-"))
         os.sched_setaffinity(0, range(lo, hi + 1))  # before torch / vLLM start threads and processes (they inherit it)
     if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu (this process runs the inproc engine)
-        from refit_verify import delivery
+        from refit_verify.boundary import record as delivery
 
         delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
     ap = argparse.ArgumentParser()
@@ -575,12 +575,12 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     if os.environ.get("BENCH_NO_SHADOW") == "1":  # diagnostic: the native trainer's digest work on its own thread, none beside the RPCs
-        from refit_verify.vllm_plugin import native as _native
+        from refit_verify.vllm_plugin import native_trainer as _native
 
         _native._engine_elsewhere = lambda llm: False
     if os.environ.get("BENCH_SENDER_WHOLE") == "1":  # diagnostic: the sender digests the whole list before the first group
-        from refit_verify.pack import Packer
-        from refit_verify.stream import check_items
+        from refit_verify.stream.pack import Packer
+        from refit_verify.stream.unpack import check_items
 
         def _whole(self, items):
             if self.digests is not None:

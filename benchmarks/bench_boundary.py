@@ -31,10 +31,12 @@ from pathlib import Path
 
 import torch
 
-from refit_verify import delivery, models
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.trainer_digests import StreamDigests
-from refit_verify.engine_state import audit, read_back, snapshot
+from refit_verify.boundary import record as delivery
+
+from refit_verify.testing import models
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.trainer.exports import StreamDigests
+from refit_verify.engine.state import audit, read_back, snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import emit, parse  # noqa: E402

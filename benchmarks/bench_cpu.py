@@ -66,11 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = max(5, args.runs)
     nbytes = args.mib << 20
 
-    from refit_verify import _torch_digest
-    from refit_verify import digest as _digest
+    from refit_verify.digest import _torch as _torch_digest
+    from refit_verify.digest import batch as _digest
 
     try:
-        from refit_verify import _numba_digest as nd
+        from refit_verify.digest import _numba as nd
     except Exception as e:  # noqa: BLE001
         nd = None
         print(f"numba path unavailable: {e!r}", file=sys.stderr)

@@ -72,10 +72,10 @@ def main() -> int:
 
     from triton.testing import do_bench
 
-    from refit_verify import _torch_digest as td
-    from refit_verify import reference as ref
-    from refit_verify.digest import digest_tensors, dtype_name, logical_bytes
-    from refit_verify.kernels import digest as kd
+    from refit_verify.digest import _torch as td
+    from refit_verify.digest import reference as ref
+    from refit_verify.digest.batch import digest_tensors, dtype_name, logical_bytes
+    from refit_verify.digest.kernels import launch as kd
 
     def roofline(u8: torch.Tensor) -> torch.Tensor:
         x = u8.view(torch.int64)

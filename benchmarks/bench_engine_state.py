@@ -1,6 +1,6 @@
 """Engine-state digest (read-back / audit / snapshot) against a device-to-host copy + SHA-256 per parameter.
 
-What refit-verify does at the end of every session (``refit_verify.engine_state.snapshot``: every
+What refit-verify does at the end of every session (``refit_verify.engine.state.snapshot``: every
 parameter digested on its device, one batched launch, one synchronisation) against what vLLM
 0.32's ``Worker.compute_weight_checksums`` does (``model_executor/model_loader/weight_checksum.py``:
 for each named parameter, copy to the host, make contiguous, SHA-256 the bytes), on the same
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from refit_verify import models
-from refit_verify.boundary import identity_of
-from refit_verify.digest import DigestBatch
-from refit_verify.engine_state import snapshot
+from refit_verify.testing import models
+from refit_verify.boundary.worker import identity_of
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.engine.state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import emit, parse  # noqa: E402

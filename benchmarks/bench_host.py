@@ -3,7 +3,7 @@
     python benchmarks/bench_host.py [--baseline REV] [--rounds 15] [--reps 10] [--scale 64]
                                     [--device cpu] [--no-numba] [--out FILE]
 
-The tensor set is the 310-tensor Qwen3-0.6B-like layout (``refit_verify.models.QWEN3_0_6B_LIKE``,
+The tensor set is the 310-tensor Qwen3-0.6B-like layout (``refit_verify.testing.models.QWEN3_0_6B_LIKE``,
 names and order of ``param_shapes``) with every dimension divided by ``--scale`` (default 64:
 the same tensor count, 286 KiB of bf16 in all), so the time is host overhead, not hashing. One
 sample is one batch: a fresh ``DigestBatch``, 310 ``add`` calls, one ``hexdigests``, timed
@@ -49,7 +49,7 @@ class Round(msgspec.Struct):
 def _tensors(scale: int, device: str):
     import torch
 
-    from refit_verify import models
+    from refit_verify.testing import models
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -64,7 +64,7 @@ def _worker(args: argparse.Namespace) -> int:
         sys.modules["numba"] = None  # import numba now fails: the torch fallback
     import torch
 
-    from refit_verify.digest import DigestBatch
+    from refit_verify.digest.batch import DigestBatch
 
     tensors = _tensors(args.scale, args.device)
     n = len(tensors)
@@ -84,10 +84,10 @@ def _worker(args: argparse.Namespace) -> int:
     sync()
     check = hashlib.sha256("".join(f"{k}={v};" for k, v in got.items()).encode()).hexdigest()
     try:
-        from refit_verify.digest import backend_for
+        from refit_verify.digest.batch import backend_for
 
         backend = backend_for(torch.device(args.device).type).name
-    except ImportError:  # a baseline without refit_verify.backends
+    except ImportError:  # a baseline without refit_verify.digest.backends
         backend = "(baseline)"
     enc = msgspec.json.Encoder()
     for line in sys.stdin:
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _shapes_count() -> list:
     sys.path.insert(0, str(REPO / "src"))
-    from refit_verify import models
+    from refit_verify.testing import models
 
     return list(models.param_shapes(models.QWEN3_0_6B_LIKE))
 

@@ -7,7 +7,7 @@ For each of the 310 tensors of the Qwen3-0.6B-like set: tensor attribute reads, 
 them (``DigestBatch`` without copies, ``CopyingBatch`` / ``StreamDigests`` with one copy per
 tensor, ``engine_state.snapshot`` of a module holding the set, ``digest_now`` of the whole set and
 of 40 tensors at a time, as the transport's two sides read it; kept sets read with JIT and with
-direct launches, ``refit_verify.kernels.direct``). One sample times the host side
+direct launches, ``refit_verify.digest.kernels.direct``). One sample times the host side
 of one pass over the set (``time.perf_counter``, a CUDA synchronisation before the pass, none
 inside it unless the row says so); the table gives the median and quartiles over ``--rounds``
 samples in microseconds per tensor, and each row's ratio to the same run's ``t.view(-1)`` row.
@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from refit_verify import models
-from refit_verify.boundary import identity_of
+from refit_verify.testing import models
+from refit_verify.boundary.worker import identity_of
 from refit_verify.config import DIRECT_LAUNCH_ENV_VAR
-from refit_verify.digest import DigestBatch, _tensor_seed, logical_bytes
-from refit_verify.digest_set import DigestSet
-from refit_verify.digest_stream import CopyingBatch, _same_storage, digest_now
-from refit_verify.trainer_digests import StreamDigests
-from refit_verify.engine_state import snapshot
+from refit_verify.digest.batch import DigestBatch, _tensor_seed, logical_bytes
+from refit_verify.digest.kept import DigestSet
+from refit_verify.digest.incremental import CopyingBatch, _same_storage, digest_now
+from refit_verify.trainer.exports import StreamDigests
+from refit_verify.engine.state import snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _tables import emit, parse  # noqa: E402

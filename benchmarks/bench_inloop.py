@@ -56,8 +56,10 @@ def child(a: argparse.Namespace, device: str) -> None:
     import _paths_worker as pw
     import torch
 
-    from refit_verify import delivery, model_boundary
-    from refit_verify.trainer_digests import StreamDigests
+    from refit_verify.boundary import record as delivery
+
+    from refit_verify.boundary import model as model_boundary
+    from refit_verify.trainer.exports import StreamDigests
 
     if device == "cpu":  # landed digests and plan replay as on CUDA (bench_paths --landed-cpu)
         delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
@@ -76,7 +78,7 @@ def child(a: argparse.Namespace, device: str) -> None:
         return raw_replayed(self, target, original, args, kwargs)
 
     model_boundary.ModelBoundary._replayed = replayed
-    from refit_verify import check
+    from refit_verify.trainer import refit as check
 
     raw_feed, fed = getattr(check.RefitCheck, "_feed", None), [0.0]  # None: a tree before the taken adds (0 in its row)
 
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import bench_paths as bp
 
-    from refit_verify import models
+    from refit_verify.testing import models
 
     name = a.model or ("qwen3-0.6b-like" if device == "cuda" else "qwen3-shaped-small")
     cfg = {"qwen3-0.6b-like": models.QWEN3_0_6B_LIKE, "qwen3-shaped-small": models.QWEN3_0_6B_SHAPED_SMALL}[name]

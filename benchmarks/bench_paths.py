@@ -39,7 +39,7 @@ Paths (each a refit of the whole state dict, timed in the child around the refit
   held by the sender's digests, no copy); ``--native-tensors``: plain tensors (a ``state_dict()``,
   copied per tensor).
 * ``broadcast`` (not in the default ``--paths``): refit-verify's verified broadcast over a
-  ``torch.distributed`` group (``refit_verify.broadcast``), non-colocated style, into an engine whose
+  ``torch.distributed`` group (``refit_verify.collective.broadcast``), non-colocated style, into an engine whose
   worker runs in its own process (``benchmarks/_paths_broadcast.py``). The child is the trainer, group
   rank 0, and the engine's worker group rank 1 (``collective_rpc("refit_verify_broadcast_init")``),
   the group formed once per child; per refit one ``BroadcastSender`` (reused) sends in the child's
@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _paths_report import CONTROL, MODES, _dist_version, python_speed, render  # noqa: E402
 from _paths_worker import ENC, KIND, PATHS, REPLY, Command, Reply  # noqa: E402
 
-from refit_verify import models  # noqa: E402
+from refit_verify.testing import models  # noqa: E402
 
 ORDERS3 = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0), (0, 2, 1), (1, 0, 2))
 """``--control``: the order of (off, enforce, off-b) in round r: the three rotations, then the three reversed
@@ -206,7 +206,7 @@ def parse() -> argparse.Namespace:
                          "RefitConfig's, 256): fewer, larger buffers mean fewer checks before loading")
     ap.add_argument("--no-replay", action="store_true",
                     help="REFIT_VERIFY_REPLAY=0 in every child: every enforce refit is watched by the loader tap "
-                         "(default: a steady-state refit replays the last watched one's plan, refit_verify.refit_plan)")
+                         "(default: a steady-state refit replays the last watched one's plan, refit_verify.boundary.plan)")
     ap.add_argument("--cuda-graphs", nargs="?", const="1", default=None, choices=("1", "force"),
                     help="REFIT_VERIFY_CUDA_GRAPHS=1 (or =force: replay on torch < 2.12 too) in every child (engines in "
                          "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
@@ -214,7 +214,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--no-direct-launch", action="store_true",
                     help="REFIT_VERIFY_DIRECT_LAUNCH=0 in every child: kept digest plans go through Triton's JIT dispatch "
                          "at every run (default: straight to their compiled kernels from the third run, "
-                         "refit_verify.kernels.direct)")
+                         "refit_verify.digest.kernels.direct)")
     ap.add_argument("--pin", action="store_true",
                     help="each child (and the engine processes it starts) on its own block of cores (sched_setaffinity), the "
                          "blocks rotated among the children round by round, PYTHONHASHSEED=0 in every child: less "

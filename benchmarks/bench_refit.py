@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tp_trainers for --tp
-from refit_verify import RefitConfig, models
-from refit_verify.demo import _env_defaults, push, start_engine
+from refit_verify import RefitConfig
+from refit_verify.testing import models
+from refit_verify.cli.demo import _env_defaults, push, start_engine
 from refit_verify.transport import RefitSender
 
 

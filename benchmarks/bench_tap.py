@@ -6,7 +6,7 @@ vLLM's layerwise reload (``vllm/model_executor/model_loader/reload``, 0.26 and l
 weight-loader call to ``inspect.signature(loader)`` and runs the loader on meta tensors under its
 ``CopyCounter`` dispatch mode (``meta.get_numel_loaded``) to count the elements it would load. The
 loaders it sees in an ``enforce`` engine are refit-verify's tapped ones
-(:class:`refit_verify.placement.LoaderTap`), which pass straight through while a session replays its
+(:class:`refit_verify.boundary.placement.LoaderTap`), which pass straight through while a session replays its
 plan (``enabled`` False). This times, per call, on meta tensors of 1024 x 1024: ``signature`` of the
 loader, and bind + ``get_numel_loaded`` (what the reload does per buffered load), for a plain
 function loader (``default_weight_loader``) and a bound-method loader (a layer's
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.model_executor.model_loader.reload.meta import get_numel_loaded
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-    from refit_verify.placement import LoaderTap
+    from refit_verify.boundary.placement import LoaderTap
 
     class Layer(torch.nn.Module):
         def __init__(self) -> None:

@@ -85,10 +85,10 @@ def main() -> int:
 
     from triton.testing import do_bench
 
-    from refit_verify import _torch_digest as td
-    from refit_verify import reference as ref
-    from refit_verify.digest import dtype_name, logical_bytes
-    from refit_verify.kernels import digest as kd
+    from refit_verify.digest import _torch as td
+    from refit_verify.digest import reference as ref
+    from refit_verify.digest.batch import dtype_name, logical_bytes
+    from refit_verify.digest.kernels import launch as kd
 
     def elapsed() -> float:
         return time.perf_counter() - t_start
@@ -348,7 +348,7 @@ def main() -> int:
         if best in ("production", dv.PRODUCTION):
             print(f"the production FAST launch ({dv.PRODUCTION}) is the best")
         else:
-            print(f"production FAST launch: {dv.PRODUCTION} (src/refit_verify/kernels/_leaf.py, FAST_LEAF); to adopt "
+            print(f"production FAST launch: {dv.PRODUCTION} (src/refit_verify/digest/kernels/_leaf.py, FAST_LEAF); to adopt "
                   f"{best} = {_dict_literal(lf)}, specialise _leaf_fast_kernel to its knobs, then check the "
                   "interpreter tests and benchmarks/kernel_asm.py")
     print(f"total {elapsed():.0f} s")

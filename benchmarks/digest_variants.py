@@ -1,6 +1,6 @@
 """The FAST-leaf variant lab of the digest kernels: the launches the production one was chosen from.
 
-``refit_verify.kernels.digest`` runs one FAST leaf launch (``_leaf.FAST_LEAF``, the variant
+``refit_verify.digest.kernels.launch`` runs one FAST leaf launch (``_leaf.FAST_LEAF``, the variant
 ``f128w4-full-asm6`` below, specialised). This module keeps the general kernels behind that choice,
 for ``bench_variants.py`` to time on a GPU and for ``tests/kernels/test_digest_variants.py`` to
 check bit for bit under the Triton interpreter: :data:`LEAF_VARIANTS`, :func:`launch` (one
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from refit_verify.kernels import digest as kd
-from refit_verify.kernels._leaf import _digest_leaf_kernel, _fast_prologue, _l1_carry, _rows16
-from refit_verify.kernels._mix import _BLK, _SBLK, _SW, KM, MID_N, _node_k, _tree16k
+from refit_verify.digest.kernels import launch as kd
+from refit_verify.digest.kernels._leaf import _digest_leaf_kernel, _fast_prologue, _l1_carry, _rows16
+from refit_verify.digest.kernels._mix import _BLK, _SBLK, _SW, KM, MID_N, _node_k, _tree16k
 
 __all__ = ["LEAF_VARIANTS", "PRODUCTION", "digest_views", "launch"]
 

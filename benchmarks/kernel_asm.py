@@ -67,7 +67,7 @@ def _variant_specs(variants: dict, fused, l0, l1) -> dict:
 
 def specs() -> dict:
     """Every launch of the tree on ``sys.path``, in either layout."""
-    from refit_verify.kernels import digest as kd
+    from refit_verify.digest.kernels import launch as kd
 
     upper = {"tab_ptr": P, "work_ptr": P, "V": "i64", "C": "i64", "CV": "i64"}
     chain = {"tab_ptr": P, "work_ptr": P, "out_ptr": P, "V": "i64", "C": "i64", "RB": "constexpr"}
@@ -78,7 +78,7 @@ def specs() -> dict:
         out["fast"] = out[f"var_{prod}"]
         leaf, up, ch = kd._digest_leaf_kernel, kd._digest_upper_kernel, kd._digest_chain_kernel
     else:
-        from refit_verify.kernels import _leaf, _upper
+        from refit_verify.digest.kernels import _leaf, _upper
 
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import digest_variants as dv

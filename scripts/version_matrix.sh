@@ -185,7 +185,7 @@ process:
 
 It is too slow for CI (a first install of a release takes 2-5 minutes, its tests 2-4 minutes on 2 cores;
 the venvs are reused); run it by hand after a
-change to `refit_verify/vllm_plugin/` or `refit_verify/boundary.py`:
+change to `refit_verify/vllm_plugin/` or `refit_verify/boundary/worker.py`:
 
 ```bash
 bash scripts/version_matrix.sh                 # 0.24.0 0.28.0 0.32.0

@@ -23,7 +23,7 @@ def warm_numba_cache() -> None:
     compilations of the same cached functions in several processes can leave a cache that
     segfaults later (numba issue #10128)."""
     try:
-        from refit_verify import _numba_digest
+        from refit_verify.digest import _numba as _numba_digest
     except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
         return
     _numba_digest.warmup()

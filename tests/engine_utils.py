@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_verify import models
+from refit_verify.testing import models
 
 ENGINE_ENV = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}

@@ -1,6 +1,6 @@
 """Independent numpy reimplementation of digest v1, written from ``docs/digest-spec.md`` only.
 
-It does not import or copy ``refit_verify.reference``: agreement between the two on every test
+It does not import or copy ``refit_verify.digest.reference``: agreement between the two on every test
 vector is evidence that the spec is complete. Everything is numpy ``uint64`` arithmetic (wrapping
 under ``np.errstate(over="ignore")``); every constant is an ``np.uint64`` so nothing is promoted to
 float64. Batched: ``digest_lanes`` folds many inputs of the same metadata at once.

@@ -10,7 +10,7 @@ sender and a worker its engine):
 * ``transport-process`` — the receiver in a worker process that re-creates it per refit; kills of
   that process (``SIGKILL`` mid-refit, then restarted) and of a sender process (``SIGKILL`` after
   its first buffer, its staging memory left to its resource tracker).
-* ``broadcast`` — :mod:`refit_verify.broadcast` over a two-rank gloo group (this process sends, a
+* ``broadcast`` — :mod:`refit_verify.collective.broadcast` over a two-rank gloo group (this process sends, a
   worker process receives); a byte flipped in a bucket; the receiver process killed mid-refit
   (then a new process and group).
 * ``boundary`` — the trainer API :func:`refit_verify.refit` through ``collective_rpc`` into the
@@ -354,7 +354,7 @@ class TransportLane:
 
 def _process_worker(endpoint: str, q, stop) -> None:
     """A worker process re-creating its receiver for every refit; one result per refit on ``q``."""
-    from refit_verify.digest import digest_tensors
+    from refit_verify.digest.batch import digest_tensors
 
     digest_tensors([("warm-up", torch.ones(4))])
     waits = Waits()

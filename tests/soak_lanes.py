@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from refit_verify import RefitConfig, models
+from refit_verify import RefitConfig
+
+from refit_verify.testing import models
 from refit_verify.errors import RefitTimeoutError
 from refit_verify.transport.guard import LAST_WORDS_S
 from tests.faults import SPAWN, BitFlip, random_budget, random_tensor_set, tensor_sha
@@ -41,7 +43,7 @@ def gloo_group(rank: int, port: int, timeout_s: float):
 
 def _broadcast_worker(port: int, timeout_s: float, q, go) -> None:
     """Rank 1: one ``receive_broadcast`` per ``go`` message (as ``refit_verify_broadcast_receive`` per RPC)."""
-    from refit_verify.broadcast import receive_broadcast
+    from refit_verify.collective.broadcast import receive_broadcast
 
     group = gloo_group(1, port, timeout_s)
     q.put({"ready": os.getpid()})
@@ -98,7 +100,7 @@ class BroadcastLane:
         self._stop()
 
     def _send(self, tensors, mode, budget, hook=None):
-        from refit_verify.broadcast import BroadcastSender
+        from refit_verify.collective.broadcast import BroadcastSender
 
         class Sender(BroadcastSender):
             def _sending(self, entries, data):
@@ -182,8 +184,8 @@ class _ToyWorker:
     """A worker as the plugin sees it: a model whose loaders behave like vLLM's, and its boundary."""
 
     def __init__(self) -> None:
-        from refit_verify.boundary import identity_of
-        from refit_verify.vllm_plugin import sessions
+        from refit_verify.boundary.worker import identity_of
+        from refit_verify.vllm_plugin import worker_sessions as sessions
         from tests.support.toy_model import ToyModel, default_weight_loader
 
         self.rank, self.device, self.model = 0, torch.device("cpu"), ToyModel()
@@ -202,7 +204,7 @@ class ToyEngine:
         self.worker = _ToyWorker()
 
     def collective_rpc(self, method, args=(), timeout=None):
-        from refit_verify.vllm_plugin import sessions
+        from refit_verify.vllm_plugin import worker_sessions as sessions
 
         return [getattr(sessions, method)(self.worker, *args)]
 
@@ -362,7 +364,7 @@ class VllmLane:
     # -- what the engine must hold
 
     def _landed(self, w, only=None, unknown=(), kept=()) -> None:
-        from refit_verify.digest import digest_tensors
+        from refit_verify.digest.batch import digest_tensors
 
         layout = digest_tensors(engine_layout(w).items())
         for p, h in layout.items():
@@ -371,7 +373,7 @@ class VllmLane:
             self.expect[p] = None if p in unknown else h if only is None or p in only else self.expect.get(p)
 
     def _check_engine(self, what: str) -> None:
-        from refit_verify.digest import digest_tensors
+        from refit_verify.digest.batch import digest_tensors
 
         held = digest_tensors((n, p.detach()) for n, p in self.model.named_parameters())
         wrong = [n for n, h in self.expect.items() if h is not None and held.get(n) != h]

@@ -17,8 +17,10 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify import RefitVerificationError, delivery, models  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitVerificationError
+from refit_verify.boundary import record as delivery
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402
 from tests.support.plugins import register_plain_linear  # noqa: E402
 
@@ -38,7 +40,7 @@ def engine(tmp_path_factory):
         register_plain_linear()  # in-process engine: plugins of this process apply to it
     settle_device_memory()  # an earlier module's engine process may still be giving its memory back
     with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from refit_verify.demo import start_engine
+        from refit_verify.cli.demo import start_engine
         from refit_verify.vllm_plugin import register, shims
 
         register()
@@ -77,9 +79,9 @@ def _session_refit(llm, buckets, sid, fail_after=None):
     the plugin's ``_reload_session``, no digests ahead): ``load`` each of ``buckets``; with
     ``fail_after=i`` the stream dies before bucket ``i`` (``len(buckets)``: after the last).
     Returns ``(the session's manifest, the SessionDigests)``."""
-    from refit_verify.boundary import SessionDigests
-    from refit_verify.vllm_plugin import sessions
-    from refit_verify.vllm_plugin.worker import _reload_session
+    from refit_verify.boundary.worker import SessionDigests
+    from refit_verify.vllm_plugin import worker_sessions as sessions
+    from refit_verify.vllm_plugin.worker_methods import _reload_session
 
     worker = llm.llm_engine.model_executor.driver_worker.worker
     wb = sessions.boundary_of(worker)
@@ -113,7 +115,7 @@ def test_direct_loads_verified_with_every_byte_proven(engine):
     assert rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0 and rep.not_proven == {}
     (man,) = r.manifests
     assert man.opened_by == "rpc" and man.worker.rank == 0 and man.modules["model"].written == len(dict(model.named_parameters()))
-    from refit_verify.vllm_plugin.sessions import _ATTR
+    from refit_verify.vllm_plugin.worker_sessions import _ATTR
 
     # an in-process engine: the worker's record itself came back, not JSON text (tests/test_local_reply.py)
     assert getattr(llm.llm_engine.model_executor.driver_worker.worker, _ATTR).last is man
@@ -229,7 +231,7 @@ def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
 
 
 def test_steady_state_refits_replay_the_plan(engine, monkeypatch):
-    """After a watched refit, the next ones replay its plan (refit_verify.refit_plan: the loader tap
+    """After a watched refit, the next ones replay its plan (refit_verify.boundary.plan: the loader tap
     off, every tensor read back where it landed); a corrupted push is still named, and the refit
     after a failed one is watched again. On CPU the landing digests are switched on for the test."""
     monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
@@ -259,7 +261,7 @@ def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypat
     the calls replay the plan the first left (the model's index survives vLLM's layerwise reload,
     which starts at the first batch). A byte flipped in a staged slot while replaying is refused,
     never loaded: its fused parameter keeps the previous refit's bytes and the report names it."""
-    from refit_verify.demo import OneByteFlipSender
+    from refit_verify.cli.demo import OneByteFlipSender
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
 
@@ -346,7 +348,7 @@ def test_the_layerwise_reloads_copies_are_one_storage_each():
     version counter: an in-place write into one copy leaves the others' counters alone (a watched
     session's write check would otherwise blame untouched tensors), and a copy the reload keeps pins
     only its own bytes. Regression test for one block shared by a buffer's tensors (797ed20)."""
-    from refit_verify.vllm_plugin.worker import owned_copies
+    from refit_verify.vllm_plugin.worker_methods import owned_copies
 
     slot = torch.arange(64, dtype=torch.uint8)
     batch = [("a", slot[0:16].view(torch.bfloat16)), ("b", slot[16:48].view(torch.float32)), ("c", slot[48:64])]
@@ -383,7 +385,7 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
             assert refit_verify.push(llm, _weights(cfg, v), sender=tx).report.ok
         prev = engine_layout(_weights(cfg, 81))
         w = _weights(cfg, 82)
-        from refit_verify.vllm_plugin import worker as plugin_worker
+        from refit_verify.vllm_plugin import worker_methods as plugin_worker
 
         real, hit = plugin_worker.owned_copies, []
 

@@ -1,4 +1,4 @@
-"""The verified torch.distributed broadcast path (``refit_verify.broadcast``) on three gloo CPU
+"""The verified torch.distributed broadcast path (``refit_verify.collective.broadcast``) on three gloo CPU
 processes over loopback: rank 0 sends, ranks 1 and 2 receive.
 
 One module fixture spawns the processes once and runs every scenario in order on the same group
@@ -24,7 +24,7 @@ import torch
 from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
 from refit_verify import RefitConfig, RefitVerificationError
-from refit_verify.broadcast import AFTER_LOAD_UNCHECKED, BroadcastReceiver, BroadcastSender, BroadcastVerificationError
+from refit_verify.collective.broadcast import AFTER_LOAD_UNCHECKED, BroadcastReceiver, BroadcastSender, BroadcastVerificationError
 from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError
 
 WORLD = 3

@@ -1,4 +1,4 @@
-"""The close's one launch (refit_verify.engine_state._snapshot_launch): the engine state and the
+"""The close's one launch (refit_verify.engine.state._snapshot_launch): the engine state and the
 regions of a kept read-back program read together, with two roles ("model" and "drafter"), an audit
 and a parameter given new memory between closes, a write after a replayed load in each role, and a
 drafter snapshot that fails after the model's ride. Every close must give the manifest the two
@@ -9,11 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify import delivery, engine_state, readback
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.check import compare_session
-from refit_verify.digest import digest_tensors
-from refit_verify.digest_set import DigestSet
+from refit_verify.boundary import record as delivery
+
+from refit_verify.engine import state as engine_state
+
+from refit_verify.engine import readback
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.trainer.refit import compare_session
+from refit_verify.digest.batch import digest_tensors
+from refit_verify.digest.kept import DigestSet
 from tests.support.toy_model import Q, default_weight_loader, toy_weights
 from tests.test_refit_plan import _Faulty, _untimed
 
@@ -277,7 +281,7 @@ def test_the_state_is_launched_before_the_closes_index_check(monkeypatch):
     """In a steady state the close starts the device's read of the state (the kept set over the
     index as the last check left it) and then checks the model index, one launch per role: the
     check runs while the device reads (``snapshot(refresh=True)``)."""
-    from refit_verify.model_boundary import ModelBoundary
+    from refit_verify.boundary.model import ModelBoundary
 
     events = []
     raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index
@@ -360,7 +364,7 @@ def test_a_model_that_replaces_its_parameters_at_every_load_is_read_once_per_clo
     launches once (a model that re-registers a parameter at every load would otherwise have its
     state read twice per close: the early launch, dropped, then the new index's); once a close finds
     the same index, the following ones launch before the check again. Every verdict is right."""
-    from refit_verify.model_boundary import ModelBoundary
+    from refit_verify.boundary.model import ModelBoundary
 
     events = []
     raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index

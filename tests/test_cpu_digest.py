@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from refit_verify import _torch_digest, digest, reference, tensor_digest
+from refit_verify import tensor_digest
+
+from refit_verify.digest import _torch as _torch_digest
+
+from refit_verify.digest import batch as digest
+
+from refit_verify.digest import reference
 from refit_verify.errors import RefitConfigError
 
-nd = pytest.importorskip("refit_verify._numba_digest")
+nd = pytest.importorskip("refit_verify.digest._numba")
 
 CHUNK = reference.CHUNK_LANES
 
@@ -189,8 +195,8 @@ def test_digest_words_equal_reference_and_torch(nbytes: int, offset: int) -> Non
 def test_digesting_a_cpu_tensor_leaves_its_storage_resizable():
     """The CPU path reads the bytes through DLPack: Tensor.numpy() would pin the storage as not resizable,
     and a trainer that frees a pushed tensor's storage (resize_(0), as FSDP does) would fail after r.add."""
-    from refit_verify.digest import tensor_digest
-    from refit_verify.trainer_digests import StreamDigests
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.trainer.exports import StreamDigests
 
     t = torch.arange(1001, dtype=torch.uint8)
     want = tensor_digest(t.clone())
@@ -205,8 +211,8 @@ def test_stream_digests_holds_parameters_and_copies_the_rest():
     """StreamDigests(hold_parameters=True): an nn.Parameter is held (a write after the add is caught by
     its version counter and the name left out), any other tensor is taken as it was at the add, and
     the latest add of a name decides which of the two it is."""
-    from refit_verify.digest import tensor_digest
-    from refit_verify.trainer_digests import StreamDigests
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.trainer.exports import StreamDigests
 
     p = torch.nn.Parameter(torch.arange(64, dtype=torch.float32), requires_grad=False)
     t = torch.arange(64, dtype=torch.float32) * 3
@@ -232,8 +238,8 @@ def test_digest_many_equals_one_call_per_string():
     """``digest_arrays_many``: one compiled call over many strings equals ``digest_words`` string by
     string (every length 0..80, lane and block edges, the largest length it takes), and it refuses a
     misaligned address or a length out of range before reading anything."""
-    from refit_verify import _numba_many as nm
-    from refit_verify.digest import _tensor_seed
+    from refit_verify.digest import _numba_many as nm
+    from refit_verify.digest.batch import _tensor_seed
 
     g = torch.Generator().manual_seed(5)
     lengths = [*range(81), 127, 128, 129, 4095, 4096, 4097, 16 * 256 * 8 + 8, nm.MANY_MAX_BYTES - 1]
@@ -253,7 +259,7 @@ def test_a_many_plan_reads_its_strings_where_they_are_now():
     """``plan_many`` checks the strings once; ``run_many`` reads them as they are at each call, at
     the planned addresses or at others given (copies of the same lengths), and refuses a wrong
     count or a misaligned address before reading anything."""
-    from refit_verify import _numba_many as nm
+    from refit_verify.digest import _numba_many as nm
 
     g = torch.Generator().manual_seed(6)
     ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (0, 5, 8, 13, 4096, 70_001)]
@@ -291,7 +297,7 @@ def test_held_cpu_batch_reads_at_launch_and_matches_tensor_digest():
     """``DigestBatch(hold_cpu=True)`` gives ``tensor_digest`` of each tensor as it is at the launch,
     whatever the tensor (empty, odd length, misaligned view, strided, complex, conjugate, bool, one
     too big for the batched call, a name added twice); the default batch digests at ``add``."""
-    from refit_verify.digest import DigestBatch, tensor_digest
+    from refit_verify.digest.batch import DigestBatch, tensor_digest
 
     ts = {"w": torch.randn(64, 32, dtype=torch.bfloat16), "odd": torch.arange(13, dtype=torch.uint8),
           "empty": torch.zeros(0), "mis": torch.arange(40, dtype=torch.uint8)[3:20],
@@ -317,7 +323,7 @@ def test_a_tensor_whose_storage_was_freed_is_refused_never_read():
     """A storage freed or shrunk under its tensor (``resize_(0)``, as FSDP does) leaves ``data_ptr`` at
     nothing: reading it digested other memory (numpy's DLPack import gave an array elsewhere). Refused
     with a clear error at add, and at the launch of a batch that queued the tensor before."""
-    from refit_verify.digest import DigestBatch, tensor_digest
+    from refit_verify.digest.batch import DigestBatch, tensor_digest
     from refit_verify.errors import RefitInputError
 
     t = torch.randn(1000)
@@ -344,9 +350,9 @@ def test_stream_digests_held_batches_launch_at_their_own_threshold(monkeypatch):
     """Held tensors (``copy=False``, and the parameters of ``hold_parameters=True``) launch every
     ``held_flush_bytes`` (default HELD_FLUSH_BYTES, 1 GiB: holding costs no memory of ours), copies
     every FLUSH_BYTES; the digests are the same whatever the threshold."""
-    from refit_verify.digest import tensor_digest
-    from refit_verify.digest_stream import CopyingBatch, HeldBatch
-    from refit_verify.trainer_digests import StreamDigests
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.digest.incremental import CopyingBatch, HeldBatch
+    from refit_verify.trainer.exports import StreamDigests
 
     assert StreamDigests.HELD_FLUSH_BYTES == 1 << 30 and StreamDigests.FLUSH_BYTES == 256 << 20
     held = StreamDigests(copy=False)
@@ -381,8 +387,8 @@ def test_a_copying_batch_reads_small_cpu_tensors_as_they_were_at_their_add_in_on
     and read at the flush with the others in one digest_many call; a large one is digested at once.
     Either way the digest is of the bytes at the add, whatever the trainer writes afterwards, and
     equals tensor_digest of them (contiguous, transposed, conjugate, empty, large)."""
-    from refit_verify import digest as dg
-    from refit_verify.digest_stream import CopyingBatch
+    from refit_verify.digest import batch as dg
+    from refit_verify.digest.incremental import CopyingBatch
 
     be = dg.backend_for("cpu")
     if be.digest_many is None:
@@ -411,7 +417,7 @@ def test_a_copying_batch_reads_small_cpu_tensors_as_they_were_at_their_add_in_on
 
 
 def test_a_copying_batch_launches_its_small_cpu_copies_every_flush_bytes():
-    from refit_verify.digest_stream import CopyingBatch
+    from refit_verify.digest.incremental import CopyingBatch
 
     ts = {f"p{i}": torch.full((64,), float(i)) for i in range(10)}  # 256 bytes each
     b = CopyingBatch(flush_bytes=1024)

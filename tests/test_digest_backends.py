@@ -1,6 +1,6 @@
 """Digest backends are chosen once per device type, fall back loudly, and never change a digest.
 
-``refit_verify.backends.choose`` picks numba for CPU tensors (after a probe against the reference),
+``refit_verify.digest.backends.choose`` picks numba for CPU tensors (after a probe against the reference),
 the Triton kernels for kernel device types, the torch path otherwise; a fallback logs one WARNING
 naming the reason and the speed cost, and adding tensors afterwards imports nothing.
 """
@@ -15,9 +15,13 @@ import pytest
 import torch
 
 import refit_verify
-from refit_verify import _torch_digest, backends, digest, reference, tensor_digest
+from refit_verify import tensor_digest
+from refit_verify.digest import _torch as _torch_digest
+from refit_verify.digest import backends
+from refit_verify.digest import batch as digest
+from refit_verify.digest import reference
 
-nd = pytest.importorskip("refit_verify._numba_digest")
+nd = pytest.importorskip("refit_verify.digest._numba")
 
 
 def _tensors(n: int = 60) -> list[tuple[str, torch.Tensor]]:
@@ -80,7 +84,7 @@ def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplo
     """numba unimportable: the torch path digests every tensor, one WARNING in all, same digests."""
     named = _tensors()
     want = _reference(named)
-    monkeypatch.setitem(sys.modules, "refit_verify._numba_digest", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "refit_verify.digest._numba", None)  # import now fails
     monkeypatch.delattr(refit_verify, "_numba_digest", raising=False)
     calls = []
     real = _torch_digest.digest_words
@@ -96,7 +100,7 @@ def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplo
     assert len(calls) == 3 * len(named) + 1
     msgs = [r.getMessage() for r in caplog.records if r.name == "refit_verify"]
     assert len(msgs) == 1, msgs
-    assert msgs[0].startswith("refit-verify digests cpu tensors with the torch path: numba is unavailable (ModuleNotFoundError: import of refit_verify._numba_digest halted")
+    assert msgs[0].startswith("refit-verify digests cpu tensors with the torch path: numba is unavailable (ModuleNotFoundError: import of refit_verify.digest._numba halted")
     assert "about 60x slower (0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores)" in msgs[0]
     assert caplog.records[0].levelno == logging.WARNING
 
@@ -114,15 +118,15 @@ def test_numba_failing_its_probe_falls_back(fresh_choice, monkeypatch, caplog) -
 
 def test_kernels_missing_falls_back_to_torch(fresh_choice, monkeypatch, caplog) -> None:
     """A kernel device type whose Triton kernels cannot be imported takes the torch path, loudly."""
-    monkeypatch.setitem(sys.modules, "refit_verify.kernels.digest", None)
-    if "refit_verify.kernels" in sys.modules:  # imported by an earlier test: drop its attribute too
-        monkeypatch.delattr(sys.modules["refit_verify.kernels"], "digest", raising=False)
+    monkeypatch.setitem(sys.modules, "refit_verify.digest.kernels.launch", None)
+    if "refit_verify.digest.kernels" in sys.modules:  # imported by an earlier test: drop its attribute too
+        monkeypatch.delattr(sys.modules["refit_verify.digest.kernels"], "digest", raising=False)
     monkeypatch.setattr(digest, "_KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
         b = digest.backend_for("cpu")
         assert digest.backend_for("cpu") is b
     assert b.name == "torch" and b.digest_words is _torch_digest.digest_words
-    assert "the Triton kernels are unavailable (ModuleNotFoundError: import of refit_verify.kernels.digest halted" in b.fallback_reason
+    assert "the Triton kernels are unavailable (ModuleNotFoundError: import of refit_verify.digest.kernels.launch halted" in b.fallback_reason
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     named = _tensors(8)
     assert digest.digest_tensors(named) == _reference(named)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from refit_verify import compare_manifests, tensor_digest
-from refit_verify import reference as ref
+from refit_verify.digest import reference as ref
 
 M64 = (1 << 64) - 1
 TOP = 1 << 63

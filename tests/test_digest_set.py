@@ -1,4 +1,4 @@
-"""DigestSet (refit_verify.digest_set) and the close's kept paths built on it (engine_state).
+"""DigestSet (refit_verify.digest.kept) and the close's kept paths built on it (engine_state).
 
 A kept set must give exactly tensor_digest's digests of the bytes the tensors hold at each call,
 and must refuse (None) as soon as a tensor's memory is not where it was when the set was built.
@@ -17,12 +17,18 @@ import torch
 if not torch.cuda.is_available():  # the kernel path on CPU tensors, as tests/kernels (on a GPU: compiled)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from refit_verify import delivery, digest_stream, engine_state, readback
-from refit_verify import digest as dg
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.check import compare_session
-from refit_verify.digest import digest_tensors, tensor_digest
-from refit_verify.digest_set import DigestSet, signature
+from refit_verify.boundary import record as delivery
+
+from refit_verify.digest import incremental as digest_stream
+
+from refit_verify.engine import state as engine_state
+
+from refit_verify.engine import readback
+from refit_verify.digest import batch as dg
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.trainer.refit import compare_session
+from refit_verify.digest.batch import digest_tensors, tensor_digest
+from refit_verify.digest.kept import DigestSet, signature
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import WorkerIdentity
 from tests.support.toy_model import ToyModel, default_weight_loader, toy_weights
@@ -339,8 +345,8 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
     plan is run with no HeldBatch at all, and it reads the bytes as they are at each call. Other
     memory under the same names, a duplicate name or a tensor that cannot be read take the general
     path again, with the right digests."""
-    from refit_verify import held_sets
-    from refit_verify.digest_stream import HeldBatch, digest_now
+    from refit_verify.digest import held as held_sets
+    from refit_verify.digest.incremental import HeldBatch, digest_now
 
     ts = _tensors(device)
     items = [(f"w{i}", t) for i, t in enumerate(ts)]
@@ -434,7 +440,7 @@ def test_digest_now_reads_clones_made_at_every_call_through_one_kept_set(monkeyp
     new memory at every refit: from the third call of the same names and layout the kept set reads
     them where they are (no HeldBatch), with the digests of the bytes each call's clones hold; a
     tensor of another layout under a name takes the general path again."""
-    from refit_verify.digest_stream import HeldBatch, digest_now
+    from refit_verify.digest.incremental import HeldBatch, digest_now
 
     staged = [(f"layers.{i}.w", t) for i, t in enumerate(_laid_out(5)[:5] + [torch.randn(6, 4)])]
     space = f"test moved {os.getpid()}"
@@ -461,7 +467,7 @@ def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_change
     """A trainer that exports a new CPU copy of its weights at every refit (a gathered or cast
     state dict): from the third refit each flush reads its kept set where the copies are; a copy
     written after its add is still found (not digested, named in ``changed``)."""
-    from refit_verify import held_sets as dst
+    from refit_verify.digest import held as dst
 
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
     monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
@@ -503,7 +509,7 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     """Memory that moves at every call where no set can follow it (the kernel path, a GPU's clones
     or a sharded gather's; a CPU tensor past the compiled batch's bound) keeps only its signatures:
     no set is built and thrown away at each call, and the digests stay right."""
-    from refit_verify import held_sets as dst
+    from refit_verify.digest import held as dst
 
     device = "cuda" if kind == "kernel" and torch.cuda.is_available() else "cpu"
     if kind == "kernel" and device == "cpu":  # the kernels' kept plans on CPU tensors, as CUDA tensors go
@@ -539,7 +545,7 @@ def test_a_kept_flush_with_an_inference_tensor_and_an_empty_one_still_sees_in_pl
     """A flush's changed-since-add check reads version counters as a column, skipping where none was
     read (an inference tensor: its address is checked) and storage sizes skipping empty tensors: a
     flush holding both still reads its kept set, and a write after an add is still found."""
-    from refit_verify import held_sets
+    from refit_verify.digest import held as held_sets
 
     monkeypatch.setattr(held_sets, "_HELD_SETS", type(held_sets._HELD_SETS)())
     monkeypatch.setattr(held_sets, "_HELD_TENSORS", 0)
@@ -573,7 +579,7 @@ def test_a_held_batch_whose_launch_failed_never_answers_again(fail_at, monkeypat
     caller that catches the error and asks for the digests again never gets the earlier add's digest
     of a name it added again with other bytes (a stale digest that would match an engine that kept the
     old bytes), nor the failed flush's names silently missing."""
-    from refit_verify import held_sets as dst
+    from refit_verify.digest import held as dst
     from refit_verify.errors import RefitError
 
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())

@@ -1,6 +1,6 @@
 """Known-answer tests: every implementation reproduces ``tests/vectors/digest_vectors.json``.
 
-The reference (``refit_verify.reference``), the torch CPU path (``refit_verify.tensor_digest``) and
+The reference (``refit_verify.digest.reference``), the torch CPU path (``refit_verify.tensor_digest``) and
 the independent numpy reimplementation written from the spec (``tests/numpy_reference.py``) must
 all give every vector bit for bit. Vectors over 1 MiB run through the pure-Python reference only
 under ``-m slow`` (about 2 s per 8 MiB chunk).
@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from refit_verify import _numba_many, _torch_digest
-from refit_verify import reference as ref
+from refit_verify.digest import _numba_many
+
+from refit_verify.digest import _torch as _torch_digest
+from refit_verify.digest import reference as ref
 from refit_verify import tensor_digest
-from refit_verify.digest import DigestBatch, dtype_name, logical_bytes
+from refit_verify.digest.batch import DigestBatch, dtype_name, logical_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

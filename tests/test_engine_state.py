@@ -20,7 +20,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify import RefitVerificationError, ReplicaDisagreement, models  # noqa: E402
+from refit_verify import RefitVerificationError, ReplicaDisagreement
+from refit_verify.testing import models  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.support import plugins  # noqa: E402
 
@@ -39,7 +40,7 @@ def engines(tmp_path_factory):
     d = tiny_model_dir(tmp_path_factory)
     path = os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, str(eps))
-    from refit_verify.demo import start_engine
+    from refit_verify.cli.demo import start_engine
 
     try:
         with engine_env(PYTHONPATH=path, **{plugins.SWAP_GATE_UP_ENV: "1"}):

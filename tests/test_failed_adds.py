@@ -14,11 +14,11 @@ import contextlib
 import pytest
 import torch
 
-from refit_verify import digest as dg
-from refit_verify.delivery import _each_readable
-from refit_verify.digest import DigestBatch, tensor_digest
-from refit_verify.digest_stream import CopyingBatch, HeldBatch, digest_now
-from refit_verify.trainer_digests import StreamDigests
+from refit_verify.digest import batch as dg
+from refit_verify.boundary.record import _each_readable
+from refit_verify.digest.batch import DigestBatch, tensor_digest
+from refit_verify.digest.incremental import CopyingBatch, HeldBatch, digest_now
+from refit_verify.trainer.exports import StreamDigests
 from refit_verify.errors import RefitInputError
 
 
@@ -242,7 +242,7 @@ def test_a_failed_inline_add_after_a_deferred_one_of_the_same_name_is_never_drai
 def test_a_drain_that_raises_keeps_the_adds_it_did_not_reach(monkeypatch):
     """A deferred add whose checks raise something other than RefitInputError (a device error) stops the
     drain; the adds after it stay deferred and are digested by the next read, none silently lost."""
-    import refit_verify.digest_stream as ds
+    import refit_verify.digest.incremental as ds
 
     freed = _freed_parameter(T1)
     real = ds._check
@@ -324,7 +324,7 @@ def test_an_add_that_raised_something_else_says_so_in_changed(monkeypatch):
 def test_a_drain_that_raises_in_its_own_check_names_that_add_changed(monkeypatch):
     """The deferred add a drain stopped at is named in ``changed`` even when the drain's own
     changed-since-add check raised (not only when the held batch's add did)."""
-    import refit_verify.digest_stream as ds
+    import refit_verify.digest.incremental as ds
 
     w = torch.nn.Parameter(T2.clone(), requires_grad=False)
     real = ds._changed

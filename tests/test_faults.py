@@ -24,7 +24,7 @@ import torch
 from refit_verify import RefitConfig
 from refit_verify.errors import RefitAbortedError, RefitInputError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire import Complete
+from refit_verify.wire.staged import Complete
 from tests.faults import (
     CLASSES,
     SPAWN,
@@ -269,7 +269,7 @@ def _die_after(endpoint: str, k: int, mode: str, ready) -> None:
                 os._exit(3)
             time.sleep(3600)
 
-    from refit_verify.digest import digest_tensors
+    from refit_verify.digest.batch import digest_tensors
 
     digest_tensors([("warm-up", torch.ones(4))])  # load the digest code first: the first Ack must not wait for it
     with RefitReceiver(endpoint, config=RefitConfig.build(timeout_s=60.0, connect_timeout_s=30.0)) as rx:
@@ -313,7 +313,7 @@ _DYING_SENDER = """
 import os, sys, torch
 from refit_verify import RefitConfig
 from refit_verify.transport import RefitSender
-from refit_verify.wire import Buffer
+from refit_verify.wire.staged import Buffer
 k = int(sys.argv[1])
 
 class Dying(RefitSender):

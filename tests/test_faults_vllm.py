@@ -32,12 +32,14 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import OneByteFlipSender, readback_names, start_engine  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitConfig, RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import OneByteFlipSender, readback_names, start_engine  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
-from refit_verify.wire import Buffer, Complete  # noqa: E402
+from refit_verify.wire.staged import Buffer, Complete  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.faults import DtypeRelabel, Drop, FaultySender, StaleSlot  # noqa: E402
 from tests.soak_lanes import engine_layout  # noqa: E402

@@ -36,7 +36,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify import RefitVerificationError, models  # noqa: E402
+from refit_verify import RefitVerificationError
+from refit_verify.testing import models  # noqa: E402
 from refit_verify.manifest import Unsessioned  # noqa: E402
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402
 
@@ -449,7 +450,7 @@ def test_refit_behind_a_busy_worker_times_out_within_its_bound_and_leaves_no_ses
     import threading
     import time
 
-    from refit_verify.engines import GRACE_S
+    from refit_verify.trainer.channel import GRACE_S
     from refit_verify.errors import RefitTimeoutError
 
     e = engine

@@ -1,7 +1,7 @@
 """Hostile bytes to every decoder of a peer's message: a clear RefitProtocolError, no code execution.
 
-Decoders: the staged transport's requests and replies (``refit_verify.wire``), the broadcast
-messages and rank reports, the sharded-digest metadata and roots (``refit_verify.dist_wire``), and
+Decoders: the staged transport's requests and replies (``refit_verify.wire.staged``), the broadcast
+messages and rank reports, the sharded-digest metadata and roots (``refit_verify.wire.collective``), and
 ``refit_verify.manifest.from_wire`` (worker manifests fetched over ``collective_rpc`` / HTTP).
 Payloads: garbage, a pickle that creates a file when unpickled (the test first proves it does, then
 that no decoder made it), lengths announcing 4 GiB, messages of every other kind (wrong tags), and
@@ -25,12 +25,12 @@ import torch
 
 from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
-from refit_verify.dist_wire import (BROADCAST_PROTOCOL, MAX_SHARD_MESSAGE_BYTES, BroadcastAbort, BroadcastComplete, BroadcastHello,
+from refit_verify.wire.collective import (BROADCAST_PROTOCOL, MAX_SHARD_MESSAGE_BYTES, BroadcastAbort, BroadcastComplete, BroadcastHello,
                                     Bucket, RankReport, ShardMeta, ShardRoots, decode_broadcast, decode_rank_report,
                                     decode_shard_meta, decode_shard_roots)
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, digest_map, digest_map_text, from_wire, to_text, to_wire
-from refit_verify.wire import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello, Reject,
+from refit_verify.wire.staged import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello, Reject,
                                ShmHandle, Welcome, decode_reply, decode_request, encode)
 
 
@@ -242,7 +242,7 @@ def _follow_refit() -> None:
     """A receiver that reads a real sender's messages and bucket bytes, up to the complete."""
     import torch.distributed as dist
 
-    from refit_verify.dist_wire import broadcast_message
+    from refit_verify.wire.collective import broadcast_message
 
     while True:
         msg = broadcast_message(None, group=None, src=0, device=torch.device("cpu"), decode=decode_broadcast,
@@ -264,9 +264,9 @@ def _hostile_worker(rank: int, port: int, out_dir: str, payload: bytes) -> None:
     import torch.distributed as dist
 
     from refit_verify import RefitConfig
-    from refit_verify.broadcast import BroadcastReceiver, BroadcastSender
-    from refit_verify.dist_wire import all_gather_messages, broadcast_message, gather_messages
-    from refit_verify.sharded import sharded_digest
+    from refit_verify.collective.broadcast import BroadcastReceiver, BroadcastSender
+    from refit_verify.wire.collective import all_gather_messages, broadcast_message, gather_messages
+    from refit_verify.collective.sharded import sharded_digest
 
     init_rank(rank, WORLD, port, one_numba_thread=True)
     cpu = torch.device("cpu")

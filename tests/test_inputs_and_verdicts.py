@@ -9,7 +9,7 @@ import torch
 
 import refit_verify
 from refit_verify import verdicts
-from refit_verify.engines import _in_other_process, channel
+from refit_verify.trainer.channel import _in_other_process, channel
 from refit_verify.errors import RefitConfigError, RefitInputError
 from refit_verify.report import compare_manifests
 

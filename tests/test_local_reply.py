@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.engine_state import audit, read_back, snapshot
-from refit_verify.engines import channel
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.engine.state import audit, read_back, snapshot
+from refit_verify.trainer.channel import channel
 from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
-from refit_verify.vllm_plugin import sessions
+from refit_verify.vllm_plugin import worker_sessions as sessions
 
 
 def _loader(param, loaded):

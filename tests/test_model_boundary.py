@@ -1,8 +1,8 @@
 """The model boundary on a model whose loaders behave like vLLM's (tests/support/toy_model.py).
 
 Every refit of any framework ends in ``model.load_weights``: these tests drive
-:class:`refit_verify.boundary.WorkerBoundary` directly, the way the plugin does inside a worker,
-and compare with :func:`refit_verify.check.compare_session`, the way the trainer API does.
+:class:`refit_verify.boundary.worker.WorkerBoundary` directly, the way the plugin does inside a worker,
+and compare with :func:`refit_verify.trainer.refit.compare_session`, the way the trainer API does.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import weakref
 import pytest
 import torch
 
-from refit_verify import delivery
-from refit_verify.boundary import SessionDigests, WorkerBoundary, identity_of
-from refit_verify.check import compare_session
-from refit_verify.digest import digest_tensors, tensor_digest
-from refit_verify.engine_state import read_back
+from refit_verify.boundary import record as delivery
+from refit_verify.boundary.worker import SessionDigests, WorkerBoundary, identity_of
+from refit_verify.trainer.refit import compare_session
+from refit_verify.digest.batch import digest_tensors, tensor_digest
+from refit_verify.engine.state import read_back
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import Producer, SessionManifest, from_wire, to_wire
 from tests.support.subclasses import RedirectingParameter
@@ -373,7 +373,7 @@ def test_bytes_changed_after_the_loader_wrote_them_are_never_verified(monkeypatc
     """Both ways of digesting see it and name qkv_proj as holding other bytes; where landed, q_proj is
     also the mismatched tensor (its delivery was never digested apart from where it landed)."""
     if mode == "where landed":
-        monkeypatch.setattr("refit_verify.delivery.DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
+        monkeypatch.setattr("refit_verify.boundary.record.DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
     wb, model = _worker(_Clobbering())
     w = toy_weights(36)
     r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
@@ -493,7 +493,7 @@ def test_a_parameter_replaced_with_another_loader_has_its_placement_learned_agai
 def test_whole_parameter_read_back_from_the_snapshot_still_sees_a_changed_parameter(monkeypatch, mode):
     """With the engine-state snapshot at close, a parameter written whole is read back from the
     snapshot's digest (one pass): a norm changed after its load is still named."""
-    from refit_verify.engine_state import snapshot
+    from refit_verify.engine.state import snapshot
 
     if mode == "where landed":
         monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
@@ -576,7 +576,7 @@ def test_a_loader_writing_with_another_op_says_its_coverage_is_unknown():
 def test_coverage_counts_overlapping_and_column_regions_once():
     """``covered``: the union of the regions' elements; column slices of a 4x8 parameter ([:, 0:4]
     and [:, 2:6]) cover 24 of 32, rows 0-2 and 1-3 of it 24, the whole parameter 32 however split."""
-    from refit_verify.delivery import covered
+    from refit_verify.boundary.record import covered
 
     cols = {(0, (4, 4), (8, 1)): 16, (2, (4, 4), (8, 1)): 16}
     rows = {(0, (2, 8), (8, 1)): 16, (8, (2, 8), (8, 1)): 16}
@@ -686,7 +686,7 @@ def test_a_partial_refit_names_unwritten_parameters_that_changed_since_the_last_
     (before the session, or during it after the loads). The close compares what the session did not write
     with the state the last session left: the report names norm, so the change never becomes the
     new baseline unnoticed. A clean partial refit passes."""
-    from refit_verify.engine_state import audit, snapshot
+    from refit_verify.engine.state import audit, snapshot
 
     wb, model = _worker()
     wb.snapshotter, wb.auditor = snapshot, audit
@@ -722,7 +722,7 @@ def test_cpu_list_tensors_are_digested_together_before_the_model_sees_any(monkey
     (one batched call), as they were handed over: a loader that changes its input after writing it
     (gpt_oss zeroes a bias on other ranks) changes nothing; a name delivered twice, in the same list
     or pulled from an iterator later, is digested as that later delivery."""
-    from refit_verify import digest as dg
+    from refit_verify.digest import batch as dg
 
     backend = dg._CPU[0] or dg._cpu_backend()
     batched: list[int] = []

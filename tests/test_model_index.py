@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.engine_state import audit, read_back, snapshot
-from refit_verify.model_index import ModelIndex
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.engine.state import audit, read_back, snapshot
+from refit_verify.boundary.model_index import ModelIndex
 from tests.support.toy_model import ToyModel, default_weight_loader, toy_weights
 
 
@@ -164,7 +164,7 @@ def _swap_dictionary(model: ToyModel) -> torch.nn.Parameter:
 
 
 def _replaying_worker(model: ToyModel, monkeypatch) -> WorkerBoundary:
-    from refit_verify import delivery
+    from refit_verify.boundary import record as delivery
 
     monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))  # landing digests on the CPU
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
@@ -181,8 +181,8 @@ def test_a_change_the_opens_check_misses_is_read_back_from_the_live_tensors(monk
     """The open keeps the plan through a change it does not see (a new parameter dictionary): the
     session replays, the loader writes the new ``norm`` (resolved by name), and the close's full check
     reads the model's live tensors: verified, the bytes the trainer sent."""
-    from refit_verify.check import compare_session
-    from refit_verify.digest import digest_tensors
+    from refit_verify.trainer.refit import compare_session
+    from refit_verify.digest.batch import digest_tensors
 
     model = ToyModel()
     wb = _replaying_worker(model, monkeypatch)
@@ -201,8 +201,8 @@ def test_a_change_the_opens_check_misses_is_read_back_from_the_live_tensors(monk
 def test_a_change_the_opens_check_misses_never_passes_bytes_the_model_does_not_use(monkeypatch):
     """The same miss with a loader that still writes the old ``norm`` object: the model computes
     with the new one, which holds other bytes. The replayed session must fail, not pass."""
-    from refit_verify.check import compare_session
-    from refit_verify.digest import digest_tensors
+    from refit_verify.trainer.refit import compare_session
+    from refit_verify.digest.batch import digest_tensors
 
     model = _CachingLoader()
     wb = _replaying_worker(model, monkeypatch)

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from refit_verify import RefitConfigError, RefitProtocolError, RefitVerificationError  # noqa: E402
-from refit_verify.vllm_plugin import native, native_worker, shims  # noqa: E402
+from refit_verify.vllm_plugin import native_trainer as native, native_worker, shims  # noqa: E402
 from tests.test_native_transfer import _FakeEngine, _static_ipc  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -20,11 +20,13 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode, models  # noqa: E402
-from refit_verify.demo import readback_names  # noqa: E402
-from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
+from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import readback_names  # noqa: E402
+from refit_verify.digest.batch import digest_tensors, tensor_digest  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
-from refit_verify.vllm_plugin import native  # noqa: E402
+from refit_verify.vllm_plugin import native_trainer as native  # noqa: E402
 from tests import native_cpu_backend as nb  # noqa: E402
 from tests.support.plugins import engine_plugin_env, entry_points_dir  # noqa: E402
 
@@ -309,7 +311,7 @@ def test_digest_work_failing_beside_update_weights_fails_the_check_not_the_send(
     from dataclasses import asdict
 
     from refit_verify import RefitProtocolError
-    from refit_verify.trainer_digests import StreamDigests
+    from refit_verify.trainer.exports import StreamDigests
 
     llm, cfg, files = engine
     monkeypatch.setenv("REFIT_VERIFY", mode)
@@ -409,8 +411,8 @@ before = {k: o.__dict__[a] for k, (o, a) in labels.items()}
 meta_path = list(sys.meta_path)
 import vllm.plugins
 vllm.plugins.load_general_plugins()
-import refit_verify.digest as dg
-from refit_verify.vllm_plugin import native, native_worker
+import refit_verify.digest.batch as dg
+from refit_verify.vllm_plugin import native_trainer as native, native_worker
 from tests import native_cpu_backend as nb
 digested = []
 _add = dg.DigestBatch.add

@@ -97,12 +97,12 @@ def test_no_import_circle():
 
 
 @pytest.mark.parametrize("module, forbidden", [
-    ("refit_verify.digest", ("refit_verify.transport", "refit_verify.wire", "refit_verify.vllm_plugin")),
-    ("refit_verify.reference", ("refit_verify.digest", "refit_verify.transport")),
-    ("refit_verify.errors", ("refit_verify.config", "refit_verify.report", "refit_verify.digest")),
-    ("refit_verify.config", ("refit_verify.report", "refit_verify.digest", "refit_verify.transport")),
-    ("refit_verify.broadcast", ("refit_verify.transport",)),
-    ("refit_verify.boundary", ("refit_verify.transport", "refit_verify.vllm_plugin", "refit_verify.engine_state")),
+    ("refit_verify.digest.batch", ("refit_verify.transport", "refit_verify.wire.staged", "refit_verify.vllm_plugin")),
+    ("refit_verify.digest.reference", ("refit_verify.digest.batch", "refit_verify.transport")),
+    ("refit_verify.errors", ("refit_verify.config", "refit_verify.report", "refit_verify.digest.batch")),
+    ("refit_verify.config", ("refit_verify.report", "refit_verify.digest.batch", "refit_verify.transport")),
+    ("refit_verify.collective.broadcast", ("refit_verify.transport",)),
+    ("refit_verify.boundary.worker", ("refit_verify.transport", "refit_verify.vllm_plugin", "refit_verify.engine.state")),
 ])
 def test_layers_point_down(module, forbidden):
     graph = _graph()

@@ -21,8 +21,10 @@ import torch
 vllm = pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
-from refit_verify import RefitConfigError, RefitVerificationError, models  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitConfigError, RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.support.ray_actors import RPC_TIMEOUT_S, EngineActor, TrainerActor  # noqa: E402
 
 pytestmark = pytest.mark.vllm

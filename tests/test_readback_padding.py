@@ -13,11 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify import delivery, engine_state, readback
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.check import compare_session
-from refit_verify.digest import digest_tensors, tensor_digest
-from refit_verify.placement import Copy
+from refit_verify.boundary import record as delivery
+
+from refit_verify.engine import state as engine_state
+
+from refit_verify.engine import readback
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.trainer.refit import compare_session
+from refit_verify.digest.batch import digest_tensors, tensor_digest
+from refit_verify.boundary.placement import Copy
 from tests.support.toy_model import HIDDEN, KV, Q, VOCAB, ToyModel, default_weight_loader, toy_weights
 
 QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2

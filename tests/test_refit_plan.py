@@ -1,4 +1,4 @@
-"""Plan replay (refit_verify.refit_plan): a steady-state refit verified with the loader tap off.
+"""Plan replay (refit_verify.boundary.plan): a steady-state refit verified with the loader tap off.
 
 The toy model's loaders behave like vLLM's (tests/support/toy_model.py). Landing digests are switched
 on for the CPU (delivery.DERIVE_DEVICE_TYPES), as on CUDA workers, so the replay logic runs in CI.
@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify import delivery, engine_state
-from refit_verify.boundary import WorkerBoundary, identity_of
-from refit_verify.check import compare_session
-from refit_verify.digest import digest_tensors
+from refit_verify.boundary import record as delivery
+
+from refit_verify.engine import state as engine_state
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
+from refit_verify.trainer.refit import compare_session
+from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitConfigError
-from refit_verify.refit_plan import replay_call, replay_from_env
+from refit_verify.boundary.plan import replay_call, replay_from_env
 from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
 
 QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
@@ -217,7 +219,7 @@ def test_one_pair_calls_the_plan_does_not_describe_are_watched_and_said(writes, 
     """One pair a call (TRL, OpenRLHF) takes the wrapper's inline replay (replay_call is not called);
     whatever it does not describe falls to the watched path with replay_call's reason, the pairs
     before it kept replayed."""
-    from refit_verify import model_boundary as mb
+    from refit_verify.boundary import model as mb
 
     general = []
     monkeypatch.setattr(mb, "replay_call", lambda *a: general.append(1) or replay_call(*a))
@@ -460,8 +462,9 @@ def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(mon
     (no HeldBatch add, no view per region), and still reads the bytes as they are now (a change in
     place between two checks is seen); a parameter replaced by other memory is read the general
     way again, and its new bytes are what the check gives."""
-    from refit_verify import digest_stream, held_sets
-    from refit_verify.digest import tensor_digest
+    from refit_verify.digest import incremental as digest_stream
+    from refit_verify.digest import held as held_sets
+    from refit_verify.digest.batch import tensor_digest
 
     # kept sets are process-wide: another test's toy model of the same names and layout would be read through its
     # relocatable set from the first check on (right digests, no general path); this test starts with none
@@ -599,7 +602,7 @@ def test_checked_before_loading_then_replayed(writes, device):
     """Digests ahead of the bytes (our transport): every call is checked before loading and, once a
     watched session left a plan, replayed (tap off); the verdict reads what landed. The check reads
     a staging slot refilled in place through a kept set from the third refit on."""
-    from refit_verify import held_sets
+    from refit_verify.digest import held as held_sets
 
     wb, model = _worker(device)
     staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}
@@ -721,7 +724,7 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
     """From the third refit on the close reads the state and the kept read-back regions (the qkv
     blocks) in one launch: the same manifest as two launches, a misplaced block still caught, and
     region digests left by another session never taken."""
-    from refit_verify.digest_set import DigestSet
+    from refit_verify.digest.kept import DigestSet
 
     launches, closing = [], []
     raw_launch, raw_close = DigestSet.launch, WorkerBoundary.close
@@ -769,7 +772,7 @@ def test_a_transport_sessions_outcome_takes_the_replayed_plans_records_whole(wri
     """Our transport closes through SessionDigests: its outcome (landed, kept) is read just before the
     close and expands a session that replayed its whole plan as the close would, from the plan's
     records taken whole (not name by name), with the same verdict, landed list and manifest."""
-    from refit_verify.boundary import SessionDigests
+    from refit_verify.boundary.worker import SessionDigests
 
     wb, model = _worker(device)
     staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}

@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
-from refit_verify.kernels import replay
-from refit_verify.kernels.digest import Planned
-from refit_verify.vllm_plugin import sessions, worker
+from refit_verify.digest.kernels import replay
+from refit_verify.digest.kernels.launch import Planned
+from refit_verify.vllm_plugin import worker_sessions as sessions, worker_methods as worker
 
 
 @pytest.mark.parametrize(("version", "ok"), [

@@ -27,7 +27,7 @@ from refit_verify import RefitConfig
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.transport.sender import SECOND_PEER_GRACE_S
-from refit_verify.wire import PROTOCOL_VERSION, Abort, Ack, Hello, Reject, Welcome, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Abort, Ack, Hello, Reject, Welcome, decode_reply, encode
 from tests.support.zmq_peers import bound_req
 
 SPAWN = mp.get_context("spawn")
@@ -114,7 +114,7 @@ def test_reused_sender_with_a_receiver_recreated_for_every_refit():
 def _recreating_worker(endpoint: str, n: int, q) -> None:
     """A worker process that builds a new RefitReceiver for each of ``n`` refits (as vLLM's
     ``refit_verify_receive``), reporting how long each receive took."""
-    from refit_verify.digest import digest_tensors
+    from refit_verify.digest.batch import digest_tensors
 
     digest_tensors([("warm-up", torch.ones(4))])
     q.put(("ready", 0.0))
@@ -148,7 +148,7 @@ def test_reused_sender_with_a_worker_process_recreating_its_receiver():
 
 def _dying_worker(endpoint: str, die_in_buffer: int, q) -> None:
     """A worker process whose receiver dies (os._exit) while loading buffer ``die_in_buffer``."""
-    from refit_verify.digest import digest_tensors
+    from refit_verify.digest.batch import digest_tensors
 
     digest_tensors([("warm-up", torch.ones(4))])
     seen = {"n": 0}
@@ -354,7 +354,7 @@ def test_an_abort_of_an_earlier_refit_does_not_end_a_new_receivers_wait(tmp_path
         assert decode_reply(req.recv()) == Ack(seq=-2)
         req.send(encode(Hello(protocol=PROTOCOL_VERSION, refit_id="c" * 32, mode="off", alignment=512)))
         assert isinstance(decode_reply(req.recv()), Welcome)
-        from refit_verify.wire import Complete
+        from refit_verify.wire.staged import Complete
 
         req.send(encode(Complete(n_tensors=0)))
         done = decode_reply(req.recv())

@@ -33,7 +33,7 @@ from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_en
 from refit_verify.transport import guard
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
 from tests.support.zmq_peers import bound_req
 
 
@@ -471,8 +471,8 @@ def test_another_uid_cannot_read_staging_memory():
 _IMPOSTOR_SENDER = """
 import json, os, sys
 import torch, zmq
-from refit_verify.digest import tensor_digest
-from refit_verify.wire import PROTOCOL_VERSION, Complete, DigestBuffer, DigestEntry, Hello, ShmHandle, decode_reply, encode
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.wire.staged import PROTOCOL_VERSION, Complete, DigestBuffer, DigestEntry, Hello, ShmHandle, decode_reply, encode
 endpoint, shm_name, wait_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 data = bytes(range(64))
 digest = tensor_digest(torch.frombuffer(bytearray(data), dtype=torch.float32))  # a correct digest of its bytes
@@ -637,7 +637,7 @@ def test_from_options_none_means_defaults(monkeypatch):
 def test_worker_rpc_options_validated_in_the_worker(options, needle):
     """``refit_verify_receive`` (run in each vLLM worker) validates its options before touching the
     engine, naming the bad key."""
-    from refit_verify.vllm_plugin.worker import refit_verify_receive
+    from refit_verify.vllm_plugin.worker_methods import refit_verify_receive
 
     class NoEngine:
         rank = 0

@@ -1,5 +1,5 @@
-"""Digest work in the shadow of a blocking call (``refit_verify.shadow``) and the deferred held adds
-of :class:`~refit_verify.trainer_digests.StreamDigests` it runs."""
+"""Digest work in the shadow of a blocking call (``refit_verify.trainer.overlap``) and the deferred held adds
+of :class:`~refit_verify.trainer.exports.StreamDigests` it runs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from refit_verify import RefitInputError, RefitTimeoutError
-from refit_verify.digest import tensor_digest
-from refit_verify.trainer_digests import StreamDigests
-from refit_verify.shadow import run_in_shadow
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.trainer.exports import StreamDigests
+from refit_verify.trainer.overlap import run_in_shadow
 
 WAIT_S = 10.0  # bound on every wait of these tests (each normally takes microseconds)
 
@@ -86,7 +86,7 @@ def test_an_interrupt_of_the_call_is_not_held_up_by_the_work():
         run_in_shadow(lambda: (_ for _ in ()).throw(KeyboardInterrupt()), lambda: release.wait(WAIT_S))
     assert __import__("time").perf_counter() - t0 < WAIT_S / 2
     release.set()
-    from refit_verify import shadow
+    from refit_verify.trainer import overlap as shadow
 
     helper = shadow._LOCAL.helper  # its work ends now: the next test must find this thread's helper idle, not run inline
     for _ in range(500):
@@ -106,7 +106,7 @@ def test_a_helper_ends_after_its_calling_thread_and_keeps_nothing_alive(monkeypa
     import gc
     import weakref
 
-    from refit_verify import shadow
+    from refit_verify.trainer import overlap as shadow
 
     monkeypatch.setattr(shadow, "IDLE_POLL_S", 0.02)
 
@@ -271,7 +271,7 @@ def test_a_drain_that_timed_out_in_the_shadow_blocks_every_other_drain_until_it_
     """A caller that catches the shadow's timeout and reads the digests while the timed-out drain still
     runs gets a clear error, not the digests of the names that drain reached so far (the rest silently
     missing from the digests and from ``changed``); once it ends, the digests are all there and right."""
-    from refit_verify.digest_stream import HeldBatch
+    from refit_verify.digest.incremental import HeldBatch
     from refit_verify.errors import RefitProtocolError
 
     params = {f"p{i}": torch.nn.Parameter(torch.full((64,), float(i)), requires_grad=False) for i in range(40)}

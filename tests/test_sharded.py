@@ -16,8 +16,12 @@ import torch
 
 from tests.dist_utils import init_rank, rank_result, spawn_ranks
 
-from refit_verify import _torch_digest, reference, tensor_digest
-from refit_verify.sharded import (
+from refit_verify import tensor_digest
+
+from refit_verify.digest import _torch as _torch_digest
+
+from refit_verify.digest import reference
+from refit_verify.collective.sharded import (
     CHUNK_BYTES,
     ShardLayoutError,
     check_shard_layout,
@@ -48,12 +52,12 @@ def test_roots_entries_match_reference(nbytes: int) -> None:
     lanes = reference.lanes(u8.numpy().tobytes()) if nbytes else []
     want = [(reference.chunk_root(0, lanes), reference.chunk_root(1, lanes))] if nbytes else []
     assert _torch_digest.chunk_roots_u8(u8) == want
-    nd = pytest.importorskip("refit_verify._numba_digest")
+    nd = pytest.importorskip("refit_verify.digest._numba")
     assert nd.chunk_roots_u8(u8) == want
 
 
 def test_roots_entries_agree_on_chunks_and_odd_offsets() -> None:
-    nd = pytest.importorskip("refit_verify._numba_digest")
+    nd = pytest.importorskip("refit_verify.digest._numba")
     base = _tensor(torch.uint8, (2 * CHUNK_BYTES + 8 * 70000 + 3 + 1,), 1)
     u8 = base[1:]  # odd storage offset: both entries copy to aligned lanes
     r = nd.chunk_roots_u8(u8)

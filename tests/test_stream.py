@@ -1,4 +1,4 @@
-"""The stream layer shared by the staged transport and the broadcast path (``refit_verify.stream``):
+"""The stream layer shared by the staged transport and the broadcast path (``refit_verify.stream.unpack``):
 the packer's slot layout, group cuts and oversized path, digests taken before packing, the
 receiver's per-entry checks; and the broadcast path's independence from ZMQ."""
 
@@ -12,11 +12,11 @@ import torch
 
 from refit_verify import tensor_digest
 from refit_verify.config import VerifyMode
-from refit_verify.digest import DigestBatch
+from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitInputError
-from refit_verify.pack import Packer
-from refit_verify.stream import SENT_TWICE, EntryChecker, ReceiveState, checked_item, round_up, view_slots
-from refit_verify.wire import Entry
+from refit_verify.stream.pack import Packer
+from refit_verify.stream.unpack import SENT_TWICE, EntryChecker, ReceiveState, checked_item, round_up, view_slots
+from refit_verify.wire.staged import Entry
 
 
 class RecordingSink:
@@ -300,7 +300,7 @@ def test_round_up():
 
 
 def test_broadcast_path_imports_neither_zmq_nor_the_transport():
-    code = ("import sys, refit_verify.broadcast, refit_verify.sharded, refit_verify.dist_wire\n"
+    code = ("import sys, refit_verify.collective.broadcast, refit_verify.collective.sharded, refit_verify.wire.collective\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'zmq' or m.startswith('refit_verify.transport')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

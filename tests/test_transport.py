@@ -16,12 +16,12 @@ import pytest
 import torch
 import zmq
 
-import refit_verify.digest as digest_mod
+import refit_verify.digest.batch as digest_mod
 from refit_verify import RefitConfig, logical_bytes
-from refit_verify.digest import dtype_name
+from refit_verify.digest.batch import dtype_name
 from refit_verify.errors import RefitAbortedError, RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply, encode
 
 SPAWN = mp.get_context("spawn")
 PROC_TIMEOUT_S = 60
@@ -433,7 +433,7 @@ def test_private_directory_and_cleanup():
 
 def test_demo_one_byte_flip_sender_is_caught():
     """The demo's fault injector (an ``_exchange`` override) works against this transport."""
-    demo = pytest.importorskip("refit_verify.demo")
+    demo = pytest.importorskip("refit_verify.cli.demo")
     tensors = [(f"p{i}", torch.randn(64)) for i in range(6)]
     with demo.OneByteFlipSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0, buffer_bytes=1024), target="p3", byte_index=5) as tx:
         with pytest.raises(RefitVerificationError) as ei:
@@ -667,7 +667,7 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
     and before it waits for its Ack (while the receiver checks and loads it), counts those seconds
     in ``digest_shadow_s``, and the refit verifies. A rest that fails to digest there aborts the refit
     with the Buffer in flight: the receiver stops, nothing after it is loaded."""
-    from refit_verify.pack import Packer
+    from refit_verify.stream.pack import Packer
 
     order: list[str] = []
     raw = Packer._digest_known

@@ -35,8 +35,10 @@ pytest.importorskip("vllm")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from refit_verify import RefitVerificationError, models  # noqa: E402
-from refit_verify.digest import digest_tensors, tensor_digest  # noqa: E402
+from refit_verify import RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.digest.batch import digest_tensors, tensor_digest  # noqa: E402
 from refit_verify.manifest import from_wire  # noqa: E402
 from tests.support import trl_setup  # noqa: E402
 
@@ -253,7 +255,7 @@ def test_plain_model_is_digested_without_a_copy_and_a_changed_parameter_is_named
     """A plain model (no PEFT, FSDP or ZeRO-3): refit-verify holds TRL's pushed tensors and digests them at the
     end of the sync, with no copy (``refit(copy=False)``). A trainer tensor written in place after its push (the
     engine got the bytes before the write) is named as not digestable as pushed: a failure, never a pass."""
-    from refit_verify.integrations import trl as rv_trl
+    from refit_verify.vllm_plugin import trl as rv_trl
 
     trainer, _, _, out_dir, _ = run
     assert rv_trl._holds(trainer.vllm_generation) is True

@@ -31,10 +31,12 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig, models  # noqa: E402
-from refit_verify.broadcast import AFTER_LOAD_UNCHECKED, BroadcastSender  # noqa: E402
-from refit_verify.demo import readback_names, start_engine  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitConfig
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.collective.broadcast import AFTER_LOAD_UNCHECKED, BroadcastSender  # noqa: E402
+from refit_verify.cli.demo import readback_names, start_engine  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from tests.dist_utils import free_port, rank_result, warm_numba_cache  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
@@ -123,7 +125,7 @@ def test_worker_rank_rule_checked_before_joining():
     from types import SimpleNamespace
 
     from refit_verify.errors import RefitConfigError
-    from refit_verify.vllm_plugin.worker import refit_verify_broadcast_init
+    from refit_verify.vllm_plugin.worker_methods import refit_verify_broadcast_init
 
     # DP replica 1 of TP=2: worker index 1 * 2 + 1 = 3, group rank 1 + 3 = 4
     worker = SimpleNamespace(rank=1, device=torch.device("cpu"),
@@ -142,7 +144,7 @@ def _timeout_rank(rank: int, port: int, out_dir: str, barrier, done) -> None:
 
     import torch.distributed as dist
 
-    from refit_verify.broadcast import receive_broadcast
+    from refit_verify.collective.broadcast import receive_broadcast
     from refit_verify.vllm_plugin import broadcast_group
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -10,9 +10,11 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig, RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import OneByteFlipSender, push, readback_names, start_engine  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitConfig, RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import OneByteFlipSender, push, readback_names, start_engine  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
@@ -81,7 +83,7 @@ def test_log_mode_logs_and_continues(engine, device, caplog):
 
 def test_off_mode_computes_no_digests(engine, device, monkeypatch):
     llm, cfg = engine
-    import refit_verify.digest as dg
+    import refit_verify.digest.batch as dg
 
     calls = []
     orig = dg.DigestBatch.add

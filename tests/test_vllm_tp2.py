@@ -20,9 +20,9 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import models  # noqa: E402
-from refit_verify.demo import readback_names  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import readback_names  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.tp_trainers import TrainerRanks  # noqa: E402
 

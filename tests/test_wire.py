@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from refit_verify.errors import RefitProtocolError
-from refit_verify.wire import (
+from refit_verify.wire.staged import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,

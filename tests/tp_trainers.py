@@ -42,8 +42,10 @@ def _trainer_main(rank: int, world: int, port: int, backend: str, cfg: dict, see
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import torch.distributed as dist
 
-    from refit_verify import RefitConfig, models
-    from refit_verify.demo import OneByteFlipSender
+    from refit_verify import RefitConfig
+
+    from refit_verify.testing import models
+    from refit_verify.cli.demo import OneByteFlipSender
     from refit_verify.transport import RefitSender
     from tests.dist_utils import init_rank
 
@@ -92,7 +94,7 @@ class TrainerRanks:
 
     Args:
         world: number of trainer ranks (= the engine's tensor-parallel size).
-        cfg: HF config dict of the model (``refit_verify.models`` builds the state dict from it).
+        cfg: HF config dict of the model (``refit_verify.testing.models`` builds the state dict from it).
         seed: seed of rank 0's random weights.
         endpoint: ZMQ endpoint with ``{rank}``, e.g. ``ipc:///tmp/x/r{rank}.sock``.
         backend: ``nccl`` (rank r on ``cuda:r``) or ``gloo`` (CPU); default by CUDA availability.
@@ -136,7 +138,7 @@ class TrainerRanks:
     def start_send(self, config: dict, fault: dict | None = None) -> None:
         """Make every rank send once with ``RefitConfig.build(**config)``; return once every rank's
         sender bound its endpoint. ``fault``: ``{"rank", "target", "byte_index"}`` makes that rank a
-        :class:`~refit_verify.demo.OneByteFlipSender`."""
+        :class:`~refit_verify.cli.demo.OneByteFlipSender`."""
         for q in self._commands:
             q.put({"config": config, "fault": fault})
         self._collect(60.0)  # every rank bound its endpoint

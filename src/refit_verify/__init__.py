@@ -13,6 +13,8 @@ import importlib
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
+from refit_verify import _moved
+
 try:
     __version__ = _metadata.version("refit-verify")
 except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree without installed metadata
@@ -21,23 +23,23 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree witho
 _EXPORTS = {
     "AuditError": "refit_verify.errors",
     "ReplicaDisagreement": "refit_verify.errors",
-    "audit": "refit_verify.audits",
+    "audit": "refit_verify.trainer.audits",
     "canary": "refit_verify.vllm_plugin.canary",
-    "compare_replicas": "refit_verify.audits",
-    "BroadcastReceiver": "refit_verify.broadcast",
-    "BroadcastSender": "refit_verify.broadcast",
+    "compare_replicas": "refit_verify.trainer.audits",
+    "BroadcastReceiver": "refit_verify.collective.broadcast",
+    "BroadcastSender": "refit_verify.collective.broadcast",
     "BroadcastVerificationError": "refit_verify.errors",
-    "DigestBatch": "refit_verify.digest",
+    "DigestBatch": "refit_verify.digest.batch",
     "RefitAbortedError": "refit_verify.errors",
-    "RefitCheck": "refit_verify.check",
+    "RefitCheck": "refit_verify.trainer.refit",
     "RefitConfig": "refit_verify.config",
     "RefitConfigError": "refit_verify.errors",
     "RefitError": "refit_verify.errors",
     "RefitInputError": "refit_verify.errors",
     "RefitProtocolError": "refit_verify.errors",
     "RefitReceiveError": "refit_verify.errors",
-    "RefitReceiver": "refit_verify.transport",
-    "RefitSender": "refit_verify.transport",
+    "RefitReceiver": "refit_verify.transport.receiver",
+    "RefitSender": "refit_verify.transport.sender",
     "RefitTimeoutError": "refit_verify.errors",
     "RefitVerificationError": "refit_verify.errors",
     "RefitVerifyError": "refit_verify.errors",
@@ -46,16 +48,18 @@ _EXPORTS = {
     "VerificationReport": "refit_verify.report",
     "VerifyMode": "refit_verify.config",
     "compare_manifests": "refit_verify.report",
-    "digest_tensors": "refit_verify.digest",
-    "logical_bytes": "refit_verify.digest",
+    "digest_tensors": "refit_verify.digest.batch",
+    "logical_bytes": "refit_verify.digest.batch",
     "mode_from_env": "refit_verify.config",
-    "PushResult": "refit_verify.colocated",
-    "push": "refit_verify.colocated",
-    "refit": "refit_verify.check",
-    "tensor_digest": "refit_verify.digest",
+    "PushResult": "refit_verify.trainer.push",
+    "push": "refit_verify.trainer.push",
+    "refit": "refit_verify.trainer.refit",
+    "tensor_digest": "refit_verify.digest.batch",
 }
 
 __all__ = sorted(_EXPORTS)
+
+_moved.install()
 
 
 def __getattr__(name: str) -> Any:
@@ -72,16 +76,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from refit_verify.audits import audit, compare_replicas
-    from refit_verify.broadcast import BroadcastReceiver, BroadcastSender
-    from refit_verify.check import RefitCheck, refit
+    from refit_verify.trainer.audits import audit, compare_replicas
+    from refit_verify.collective.broadcast import BroadcastReceiver, BroadcastSender
+    from refit_verify.trainer.refit import RefitCheck, refit
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
-    from refit_verify.digest import DigestBatch, digest_tensors, logical_bytes, tensor_digest
+    from refit_verify.digest.batch import DigestBatch, digest_tensors, logical_bytes, tensor_digest
     from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
                                      RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
                                      RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
     from refit_verify.manifest import SessionManifest
     from refit_verify.report import VerificationReport, compare_manifests
-    from refit_verify.colocated import PushResult, push
-    from refit_verify.transport import RefitReceiver, RefitSender
+    from refit_verify.trainer.push import PushResult, push
+    from refit_verify.transport.receiver import RefitReceiver
+    from refit_verify.transport.sender import RefitSender
     from refit_verify.vllm_plugin.canary import canary

@@ -59,7 +59,7 @@ class VerifyMode(str, enum.Enum):
 
 CUDA_GRAPHS_ENV_VAR = "REFIT_VERIFY_CUDA_GRAPHS"
 """``1`` / ``true`` / ``on`` / ``yes`` in a process's environment: replay kept digest plans as CUDA
-graphs (:mod:`refit_verify.kernels.replay`, torch >= 2.12 only) and take the layerwise reload's
+graphs (:mod:`refit_verify.digest.kernels.replay`, torch >= 2.12 only) and take the layerwise reload's
 copies from their own memory pool (``vllm_plugin.worker.owned_copies``). ``force``: the same, and
 replay also on torch older than 2.12, whose CUDA graphs share the device's random-number state
 with eager code (``kernels.replay``'s docstring says what that risks). Off by default
@@ -100,7 +100,7 @@ def check_cuda_graphs_env(environ: Mapping[str, str] | None = None) -> None:
 DIRECT_LAUNCH_ENV_VAR = "REFIT_VERIFY_DIRECT_LAUNCH"
 """``0`` / ``false`` / ``off`` / ``no`` in a process's environment: launch kept digest plans through
 Triton's JIT dispatch at every run, never straight through their compiled kernels
-(:mod:`refit_verify.kernels.direct`; on by default). Read at each run."""
+(:mod:`refit_verify.digest.kernels.direct`; on by default). Read at each run."""
 
 
 _DIRECT_ON, _DIRECT_OFF = ("", "1", "true", "on", "yes"), ("0", "false", "off", "no")

@@ -90,11 +90,11 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
             copy or a fill: counted as written, but which of their elements were written is unknown.
         in_place: delivered names whose digest in ``digests`` was taken in place, where they landed in the
             engine, at read-back, instead of on delivery (copied whole and exactly into parameter
-            regions on a CUDA worker; :data:`refit_verify.delivery.DERIVE_DEVICE_TYPES`): equal to
+            regions on a CUDA worker; :data:`refit_verify.boundary.record.DERIVE_DEVICE_TYPES`): equal to
             the trainer's digest means the engine holds the trainer's bytes there; a difference is
             a corrupted delivery or a loader that put the tensor elsewhere, not told apart.
         replayed: how many of ``in_place`` were recorded from the module's refit plan with the loader
-            tap off (:mod:`refit_verify.refit_plan`): read back where the last watched session saw
+            tap off (:mod:`refit_verify.boundary.plan`): read back where the last watched session saw
             them land.
         replay_left: why this session stopped replaying its plan (None: it replayed throughout, or
             had no plan); the call named and the later ones were watched by the loader tap.
@@ -341,7 +341,7 @@ def local_reply_token() -> str:
 
     The trainer passes it with a session close when the engine's core runs in its own process (an
     in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TRL's colocate mode;
-    :attr:`~refit_verify.engines.WorkerChannel.local`); a worker whose own token is the same returns
+    :attr:`~refit_verify.trainer.channel.WorkerChannel.local`); a worker whose own token is the same returns
     its :class:`SessionManifest` itself instead of :func:`to_text`, and :func:`from_wire` takes it as
     it is (about 0.25 ms of encoding and decoding saved per close of 310 tensors on this project's
     CPU machine). The trainer's ``RefitCheck.manifests`` are then the worker's own records, the ones
@@ -405,7 +405,7 @@ class ExternalDigests:
 
     The transport and broadcast receivers call :meth:`begin` once the refit's mode is agreed,
     :meth:`finish` at its end (``(digests, session manifest or None)``) and :meth:`fail` when it
-    ends in an error. :class:`refit_verify.boundary.SessionDigests` implements it on a vLLM
+    ends in an error. :class:`refit_verify.boundary.worker.SessionDigests` implements it on a vLLM
     worker's model boundary.
     """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from refit_verify import models
+from refit_verify.testing import models
 from tests.support.plugins import restore_env
 
 ROOT = Path(__file__).resolve().parents[2]

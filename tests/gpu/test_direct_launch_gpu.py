@@ -1,4 +1,4 @@
-"""Kept plans launched straight through their compiled Triton kernels (``refit_verify.kernels.direct``):
+"""Kept plans launched straight through their compiled Triton kernels (``refit_verify.digest.kernels.direct``):
 from the second run on no ``JITFunction.run`` dispatch happens, the digests stay those of the
 reference while the memory changes, on another stream too, and with the switch off every run goes
 through the JIT. Needs a CUDA GPU (skipped without one: the Triton interpreter has no compiled kernels)."""
@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 if torch.cuda.is_available():
     from refit_verify.config import CUDA_GRAPHS_ENV_VAR, DIRECT_LAUNCH_ENV_VAR
-    from refit_verify.digest import tensor_digest
-    from refit_verify.digest_set import DigestSet
-    from refit_verify.kernels import direct, replay
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.digest.kept import DigestSet
+    from refit_verify.digest.kernels import direct, replay
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Kept launch plans replayed as CUDA graphs (``refit_verify.kernels.replay``): the digests stay those
+"""Kept launch plans replayed as CUDA graphs (``refit_verify.digest.kernels.replay``): the digests stay those
 of the reference while the memory changes, launches interleave, two streams and two threads replay, a
 work area is outgrown, graphs are released, a capture fails midway, or replay is turned off. Needs a
 CUDA GPU (skipped without one: graphs are CUDA-only). Every test that expects replay asserts that a
@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 if torch.cuda.is_available():
     from refit_verify.config import CUDA_GRAPHS_ENV_VAR
-    from refit_verify.digest import tensor_digest
-    from refit_verify.digest_set import DigestSet
-    from refit_verify.kernels import replay
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.digest.kept import DigestSet
+    from refit_verify.digest.kernels import replay
 
 
 @pytest.fixture(autouse=True)
@@ -200,7 +200,7 @@ def test_release_all_frees_the_graphs_memory_and_plans_capture_again():
 
 
 def test_a_capture_with_a_different_result_than_plain_launches_is_not_used(monkeypatch, caplog):
-    from refit_verify.kernels import digest as kd
+    from refit_verify.digest.kernels import launch as kd
 
     ts = _tensors(11)
     s = DigestSet(ts)
@@ -220,9 +220,9 @@ def test_a_capture_with_a_different_result_than_plain_launches_is_not_used(monke
 
 _MID_CAPTURE = r"""
 import torch
-from refit_verify.digest import tensor_digest
-from refit_verify.digest_set import DigestSet
-from refit_verify.kernels import digest as kd, replay
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.digest.kept import DigestSet
+from refit_verify.digest.kernels import launch as kd, replay
 replay._TORCH_OK = True  # the mechanics under test; the RNG outcome is asserted by torch version below
 g = torch.Generator(device="cuda").manual_seed(7)
 ts = [torch.randn((1024, 1024), generator=g, device="cuda"), torch.randn((4097,), generator=g, device="cuda").to(torch.bfloat16)]

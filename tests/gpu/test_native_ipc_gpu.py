@@ -26,11 +26,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import readback_names  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import readback_names  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
-from refit_verify.vllm_plugin import native  # noqa: E402
+from refit_verify.vllm_plugin import native_trainer as native  # noqa: E402
 from tests.gpu import native_ipc_faults as faults  # noqa: E402
 from tests.gpu.native_env import native_llm  # noqa: E402
 

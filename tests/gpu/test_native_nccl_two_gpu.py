@@ -23,11 +23,13 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs (trainer on cuda:0, the vLLM worker on cuda:1)", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitVerificationError, models  # noqa: E402
-from refit_verify.demo import readback_names  # noqa: E402
-from refit_verify.digest import digest_tensors  # noqa: E402
+from refit_verify import RefitVerificationError
+
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.cli.demo import readback_names  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
-from refit_verify.vllm_plugin import native  # noqa: E402
+from refit_verify.vllm_plugin import native_trainer as native  # noqa: E402
 from tests.dist_utils import free_port  # noqa: E402
 from tests.gpu.native_env import native_llm  # noqa: E402
 

@@ -18,8 +18,8 @@ def _graphs_on(monkeypatch):
     """Graph replay and the copies' pool are opt-in (``REFIT_VERIFY_CUDA_GRAPHS=1``): on for these
     tests, the torch gate of replay opened (see ``test_graph_replay_gpu.py``), pools and graphs
     dropped after each test."""
-    from refit_verify.kernels import replay
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.digest.kernels import replay
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
     monkeypatch.setattr(replay, "_TORCH_OK", True)
@@ -42,7 +42,7 @@ def _batch(seed: int) -> list:
 
 
 def test_copies_are_own_storages_at_the_same_addresses_each_refit():
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     batch = _batch(1)
     seen = []
@@ -62,7 +62,7 @@ def test_copies_are_own_storages_at_the_same_addresses_each_refit():
 
 
 def test_a_device_without_pools_gets_plain_clones(monkeypatch, caplog):
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     def no_pools(*_a, **_k):
         raise RuntimeError("expandable segments do not support memory pools")
@@ -80,11 +80,12 @@ def test_a_device_without_pools_gets_plain_clones(monkeypatch, caplog):
 def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_bytes():
     """The false-pass surface of the pool: a kept set (and its graph) hit at the same addresses must
     read the bytes there now."""
-    from refit_verify import digest_stream, held_sets
-    from refit_verify.digest import tensor_digest
-    from refit_verify.digest_set import DigestSet
-    from refit_verify.kernels import replay
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.digest import incremental as digest_stream
+    from refit_verify.digest import held as held_sets
+    from refit_verify.digest.batch import tensor_digest
+    from refit_verify.digest.kept import DigestSet
+    from refit_verify.digest.kernels import replay
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     space = "checked before loading"
     seen, digests = [], []
@@ -107,7 +108,7 @@ def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_by
 
 
 def test_a_pooled_clone_out_of_memory_gives_plain_clones_and_the_pool_stays(monkeypatch, caplog):
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     batch = _batch(3)
     worker.owned_copies(batch)  # the pool exists and is warm
@@ -156,7 +157,7 @@ def test_a_pooled_clone_out_of_memory_gives_plain_clones_and_the_pool_stays(monk
 
 
 def test_release_pools_gives_the_pools_memory_back():
-    from refit_verify.vllm_plugin import worker
+    from refit_verify.vllm_plugin import worker_methods as worker
 
     batch = _batch(4)
     copies = worker.owned_copies(batch)

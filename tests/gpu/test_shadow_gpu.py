@@ -1,4 +1,4 @@
-"""Shadow work on CUDA (``refit_verify.shadow``): the helper thread runs on the caller's current device
+"""Shadow work on CUDA (``refit_verify.trainer.overlap``): the helper thread runs on the caller's current device
 and stream, so the digests it launches are ordered with what the caller queued before and after.
 Needs a CUDA GPU (skipped without one)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify.digest import tensor_digest
-from refit_verify.trainer_digests import StreamDigests
-from refit_verify.shadow import run_in_shadow
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.trainer.exports import StreamDigests
+from refit_verify.trainer.overlap import run_in_shadow
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams)")]
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify.digest import tensor_digest
-from refit_verify.digest_stream import CopyingBatch, HeldBatch, digest_now
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.digest.incremental import CopyingBatch, HeldBatch, digest_now
 from refit_verify.errors import RefitInputError
-from refit_verify.trainer_digests import StreamDigests
+from refit_verify.trainer.exports import StreamDigests
 
 DEV = "cuda"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -47,7 +47,7 @@ def _full(dtype: torch.dtype, shape: tuple[int, ...], seed: int, device: torch.d
 
 def _sharded_cases(rank: int, device: torch.device) -> dict:
     from refit_verify import tensor_digest
-    from refit_verify.sharded import shard_chunk_roots, sharded_digest
+    from refit_verify.collective.sharded import shard_chunk_roots, sharded_digest
 
     out: dict = {}
     for name, (dtype, shape, rows) in SHARD_CASES.items():

@@ -1,4 +1,4 @@
-"""``refit_verify.kernels.digest.chunk_roots`` (leaf + upper kernels, no chain) vs the CPU roots.
+"""``refit_verify.digest.kernels.launch.chunk_roots`` (leaf + upper kernels, no chain) vs the CPU roots.
 
 Without CUDA the kernels run under the Triton interpreter on CPU tensors; with CUDA, compiled.
 The roots feed sharded digests (spec §7.1): roots of dim-0 shards cut on 8 MiB boundaries,
@@ -18,11 +18,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from refit_verify import _torch_digest as td  # noqa: E402
-from refit_verify import digest as dg  # noqa: E402
-from refit_verify import reference as ref  # noqa: E402
-from refit_verify import sharded  # noqa: E402
-from refit_verify.kernels import digest as kd  # noqa: E402
+from refit_verify.digest import _torch as td  # noqa: E402
+from refit_verify.digest import batch as dg  # noqa: E402
+from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.collective import sharded  # noqa: E402
+from refit_verify.digest.kernels import launch as kd  # noqa: E402
 
 DEV = "cpu" if kd._INTERPRETED else "cuda"
 L = 8

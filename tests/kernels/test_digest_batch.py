@@ -15,11 +15,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from refit_verify import digest as dg  # noqa: E402
-from refit_verify import digest_stream as ds  # noqa: E402
-from refit_verify import held_sets as hs  # noqa: E402
-from refit_verify import reference as ref  # noqa: E402
-from refit_verify.kernels import digest as kd  # noqa: E402
+from refit_verify.digest import batch as dg  # noqa: E402
+from refit_verify.digest import incremental as ds  # noqa: E402
+from refit_verify.digest import held as hs  # noqa: E402
+from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.digest.kernels import launch as kd  # noqa: E402
 from tests.support.subclasses import RedirectingTensor  # noqa: E402
 
 DEV = "cpu" if kd._INTERPRETED else "cuda"

@@ -19,10 +19,10 @@ if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Tr
 
 pytest.importorskip("triton")
 
-from refit_verify import _torch_digest as td  # noqa: E402
-from refit_verify import reference as ref  # noqa: E402
-from refit_verify.kernels import _mix as mx  # noqa: E402
-from refit_verify.kernels import digest as kd  # noqa: E402
+from refit_verify.digest import _torch as td  # noqa: E402
+from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.digest.kernels import _mix as mx  # noqa: E402
+from refit_verify.digest.kernels import launch as kd  # noqa: E402
 
 # Interpreter: CPU tensors; compiled (a CUDA machine without TRITON_INTERPRET): CUDA tensors.
 DEV = "cpu" if kd._INTERPRETED else "cuda"
@@ -121,7 +121,7 @@ def test_cuda_matches_reference_and_torch_path() -> None:
     views += [buf[o : o + n] for o, n in [(1, 13), (3, 2051), (8, 4097 * L), (517, 65537 * L + 1)]]
     assert _run(views) == [_expect(v) for v in views]
 
-    from refit_verify.digest import tensor_digest
+    from refit_verify.digest.batch import tensor_digest
 
     t = torch.randn(3072, 1023, dtype=torch.bfloat16, device=dev)
     assert tensor_digest(t) == tensor_digest(t.cpu())

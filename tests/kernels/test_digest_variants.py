@@ -25,9 +25,9 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import digest_variants as dv  # noqa: E402
 
-from refit_verify import reference as ref  # noqa: E402
-from refit_verify.kernels import _leaf  # noqa: E402
-from refit_verify.kernels import digest as kd  # noqa: E402
+from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.digest.kernels import _leaf  # noqa: E402
+from refit_verify.digest.kernels import launch as kd  # noqa: E402
 
 DEV = "cpu" if kd._INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The bookkeeping of direct launches (``refit_verify.kernels.direct``) with stand-in kernels on the CPU:
+"""The bookkeeping of direct launches (``refit_verify.digest.kernels.direct``) with stand-in kernels on the CPU:
 the check at a plan's second run, a missed or wrong launch caught by it, a launcher that raises, the
 switch, misaligned scratch. The real kernels launched directly are in
 ``tests/gpu/test_direct_launch_gpu.py`` (bit-identical digests, no JIT dispatch after the check)."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from refit_verify.kernels import direct
+from refit_verify.digest.kernels import direct
 
 
 class _Compiled:

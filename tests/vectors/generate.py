@@ -8,7 +8,7 @@ Run from the repository root::
 Inputs are defined by rule, never stored: byte i of the logical bytes is ``(7*i + 3) % 251``
 (``% 2`` more for ``bool``), viewed as the vector's dtype and shape. See ``docs/digest-spec.md`` §10.
 
-Source: ``docs/digest-spec.md`` §10; digests from ``refit_verify.reference``.
+Source: ``docs/digest-spec.md`` §10; digests from ``refit_verify.digest.reference``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from refit_verify import reference as ref
+from refit_verify.digest import reference as ref
 
 HERE = Path(__file__).resolve().parent
 JSON_PATH = HERE / "digest_vectors.json"

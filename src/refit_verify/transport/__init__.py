@@ -11,17 +11,21 @@ is bounded.
 
 Modules: :mod:`.guard` (endpoints, exclusive binds, peer checks), :mod:`.sender` (with :mod:`.send_state`),
 :mod:`.receiver`;
-the packing and entry checks shared with the broadcast path are :mod:`refit_verify.stream`, the
-messages :mod:`refit_verify.wire`. Layout, message sequence and invariants follow NeMo-RL's
+the packing and entry checks shared with the broadcast path are :mod:`refit_verify.stream.unpack`, the
+messages :mod:`refit_verify.wire.staged`. Layout, message sequence and invariants follow NeMo-RL's
 colocated ZMQ + CUDA-IPC refit; see ``docs/protocol.md``.
 """
 
-from __future__ import annotations
+from refit_verify._lazy import face
 
-from refit_verify.stream import Batch, LoadFn, checked_item
-from refit_verify.transport.guard import LAST_WORDS_S
-from refit_verify.transport.receiver import RECONNECT_IVL_MS, ReceiveResult, RefitReceiver
-from refit_verify.transport.sender import ABORT_WAIT_S, RefitSender, RefitStats
-
-__all__ = ["ABORT_WAIT_S", "Batch", "LAST_WORDS_S", "LoadFn", "RECONNECT_IVL_MS", "ReceiveResult", "RefitReceiver", "RefitSender",
-           "RefitStats", "checked_item"]
+_EXPORTS = {
+    "ABORT_WAIT_S": "refit_verify.transport.sender",
+    "LAST_WORDS_S": "refit_verify.transport.guard",
+    "RECONNECT_IVL_MS": "refit_verify.transport.receiver",
+    "ReceiveResult": "refit_verify.transport.receiver",
+    "RefitReceiver": "refit_verify.transport.receiver",
+    "RefitSender": "refit_verify.transport.sender",
+    "RefitStats": "refit_verify.transport.sender",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = face(__name__, _EXPORTS)

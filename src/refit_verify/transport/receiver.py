@@ -1,9 +1,9 @@
 """The vLLM-worker side of the staged transport: :class:`RefitReceiver` (a ZMQ REP socket that connects).
 
 One refit: answer ``Hello`` with the agreed mode (``Welcome``), then per ``Buffer`` validate its
-entries (:class:`~refit_verify.stream.EntryChecker`), map the staging memory, view, digest, ``load``
+entries (:class:`~refit_verify.stream.unpack.EntryChecker`), map the staging memory, view, digest, ``load``
 and acknowledge; on ``Complete`` answer ``Done`` with the manifest. The state of one refit is a
-:class:`~refit_verify.stream.ReceiveState`. See ``docs/protocol.md``.
+:class:`~refit_verify.stream.unpack.ReceiveState`. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from refit_verify import staging as _staging
+from refit_verify.transport import staging as _staging
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.errors import RefitAbortedError, RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import ExternalDigests, Producer
-from refit_verify.stream import MAX_ERROR_CHARS, Batch, LoadFn, ReceiveState, StreamResult, view_slots
+from refit_verify.stream.unpack import MAX_ERROR_CHARS, Batch, LoadFn, ReceiveState, StreamResult, view_slots
 from refit_verify.transport.guard import LAST_WORDS_S, PeerWatch, check_private_dir, close_zmq, ms
-from refit_verify.wire import (ABORT_SEQ, MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, PROTOCOL_VERSION, Abort, Ack, Buffer,
+from refit_verify.wire.staged import (ABORT_SEQ, MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, PROTOCOL_VERSION, Abort, Ack, Buffer,
                                CheckedDone, Complete, Done, Hello, Reject, Welcome, decode_request, encode)
 
 __all__ = ["RECONNECT_IVL_MS", "ReceiveResult", "RefitReceiver"]
@@ -38,7 +38,7 @@ RECONNECT_IVL_MS = 5
 @dataclass(kw_only=True)
 class ReceiveResult(StreamResult):
     """Outcome of one :meth:`RefitReceiver.receive`: the fields of
-    :class:`~refit_verify.stream.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
+    :class:`~refit_verify.stream.unpack.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
     ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``), ``buffers``: ``Buffer`` messages handled,
     and, for a verifying refit, ``landed`` (what was loaded) and ``kept`` (``{name: why}`` of what still
     holds the previous version: refused before loading)."""
@@ -124,11 +124,11 @@ class RefitReceiver:
             return False, "verification is disabled on this receiver (RefitReceiver(verify=False))"
         if self._capability is None:
             try:
-                from refit_verify import digest as _digest  # noqa: F401
+                from refit_verify.digest import batch as _digest  # noqa: F401
 
                 dev = self.device
                 if torch.cuda.is_available() and (dev is None or isinstance(dev, int) or _staging._as_device(dev).type == "cuda"):
-                    from refit_verify.kernels import digest as _kd  # noqa: F401
+                    from refit_verify.digest.kernels import launch as _kd  # noqa: F401
                 self._capability = (True, None)
             except Exception as e:  # noqa: BLE001 - any import failure means: cannot verify
                 self._capability = (False, f"digest code unavailable in this process: {type(e).__name__}: {e}")
@@ -256,7 +256,7 @@ class RefitReceiver:
                 call returns. Exceptions from ``load`` are recorded and reported in ``Done`` (the
                 refit continues).
             digests: where the digests of a verifying refit are taken instead of here: the model
-                boundary of a vLLM worker (:class:`refit_verify.boundary.SessionDigests`), whose
+                boundary of a vLLM worker (:class:`refit_verify.boundary.worker.SessionDigests`), whose
                 ``load`` ends in ``model.load_weights``. Default: this receiver digests each staged
                 slice before ``load``.
 

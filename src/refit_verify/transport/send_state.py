@@ -2,7 +2,7 @@
 
 :class:`Progress` counts how far the refit got (``RefitTimeoutError.progress``); :class:`SendState`
 is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
-:class:`~refit_verify.pack.PackSink` the packer fills.
+:class:`~refit_verify.stream.pack.PackSink` the packer fills.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from refit_verify import staging as _staging
+from refit_verify.transport import staging as _staging
 from refit_verify.config import VerifyMode
-from refit_verify.pack import Packer
-from refit_verify.wire import Entry
+from refit_verify.stream.pack import Packer
+from refit_verify.wire.staged import Entry
 
 if TYPE_CHECKING:
     from refit_verify.transport.sender import RefitSender

@@ -1,6 +1,6 @@
 """The trainer side of the staged transport: :class:`RefitSender` (a ZMQ REQ socket that binds).
 
-One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.pack.Packer` fills two
+One refit: ``Hello`` (mode agreement), then the :class:`~refit_verify.stream.pack.Packer` fills two
 ping-pong staging buffers and this module sends one ``Buffer`` per filled buffer in strict REQ/REP
 lockstep (the next group is packed while the receiver reads this one), ``Complete``, and the
 verdict on the receiver's ``Done``. The state of one refit is a :class:`SendState`.
@@ -19,18 +19,18 @@ from collections.abc import Iterable
 import torch
 import zmq
 
-from refit_verify import staging as _staging
+from refit_verify.transport import staging as _staging
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode
-from refit_verify.digest import DigestBatch
+from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
 from refit_verify.report import VerificationReport, act_on
-from refit_verify.pack import Packer
-from refit_verify.stream import MAX_ERROR_CHARS, StreamStats, receiver_report
+from refit_verify.stream.pack import Packer
+from refit_verify.stream.unpack import MAX_ERROR_CHARS, StreamStats, receiver_report
 from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
                                           ms, private_endpoint)
 from refit_verify.transport.send_state import Progress, SendState
-from refit_verify.wire import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer,
+from refit_verify.wire.staged import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer,
                                Done, Entry, Hello, Reject, Welcome, decode_reply, encode)
 
 __all__ = ["ABORT_WAIT_S", "HELLO_RETRY_S", "RefitSender", "RefitStats"]
@@ -57,7 +57,7 @@ closing: it gets this long (seconds) to go before the sender names two receivers
 class RefitStats(StreamStats):
     """Numbers of the sender's last refit (a plain dict: ``sender.last_stats["digest_s"]``).
 
-    Keys: those of :class:`~refit_verify.stream.StreamStats` (``refit_id``, ``mode`` — ``"off"``
+    Keys: those of :class:`~refit_verify.stream.unpack.StreamStats` (``refit_id``, ``mode`` — ``"off"``
     when a ``log`` sender met a receiver that cannot verify —, ``tensors``, ``bytes``, ``digest_s``,
     ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), ``buffers``:
     ``Buffer`` messages sent (oversized tensors included), and ``hello_sent``: ``Hello`` messages

@@ -20,9 +20,12 @@ from __future__ import annotations
 SUPPORTED = ((0, 24), (0, 34))
 """[low, high) vLLM releases the model boundary supports (the native API hooks need 0.26)."""
 
-from refit_verify.vllm_plugin.trainer import DEFAULT_GROUP_TIMEOUT_S, broadcast_group  # noqa: E402
+from refit_verify._lazy import face  # noqa: E402
 
+_EXPORTS = {"DEFAULT_GROUP_TIMEOUT_S": "refit_verify.vllm_plugin.broadcast_group",
+            "broadcast_group": "refit_verify.vllm_plugin.broadcast_group"}
 __all__ = ["DEFAULT_GROUP_TIMEOUT_S", "SUPPORTED", "broadcast_group", "register"]
+__getattr__, __dir__ = face(__name__, _EXPORTS)
 
 
 def register() -> None:
@@ -40,7 +43,7 @@ def register() -> None:
     from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, mode_from_env
     from refit_verify.vllm_plugin import patches, shims
 
-    from refit_verify.refit_plan import replay_from_env
+    from refit_verify.boundary.plan import replay_from_env
 
     mode = mode_from_env()
     replay_from_env()

@@ -1,9 +1,9 @@
 """The sender half of a verified native weight update: :class:`NativeSendVerifier`.
 
 It digests what a trainer exports through vLLM's weight-transfer API (the model's parameters held,
-other tensors copied: :class:`~refit_verify.trainer_digests.StreamDigests` with ``hold_parameters``), fetches
+other tensors copied: :class:`~refit_verify.trainer.exports.StreamDigests` with ``hold_parameters``), fetches
 every worker's manifest (``refit_verify_native_manifest``, :mod:`refit_verify.vllm_plugin.native_worker`)
-and compares. :mod:`refit_verify.vllm_plugin.native` installs the wrappers that use it with no user
+and compares. :mod:`refit_verify.vllm_plugin.native_trainer` installs the wrappers that use it with no user
 code; this module holds it and the state those wrappers share (which in-process engines have an
 open update, which sends wait for their update's finish). Nothing here imports vLLM.
 """
@@ -18,9 +18,9 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from refit_verify.check import compare_session
+from refit_verify.trainer.refit import compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
-from refit_verify.trainer_digests import changed_problems
+from refit_verify.trainer.exports import changed_problems
 from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport, compare_manifests
@@ -64,7 +64,7 @@ class NativeSendVerifier:
     """
 
     def __init__(self, target: Any = None, *, mode: VerifyMode | str | None = None) -> None:
-        from refit_verify.trainer_digests import StreamDigests
+        from refit_verify.trainer.exports import StreamDigests
 
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self._target, self._weak_target = target, False  # see target and _hold_target_weakly
@@ -125,7 +125,7 @@ class NativeSendVerifier:
         return max(0.0, self._stream.drain_s - self.shadow_wait_s)
 
     def add(self, name: str, tensor: Any) -> None:
-        """Digest one exported tensor (:class:`refit_verify.trainer_digests.StreamDigests`: launched now, no
+        """Digest one exported tensor (:class:`refit_verify.trainer.exports.StreamDigests`: launched now, no
         per-tensor sync; with :meth:`defer`, a parameter is only recorded, for :meth:`shadow_work`)."""
         self._stream.add(name, tensor)
 
@@ -208,7 +208,7 @@ class NativeSendVerifier:
             RefitConfigError: no way to reach the workers; no target and more than one in-process
                 engine could have received this send; or a worker lacks the method.
         """
-        from refit_verify.engines import channel
+        from refit_verify.trainer.channel import channel
 
         if self._target_gone():
             raise RefitConfigError("refit-verify cannot fetch the manifests of this send: the in-process vLLM engine it went "
@@ -232,7 +232,7 @@ class NativeSendVerifier:
             raise RefitConfigError(
                 f"refit-verify cannot reach the vLLM workers to fetch their manifests (client: {type(self.target).__name__}). "
                 "Use a client with collective_rpc, a Ray or HTTP client, an in-process LLM, or "
-                "refit_verify.vllm_plugin.native.NativeSendVerifier(target=...)."
+                "refit_verify.vllm_plugin.native_trainer.NativeSendVerifier(target=...)."
             )
         results: list[dict[str, Any]] = []
         for ch in chans:

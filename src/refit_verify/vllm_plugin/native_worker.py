@@ -8,7 +8,7 @@ it (vLLM's layerwise reload finalises inside ``finish``, so deferred applies are
 backend hands to ``model.load_weights`` is digested by the boundary, never by a parallel copy here.
 
 The worker method ``refit_verify_native_manifest`` returns the digests of the current or last update
-(reached through ``collective_rpc`` by :class:`~refit_verify.vllm_plugin.native.NativeSendVerifier`).
+(reached through ``collective_rpc`` by :class:`~refit_verify.vllm_plugin.native_trainer.NativeSendVerifier`).
 
 Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.py (0.26.0, 0.32.0).
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 from refit_verify.config import mode_from_env
 from refit_verify.manifest import digest_map_text, to_text
-from refit_verify.vllm_plugin import sessions
+from refit_verify.vllm_plugin import worker_sessions as sessions
 
 logger = logging.getLogger("refit_verify")
 
@@ -170,7 +170,7 @@ def refit_verify_native_finish(self) -> dict[str, Any]:
 
     One ``collective_rpc`` closes the update and returns the manifest of the session it closed
     (vLLM 0.26's ``LLM.finish_weight_update`` is that RPC with the result dropped; the trainer's
-    wrapper calls this instead, :func:`refit_verify.vllm_plugin.native._wrap_llm_finish`). An error
+    wrapper calls this instead, :func:`refit_verify.vllm_plugin.native_trainer._wrap_llm_finish`). An error
     of ``finish_weight_update`` propagates as it would through vLLM's own RPC.
 
     Returns:

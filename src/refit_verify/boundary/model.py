@@ -1,0 +1,400 @@
+"""The wrappers of one model module: ``load_weights`` and every parameter's ``weight_loader``.
+
+:class:`ModelBoundary` is what :class:`refit_verify.boundary.worker.WorkerBoundary` attaches to each model
+module of a worker (the main model, a drafter). Its ``load_weights`` wrapper hands the model a
+list or iterator that digests each ``(name, tensor)`` as the loader pulls it (or, for verify
+before load, digests the whole call first and leaves out refused tensors); its
+:class:`~refit_verify.boundary.placement.LoaderTap` reports where each delivered tensor was written. What
+it records goes to the :class:`~refit_verify.boundary.record.ModuleSession` of the session in progress
+(or to the unsessioned record). See :mod:`refit_verify.boundary.worker` for the whole picture.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from refit_verify.boundary import record as _delivery  # its DERIVE_DEVICE_TYPES read at each use
+from refit_verify.boundary.record import ModuleSession
+from refit_verify.digest.batch import _MANY_MIN, _PLAIN, DigestBatch
+from refit_verify.digest.incremental import _PLAIN_TYPES, digest_now
+from refit_verify.manifest import ModuleManifest, Unsessioned
+from refit_verify.boundary.model_index import ModelIndex
+from refit_verify.boundary.placement import LoaderTap
+from refit_verify.boundary.plan import RefitPlan, learn, replay_call, spec_of
+from refit_verify.stream.unpack import check_digest
+
+if TYPE_CHECKING:
+    from refit_verify.boundary.worker import WorkerBoundary
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["MAX_UNSESSIONED_NAMES", "ModelBoundary"]
+
+_MARK = "__refit_verify_boundary__"
+MAX_UNSESSIONED_NAMES = 64
+
+
+class ModelBoundary:
+    """The digest point of one model module of a worker (``"model"`` or ``"drafter"``).
+
+    Args:
+        owner: the worker's :class:`WorkerBoundary`.
+        model: the ``torch.nn.Module`` whose ``load_weights`` refits go through.
+        role: ``"model"`` for the main model, ``"drafter"`` for a draft / MTP module.
+        default_loader: vLLM's ``default_weight_loader`` (for parameters with no ``weight_loader``).
+
+    :meth:`install` is idempotent; the wrappers pass every call through unchanged while the owner
+    does not verify.
+    """
+
+    def __init__(self, owner: WorkerBoundary, model: torch.nn.Module, role: str, default_loader: Callable | None,
+                 extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+        self.owner = owner
+        self.extra_params = extra_params
+        self.model_ref = weakref.ref(model)
+        self.role = role
+        self.tap = LoaderTap(default_loader, on_write=lambda *a: None, on_error=self._on_tap_error)  # callbacks: _bind
+        self.tap.enabled = owner.verifying
+        self.session: ModuleSession | None = None
+        self.outside = ModuleSession(self, sessioned=False)
+        self.numel_hint: dict[str, int] = {}
+        self._index: ModelIndex | None = None
+        self.plan: RefitPlan | None = None  # the last watched session's, replayed by the next (refit_plan)
+        self.plan_why = "no session has closed yet"  # why there is none
+        self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
+        self._bind()
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self.model_ref()
+
+    def index(self, refresh: bool = True, quick: bool = False) -> ModelIndex | None:
+        """The model's :class:`~refit_verify.boundary.model_index.ModelIndex` (None when the model is gone);
+        ``refresh``: re-check it against the model first (False: the caller checked it in this
+        step, e.g. once per session close); ``quick``: with :meth:`ModelIndex.unchanged`, the
+        partial check (a session's open: what it misses, the close's full check finds)."""
+        model = self.model
+        if model is None:
+            return None
+        idx = self._index
+        if idx is None or (refresh and not (idx.unchanged(model) if quick else idx.fresh(model))):
+            idx = self._index = ModelIndex(model)
+        return idx
+
+    def install(self, loaders: bool = True) -> None:
+        """Wrap ``model.load_weights`` (instance level) and, with ``loaders``, every parameter's weight loader."""
+        model = self.model
+        if model is None:
+            return
+        current = vars(model).get("load_weights")
+        if getattr(current, _MARK, None) is not self:
+            original = model.load_weights
+            object.__setattr__(model, "load_weights", self._wrap(original))
+        if not loaders:
+            return
+        extra = list(self.extra_params(model)) if self.extra_params is not None else []
+        self.tap.install(self.index().all_params, extra)
+        self.numel_hint = {n: t.numel() for n, t in extra}
+
+    def _bind(self) -> None:
+        """Point the tap's callbacks straight at the record in use (the session's, or the unsessioned one)."""
+        t = self._target()
+        self.tap.on_write, self.tap.on_route = t.on_write, t.on_route
+
+    def _target(self) -> ModuleSession:
+        return self.session if self.session is not None else self.outside
+
+    def _on_tap_error(self, message: str) -> None:
+        logger.error("%s", message)
+        self._target().errors.append(f"{self.role}: {message}")
+
+    def _wrap(self, original: Callable) -> Callable:
+        boundary = self
+
+        def load_weights(*args, **kwargs):
+            owner = boundary.owner
+            if not owner.verifying:
+                return original(*args, **kwargs)
+            s = boundary.session
+            if s is not None and s.plan is not None and len(args) == 1 and not kwargs:  # a replayed session, one pair a
+                weights = args[0]  # call (TRL, OpenRLHF): replay_call's checks inline, no other Python in between
+                if type(weights) is list and len(weights) == 1 and type(item := weights[0]) is tuple and len(item) == 2:
+                    name, t = item
+                    if type(t) in _PLAIN_TYPES and type(name) is str and name not in s.replayed:
+                        spec = s.plan.spec.get(name)
+                        o = owner.open_session
+                        if spec is not None and (o is None or o.expected is None) and spec == spec_of(t):
+                            s.replayed[name] = None
+                            s.unexpanded.append(name)
+                            return boundary._replayed(s, original, args, kwargs)
+            if "weights" not in kwargs and not args:
+                return original(*args, **kwargs)
+            target = boundary._target()
+            weights = kwargs["weights"] if "weights" in kwargs else args[0]
+            if target.plan is not None and isinstance(weights, (list, tuple)):  # a replayed session: the common case first
+                s = owner.open_session
+                if s is None or s.expected is None:  # no digests sent ahead (checked before loading): replay it
+                    with _PLAIN():
+                        why = replay_call(target, target.plan, weights)
+                    if why is None:
+                        return boundary._replayed(target, original, args, kwargs)
+                    boundary.end_replay(why)
+            pending = boundary.owner.take_expected() if target.sessioned else None
+            pre = None
+            if pending is not None and isinstance(weights, (list, tuple)):
+                n = len(weights)
+                weights, pre = boundary._check_first(target, weights, *pending)
+                if target.plan is not None and len(weights) == n:
+                    # checked before loading, nothing refused: the plan says where it lands (read back at close)
+                    with _PLAIN():
+                        why = replay_call(target, target.plan, weights)
+                    if why is None:
+                        if "weights" in kwargs:
+                            kwargs["weights"] = weights
+                        else:
+                            args = (weights, *args[1:])
+                        return boundary._replayed(target, original, args, kwargs)
+                    boundary.end_replay(why)
+            if target.plan is not None:  # what the plan does not describe: watched from here on
+                boundary.end_replay("a tensor was refused before loading" if pre is not None
+                                    else f"load_weights was handed {type(weights).__name__}, not a list")
+            if pre is not None:
+                weights = _DigestingList(boundary, weights, pre)
+            elif isinstance(weights, (list, tuple)):
+                try:
+                    pre = boundary._cpu_first(target, weights)
+                except Exception:  # noqa: BLE001 - e.g. a tensor that cannot be digested: it raises at its pull,
+                    pre = None  # inside the call, where the session records why
+                weights = _DigestingList(boundary, weights, pre)
+            else:
+                weights = boundary._digesting(weights)
+            if "weights" in kwargs:
+                kwargs["weights"] = weights
+            else:
+                args = (weights, *args[1:])
+            if not target.sessioned and boundary.owner.loading_context:
+                target.where = boundary.owner.loading_context
+            call = target.begin_call(lazy=not isinstance(weights, (list, tuple)))
+            try:
+                return original(*args, **kwargs)
+            except Exception as e:
+                target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
+                raise
+            finally:
+                target.end_call(call)
+
+        functools.update_wrapper(load_weights, original)
+        setattr(load_weights, _MARK, self)
+        load_weights.__refit_verify_original__ = original
+        return load_weights
+
+    def _replayed(self, target: ModuleSession, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run one ``load_weights`` call the plan described (recorded already): no tap, no digests."""
+        target.calls += 1
+        try:
+            return original(*args, **kwargs)
+        except Exception as e:
+            target.errors.append(f"{self.role}.load_weights raised {type(e).__name__}: {e}"[:500])
+            raise
+
+    def end_replay(self, why: str) -> None:
+        """Watch the rest of the open session with the loader tap (what was replayed stays recorded)."""
+        s = self.session
+        if s is None or s.plan is None:
+            return
+        s.expand()
+        s.plan, s.replay_left = None, why
+        self.install()
+        self.tap.enabled = self.owner.verifying
+
+    def learn(self, s: ModuleSession, read_back: bool = True) -> None:
+        """Keep the plan of closed session ``s`` (read back already) for the next session to replay,
+        or none, with why (:func:`refit_plan.learn`); ``read_back``: the session's read-back completed."""
+        if not read_back:
+            self.plan, self.plan_why = None, "the session's read-back failed"
+            return
+        bad = [n for n, h in s.prechecked.items() if s.derived_hex.get(n, h) != h]
+        if bad:  # the bytes were right before loading and are not where the plan says they land: diagnose it watched
+            self.plan = None
+            self.plan_why = (f"{bad[0]} holds other bytes where it landed than were checked before loading "
+                             f"({len(bad)} such): the next session is watched")
+            return
+        if s.plan is not None and not s.errors and not s.underived and s.plan.index() is self._index:
+            return  # replayed throughout (a partial refit too), cleanly, on the same model: the same plan
+        try:
+            self.plan, self.plan_why = learn(s, self._index)
+        except Exception as e:  # noqa: BLE001 - the plan only saves work: the next session is watched
+            logger.exception("refit-verify: learning the refit plan of %s failed", self.role)
+            self.plan, self.plan_why = None, f"learning the plan failed: {type(e).__name__}: {e}"[:300]
+
+    def _digesting(self, weights: Any) -> Any:
+        """Return what to hand the model's ``load_weights`` so that every pair is digested as pulled."""
+        if isinstance(weights, (list, tuple)):
+            return _DigestingList(self, weights)
+        return _DigestingIter(self, weights)
+
+    def _check_first(self, target: ModuleSession, weights: list | tuple, expected: dict[str, str | None],
+                     enforce: bool) -> tuple[list, dict[int, str]]:
+        """Digest every tensor of one call before the model sees any (one synchronisation), compare
+        with the sender's ``expected`` digests and return what the model may load, with
+        ``{id(tensor): 32-hex}`` of those checked.
+
+        In ``enforce`` a tensor whose digest differs (or that came without one) is left out and
+        recorded as refused; in ``log`` it is loaded (the verdict names it mismatched). Names the
+        sender did not announce are digested as pulled (or replayed), as usual. The digests are
+        read at once through :func:`~refit_verify.digest.incremental.digest_now` (nothing runs between
+        the hand-over and the read): a call with the same names over the same memory as the last
+        one (a staging slot handed over in place) launches a kept set, one signature per tensor;
+        so do the layerwise reload's fresh clones on the CPU (a relocatable set read where they are
+        now) and on CUDA when the allocator gives them the last refit's addresses; otherwise they
+        take the general path (a plan per tensor).
+        """
+        t0 = time.perf_counter()
+        checked = [item for item in weights
+                   if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)]
+        got = digest_now(checked, space="checked before loading")  # read before the model sees any: one synchronisation per device
+        target.digest_s += time.perf_counter() - t0
+        if [expected[n] for n in got] == list(got.values()):  # every one as the sender digested it: all loaded
+            target.prechecked.update(got)
+            return list(weights), {id(t): got[n] for n, t in checked}
+        keep, pre = [], {}
+        for item in weights:
+            name = item[0] if isinstance(item, tuple) and len(item) == 2 else None
+            if name not in got:
+                keep.append(item)
+                continue
+            why = check_digest(got[name], expected[name])
+            if why is not None and enforce:
+                target.refused[name] = (got[name], why)
+                logger.error("refit-verify: %s refused before loading: %s", name, why)
+                continue
+            pre[id(item[1])] = target.prechecked[name] = got[name]
+            keep.append(item)
+        return keep, pre
+
+    def _cpu_first(self, target: ModuleSession, weights: list | tuple) -> dict[int, str] | None:
+        """``{id(tensor): 32-hex}`` of the CPU tensors of a list, digested together before the model
+        sees any (one compiled call for the small ones: ``DigestBatch(hold_cpu=True)``), as each is
+        when handed over, before a loader could change it; None when the list has none (or the
+        session digests CPU tensors where they land, :data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`), or
+        when it is shorter than ``digest._MANY_MIN`` (then each is digested as it is pulled)."""
+        if len(weights) < _MANY_MIN or (target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES):
+            return None  # a few (TRL's one per call): digested as pulled, one call each, is cheaper
+        t0 = time.perf_counter()
+        batch, keys, used = DigestBatch(hold_cpu=True), {}, set()
+        with _PLAIN():
+            for item in weights:
+                t = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+                if isinstance(t, torch.Tensor) and t.is_cpu and id(t) not in keys:
+                    key = item[0] if isinstance(item[0], str) and item[0] not in used else (len(keys),)  # never a name
+                    used.add(key)
+                    keys[id(t)] = key
+                    batch.add(key, t)
+        if not keys:
+            return None
+        got = batch.hexdigests()
+        target.digest_s += time.perf_counter() - t0
+        return {i: got[k] for i, k in keys.items()}
+
+    def _pull(self, name: str, tensor: Any, hexd: str | None = None) -> None:
+        target = self._target()
+        if isinstance(tensor, torch.Tensor) and target.current is not None:
+            target.deliver(name, tensor, target.current, hexd)
+
+    def delivered_name(self, t: Any) -> str | None:
+        """The delivered name of the open session that ``t`` is (or is a view of), or None."""
+        if not isinstance(t, torch.Tensor) or self.session is None:
+            return None
+        d = self.session.match(t)
+        return d.name if d is not None else None
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def begin(self, derive: bool = False, replay: bool = False) -> None:
+        """Start this module's record of a session; ``derive``: the session's read-back will run
+        (see :data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`); ``replay``: replay the plan the last
+        session left, if it is still the model's (:mod:`refit_verify.boundary.plan`)."""
+        plan = self.plan if derive and replay else None
+        if plan is not None:
+            self.install(loaders=False)
+            # the partial check: a change it misses leaves the plan describing other parameters than the
+            # loader writes, which the close's full check and read-back of the live tensors find (a failed
+            # verdict, never a passed one): tests/test_model_index.py
+            if self.index(quick=True) is not plan.index():
+                plan, self.plan, self.plan_why = None, None, "the model's parameters changed"
+        if plan is None:
+            self.install()
+        self.session = ModuleSession(self, sessioned=True, derive=derive, plan=plan)
+        self.tap.enabled = self.owner.verifying and plan is None
+        self._bind()
+
+    def end(self) -> ModuleSession:
+        """Take this module's record of the closing session (read back next, then :meth:`manifest`)."""
+        s = self.session if self.session is not None else ModuleSession(self, True)
+        s.expand(whole=True)
+        self.session = None
+        self.tap.enabled = self.owner.verifying  # loads outside sessions are watched
+        self._bind()
+        return s
+
+    def manifest(self, s: ModuleSession, allow: Iterable[str]) -> ModuleManifest:
+        idx = self.index(refresh=False)
+        return s.manifest(idx.params if idx is not None else {}, allow)
+
+    def take_unsessioned(self) -> Unsessioned | None:
+        o = self.outside
+        if not o.calls:
+            return None
+        names = list(o.delivered)[:MAX_UNSESSIONED_NAMES]
+        rec = Unsessioned(module=self.role, calls=o.calls, tensors=o.tensors, names=names, where=o.where)
+        self.outside = ModuleSession(self, sessioned=False)
+        self._bind()
+        return rec
+
+
+class _DigestingList(list):
+    """A list handed to ``load_weights``: iterating it digests each pair (lists stay lists).
+
+    ``pre``: ``{id(tensor): 32-hex}`` of tensors already digested (verify before load)."""
+
+    def __init__(self, boundary: ModelBoundary, items, pre: dict[int, str] | None = None) -> None:
+        super().__init__(items)
+        self._boundary = boundary
+        self._pre = pre or {}
+        self._seen = False
+
+    def __iter__(self):
+        if self._seen:  # a loader iterating twice: digest the pairs once
+            return super().__iter__()
+        self._seen = True
+        return _DigestingIter(self._boundary, super().__iter__(), self._pre)
+
+
+class _DigestingIter:
+    """Yields the pairs of ``inner`` unchanged, digesting each tensor as the loader pulls it."""
+
+    def __init__(self, boundary: ModelBoundary, inner: Iterable, pre: dict[int, str] | None = None) -> None:
+        self._boundary = boundary
+        self._it: Iterator = iter(inner)
+        self._pre = pre or {}
+
+    def __iter__(self) -> _DigestingIter:
+        return self
+
+    def __next__(self):
+        item = next(self._it)
+        try:
+            name, tensor = item
+        except (TypeError, ValueError):
+            return item
+        self._boundary._pull(name, tensor, self._pre.get(id(tensor)))
+        return item

@@ -1,0 +1,466 @@
+"""A worker's boundaries, its identity and the session in progress (:class:`WorkerBoundary`).
+
+The design is described in :mod:`refit_verify.boundary`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from refit_verify.boundary.record import ModuleSession, match_any
+from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import CLOSE_AUDIT, AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.boundary.model import ModelBoundary
+from refit_verify.boundary.plan import replay_from_env
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["ModelBoundary", "SessionDigests", "WorkerBoundary", "identity_of", "match_any"]
+
+MAX_KEPT_MANIFESTS = 16
+
+
+class _Open:
+    """The session in progress on one worker."""
+
+    def __init__(self, session_id: str, version: int | None, opened_by: str, producer: Producer | None, partial: bool,
+                 allow: tuple[str, ...], readback: bool, explicit: bool) -> None:
+        self.id, self.version, self.opened_by = session_id, version, opened_by
+        self.producer, self.partial, self.allow, self.readback = producer, partial, allow, readback
+        self.explicit = explicit
+        self.depth = 1
+        self.unsessioned: list[Unsessioned] = []
+        self.stale: str | None = None
+        self.errors: list[str] = []
+        self.started = time.monotonic()
+        self.open_s = 0.0  # host seconds of the open (SessionManifest.open_s)
+        self.expected: tuple[dict[str, str | None], bool] | None = None  # the sender's digests of the next load_weights call
+        self.kept: dict[str, str] = {}  # engine parameter -> why it still holds the previous version
+        self.attributed: set[str] = set()  # refused names whose parameters are named in kept
+
+
+class WorkerBoundary:
+    """One worker's model boundaries, identity and session.
+
+    Args:
+        identity: the worker's :class:`~refit_verify.manifest.WorkerIdentity`.
+        verifying: whether ``REFIT_VERIFY`` is ``log`` or ``enforce`` in this worker; when False
+            every wrapper passes through and sessions record nothing.
+
+    Thread safety: sessions are opened and closed under a lock; the loads themselves run on the
+    worker's own thread, as vLLM runs them.
+    """
+
+    def __init__(self, identity: WorkerIdentity, verifying: bool = True) -> None:
+        self.identity = identity
+        self.verifying = verifying
+        self.modules: dict[str, ModelBoundary] = {}
+        self.open_session: _Open | None = None
+        self.manifests: dict[str, SessionManifest] = {}
+        self.last: SessionManifest | None = None
+        self.max_version: int | None = None
+        self.loading_context: str | None = None
+        self.readback: Callable[[dict[str, ModuleSession], dict[str, ModelBoundary]], Any] | None = None
+        self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot (its arguments, sessions= too), set by the plugin
+        self.auditor: Callable[..., Any] | None = None  # engine_state.audit
+        self.baseline: Any = None  # EngineSnapshot left by the last closed session
+        self.pending_audits: list[Any] = []  # failed automatic audits since the last session
+        self._replicated: dict[str, bool] = {}
+        self._written_version: dict[str, int | None] = {}
+        self._lock = threading.RLock()
+
+    def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
+               extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None,
+               refresh: bool = True) -> ModelBoundary | None:
+        """Add (or refresh) the boundary of ``model`` under ``role``; idempotent.
+
+        Args:
+            extra_params: ``f(model) -> [(name, tensor)]`` of parameters a reload will swap in (vLLM's
+                layerwise reload restores meta copies recorded at load time); their loaders are wrapped too.
+            refresh: re-wrap the parameters of an already attached model (False when a session
+                opens next: :meth:`open` wraps them anyway).
+        """
+        if model is None or not callable(getattr(model, "load_weights", None)):
+            return None
+        with self._lock:
+            b = self.modules.get(role)
+            if b is not None and b.model is not None and b.model is not model and not isinstance(model, torch.nn.Module):
+                return b  # a proxy standing in for the attached model (SkyRL's _LoadWeightsProxy): keep the model's boundary
+            if b is None or b.model is not model:
+                b = self.modules[role] = ModelBoundary(self, model, role, default_loader, extra_params)
+            elif not refresh:
+                return b
+            b.install()
+            return b
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def open(self, session_id: str | None = None, *, version: int | None = None, opened_by: str = "rpc",
+             producer: Producer | None = None, partial: bool = False, allow: Iterable[str] = (), readback: bool = True,
+             explicit: bool = True, replay: bool = True) -> str:
+        """Open a session (or join the one open, for an implicit open); return its id.
+
+        ``replay``: a module may replay the plan its last session left (:mod:`refit_verify.boundary.plan`;
+        False: every load is watched by the loader tap and the plan is learned again). Replay needs
+        the read-back and the engine-state snapshot, and ``REFIT_VERIFY_REPLAY`` not ``0``.
+
+        Raises:
+            RefitProtocolError: an explicit open while another explicit session is open (close it first),
+                or a bad argument.
+        """
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise RefitProtocolError(f"session version must be an int or None, got {version!r}")
+        with self._lock:
+            cur = self.open_session
+            if cur is not None:
+                if session_id is not None and session_id == cur.id:
+                    cur.depth += 1
+                    return cur.id
+                if not explicit or not cur.explicit:
+                    cur.depth += 1
+                    if not explicit:
+                        cur.opened_by = cur.opened_by if opened_by in cur.opened_by else f"{cur.opened_by}+{opened_by}"
+                        if producer is not None and cur.producer is None:
+                            cur.producer = producer
+                        return cur.id
+                    # an explicit open joins an implicit one: it takes the session over
+                    cur.explicit, cur.id = True, session_id or cur.id
+                    cur.version = version if version is not None else cur.version
+                    cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
+                    if not replay:
+                        for b in self.modules.values():
+                            b.end_replay("the session was opened with replay=False (after a failed refit)")
+                    return cur.id
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
+                                         f"still open; close it before opening {session_id!r}")
+            t0 = time.perf_counter()
+            sid = session_id or uuid.uuid4().hex[:16]
+            s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
+            if version is not None and self.max_version is not None and version < self.max_version:
+                s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
+            derive = readback and self.readback is not None
+            # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
+            replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
+            for b in self.modules.values():
+                rec = b.take_unsessioned()
+                if rec is not None:
+                    s.unsessioned.append(rec)
+                b.begin(derive=derive, replay=replay)
+            self.open_session = s
+            s.open_s = time.perf_counter() - t0
+            return sid
+
+    def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
+        """Close the session (an implicit close only leaves a joined one); return its manifest.
+
+        Returns None when an implicit close left the session open (it was joined) or none is open.
+
+        Raises:
+            RefitProtocolError: ``session_id`` names another session than the one open.
+        """
+        with self._lock:
+            s = self.open_session
+            if s is None:
+                return None
+            if session_id is not None and session_id != s.id:
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {session_id!r} is not open (open: {s.id!r})")
+            s.depth -= 1
+            if s.depth > 0 and not (explicit and s.explicit):
+                return None
+            if not explicit and s.explicit:
+                return None
+            t0 = time.perf_counter()
+            self.open_session = None
+            sessions = {role: b.end() for role, b in self.modules.items()}
+            errors = list(s.errors)
+            written: set[str] = set()
+            for role, ms in sessions.items():
+                prefix = "" if role == "model" else f"{role}:"
+                self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
+                self._written_version.update({prefix + k: s.version for k in ms.written})
+                written.update(prefix + k for k in ms.written)
+            previous = self.baseline
+            # read back when asked, and always when a delivered tensor is proven only where it landed
+            reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
+            # the engine state first: read-back takes a parameter written whole from its digest (one pass),
+            # and the regions of a kept read-back program are read in the snapshot's launch. The model
+            # indexes are checked once per close (snapshot, read-back and the manifests use them as they
+            # are): by the snapshot, while the device reads the state (refresh=True)
+            if self.snapshotter is None:
+                self._refresh_indexes()
+            else:
+                try:
+                    self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
+                                                     dict(self._written_version), sessions=sessions if reading else None,
+                                                     refresh=True)
+                except Exception as e:  # noqa: BLE001 - reported, never silent
+                    logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
+                    errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
+                    self.baseline = None
+                    self._refresh_indexes()  # a snapshot that failed may have checked some of them, or none
+            known = {k: v.digest for k, v in self.baseline.params.items()} if self.baseline is not None else None
+            engine = None
+            if reading:
+                try:
+                    engine = self.readback(sessions, self.modules, known=known)
+                except Exception as e:  # noqa: BLE001 - reported, never silent
+                    logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
+                    errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
+            for role, ms in sessions.items():
+                self.modules[role].learn(ms, read_back=engine is not None)
+            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
+            errors += [e for ms in sessions.values() for e in ms.errors]
+            self._audit_unwritten(previous, written)
+            audits, self.pending_audits = self.pending_audits, []
+            man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
+                                  producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
+                                  partial=s.partial, errors=errors, audits=audits,
+                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s)
+            if s.version is not None and (self.max_version is None or s.version > self.max_version):
+                self.max_version = s.version
+            self.manifests[s.id] = man
+            while len(self.manifests) > MAX_KEPT_MANIFESTS:
+                self.manifests.pop(next(iter(self.manifests)))
+            self.last = man
+            man.close_s = time.perf_counter() - t0
+            return man
+
+    def _audit_unwritten(self, previous: Any, written: set[str]) -> None:
+        """Compare the parameters this session did not write with the state the last session left
+        (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
+        changed outside any load the new baseline unnoticed. What changed is reported with this
+        session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
+        names an automatic audit already reported are left out."""
+        now = self.baseline
+        if now is None:
+            return
+        if previous is None:  # a session closed before, but its snapshot failed: nothing to compare with
+            last = self.last
+            unwritten = [n for n in now.params if n not in written] if last is not None else []
+            if unwritten:
+                self.pending_audits.append(AuditResult(
+                    worker=self.identity, since_session=last.session, since_version=last.version, changed=[], moved=[],
+                    trigger=CLOSE_AUDIT, tensors=len(now.params),
+                    problems=[f"the engine-state snapshot at the close of session {last.session!r} failed: the "
+                              f"{len(unwritten)} parameters this session did not write are not compared with what it left"]))
+            return
+        seen = {n for a in self.pending_audits for n in a.changed}
+        changed = [n for n, st in now.params.items() if n not in written and n not in seen
+                   and n in previous.params and previous.params[n].digest != st.digest]
+        if changed:
+            self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
+                                                   since_version=previous.version, changed=changed, moved=[],
+                                                   trigger=CLOSE_AUDIT, tensors=len(now.params)))
+
+    def abandon(self, session_id: str, why: str) -> None:
+        """End an implicit session whose closing call never came (its manifest records ``why``)."""
+        with self._lock:
+            s = self.open_session
+            if s is None or s.id != session_id:
+                return
+            s.errors.append(f"session abandoned: {why}")
+            if s.explicit:
+                s.depth = max(1, s.depth - 1)
+                return
+            s.depth = 1
+            self.close(session_id, explicit=False)
+
+    def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
+        """Hand the next ``load_weights`` call of the open session the sender's digests of its tensors:
+        it checks them before loading (and in ``enforce`` refuses what differs)."""
+        with self._lock:
+            if self.open_session is not None:
+                self.open_session.expected = (dict(digests), bool(enforce))
+
+    def take_expected(self) -> tuple[dict[str, str | None], bool] | None:
+        """The digests :meth:`expect` left for this call (taken once), or None."""
+        s = self.open_session
+        if s is None or s.expected is None:  # the common case, read without the lock: nothing to take
+            return None
+        with self._lock:
+            s = self.open_session
+            if s is None or s.expected is None:
+                return None
+            out, s.expected = s.expected, None
+            return out
+
+    def refused_names(self, role: str = "model") -> list[str]:
+        """Names the open session refused before loading, in module ``role``."""
+        b = self.modules.get(role)
+        return list(b.session.refused) if b is not None and b.session is not None else []
+
+    def note_kept(self, kept: dict[str, str], withheld: dict[str, str] | None = None, attributed: Iterable[str] = (),
+                  role: str = "model") -> None:
+        """Record, in the open session, parameters that still hold the previous version (``kept``:
+        ``{parameter: why}``), delivered names that never landed with them (``withheld``: ``{name:
+        why}``, left out of the manifest's digests) and the refused names those account for."""
+        with self._lock:
+            s = self.open_session
+            if s is None:
+                return
+            s.kept.update(kept)
+            s.attributed.update(attributed)
+            b = self.modules.get(role)
+            if b is not None and b.session is not None:
+                if withheld:
+                    b.session.withhold(withheld)
+                if kept:  # names replayed into a put-back layer (their tensors were not watched)
+                    b.session.withhold_kept(kept)
+
+    def outcome(self, closing: bool = False) -> tuple[dict[str, str], list[str], dict[str, str]]:
+        """What the open session did to the engine: ``(rejected, landed, kept)``.
+
+        ``rejected``: ``{delivered name: why}`` refused before loading or withheld; ``landed``:
+        parameters written (drafter ones prefixed ``"drafter:"``); ``kept``: ``{parameter: why}``
+        of what still holds the previous version (a refused name whose parameters are not known
+        is listed under its own name). ``closing``: nothing more is loaded in this session (it is
+        closed or abandoned next), so a session that replayed its whole plan takes the plan's
+        records as a whole (:func:`refit_verify.boundary.plan.expand`), as the close would."""
+        with self._lock:
+            s = self.open_session
+            rejected: dict[str, str] = {}
+            landed: list[str] = []
+            kept = dict(s.kept) if s is not None else {}
+            for role, b in self.modules.items():
+                ms = b.session
+                if ms is None:
+                    continue
+                ms.expand(whole=closing)
+                prefix = "" if role == "model" else f"{role}:"
+                for n, (_h, why) in ms.refused.items():
+                    rejected[prefix + n] = why
+                    if s is not None and n not in s.attributed:
+                        kept.setdefault(prefix + n, f"not loaded: {why}")
+                for n, why in ms.withheld.items():
+                    rejected.setdefault(prefix + n, why)
+                landed += [prefix + p for p in ms.written]
+            return rejected, landed, kept
+
+    def note_error(self, message: str) -> None:
+        """Record a worker-side error in the open session (reported in its manifest)."""
+        with self._lock:
+            if self.open_session is not None:
+                self.open_session.errors.append(message[:500])
+
+    def snapshot(self) -> tuple[dict[str, str], int, int, float]:
+        """Digests so far of the open session, without closing it: (digests, calls, tensors, digest seconds)."""
+        with self._lock:
+            digests: dict[str, str] = {}
+            calls = tensors = 0
+            secs = 0.0
+            for b in self.modules.values():
+                ms = b.session
+                if ms is None:
+                    continue
+                ms.expand()
+                digests.update(ms.digests())
+                digests.update(ms.landed_now())  # tensors left to read-back: where they landed, as of now
+                calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
+            return digests, calls, tensors, secs
+
+    def _refresh_indexes(self) -> None:
+        for b in self.modules.values():
+            b.index()
+
+    def state(self) -> Any:
+        """Digest the engine state now (every parameter and persistent buffer, storage pointers)."""
+        self._refresh_indexes()
+        last = self.last
+        return self.snapshotter(self.modules, self.identity, last.session if last else None, last.version if last else None,
+                                dict(self._replicated), dict(self._written_version))
+
+    def audit(self, trigger: str = "rpc") -> Any:
+        """Re-digest the engine state and compare with the state the last session left.
+
+        Returns:
+            AuditResult | None: None when no session has closed on this worker yet (nothing to audit
+            against). An automatic audit (``trigger`` other than ``"rpc"``) that fails outside a
+            session is kept and reported with the next session's manifest.
+        """
+        with self._lock:
+            if self.snapshotter is None or self.auditor is None:
+                return None
+            if self.baseline is None:
+                last = self.last
+                if last is None:
+                    return None
+                return AuditResult(worker=self.identity, since_session=last.session, since_version=last.version, changed=[],
+                                   moved=[], trigger=trigger, problems=["the engine-state snapshot at that session's close "
+                                                                        "failed: there is nothing to audit against"])
+            res = self.auditor(self.baseline, self.state(), trigger)
+            if trigger != "rpc" and not res.ok and self.open_session is None:
+                logger.warning("refit-verify: %s", res.describe())
+                self.pending_audits.append(res)
+            return res
+
+    def current_id(self) -> str | None:
+        s = self.open_session
+        return s.id if s is not None else None
+
+
+class SessionDigests(ExternalDigests):
+    """A transport receiver's digests taken at a worker's model boundary (an implicit session).
+
+    :meth:`begin` opens a session named after the refit (joining one the trainer opened
+    explicitly); :meth:`expect` hands the next ``load_weights`` call the sender's digests (verify
+    before load); :meth:`finish` closes it and returns its digests and manifest (the manifest is
+    None when the session was joined: the explicit opener closes it); :meth:`fail` abandons it.
+
+    Attributes:
+        before_close: ``f(failed: bool)`` run before the session closes (e.g. finalize vLLM's
+            layerwise reload, putting back layers that cannot land whole).
+        rejected, landed, kept: the session's outcome (:meth:`WorkerBoundary.outcome`), set by
+            :meth:`finish` / :meth:`fail`.
+    """
+
+    def __init__(self, wb: WorkerBoundary, opened_by: str) -> None:
+        self.wb, self.opened_by = wb, opened_by
+        self.sid: str | None = None
+        self.before_close: Callable[..., None] | None = None
+        self.rejected: dict[str, str] = {}
+        self.landed: list[str] = []
+        self.kept: dict[str, str] = {}
+
+    def begin(self, refit_id: str, producer: Producer | None) -> None:
+        self.sid = self.wb.open(refit_id, opened_by=self.opened_by, producer=producer, explicit=False)
+
+    def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
+        """The sender's digests of the tensors the next ``load_weights`` call gets (checked first)."""
+        self.wb.expect(digests, enforce)
+
+    def _settle(self, failed: bool) -> None:
+        if self.before_close is not None:
+            try:
+                self.before_close(failed=failed)
+            except Exception as e:  # recorded in the session; the refit's Done still goes out
+                logger.exception("refit-verify: finalizing the load failed")
+                self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
+        if self.wb.current_id() == self.sid:
+            self.rejected, self.landed, self.kept = self.wb.outcome(closing=True)
+
+    def finish(self) -> tuple[dict[str, str], SessionManifest | None]:
+        if self.sid is None:
+            return {}, None
+        self._settle(failed=False)
+        man = self.wb.close(self.sid, explicit=False)
+        if man is None:
+            return self.wb.snapshot()[0], None
+        return man.digests(), man
+
+    def fail(self, why: str) -> None:
+        if self.sid is not None:
+            self._settle(failed=True)
+            self.wb.abandon(self.sid, f"{self.opened_by} refit failed: {why}"[:500])
+
+
+def identity_of(rank: int = 0, dp: int = 0, tp: int = 0, pp: int = 0, device: Any = "cpu") -> WorkerIdentity:
+    """Build a :class:`WorkerIdentity` for this process."""
+    return WorkerIdentity(rank=int(rank), dp=int(dp), tp=int(tp), pp=int(pp), device=str(device), pid=os.getpid())

@@ -1,0 +1,301 @@
+"""One fixed list of live tensors, digested again and again: its checks and launch plans made once.
+
+A verified refit digests the same memory at every close: the engine-state snapshot reads every
+parameter and persistent buffer of the model, and a replayed session's read-back the same regions
+of the same parameters (:mod:`refit_verify.boundary.plan`). :class:`~refit_verify.digest.batch.DigestBatch`
+re-checks and re-plans each tensor at every call (a few µs of Python per tensor);
+:class:`DigestSet` does that once, when it is built, and per call only compares one cheap
+signature per tensor with the one it was built on: data pointer, shape, strides, dtype, storage
+bytes, conjugate / negative bits (:func:`signature`). A tensor whose signature moved (``.data``
+reassigned, storage freed or resized, re-viewed) makes :meth:`DigestSet.digest` return ``None``
+and the caller takes the general path, which checks everything again and builds a new set. A set
+over CPU tensors digested by the compiled batch (no region, none large) is *relocatable*: new
+tensors of its exact layout at other addresses (the clones vLLM's layerwise reload is handed at
+every refit) are read through it where they are (:meth:`DigestSet.moved`), its plan being one
+address per tensor.
+
+The bytes are read at every call: the kernels (Triton on CUDA, one launch plan per device) and the
+CPU's compiled batch (numba, ``Backend.digest_many``) read the memory the tensors hold then. The
+digests are those of :func:`~refit_verify.digest.batch.tensor_digest` (digest v1, ``docs/digest-spec.md``),
+bit for bit; ``tests/test_digest_set.py`` compares them on every backend this machine has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import repeat
+from operator import and_, attrgetter, sub
+
+import torch
+
+from refit_verify.digest import batch as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.digest import reference as _ref
+from refit_verify.digest.batch import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
+from refit_verify.boundary.placement import as_view
+
+__all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature"]
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """What must not change for a built :class:`DigestSet` to read ``t`` correctly: ``(data_ptr,
+    shape, strides, dtype, storage data_ptr, storage bytes, is_conj, is_neg)``. The caller runs on
+    plain tensor ops."""
+    s = t.untyped_storage()
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, s.data_ptr(), s.nbytes(), t.is_conj(), t.is_neg())
+
+
+def _layout(columns: Sequence[list]) -> tuple[list, ...]:
+    """What :func:`signature` fields say of tensors' layout wherever they are, from
+    :func:`_signature_columns`' columns: shape, strides, dtype, storage bytes, conjugate / negative
+    bits, and offset into the storage (data pointer minus storage pointer), one list each."""
+    return (columns[1], columns[2], columns[3], columns[5], columns[6], columns[7], list(map(sub, columns[0], columns[4])))
+
+
+def same_layout(a: Sequence[tuple], b: Sequence[tuple]) -> bool:
+    """True iff signatures ``a`` and ``b`` (:func:`signature`, in order) describe tensors of one
+    layout, wherever each is: every field but the two addresses equal, and the same offset into the
+    storage (:meth:`DigestSet.moved`'s rule)."""
+    return len(a) == len(b) and (not a or _layout(list(map(list, zip(*a)))) == _layout(list(map(list, zip(*b)))))
+
+
+_T = torch.Tensor
+_SHAPE, _DTYPE, _DEVICE, _IS_COMPLEX = attrgetter("shape"), attrgetter("dtype"), attrgetter("device"), attrgetter("is_complex")
+_CPU = {torch.device("cpu")}
+_NBYTES, _STORAGE_PTR = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
+
+
+def _signature_columns(ts: Sequence[torch.Tensor]) -> tuple[list, ...]:
+    """The fields of :func:`signature` of every tensor of ``ts``, one list per field, in its order:
+    read field by field (one C-level pass per field, not a Python call per tensor). Only a complex
+    tensor can carry the conjugate bit (torch asserts it), so with no complex dtype among them that
+    field is not read: all False. The caller runs on plain tensor ops."""
+    storages = list(map(_T.untyped_storage, ts))
+    dtypes = list(map(_DTYPE, ts))
+    conj = list(map(_T.is_conj, ts)) if any(map(_IS_COMPLEX, set(dtypes))) else [False] * len(dtypes)
+    return (list(map(_T.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(_T.stride, ts)), dtypes,
+            list(map(_STORAGE_PTR, storages)), list(map(_NBYTES, storages)), conj, list(map(_T.is_neg, ts)))
+
+
+def _columns_or_none(ts: Sequence[torch.Tensor]) -> tuple[list, ...] | None:
+    """:func:`_signature_columns` of ``ts``, or None when one has no storage to sign (a caller's
+    general path then says why). The caller runs on plain tensor ops."""
+    try:
+        return _signature_columns(ts)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a :class:`DigestSet` over ``tensors`` would be :attr:`~DigestSet.relocatable`, read
+    from the tensors alone (no set built): every one a contiguous CPU tensor at an 8-byte aligned
+    address, below the compiled batch's length bound, on a CPU without kernels. For a caller that
+    would otherwise build a set only to find it cannot follow moving memory. The caller runs on
+    plain tensor ops."""
+    if "cpu" in _digest._KERNEL_DEVICE_TYPES or not set(map(_DEVICE, tensors)) <= _CPU:
+        return False
+    backend = _digest.backend_for("cpu")
+    if backend.plan_many is None:
+        return False
+    most = backend.many_max_bytes
+    return all(_many_ok(t, most) for t in tensors)
+
+
+class DigestSet:
+    """The digests of ``tensors``, re-read at every :meth:`digest` with no per-tensor planning.
+
+    Args:
+        tensors: the live tensors, in output order (contiguous, on CUDA, or on the CPU; anything
+            :func:`~refit_verify.digest.batch.logical_bytes` accepts). The set holds them (``hold``).
+        regions: per tensor, a region ``(element offset, shape, strides)`` of it to read instead
+            (:func:`~refit_verify.boundary.placement.as_view`; each must be contiguous): the set then holds
+            the tensors (e.g. parameters) and their signatures, never a view of their storage.
+        hold: keep the tensors (default). False: keep only their signatures and the launch plans,
+            and be handed tensors with the same signatures at each call (a trainer's held tensors:
+            new tensor objects over the same memory at every refit, and no memory kept alive).
+    Attributes:
+        tensors: the tensors given, in order (None with ``hold=False``).
+        signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
+            storage's data pointer, what an engine-state snapshot records).
+        relocatable: the set can read tensors of its layout at other addresses (:meth:`moved`):
+            every tensor is a whole CPU tensor digested by the compiled batch (no kernel plan, no
+            region), so its plan is one pointer per tensor, made again from the tensors given.
+
+    Raises:
+        RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.batch.logical_bytes`).
+        ValueError: a tensor (region) is not contiguous, is a conjugate / negative view, or is on a
+            device that has neither the kernels nor the CPU batch (use :class:`~refit_verify.digest.batch.DigestBatch`);
+            ``regions`` and ``tensors`` differ in length.
+        RuntimeError: a region lies outside its tensor's storage.
+
+    Host cost of a call: the :func:`signature` fields of every tensor, read and compared field by
+    field (eight C-level passes over the tensors), one launch per CUDA
+    device (kept plan), one compiled call for the CPU's small tensors (one call each for the
+    large ones), one device-to-host copy per device, one hex formatting of all the words.
+    """
+
+    @plain_tensor_ops
+    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None, hold: bool = True) -> None:
+        self.tensors: list[torch.Tensor] | None = list(tensors)
+        self.regions = list(regions) if regions is not None else None
+        if self.regions is not None and len(self.regions) != len(self.tensors):
+            raise ValueError(f"{len(self.tensors)} tensors but {len(self.regions)} regions")
+        self._n = len(self.tensors)
+        views = [self._view(i) for i in range(self._n)]  # transient: only addresses are kept
+        for u in views:
+            _check(u)
+        self._columns = _signature_columns(self.tensors)  # what valid() compares
+        self.signatures = list(zip(*self._columns))
+        self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
+        # per group: (positions in the output, kept kernel plan or the CPU's kept plan_many (its list without one), backend,
+        # large CPU items (position, seeds))
+        self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
+        by: dict[tuple, list[int]] = {}
+        for i, t in enumerate(views):
+            if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                raise ValueError("a DigestSet reads tensors in place: contiguous ones, without conjugate or negative bits")
+            dtype = "cuda" if t.is_cuda else t.device.type
+            if dtype in _digest._KERNEL_DEVICE_TYPES:
+                backend = _digest.backend_for(dtype)
+                if backend.plan_views is None:
+                    raise ValueError(f"no kept launch plans for {dtype} tensors (backend {backend.name})")
+                by.setdefault((t.get_device(), True, backend), []).append(i)
+            elif dtype == "cpu":
+                backend = _digest.backend_for("cpu")
+                if backend.digest_many is None:
+                    raise ValueError(f"no batched CPU digests (backend {backend.name})")
+                by.setdefault((-1, False, backend), []).append(i)
+            else:
+                raise ValueError(f"no batched digests of {dtype} tensors")
+        for (_dev, kernel, backend), pos in by.items():
+            if kernel:
+                u8 = [logical_bytes(views[i]) for i in pos]
+                seeds = [_tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
+                self._groups.append((pos, backend.plan_views(u8, seeds), backend, []))
+                continue
+            most = backend.many_max_bytes
+            many, mpos, large = [], [], []
+            for i in pos:
+                t = views[i]
+                nbytes = t.numel() * t.element_size()
+                seeds = _tensor_seed(t.dtype, t.shape, nbytes)
+                if _many_ok(t, most):
+                    many.append((t.data_ptr(), nbytes, seeds))
+                    mpos.append(i)
+                else:
+                    large.append((i, seeds))
+            # the compiled batch's arguments checked once (no Python step per tensor per call), or its list
+            self._groups.append((mpos, backend.plan_many(many) if backend.plan_many is not None else many, backend, large))
+        if not hold:
+            self.tensors = None
+        # a set over CPU memory only, whole tensors, each digested through a kept plan of the compiled batch: it can
+        # read tensors of the same layout elsewhere (moved(), launch(moved=True)): an address per tensor is all it holds
+        self.relocatable = regions is None and all(b.digest_many is not None and not isinstance(kept, list) and not large
+                                                   for _, kept, b, large in self._groups)
+
+    def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
+        parameter left stays alive through it)."""
+        t = (self.tensors if tensors is None else tensors)[i]
+        if self.regions is None:
+            return t
+        return as_view(t.detach(), self.regions[i])
+
+    def __len__(self) -> int:
+        return self._n
+
+    @plain_tensor_ops
+    def valid(self, tensors: Sequence[torch.Tensor] | None = None, columns: tuple[list, ...] | None = None) -> bool:
+        """True iff every tensor (``tensors``: these, in the set's order, for a set that holds none)
+        still has the signature the set was built on. ``columns``: ``tensors``' signature fields as
+        columns (:func:`_signature_columns`), when the caller read them just now."""
+        ts = self.tensors if tensors is None else tensors
+        if ts is None or len(ts) != self._n:
+            return False
+        cols = _columns_or_none(ts) if columns is None else columns  # None: given memory with no storage to sign
+        return cols is not None and cols == self._columns
+
+    @plain_tensor_ops
+    def moved(self, tensors: Sequence[torch.Tensor], columns: tuple[list, ...] | None = None) -> bool:
+        """True iff the set is :attr:`relocatable` and ``tensors`` (in the set's order) are laid out
+        as the tensors it was built on, wherever they are now: the same shape, strides, dtype,
+        storage bytes, offset into their storage and conjugate / negative bits, and 8-byte aligned
+        addresses (the compiled batch's requirement). New tensors of a buffer's layout at another
+        address (clones made at every refit on the CPU) then need no new plan: :meth:`launch` with
+        ``moved=True`` reads them where they are. ``columns``: ``tensors``' signature fields as
+        columns, when the caller read them just now (they are not read again)."""
+        if not self.relocatable or len(tensors) != self._n or not set(map(_DEVICE, tensors)) <= _CPU:  # meta: not CPU
+            return False
+        cols = _columns_or_none(tensors) if columns is None else columns
+        if cols is None:
+            return False
+        if self._layout is None:
+            self._layout = _layout(self._columns)
+        return _layout(cols) == self._layout and not any(map(and_, cols[0], repeat(7)))
+
+    @plain_tensor_ops
+    def launch(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None, moved: bool = False) -> SetLaunch | None:
+        """Start reading every tensor as it is now, without synchronising (the kernels run in
+        stream order; the CPU's digests are taken now): a :class:`SetLaunch` to :meth:`collect`,
+        or None when a tensor's signature moved since the set was built (nothing is read then).
+
+        ``check=False``: the caller has just checked :meth:`valid` (or a set over the same
+        tensors) in this step. ``tensors``: the tensors to read, for a set built with
+        ``hold=False`` (they must have the set's signatures: checked unless ``check=False``).
+        ``moved``: ``tensors`` have the set's layout somewhere else (:meth:`moved`: checked unless
+        ``check=False``); they are read where they are now.
+        """
+        if moved:  # relocatable: CPU groups of whole tensors through kept plans, no large item, no kernel plan
+            if not self.relocatable or tensors is None or (check and not self.moved(tensors)):
+                return None
+        elif check and not self.valid(tensors):
+            return None
+        out: list[str | None] = [None] * self._n
+        words: list[tuple[list[int], torch.Tensor]] = []
+        for pos, kept, backend, large in self._groups:
+            if backend.digest_many is not None:  # the CPU: small tensors in one compiled call, the large one by one
+                if pos:
+                    if moved:  # read where the given tensors are now
+                        got = backend.run_many(kept, map(_T.data_ptr, map(tensors.__getitem__, pos)))  # type: ignore[union-attr]
+                    else:
+                        got = backend.digest_many(kept) if isinstance(kept, list) else backend.run_many(kept)
+                    hx = _digest._many_hexes(*got)
+                    for j, i in enumerate(pos):
+                        out[i] = hx[32 * j : 32 * j + 32]
+                for i, seeds in large:
+                    out[i] = _ref.hexdigest(*backend.digest_words(logical_bytes(self._view(i, tensors)), seeds))
+                continue
+            words.append((pos, backend.run_plan(kept)))
+        return SetLaunch(out, words)
+
+    @staticmethod
+    def collect(launched: SetLaunch) -> list[str]:
+        """``[32-hex]`` of a :meth:`launch`, in the set's order (one device-to-host copy per device)."""
+        out = launched.hexes
+        by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for pos, w in launched.words:
+            by_device.setdefault(w.device, []).append((pos, w))
+        for groups in by_device.values():
+            hx = _digest._hexes(torch.cat([w for _, w in groups]) if len(groups) > 1 else groups[0][1])
+            j = 0
+            for pos, _ in groups:
+                for i in pos:
+                    out[i] = hx[j : j + 32]
+                    j += 32
+        launched.words = []
+        return out  # type: ignore[return-value]
+
+    def digest(self, check: bool = True, tensors: Sequence[torch.Tensor] | None = None, moved: bool = False) -> list[str] | None:
+        """Digest every tensor as it is now: ``[32-hex]`` in the order given, or None when a
+        tensor's signature moved since the set was built (nothing is read then). Arguments as
+        :meth:`launch`."""
+        launched = self.launch(check, tensors, moved)
+        return None if launched is None else self.collect(launched)
+
+
+class SetLaunch:
+    """The digests a :meth:`DigestSet.launch` started: CPU ones done (``hexes``), device words pending."""
+
+    __slots__ = ("hexes", "words")
+
+    def __init__(self, hexes: list[str | None], words: list[tuple[list[int], torch.Tensor]]) -> None:
+        self.hexes, self.words = hexes, words

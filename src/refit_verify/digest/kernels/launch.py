@@ -1,0 +1,335 @@
+"""Triton kernels for digest v1: many tensors per call, <= 4 launches, no host synchronisation.
+
+Work split (all views of one call share each launch; kernels in ``_leaf.py`` and ``_upper.py``,
+the arithmetic in ``_mix.py``):
+
+* **leaf**: fold levels 0 and 1 of every chunk straight from the lanes, <= 4096 values per chunk
+  and channel. Launched twice: the FAST launch (``_leaf_fast_kernel``, ``FAST_LEAF``) for aligned,
+  tail-free programs of big chunks (the bulk), the general launch (``_digest_leaf_kernel``,
+  ``LEAF_WARPS``) for the rest (funnel-shift loader, small chunks, one-lane chunks).
+* **upper** (one program per chunk): the remaining <= 3 fold levels, down to the chunk root.
+* **chain** (one program per view): chunk chain from the metadata seed and the two finalisation mixes.
+
+The FAST launch can be replaced for measurements (``_launch(..., fast=...)``): the variants it was
+chosen from live in ``benchmarks/digest_variants.py`` (timed by ``benchmarks/bench_variants.py``).
+
+Host work per call: one pass over the views (address, length), a numpy plan and one pinned
+host-to-device copy of it (memoised per view set), <= 4 launches.
+
+Lanes are loaded as 64-bit words. Views that start off an 8-byte boundary, and the program that
+holds a view's partial last lane, use a funnel-shift loader: it reads the 8-byte-aligned words
+that contain the view's bytes (a few bytes outside the view, inside the same aligned word, are
+read and masked off; such a word never crosses a page or allocation granule) — no host copy.
+
+Source: docs/digest-spec.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from refit_verify.digest import reference as _ref
+import refit_verify.digest.kernels.direct as _direct
+from refit_verify.digest.kernels.replay import replay as _graph_replay
+from refit_verify.digest.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
+from refit_verify.digest.kernels._mix import KM, MID_N, SCR_N
+from refit_verify.digest.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
+
+__all__ = ["Planned", "chunk_roots", "digest_views", "plan_views", "run_plan", "to_hex"]
+
+# Launch shape of the general leaf kernel: a [256] uint64 row over 8 warps = 1 lane per thread per row.
+LEAF_WARPS = 8
+
+FastLaunch = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], list]
+"""``(plan, work, V, C, LO, F) -> launched kernels``: a FAST leaf launch over plan entries [LO, LO+F)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+# ---------------------------------------------------------------------------------------------
+def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
+          align: int = 8) -> tuple[np.ndarray, int, int, int]:
+    """Build the int64 plan read by all kernels (one host-to-device copy).
+
+    Layout (V views, P leaf programs of which F fast, C chunks): ``[r*V:(r+1)*V]`` for r =
+    0 address, 1 nbytes, 2 unused, 3 first global chunk, 4 seed0, 5 seed1 (int64 bits), 6-7 unused;
+    then ``[8V : 8V+P]`` leaf program codes ``(q << 24) | view`` — the F fast ones first — and
+    ``[8V+P : 8V+P+C]`` the view of each chunk (chunks numbered view-major). A chunk of n lanes has
+    ceil(n/65536) leaf programs when n > 61440 (16 for a full chunk), else ceil(n/4096), so leaf
+    program q of a view belongs to chunk q // 16. Fast: big chunk, 8-aligned view, and the
+    program's 65536 lanes hold no partial lane; ``align`` (8, or 16 for ``vec`` variants): the
+    view address alignment a fast program needs.
+
+    Returns:
+        (plan, P, F, C): plan is a 1-D int64 numpy array.
+    """
+    V = len(sizes)
+    if V >= 1 << 24:
+        raise ValueError(f"at most {(1 << 24) - 1} views per call, got {V}")
+    nb = np.asarray(sizes, dtype=np.int64)
+    ad = np.asarray(addrs, dtype=np.uint64).view(np.int64)
+    nl = (nb + 7) // 8
+    nch = (nl + _ref.CHUNK_LANES - 1) // _ref.CHUNK_LANES
+    last = nl - np.maximum(nch - 1, 0) * _ref.CHUNK_LANES  # lanes of the last chunk
+    nb0 = (last + MID_N - 1) // MID_N
+    last_progs = np.where(nb0 >= 16, (last + 65535) // 65536, nb0)
+    nprog = np.where(nch > 0, (nch - 1) * 16 + last_progs, 0)
+    P, C = int(nprog.sum()), int(nch.sum())
+    pv = np.repeat(np.arange(V, dtype=np.int64), nprog)  # view of each leaf program
+    q = np.arange(P, dtype=np.int64) - np.repeat(np.cumsum(nprog) - nprog, nprog)
+    lo = q // 16 * _ref.CHUNK_LANES
+    end = np.minimum(nl[pv], lo + _ref.CHUNK_LANES)
+    sb0 = lo + q % 16 * 65536
+    fast = (end - lo > 15 * MID_N) & (ad[pv] % align == 0) & (np.minimum(end, sb0 + 65536) <= nb[pv] // 8)
+    codes = (q << 24) | pv
+    plan = np.zeros(8 * V + P + C, dtype=np.int64)
+    plan[0:V] = ad
+    plan[V : 2 * V] = nb
+    plan[3 * V : 4 * V] = np.cumsum(nch) - nch
+    sd = np.asarray(seeds, dtype=np.uint64).reshape(V, 2).view(np.int64)
+    plan[4 * V : 5 * V] = sd[:, 0]
+    plan[5 * V : 6 * V] = sd[:, 1]
+    F = int(fast.sum())
+    plan[8 * V : 8 * V + F] = codes[fast]
+    plan[8 * V + F : 8 * V + P] = codes[~fast]
+    plan[8 * V + P :] = np.repeat(np.arange(V, dtype=np.int64), nch)
+    return plan, P, F, C
+
+
+_PLANS: OrderedDict[tuple, tuple[torch.Tensor, int, int, int]] = OrderedDict()
+_PLANS_MAX = 16  # device plans kept for repeated calls on the same views (e.g. every refit)
+
+
+def _device_plan(dev: torch.device, addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
+                 align: int = 8):
+    """``_plan`` on ``dev`` (pinned, non-blocking copy), memoised on (device, addresses, sizes, seeds, align)."""
+    key = (dev, tuple(addrs), tuple(sizes), tuple(seeds), align)
+    hit = _PLANS.get(key)
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit
+    plan_np, P, F, C = _plan(addrs, sizes, seeds, align)
+    plan = torch.from_numpy(plan_np)
+    if dev.type != "cpu":
+        plan = plan.pin_memory().to(dev, non_blocking=True)
+    _PLANS[key] = hit = (plan, P, F, C)
+    if len(_PLANS) > _PLANS_MAX:
+        _PLANS.popitem(last=False)
+    return hit
+
+
+def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> torch.Tensor:
+    """Digest v1 channel values of many byte views: <= 4 kernel launches, no host synchronisation.
+
+    Launches (each skipped when empty): fast leaf, general leaf, upper, chain — for all views.
+    The plan (addresses, lengths, seeds, work lists) is one pinned host-to-device copy, memoised
+    for repeated calls on the same views.
+
+    Args:
+        views: 1-D contiguous uint8 tensors on one device (CUDA; CPU only under
+            ``TRITON_INTERPRET=1``), each a tensor's logical bytes; any storage offset (odd ones
+            included) and any length (0 included). They must stay alive and unmodified until
+            the result is consumed (the kernels run asynchronously).
+        seeds: per view, the two 64-bit chain seeds ``reference.seed(...)`` (ints in [0, 2**64)).
+
+    Returns:
+        torch.Tensor: int64 ``[len(views), 2]`` on the views' device; row i holds the finalised
+        channel-0 and channel-1 values of view i as 64-bit patterns (value mod 2**64 as int64).
+
+    Raises:
+        ValueError: views and seeds differ in length; views on different devices; CPU views
+            without the Triton interpreter.
+        TypeError: a view is not a 1-D contiguous uint8 tensor.
+
+    Source: docs/digest-spec.md
+    """
+    if len(views) != len(seeds):
+        raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
+    if not views:
+        return torch.empty((0, 2), dtype=torch.int64)
+    return _launch(views, seeds, chain=True)
+
+
+def chunk_roots(views: list[torch.Tensor]) -> torch.Tensor:
+    """Chunk roots (spec §6) of many byte views, both channels: leaf and upper kernels, no chain.
+
+    Each view is a standalone byte string (lanes from its first byte, the last lane zero-padded),
+    cut into chunks of 2^20 lanes (8 MiB); no seed, chain or finalisation — the building block
+    of sharded digests (``refit_verify.collective.sharded``: a shard starting on a chunk boundary of the full
+    tensor has exactly the full tensor's roots for its chunks). <= 3 kernel launches, no host
+    synchronisation.
+
+    Args:
+        views: as for :func:`digest_views`.
+
+    Returns:
+        torch.Tensor: int64 ``[C, 2]`` on the views' device, ``C = sum(ceil(nbytes_i / 8 MiB))``;
+        the chunks of view 0 in order, then those of view 1, ...; row = (root_0, root_1) as 64-bit
+        patterns (value mod 2**64 as int64). Empty views contribute no rows.
+
+    Raises:
+        ValueError / TypeError: as :func:`digest_views`.
+
+    Source: docs/digest-spec.md §6, §7.1
+    """
+    if not views:
+        return torch.empty((0, 2), dtype=torch.int64)
+    return _launch(views, [(0, 0)] * len(views), chain=False)
+
+
+class Planned:
+    """A launch plan of one set of views, kept to digest the same memory again (:func:`plan_views`).
+
+    Attributes:
+        plan: int64 plan on the views' device (see :func:`_plan`).
+        P, F, C, V: leaf programs, fast leaf programs, chunks, views.
+        device: the views' device.
+        runs: how often :func:`run_plan` ran it chained on CUDA.
+        graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.digest.kernels.replay`),
+            False when its capture could not be set up or its first replay differed from plain launches, else None.
+        direct: on CUDA, ``(compiled kernels, launch shape)`` its launches go to once it ran twice and they were
+            checked (:mod:`~refit_verify.digest.kernels.direct`), False when it stays on JIT launches, else None.
+    """
+
+    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "direct", "__weakref__")
+
+    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
+        self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
+        self.runs, self.graph, self.direct = 0, None, None
+
+
+def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8) -> Planned:
+    """Check ``views`` and build (or take from the memo) their launch plan, for :func:`run_plan`.
+
+    The plan holds the views' addresses, not the views: running it later digests whatever that
+    memory holds then, so the caller keeps the memory alive and knows it is the same tensors.
+
+    Args:
+        views: non-empty list of 1-D contiguous uint8 tensors on one device (as :func:`digest_views`).
+        seeds: per view, the two 64-bit chain seeds (ints in [0, 2**64)).
+        align: view address alignment in bytes a FAST leaf program needs (8; 16 for ``vec`` variants).
+
+    Returns:
+        Planned: the int64 plan on the views' device and its program / chunk counts.
+
+    Raises:
+        ValueError: views and seeds differ in length; views on different devices; CPU views
+            without the Triton interpreter.
+        TypeError: a view is not a 1-D contiguous uint8 tensor.
+    """
+    if len(views) != len(seeds):
+        raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
+    dev = views[0].device
+    u8 = torch.uint8
+    addrs, sizes = [], []
+    for u in views:
+        if u.dtype is not u8 or u.dim() != 1 or not u.is_contiguous():
+            raise TypeError(f"expected 1-D contiguous uint8 views, got {u.dtype} shape {tuple(u.shape)}")
+        addrs.append(u.data_ptr())
+        sizes.append(u.numel())
+    if len({u.get_device() for u in views}) != 1:
+        raise ValueError("all views of one digest_views call must be on one device")
+    if dev.type == "cpu" and not _INTERPRETED:
+        raise ValueError("CPU views need TRITON_INTERPRET=1 (use refit_verify.digest._torch for CPU tensors)")
+    plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align)
+    return Planned(plan, P, F, C, len(views), dev)
+
+
+def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = None) -> torch.Tensor:
+    """Launch the kernels of plan ``p`` (<= 4 launches, no synchronisation).
+
+    On CUDA, a chained run of a plan run before is one replay of its captured graph
+    (:func:`refit_verify.digest.kernels.replay.replay`: the same kernels and arguments, one launch).
+
+    Returns:
+        torch.Tensor: as :func:`digest_views` (``chain``) or :func:`chunk_roots` (not ``chain``).
+    """
+    dev, V, C = p.device, p.V, p.C
+    work_len = max(1, 2 * C * (MID_N + SCR_N + 1))
+    if chain and launch_fast is None and dev.type == "cuda":
+        out = _graph_replay(p, work_len, lambda work, out: _run(p, work, out, None))
+        if out is not None:
+            return out
+    work = torch.empty(work_len, dtype=torch.int64, device=dev)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        if not chain:
+            _run(p, work, None, launch_fast)
+            roots = work[2 * C * (MID_N + SCR_N) : 2 * C * (MID_N + SCR_N + 1)]  # channel 0 of every chunk, then channel 1
+            return roots.view(2, C).t().contiguous()
+        out = torch.empty((V, 2), dtype=torch.int64, device=dev)
+        _run(p, work, out, launch_fast)
+    return out
+
+
+def _run(p: Planned, work: torch.Tensor, out: torch.Tensor | None, launch_fast: FastLaunch | None) -> None:
+    """The launches of plan ``p`` on the current stream: leaf (fast, general), upper, and the chain
+    into ``out`` (skipped when None: the roots stay in ``work``, see :func:`_digest_upper_kernel`).
+    On CUDA, a plan run before goes straight to its compiled kernels (:mod:`~refit_verify.digest.kernels.direct`)."""
+    launches = _launches(p, work, out)
+    if launch_fast is not None:  # a measured variant replaces the production FAST launch
+        if p.F:
+            launch_fast(p.plan, work, p.V, p.C, 8 * p.V, p.F)
+            launches = launches[1:]
+        _direct.jit(launches)
+    elif not _INTERPRETED and p.device.type == "cuda":
+        _direct.run(p, launches, work, out)
+    else:
+        _direct.jit(launches)
+
+
+def _launches(p: Planned, work: torch.Tensor, out: torch.Tensor | None) -> list[_direct.Launch]:
+    """The launches :func:`_run` makes for ``p`` (the production FAST launch first), as data."""
+    V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
+    L = _direct.Launch
+    out_l = [_fast(plan, work, V, C, 8 * V, F)] if F else []
+    if P > F:
+        out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False),), {"num_warps": LEAF_WARPS}))
+    if C:
+        out_l.append(L(_digest_upper_kernel, (C,), (plan, work, V, C, 8 * V + P), (), {"num_warps": 4}))
+    if out is not None:
+        out_l.append(L(_digest_chain_kernel, (V,), (plan, work, out, V, C), (("RB", _CHAIN_RB),), {"num_warps": 1}))
+    return out_l
+
+
+def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool,
+            fast: tuple[int, FastLaunch] | None = None) -> torch.Tensor:
+    """Plan and launch the leaf and upper kernels, then the chain (``chain``) or a copy of the roots.
+
+    ``fast``: ``(align, launch)`` replacing the production FAST launch (``_launch_fast``, align 8):
+    the view alignment a fast program needs, and the launch (``benchmarks/digest_variants.py``).
+    """
+    align, launch_fast = fast or (8, None)
+    return run_plan(plan_views(views, seeds, align), chain, launch_fast)
+
+
+def _fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> _direct.Launch:
+    """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F), as data (inline
+    PTX and the register cap are GPU-only: the interpreter runs ``ASM=0`` without a cap)."""
+    lf = FAST_LEAF
+    opts = {"num_warps": lf["warps"]} if _INTERPRETED else {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}
+    S = _ref.STRIDE // lf["cols"]  # column slices per superblock
+    return _direct.Launch(_leaf_fast_kernel, (F * S,), (plan, work, V, C, LO, *KM),
+                          (("COLS", lf["cols"]), ("ASM", 0 if _INTERPRETED else lf["asm"])), opts)
+
+
+def _launch_fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> list:
+    """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F), through the JIT."""
+    return _direct.jit([_fast(plan, work, V, C, LO, F)])
+
+
+_INTERPRETED = type(_digest_chain_kernel).__name__ == "InterpretedFunction"
+_CHAIN_RB = 4 if _INTERPRETED else 16  # chunk roots per chain-kernel block (the interpreter pays per step)
+
+
+def to_hex(words: torch.Tensor) -> list[str]:
+    """Format ``digest_views`` output (int64 ``[N, 2]``) as 32 lowercase hex chars per row.
+
+    One device-to-host copy (the only synchronisation). Source: docs/digest-spec.md §9.
+    """
+    m = _ref.MASK64
+    return [_ref.hexdigest(a & m, b & m) for a, b in words.cpu().tolist()]

@@ -1,0 +1,260 @@
+"""The sender's half of the stream layer: :class:`Packer` cuts a refit into groups of aligned slots.
+
+Both transports pack through it (the staged ZMQ transport, :mod:`refit_verify.transport`, into a
+shared staging buffer; the broadcast path, :mod:`refit_verify.collective.broadcast`, into a bucket): digest
+**before** packing, the slot layout ``offset = used; used += round_up(nbytes, alignment)``, a group
+cut when the next slot or the entry list does not fit, and the oversized path (a tensor whose
+aligned size exceeds a group travels alone). A :class:`PackSink` per transport provides buffers and
+sends groups. The receiver's half and what both share are in :mod:`refit_verify.stream.unpack`.
+
+Source: ``docs/protocol.md`` (sender steps, invariants).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from refit_verify.digest.batch import DigestBatch, dtype_name, logical_bytes
+from refit_verify.digest.incremental import digest_now
+from refit_verify.stream.unpack import check_items, checked_item, entry_cost, round_up
+from refit_verify.wire.staged import MAX_ENTRIES_BYTES, DigestEntry, Entry
+
+__all__ = ["PackSink", "Packer"]
+
+
+class PackSink(Protocol):
+    """What a transport gives the :class:`Packer`: memory for a group, and the way to send one."""
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """Return the current group's 1-D uint8 buffer (of at least the packer's capacity), allocated
+        on first use; ``like`` is the first tensor's bytes (a transport may take its device)."""
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        """Send the current group: ``entries`` at their offsets in the buffer, ``used`` aligned bytes."""
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
+        """Send one oversized tensor alone: its logical bytes ``u8``, its entry (offset 0) and its
+        aligned size in bytes. ``meanwhile``: the packer's work to run once the tensor is sent and
+        before the sink waits for the receivers to take it (:meth:`Packer.digest_first`'s rest):
+        called at most once; a sink that waits for no one calls it after sending."""
+
+
+class Packer:
+    """Packs a refit's tensors into groups of aligned slots (the sender's half of the stream layer).
+
+    Args:
+        sink: the transport's :class:`PackSink`.
+        capacity: bytes of one group (``buffer_bytes // 2``); a tensor whose aligned size exceeds
+            it is sent alone (:meth:`PackSink.post_alone`), never split.
+        alignment: byte alignment of every slot (a power of two).
+        digests: where the sender's digests go (``None``: the refit does not verify, no digest code runs).
+        sync_digests: finish a group's CUDA digests with a synchronisation before it is sent
+            (``True``) or only launch them (``False``: the transport orders its stream before the
+            bytes leave).
+        max_entries_bytes: estimated encoded size of a group's entry list at which it is cut.
+        digests_ahead: give every entry its digest (:class:`~refit_verify.wire.staged.DigestEntry`), so
+            the receiver can check each tensor before loading it: each group's digests are
+            finished (one synchronisation per group on CUDA) before the group is sent. Needs
+            ``digests``.
+
+    Attributes:
+        tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
+        in digest code. digest_shadow_s (float): of those, the seconds :meth:`digest_first` spent
+        after the first group was sent (while the receivers check and load it; after an oversized
+        first tensor sent alone: between its send and the wait for the receivers, when the sink
+        runs :meth:`PackSink.post_alone`'s ``meanwhile``). last_name
+        (str | None): the last name taken from the stream.
+    """
+
+    def __init__(self, sink: PackSink, *, capacity: int, alignment: int, digests: DigestBatch | None,
+                 sync_digests: bool = False, max_entries_bytes: int = MAX_ENTRIES_BYTES, digests_ahead: bool = False) -> None:
+        self.sink, self.capacity, self.alignment = sink, capacity, alignment
+        self.digests, self.sync_digests, self.max_entries_bytes = digests, sync_digests, max_entries_bytes
+        self.ahead = digests_ahead and digests is not None
+        self._hex: dict[str, str] = {}  # digests of finished groups (digests_ahead), and all of digest_first's
+        self._known: dict[str, str] = {}  # digest_first's
+        self._rest: list[tuple[str, torch.Tensor]] | None = None  # digest_first's items left for after the first post
+        self.names: set[str] = set()
+        self.entries: list[Entry] = []
+        self.used = 0
+        self._est = 0
+        self._cuda_pending = False
+        self.tensors = 0
+        self.bytes = 0
+        self.digest_s = 0.0
+        self.digest_shadow_s = 0.0
+        self.last_name: str | None = None
+
+    def add(self, item: tuple[str, torch.Tensor]) -> None:
+        """Digest one ``(name, tensor)`` (if verifying), then pack it; may send groups.
+
+        Raises:
+            RefitInputError: as :func:`checked_item`; what the digest raises for a tensor it
+            cannot read (sparse, meta); what the sink raises.
+        """
+        name, t = checked_item(item, self.names)
+        self.last_name = name
+        u8 = logical_bytes(t)
+        n = u8.numel()
+        a = round_up(n, self.alignment)
+        dt, shape = dtype_name(t.dtype), list(t.shape)
+        alone = a > self.capacity
+        cost = 0 if alone else entry_cost(name, dt, t.dim())
+        if alone or self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
+            self.flush()  # the previous group goes first (after the first one, digest_first's rest is digested)
+        if self.digests is not None and name not in self._known:
+            t0 = time.perf_counter()
+            self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
+            self.digest_s += time.perf_counter() - t0
+            self._cuda_pending |= t.is_cuda
+        if alone:
+            self.finish_digests()
+            if self.ahead:
+                entry: Entry = DigestEntry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n, digest=self._group_hex()[name])
+            else:
+                entry = Entry(name=name, dtype=dt, shape=shape, offset=0, nbytes=n)
+            # digest_first's rest once the tensor is sent, while the receivers read it (before our transport waits
+            # for its Ack); a sink that did not run it leaves it for now, out of the receivers' shadow
+            if self._rest is None:  # (a sink written before meanwhile existed takes three arguments)
+                self.sink.post_alone(u8, entry, a)
+            else:
+                self.sink.post_alone(u8, entry, a, meanwhile=self._digest_rest)
+                self._digest_rest(shadow=False)
+        else:
+            buf = self.sink.buffer(u8)
+            if n:
+                dst = buf[self.used : self.used + n]
+                dst.copy_(u8, non_blocking=dst.is_cuda)
+                del dst
+            self.entries.append(Entry(name=name, dtype=dt, shape=shape, offset=self.used, nbytes=n))
+            self.used += a
+            self._est += cost
+        del u8
+        self.tensors += 1
+        self.bytes += n
+
+    def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """When verifying: digest a refit given as a sequence ahead of its groups, in two parts, each
+        read at once through :func:`~refit_verify.digest.incremental.digest_now` (kept sets: the
+        trainer's memory at every refit; no per-tensor check besides one signature): the tensors the
+        first group can hold (at most ``capacity`` aligned bytes, or the first tensor alone when it
+        is larger) now, the rest right after the first group is sent, while the receivers check and
+        load it (after an oversized first tensor, sent alone: once it is sent, before the sink waits
+        for the receivers to take it, :meth:`PackSink.post_alone`'s ``meanwhile``). Two
+        synchronisations per device for the refit instead of one per group, and only the first
+        part's on the refit's critical path (the rest's seconds are also counted in
+        ``digest_shadow_s``). No digest work is left to :meth:`add`.
+
+        Every item is validated before anything is sent (:func:`~refit_verify.stream.unpack.check_items`:
+        names, duplicates, tensors the digest can read, storage that holds them), so a bad item anywhere in the list raises before the receiver
+        loads any of it. Only a tensor whose storage is freed or resized under it after this call is
+        found later, when its digest is taken (the transport then aborts the refit).
+
+        The tensors are the trainer's, unchanged while it sends them; one changed in between differs
+        from its digest where the receiver reads it (refused before loading with ``digests_ahead``,
+        a mismatch in the verdict without): a failure, never a pass. A tensor of the rest changed
+        before the first group is sent is digested as it is packed.
+
+        Measured (``docs/performance.md``, one H100, our transport, 310 tensors in 8 buffers whose
+        first, the 297 MiB embedding, is sent alone): the thirty-second run gave 2.42 ms whole and
+        0.84 ms split on the critical path, but counted the rest as in the shadow while our transport
+        still waited for the embedding's Ack before digesting it; the thirty-sixth run, counting it
+        where it ran, 4.24 ms on a slower host. The rest now runs between that send and that wait:
+        on a CPU host with the embedding sent alone, 1.8-2.4 -> 0.16-0.17 ms on the critical path
+        (the thirty-sixth run); on an H200, 0.71 ms of 1.98 on the critical path, the embedding's own
+        digest (the thirty-seventh run). The fourteenth run had measured the split 17 ms slower per refit
+        by comparing two engine processes' wall clocks, whose own loading differs by 10-24 ms from
+        process to process; it was reverted then.
+
+        Raises:
+            RefitInputError: as :func:`checked_item`, or a tensor cannot be digested (before anything
+            is sent; a storage freed under a tensor of the rest after this call: once the first
+            group went).
+        """
+        if self.digests is None:
+            return
+        check_items(items)  # every item, before anything is sent
+        head, used = 0, 0
+        for _, t in items:
+            used += round_up(t.numel() * t.element_size(), self.alignment)
+            if head and used > self.capacity:
+                break
+            head += 1
+        self._digest_known(items[:head])
+        self._rest = list(items[head:]) if head < len(items) else None
+
+    def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
+        """Digest ``items`` (checked: :func:`~refit_verify.stream.unpack.check_items`) together now (one
+        synchronisation per device); return the seconds it took."""
+        t0 = time.perf_counter()
+        got = digest_now(items)  # checked by digest_first (check_items)
+        self._known.update(got)
+        self._hex.update(got)
+        dt = time.perf_counter() - t0
+        self.digest_s += dt
+        return dt
+
+    def _digest_rest(self, shadow: bool = True) -> None:
+        """After a group was sent: digest what :meth:`digest_first` left for then, if anything
+        (``shadow``: counted in ``digest_shadow_s``, the receivers work on that group meanwhile)."""
+        if self._rest is not None:
+            rest, self._rest = self._rest, None
+            dt = self._digest_known(rest)
+            if shadow:
+                self.digest_shadow_s += dt
+
+    def add_all(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`add` every item, then :meth:`flush` the last group."""
+        for item in named_tensors:
+            self.add(item)
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the pending group, if any (its CUDA digests finished first); after the first,
+        digest what :meth:`digest_first` left for then."""
+        entries, used = self.entries, self.used
+        self.entries, self.used, self._est = [], 0, 0
+        if entries:
+            self.finish_digests()
+            if self.ahead:
+                hexes = self._group_hex()
+                entries = [DigestEntry(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, nbytes=e.nbytes,
+                                       digest=hexes[e.name]) for e in entries]
+            self.sink.post(entries, used)
+            self._digest_rest()
+
+    def _group_hex(self) -> dict[str, str]:
+        """Finish the digests added since the last group (one synchronisation on CUDA); return all so far."""
+        if self.digests is not None and self.digests._order:
+            t0 = time.perf_counter()
+            self._hex.update(self.digests.hexdigests())
+            self.digests = DigestBatch()  # the next group's digests (formatting stays linear in the refit)
+            self.digest_s += time.perf_counter() - t0
+        return self._hex
+
+    def finish_digests(self) -> None:
+        """Launch (or, with ``sync_digests``, finish) the CUDA digests queued since the last group:
+        bounds digest temporaries to one group."""
+        if self._cuda_pending and self.digests is not None:
+            t0 = time.perf_counter()
+            if self.sync_digests:
+                self.digests.hexdigests()
+            else:
+                self.digests.launch()
+            self.digest_s += time.perf_counter() - t0
+        self._cuda_pending = False
+
+    def manifest(self) -> dict[str, str] | None:
+        """Return the sender's manifest ``{name: 32-hex}`` (``None`` when not verifying)."""
+        if self.digests is None:
+            return None
+        if self.ahead:
+            return dict(self._group_hex())
+        t0 = time.perf_counter()
+        out = {**self._known, **self.digests.hexdigests()}  # digest_first's, then any added one by one
+        self.digest_s += time.perf_counter() - t0
+        return out

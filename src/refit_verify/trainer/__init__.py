@@ -1,0 +1,10 @@
+"""What a trainer calls: a refit check around its own push, our transport's one-call push, audits.
+
+Modules: :mod:`.refit` (:func:`~refit_verify.trainer.refit.refit`, ``RefitCheck``), :mod:`.exports`
+(digests of the tensors a trainer pushes), :mod:`.channel` (reaching the workers: ``LLM``, Ray actor,
+HTTP), :mod:`.push` (:func:`~refit_verify.trainer.push.push`), :mod:`.overlap` (digest work run while
+the engine waits), :mod:`.audits`.
+
+May import: ``transport`` (for ``push``), ``digest``, the foundation. Never: ``boundary``, ``engine``
+(the trainer reaches the workers by RPC only), ``vllm_plugin``.
+"""

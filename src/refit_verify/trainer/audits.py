@@ -1,0 +1,117 @@
+"""What the engine holds, checked from the trainer: audits, replica agreement.
+
+* :func:`audit` — re-digest every worker's engine state and name every tensor that changed or
+  whose storage moved since the last refit session closed on it (run it before a generation
+  batch; the plugin also audits by itself after ``wake_up`` and ``reload_weights``). A baseline left
+  by a refit that failed or aborted in this trainer process fails the audit.
+* :func:`compare_replicas` — data-parallel replicas (and tensor-parallel ranks, for replicated
+  tensors) must hold identical bytes; the rank that differs is named.
+* The cold-load canary is :func:`refit_verify.canary` (it starts an engine, so it lives in the plugin).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from refit_verify import verdicts
+from refit_verify.config import VerifyMode, mode_from_env
+from refit_verify.engine.state import StateComparison, compare_replicas as _compare
+from refit_verify.trainer.channel import require_channel
+from refit_verify.errors import AuditError, RefitConfigError, ReplicaDisagreement
+from refit_verify.manifest import AuditResult, EngineSnapshot, from_wire
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["audit", "compare_replicas", "engine_states"]
+
+
+def _mode(mode: VerifyMode | str | None) -> VerifyMode:
+    return mode_from_env() if mode is None else VerifyMode.parse(mode)
+
+
+def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float = 120.0) -> list[AuditResult]:
+    """Audit every worker of ``engine`` now (``refit_verify_audit``).
+
+    Args:
+        engine: what :func:`refit_verify.refit` accepts (LLM, Ray handle, HTTP URL, ...).
+        mode: ``enforce`` raises on a failing audit, ``log`` warns; default ``REFIT_VERIFY``.
+        timeout_s: bound on the call to the workers, seconds.
+
+    Returns:
+        list[AuditResult]: one per worker that has a baseline (a worker with no closed session yet
+        has nothing to audit against and is skipped with a warning).
+
+    Raises:
+        AuditError: ``enforce`` and a worker's tensors changed or moved.
+        RefitConfigError: ``enforce`` and a worker does not verify.
+    """
+    m = _mode(mode)
+    if not m.verifies:
+        return []
+    out: list[AuditResult] = []
+    for r in require_channel(engine).call("refit_verify_audit", timeout_s=timeout_s):
+        if not (isinstance(r, Mapping) and r.get("verifying")):
+            msg = f"refit-verify: vLLM worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} does not verify; cannot audit"
+            if m is VerifyMode.ENFORCE:
+                raise RefitConfigError(msg)
+            logger.warning("%s", msg)
+            continue
+        if r.get("audit") is None:
+            logger.warning("refit-verify: worker rank %s has no verified refit yet; nothing to audit against", r.get("rank"))
+            continue
+        a = from_wire(r["audit"], AuditResult)
+        why = verdicts.failed(a.since_session)
+        if why is not None:  # the baseline is the state a failed refit left: unchanged is not verified
+            a = msgspec.structs.replace(a, problems=[*a.problems, f"its baseline is the state left by session {a.since_session}, "
+                                                   f"and {why} in this trainer: the engine does not hold verified weights"])
+        out.append(a)
+    failed = [a for a in out if not a.ok]
+    if failed:
+        if m is VerifyMode.ENFORCE:
+            raise AuditError(out)
+        for a in failed:
+            logger.warning("refit-verify: %s", a.describe())
+    return out
+
+
+def engine_states(engines: Iterable[Any], timeout_s: float = 120.0) -> list[EngineSnapshot]:
+    """Every worker's engine state (``refit_verify_engine_state``) of every engine, in order."""
+    states = []
+    for e in engines:
+        for r in require_channel(e).call("refit_verify_engine_state", timeout_s=timeout_s):
+            states.append(from_wire(r["state"], EngineSnapshot))
+    return states
+
+
+def compare_replicas(engines: Any, *, mode: VerifyMode | str | None = None, timeout_s: float = 120.0) -> StateComparison:
+    """Check that replicas hold identical bytes, naming the rank that differs.
+
+    Args:
+        engines: one engine with several workers (TP ranks), or a list of engines (data-parallel
+            replicas, each anything :func:`refit_verify.refit` accepts). Workers are grouped by
+            (tp, pp) rank: replicas of the same rank must agree on every tensor; ranks of one
+            replica must agree on tensors written whole from one delivered tensor (norms).
+        mode: ``enforce`` raises on disagreement, ``log`` warns; default ``REFIT_VERIFY``
+            (``off`` still compares and returns the result).
+
+    Raises:
+        ReplicaDisagreement: ``enforce`` and some tensor differs.
+    """
+    engs = engines if isinstance(engines, (list, tuple)) else [engines]
+    states: list[EngineSnapshot] = []
+    for i, e in enumerate(engs):
+        for st in engine_states([e], timeout_s):
+            if len(engs) > 1:  # separate engines each number their replica 0: tell them apart by position
+                st = msgspec.structs.replace(st, worker=msgspec.structs.replace(st.worker, dp=i))
+            states.append(st)
+    res = _compare(states)
+    m = _mode(mode)
+    if not res.ok:
+        if m is VerifyMode.ENFORCE:
+            raise ReplicaDisagreement(res)
+        logger.warning("refit-verify: %s", res.describe("replicas"))
+    return res

@@ -1,0 +1,476 @@
+"""The trainer API for any transport: say which tensors you are pushing, get every worker checked.
+
+.. code-block:: python
+
+    import refit_verify
+
+    with refit_verify.refit(llm, version=step) as r:      # LLM, engine client, Ray handle, HTTP URL
+        for name, t in export():
+            r.add(name, t)                                 # digested on t's device, no sync
+            push(name, t)                                  # whatever the framework does
+    # on exit: every worker's manifest is fetched and compared; enforce raises, log warns
+
+On enter a session is opened on every worker (``refit_verify_session_open``): every
+``load_weights`` of every model of the engine until exit belongs to it, whatever moved the bytes.
+On exit the sessions are closed, each worker's :class:`~refit_verify.manifest.SessionManifest` is
+compared with the full expected manifest (every worker gets every tensor), and the coverage,
+identity and read-back checks of the session are applied (:func:`compare_session`).
+
+With ``REFIT_VERIFY=off`` (and no ``mode``), :func:`refit` returns a check that does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from refit_verify import verdicts
+from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
+from refit_verify.digest.incremental import _PLAIN_TYPES
+from refit_verify.trainer.exports import StreamDigests, changed_problems
+from refit_verify.trainer.channel import WorkerChannel, require_channel
+from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
+from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire, local_reply_token
+from refit_verify.report import VerificationReport, compare_manifests
+
+logger = logging.getLogger("refit_verify")
+
+MODULES = ("model", "drafter")
+"""The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
+
+__all__ = ["RefitCheck", "compare_session", "refit"]
+
+OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_close"
+
+
+def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
+                    version: int | None = None, partial: bool = False, producer_rank: int | None = None,
+                 sender_problems: Iterable[str] = (), undigested: Iterable[str] = ()) -> VerificationReport:
+    """Compare one worker's session manifest with what the trainer pushed.
+
+    Args:
+        expected: ``{module: {name: 32-hex}}`` the trainer digested (``"model"``, ``"drafter"``).
+        man: the worker's manifest.
+        session: the session id the trainer opened (a manifest of another session is a failure).
+        version: the weight version the trainer pushed (another one in the manifest is a failure).
+        partial: the refit does not write every parameter: unwritten parameters are not failures.
+        producer_rank: for multi-producer transports, the trainer rank that sent this payload.
+        sender_problems: what the trainer could not digest as it pushed it (a held tensor that
+            changed before the end of the refit); each is a failure.
+        undigested: the names those problems are about (drafter ones as ``"drafter:name"``): the
+            worker's digests of them are not reported again as unexpected.
+
+    Returns:
+        VerificationReport: digests compared per module; coverage, identity and read-back checks in
+        its session fields. ``ok`` only if all pass.
+    """
+    sender: dict[str, str] = {}
+    receiver: dict[str, str] = {}
+    mismatched: list[str] = []
+    missing: list[str] = []
+    unexpected: list[str] = []
+    unconsumed: list[str] = []
+    unwritten: list[str] = []
+    unattributed: list[str] = []
+    problems: list[str] = list(sender_problems)
+    skip = set(undigested)
+    unchecked: list[str] = []
+    landed_mismatched: set[str] = set()  # digested where they landed, and not what the trainer sent
+    for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
+        exp = dict(expected.get(module, {}))
+        got = man.modules.get(module)
+        digests = dict(got.digests) if got is not None else {}
+        if module != "model" and not exp and not digests:
+            if got is not None and got.unwritten and not (partial or man.partial):
+                unchecked.append(f"{module}: no tensor of this refit was for it; its {len(got.unwritten)} parameters keep "
+                                 "their previous weights (speculative decoding stays lossless; r.add(name, t, module="
+                                 f"{module!r}) to refit and verify it)")
+            continue
+        tag = (lambda n: n) if module == "model" else (lambda n, m=module: f"{m}:{n}")
+        r = compare_manifests(exp, digests)
+        if module == "model":
+            sender.update(exp)
+            receiver.update(digests)
+        else:
+            sender.update({tag(k): v for k, v in exp.items()})
+            receiver.update({tag(k): v for k, v in digests.items()})
+        mismatched += [tag(n) for n in r.mismatched]
+        missing += [tag(n) for n in r.missing]
+        unexpected += [tag(n) for n in r.unexpected if tag(n) not in skip]
+        if got is None:
+            continue
+        landed_bad = [tag(n) for n in got.in_place if n in r.mismatched]
+        landed_mismatched.update(landed_bad)
+        if landed_bad:
+            problems.append(f"{len(landed_bad)} tensors were digested where they landed in the engine (not on delivery) and the "
+                            "engine holds other bytes there than the trainer sent: a corrupted delivery or a loader that put "
+                            f"them elsewhere: {', '.join(landed_bad[:10])}")
+        changed = [tag(n) for n in got.changed_after_delivery if tag(n) not in mismatched]
+        if changed:
+            mismatched += changed
+            problems.append(f"{len(changed)} delivered tensors changed between load_weights and vLLM's deferred apply "
+                            f"(what landed is not what was delivered): {', '.join(changed[:10])}")
+        for n, why in got.coverage_unknown.items():
+            unchecked.append(f"coverage of {tag(n)}: {why}; which of its elements this refit wrote is unknown")
+        unconsumed += [tag(n) for n in got.unconsumed]
+        unattributed += [tag(n) for n in got.unattributed]
+        if not (partial or man.partial):
+            unwritten += [tag(n) for n in got.unwritten]
+        else:  # a parameter written in part: the close audit compares whole parameters only
+            part = [tag(n) for n in got.unwritten if n.endswith(" elements)")]
+            if part:
+                unchecked.append(f"{len(part)} parameters were written in part by this partial refit; their other elements are "
+                                 "not compared with what the last session left (the close audit compares whole parameters "
+                                 f"only): {', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
+    if session is not None and man.session != session:
+        problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
+    if version is not None and man.version != version:
+        problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
+    if man.stale:
+        problems.append(f"stale refit: {man.stale}")
+    for u in man.unsessioned:
+        shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
+        problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
+                        f"before this session): {shown}")
+    for a in man.audits:
+        when = ("since the last session, in parameters this session did not write" if a.trigger == CLOSE_AUDIT
+                else "outside any refit before this session")
+        problems.append(f"the engine's state changed {when} ({a.describe()})")
+    if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
+        problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
+    engine_bad: list[str] = []
+    not_proven: dict[str, str] = {}
+    proven = unproven = None
+    if man.engine is None and not any(e.startswith("read-back failed") for e in man.errors):
+        unchecked.append("read-back did not run (readback=False, or no read-back on this worker): what reached load_weights "
+                         "was checked, not what the engine holds after loading")
+    if man.engine is not None:
+        proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
+        for pname, st in man.engine.params.items():
+            if st.status == "verified":
+                if not landed_mismatched:
+                    continue
+                role, sep, _ = pname.partition(":")
+                prefix = f"{role}:" if sep and role in man.modules else ""
+                if any(prefix + src in landed_mismatched for src, _where in st.blocks or ()):
+                    # its blocks were the landed digests themselves: the engine holds other bytes than the trainer's
+                    engine_bad.append(pname)
+                    proven, unproven = proven - st.bytes, unproven + st.bytes
+            elif st.status == "mismatch":
+                engine_bad.append(pname)
+            elif st.status != "verified":
+                not_proven[pname] = st.why or st.status
+    return VerificationReport(
+        tuple(mismatched), tuple(missing), tuple(unexpected), sender, receiver, man.worker.rank, {},
+        "; ".join(man.errors) if man.errors else None, session=man.session, version=man.version,
+        worker=man.worker.label(), unconsumed=tuple(unconsumed), unwritten=tuple(unwritten),
+        engine_mismatched=tuple(engine_bad), problems=tuple(problems), not_proven=not_proven,
+        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven, unchecked=tuple(unchecked))
+
+
+def _check_version(version: Any) -> int | None:
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) or None, got {version!r}")
+    return version
+
+
+_RELEARN: set[Any] = set()
+"""Engines (:func:`_engine_key`) whose last verified refit failed: their next session is watched by
+the loader tap again instead of replaying a refit plan (``replay=False``; :mod:`refit_verify.boundary.plan`),
+so its report can tell a corrupted delivery from a misplaced write."""
+
+
+def _engine_key(engine: Any) -> Any:
+    if isinstance(engine, str):
+        return engine
+    if isinstance(engine, (list, tuple)):
+        return tuple(id(e) for e in engine)
+    return id(engine)
+
+
+class RefitCheck:
+    """One verified refit of an engine, whatever moves the bytes (returned by :func:`refit`).
+
+    Attributes:
+        reports: one :class:`~refit_verify.report.VerificationReport` per worker, after exit.
+        manifests: the workers' :class:`~refit_verify.manifest.SessionManifest`, after exit (from an
+            in-process engine, the worker's own record: read it, do not edit it).
+        session: the session id.
+    """
+
+    def __init__(self, engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
+                 allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
+                 copy: bool = True) -> None:
+        self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
+        self.version = _check_version(version)
+        if not isinstance(partial, bool) or not isinstance(readback, bool) or not isinstance(copy, bool):
+            raise RefitConfigError(f"partial, readback and copy must be True or False, got {partial!r}, {readback!r}, {copy!r}")
+        self.copy = copy
+        if isinstance(allow, (str, bytes)):
+            raise RefitConfigError(f"allow must be a list of fnmatch patterns, not one string: allow=[{allow!r}]")
+        self.allow = tuple(allow)
+        if not all(isinstance(p, str) for p in self.allow):
+            raise RefitConfigError(f"allow must be an iterable of fnmatch patterns (str), got {allow!r}")
+        self.timeout_s = RefitConfig.build(timeout_s=timeout_s).timeout_s
+        self.partial, self.readback = partial, readback
+        self.session = session_id or uuid.uuid4().hex[:16]
+        self.reports: list[VerificationReport] = []
+        self.manifests: list[SessionManifest] = []
+        self._streams: dict[str, StreamDigests] = {}
+        # copy=False: the model's plain tensors as taken by add, (name, tensor, version, data_ptr, nbytes), handed to its stream in one
+        # loop (_feed) at the close, before any other add to it, and whenever they hold the stream's held_flush_bytes
+        self._taken: list[tuple[str, torch.Tensor, int, int, int]] | None = None
+        self._taken_bytes = 0
+        self._taken_flush: float = 0
+        self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
+        self._key = _engine_key(engine)
+        self._opened = False
+        self._workers = 0
+
+    # -- the trainer's side -----------------------------------------------------------------
+
+    def add(self, name: str, tensor: torch.Tensor, module: str = "model") -> None:
+        """Record one tensor the trainer is pushing (digested on its device now; no sync).
+
+        Args:
+            name: the name the engine's ``load_weights`` receives (HF checkpoint name).
+            tensor: the tensor, as pushed (any device, dtype, layout of dense strided tensors).
+            module: ``"model"`` or ``"drafter"`` (the draft / MTP module the tensor is for).
+
+        Host cost under ``copy=False``: from the model's second add on, a plain tensor or parameter
+        with a storage address is only taken (a few attribute reads and an append: an add runs
+        between a loader's calls, where every step costs several times what it costs in a loop of
+        its own, ``docs/performance.md``, the thirty-fifth run); what was taken goes to the digest
+        stream in one loop at the close, before any add that goes through the stream at once, and
+        whenever it holds ``StreamDigests.held_flush_bytes``. The checks and what is reported are
+        those of :meth:`HeldBatch.add <refit_verify.digest.incremental.HeldBatch.add>` made at the add.
+
+        Raises:
+            RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
+            RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
+            RefitError: a digest launch this add starts (the held flush) finds that an earlier one failed;
+                the launch's own error (a device error) as it is.
+        """
+        taken = self._taken  # an add runs per tensor, between a loader's calls: the fewest steps
+        if taken is not None and type(module) is str and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:
+            try:  # HeldBatch.add's own first checks (a storage with an address, not quantized or nested); the rest at the feed
+                ptr = tensor.data_ptr()
+                ok = ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested)
+                item = (name, tensor, tensor._version, ptr, tensor.nbytes) if ok else None
+            except RuntimeError:  # no storage (sparse), an inference tensor's version: every check, in the stream's add
+                item = None
+            if item is not None:
+                taken.append(item)
+                self._taken_bytes += item[4]
+                if self._taken_bytes >= self._taken_flush:
+                    self._feed()  # a launch that raises here raises from this add, as the stream's own add would
+                return
+        stream = self._streams.get(module) if type(module) is str else None
+        if stream is None:
+            if module not in MODULES:
+                raise RefitConfigError(f"module must be one of {', '.join(map(repr, MODULES))}, got {module!r}")
+            module = MODULES[MODULES.index(module)]  # the str itself (a str subclass or numpy.str_ of it: the same stream)
+            stream = self._streams.get(module)
+            if stream is None:
+                if not self.mode.verifies:
+                    return
+                stream = self._streams[module] = StreamDigests(copy=self.copy)
+                if not self.copy and module == "model":
+                    self._taken, self._taken_flush = [], stream.held_flush_bytes
+        if self.mode is VerifyMode.OFF:
+            return
+        if taken:  # taken adds first: a later add of a name replaces an earlier one
+            self._feed()
+        stream.add(name, tensor)
+
+    def _feed(self) -> None:
+        """Hand the model's taken adds to its stream (:meth:`StreamDigests.add_taken`), in order."""
+        taken = self._taken
+        if taken:
+            self._taken, self._taken_bytes = [], 0
+            self._streams["model"].add_taken(taken)
+
+    def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``named_tensors`` unchanged, recording each tensor as it passes (iterator-style trainers)."""
+        for name, t in named_tensors:
+            self.add(name, t, module)
+            yield name, t
+
+    # -- sessions -----------------------------------------------------------------------------
+
+    def __enter__(self) -> RefitCheck:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            verdicts.record(self.session, False, f"the refit was aborted ({exc_type.__name__})")
+            _RELEARN.add(self._key)
+            self._close_quietly()
+            return False
+        self.verify()
+        return False
+
+    def open(self) -> None:
+        """Open the session on every worker (what ``with`` does on enter).
+
+        Raises:
+            RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there)
+                or cannot be reached; in ``log`` this is logged and the refit goes unverified.
+            RefitTimeoutError: the workers did not answer within ``timeout_s``.
+        """
+        if self._channel is None or self._opened:
+            return
+        opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
+                "deadline": time.time() + self.timeout_s, "replay": self._key not in _RELEARN}
+        try:
+            results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        except RefitTimeoutError:
+            # the open may still reach the workers later: queue a close behind it, so no session is left open
+            verdicts.record(self.session, False, "its session open timed out")
+            threading.Thread(target=self._close_quietly, kwargs={"results_known": True}, daemon=True,
+                             name=f"refit-verify close {self.session}").start()
+            raise
+        if any(isinstance(r, Mapping) and r.get("expired") for r in results):
+            self._close_quietly(results_known=True)
+            raise RefitTimeoutError(f"refit-verify: session {self.session} reached a worker after {self.timeout_s:g} s "
+                                    "(timeout_s); it was not opened", {"waiting_for": OPEN_METHOD, "timeout_s": self.timeout_s})
+        idle = [r for r in results if not (isinstance(r, Mapping) and r.get("verifying"))]
+        if idle or not results:
+            r = idle[0] if idle else {}
+            msg = (f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank "
+                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify "
+                   f"({r.get('reason', 'no workers answered') if isinstance(r, Mapping) else r!r}); "
+                   "set REFIT_VERIFY in the vLLM engine's environment too")
+            if self.mode is VerifyMode.ENFORCE:
+                if results:
+                    self._close_quietly(results_known=True)
+                raise RefitConfigError(msg)
+            logger.warning("%s", msg)
+            self._channel = None
+            return
+        self._opened, self._workers = True, len(results)
+        _RELEARN.discard(self._key)
+
+    def _close_quietly(self, results_known: bool = False) -> None:
+        if self._channel is None or not (self._opened or results_known):
+            return
+        try:
+            self._channel.call(CLOSE_METHOD, self.session, timeout_s=self.timeout_s)
+        except Exception:  # noqa: BLE001 - the body's exception is the one to see
+            logger.exception("refit-verify: closing session %s after a failed refit failed", self.session)
+        self._opened = False
+
+    def expected(self) -> dict[str, dict[str, str]]:
+        """``{module: {name: 32-hex}}`` of everything added (collects the trainer's digests)."""
+        self._feed()
+        return {m: s.digests() for m, s in self._streams.items()}
+
+    def _sender_problems(self) -> tuple[list[str], list[str]]:
+        """Held tensors (``copy=False``) that changed before their digests were taken (after
+        :meth:`expected`): ``(problems, their labels)``, drafter labels as ``"drafter:name"``."""
+        out, labels = [], []
+        for m, s in self._streams.items():
+            label = (lambda n: n) if m == "model" else (lambda n, m=m: f"{m}:{n}")
+            labels += [label(n) for n in s.changed]
+            out += changed_problems(s.changed, verb="pushed", label=label, more=f"more tensors of {m} changed after r.add",
+                                    hint="refit(copy=False) holds the tensors until the refit ends; pass copy=True when "
+                                         "the trainer changes or frees them before")
+        return out, labels
+
+    def verify(self) -> list[VerificationReport]:
+        """Close the sessions, compare every worker's manifest, act on the mode (what ``with`` does on exit).
+
+        Returns:
+            list[VerificationReport]: one per worker, in worker order (empty when not verifying).
+
+        Raises:
+            RefitVerificationError: ``enforce`` and a worker's report is not ok (the others are logged).
+            RefitProtocolError: a worker's reply is malformed, or it closed no such session.
+        """
+        if self._channel is None or not self._opened:
+            return []
+        try:
+            return self._verify()
+        except Exception as e:
+            _RELEARN.add(self._key)
+            if verdicts.failed(self.session) is None:  # a timeout, a malformed reply: never a pass
+                verdicts.record(self.session, False, f"its verification did not complete ({type(e).__name__})")
+            raise
+
+    def _verify(self) -> list[VerificationReport]:
+        try:
+            self._feed()
+            for s in self._streams.values():  # the device digests the trainer's last tensors while the workers close
+                s.launch()
+        except BaseException:  # the trainer's digests are not known: close the workers' session, then raise
+            self._close_quietly()
+            raise
+        # an in-process engine's workers hand the manifest over as it is (no JSON both ways)
+        reply = (local_reply_token(),) if self._channel.local else ()
+        results = self._channel.call(CLOSE_METHOD, self.session, *reply, timeout_s=self.timeout_s)
+        self._opened = False
+        expected = self.expected()
+        held, undigested = self._sender_problems()
+        reports = []
+        for r in results:
+            data = r.get("manifest") if isinstance(r, Mapping) else None
+            if data is None:
+                raise RefitProtocolError(f"worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} closed no session "
+                                         f"{self.session!r} (was it restarted?)")
+            man = from_wire(data)
+            self.manifests.append(man)
+            reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
+                                           sender_problems=held, undigested=undigested))
+        self.reports = reports
+        ok = all(r.ok for r in reports)
+        verdicts.record(self.session, ok)
+        if not ok:
+            _RELEARN.add(self._key)
+        if ok:
+            logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
+        return act_on_all(reports, self.mode)
+
+
+def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
+          allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
+          copy: bool = True) -> RefitCheck:
+    """Return a context manager that verifies one refit of ``engine`` at its model boundary.
+
+    Args:
+        engine: the vLLM engine: an ``LLM``, an object with ``collective_rpc``, a Ray actor handle (or a
+            list, one per replica) whose actor exposes ``collective_rpc``, or the HTTP base URL of a
+            ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1``.
+        version: the weight version (the trainer's step), recorded by every worker; a worker that
+            already closed a newer version reports this refit as stale.
+        mode: ``off`` / ``log`` / ``enforce``; default ``REFIT_VERIFY``.
+        partial: the refit pushes only some parameters (e.g. the trainable ones): parameters no load
+            wrote are not failures.
+        allow: fnmatch patterns of names exempt from the coverage checks (``"*.rotary_emb.*"``).
+        readback: read the engine's parameters back in its own layout at the end (default True).
+        timeout_s: bound, in seconds, on each call to the workers (default 120).
+        session_id: the session id (default: a fresh random one).
+        copy: ``True`` (default): each added CUDA tensor is copied as it is added (one device copy),
+            so the trainer may change, free or reuse it right after pushing. ``False``: the trainer
+            promises to leave every added tensor untouched until the ``with`` block exits (its live
+            parameters, no PEFT merge/unmerge or sharded gather in between); nothing is copied and
+            the digests are taken at exit (:class:`~refit_verify.digest.incremental.HeldBatch`). A held tensor
+            that changed anyway is reported, never passed.
+
+    A steady-state refit replays the plan of the last watched one on each worker (the loader tap
+    off, every landed region read back: :mod:`refit_verify.boundary.plan`); after a refit of
+    ``engine`` failed or was aborted in this process, its next session is watched again.
+
+    Raises:
+        RefitConfigError: a bad argument, or ``engine`` reaches no workers (only checked when verifying).
+    """
+    return RefitCheck(engine, version=version, mode=mode, partial=partial, allow=allow, readback=readback,
+                      timeout_s=timeout_s, session_id=session_id, copy=copy)

@@ -1,0 +1,436 @@
+"""Methods added to vLLM's ``WorkerBase`` by :func:`refit_verify.vllm_plugin.register`.
+
+Each runs inside a vLLM worker, reached through ``LLM.collective_rpc(name, args=...)``. Arguments and
+return values are plain strings, numbers, lists and dicts (msgpack-safe), never tensors.
+The ``refit_verify_`` prefix keeps them clear of every method vLLM's workers define.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from refit_verify.manifest import digest_map_text
+from refit_verify.vllm_plugin import worker_sessions as sessions, shims
+from refit_verify.vllm_plugin.broadcast_group import DEFAULT_GROUP_TIMEOUT_S
+
+METHODS = ("refit_verify_receive", "refit_verify_param_digests", "refit_verify_broadcast_init",
+           "refit_verify_broadcast_receive", "refit_verify_broadcast_close")
+
+_BCAST_ATTR = "_refit_verify_broadcast"  # the worker's broadcast-group state, set by refit_verify_broadcast_init
+
+
+def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Receive one refit over the refit-verify transport and load it with ``model.load_weights``.
+
+    Args:
+        endpoint: the sender's ZMQ endpoint; ``{rank}`` is replaced by this worker's rank.
+        options: keyword options of :class:`refit_verify.RefitConfig` (``mode`` is taken from the
+            sender's handshake; timeouts and buffer sizes from here).
+
+    Returns:
+        dict: ``rank``, ``manifest`` (``{wire name: 32-hex}`` as JSON text, :func:`~refit_verify.manifest.digest_map`
+        reads it; None when not verifying),
+        ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds), ``mode`` (agreed at the
+        handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None),
+        ``landed`` (engine parameters this refit wrote) and ``kept`` (``{engine parameter: why}``
+        of those that still hold the previous version), when verifying.
+
+    Verify before load: every tensor is checked against the digest the sender sent with it, at
+    the model boundary, before ``load_weights`` (one synchronisation per call on CUDA); in
+    ``enforce`` a corrupt one is refused and never loaded, and a fused layer with a refused part
+    keeps its previous kernel tensors whole (:func:`shims.restore_unfinished_layers`).
+
+    Raises:
+        RefitConfigError: ``options`` is not a mapping or holds an unknown key, ``None``, an empty or
+            out-of-range value (validated here, in the worker process).
+        RefitTimeoutError: the sender went silent for longer than ``timeout_s`` or disconnected.
+        RefitAbortedError: the sender aborted the refit.
+        RefitProtocolError: the sender broke the protocol.
+
+    On failure the layerwise reload is still finalized (the engine stays usable for the next refit);
+    an error while finalizing is logged and the original error raised.
+    """
+    from refit_verify.boundary.worker import SessionDigests
+    from refit_verify.config import RefitConfig
+    from refit_verify.transport.receiver import RefitReceiver
+
+    from refit_verify.errors import RefitError
+
+    cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
+    wb = sessions.boundary_of(self)
+    digests = SessionDigests(wb, "transport") if wb is not None else None
+    outcome: dict[str, Any] = {}
+    try:
+        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
+            with _reload_session(self, digests, outcome) as load:
+                try:
+                    res = receiver.receive(load=load, digests=digests)
+                finally:
+                    receiver.close()  # idempotent: closed as soon as the protocol is over, before the reload is finalized
+    except RefitError as e:  # say what the engine holds now (the message crosses vLLM's RPC as text)
+        kept = outcome.get("kept") or (digests.kept if digests is not None else {})
+        if kept and e.args and isinstance(e.args[0], str):
+            e.args = (f"{e.args[0]}; engine: {len(kept)} parameters keep the previous version (layers the refit did not "
+                      f"complete were put back whole): {', '.join(list(kept)[:12])}" + (" …" if len(kept) > 12 else ""), *e.args[1:])
+        raise
+    return {"rank": self.rank, "manifest": digest_map_text(res.manifest), "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
+            "mode": res.mode.value, "rejected": res.rejected, "error": res.error, "landed": res.landed, "kept": res.kept}
+
+
+def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str, str]:
+    """Return ``{vLLM parameter name: 32-hex digest}`` of the engine's current parameters.
+
+    Reads back what the engine holds after loading (fused and sharded as vLLM stores them), for
+    checks beyond the transport boundary.
+
+    Args:
+        names: parameter names as in ``model.named_parameters()``; None means all.
+
+    Raises:
+        KeyError: a requested name is not a parameter of the model.
+    """
+    from refit_verify.digest.batch import digest_tensors
+
+    params = dict(self.get_model().named_parameters())
+    wanted = list(params) if names is None else list(names)
+    missing = [n for n in wanted if n not in params]
+    if missing:
+        raise KeyError(f"not parameters of the model: {missing}")
+    return digest_tensors((n, params[n].detach()) for n in wanted)
+
+
+def refit_verify_broadcast_init(self, host: str, port: int, world_size: int, rank_offset: int = 1,
+                                backend: str | None = None, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> dict[str, Any]:
+    """Join the trainer-worker process group of the broadcast path (non-colocated refits).
+
+    Runs on every worker through ``collective_rpc``, concurrently with the trainer's
+    :func:`refit_verify.vllm_plugin.broadcast_group` (every member blocks until all joined). Worker
+    ``i = dp_index * (TP * PP) + rank`` (as vLLM's ``worker_init_process_group``) joins as rank
+    ``rank_offset + i``. The group is made without touching torch's global state (vLLM's own TP
+    group stays the default group) and is kept on this worker for
+    :func:`refit_verify_broadcast_receive`.
+
+    Args:
+        host, port: rank 0's rendezvous address (the trainer, with ``rank_offset=1``).
+        world_size: members of the group: the trainer ranks plus every worker of every DP replica.
+        rank_offset: group rank of worker 0 (default 1: one trainer rank at 0).
+        backend: ``"nccl"`` (on this worker's CUDA device) or ``"gloo"``; default ``"nccl"`` when
+            the worker's device is CUDA, else ``"gloo"``.
+        timeout_s: seconds bounding the join and every collective on the group (> 0, <= 86400;
+            default :data:`refit_verify.vllm_plugin.DEFAULT_GROUP_TIMEOUT_S`, 600).
+
+    Returns:
+        dict: ``rank`` (this worker's vLLM rank), ``group_rank``, ``world_size``, ``backend``.
+
+    Raises:
+        RefitConfigError: bad arguments, a group rank outside ``world_size``, or this worker already
+            joined a group (call ``refit_verify_broadcast_close`` first).
+        RuntimeError / DistStoreError: the rendezvous failed or timed out.
+    """
+    import torch
+
+    from refit_verify.errors import RefitConfigError
+    from refit_verify.vllm_plugin.broadcast_group import broadcast_group
+
+    if getattr(self, _BCAST_ATTR, None) is not None:
+        raise RefitConfigError(f"refit_verify_broadcast_init: worker rank {self.rank} already joined a broadcast group; "
+                               "call refit_verify_broadcast_close first")
+    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+        raise RefitConfigError(f"refit_verify_broadcast_init: rank_offset must be an int >= 0, got {rank_offset!r}")
+    pc = self.parallel_config
+    dp_index = getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0))
+    worker_index = dp_index * pc.world_size + pc.rank
+    rank = rank_offset + worker_index
+    if isinstance(world_size, int) and not isinstance(world_size, bool) and rank >= world_size:
+        raise RefitConfigError(f"refit_verify_broadcast_init: worker {worker_index} would join as rank {rank} "
+                               f"(rank_offset {rank_offset}), not below world_size {world_size}: world_size must count "
+                               "the trainer ranks plus every worker of every data-parallel replica")
+    device = getattr(self, "device", None) or torch.device("cpu")
+    if backend is None:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if str(backend).lower() != "nccl":
+        device = torch.device("cpu")  # gloo moves CPU tensors
+    with _on_device(device):
+        group = broadcast_group(host, port, rank, world_size, backend, timeout_s)
+    setattr(self, _BCAST_ATTR, {"group": group, "device": device, "backend": str(backend).lower()})
+    return {"rank": self.rank, "group_rank": group.rank(), "world_size": group.size(), "backend": str(backend).lower()}
+
+
+def refit_verify_broadcast_receive(self, src: int = 0, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Receive one broadcast refit (:mod:`refit_verify.collective.broadcast`) and load it with ``model.load_weights``.
+
+    The trainer runs ``BroadcastSender(group, src, config).send(...)`` at the same time; the mode
+    comes from its header. Loading goes through vLLM's layerwise reload as in
+    :func:`refit_verify_receive`; this worker's manifest goes back to the sender, which compares.
+
+    Args:
+        src: the sender's rank within the group (default 0).
+        options: keyword options of :class:`refit_verify.RefitConfig`, validated here for symmetry
+            with ``refit_verify_receive``; none of them changes this receive: the mode and
+            alignment come from the sender's header, and every wait is bounded by the group's
+            timeout (``timeout_s`` of ``refit_verify_broadcast_init``), not by ``options["timeout_s"]``.
+
+    Returns:
+        dict: ``rank`` (vLLM rank), ``group_rank``, ``manifest`` (``{wire name: 32-hex}`` as JSON text, or None
+        when not verifying), ``tensors``, ``bytes``, ``buckets``, ``digest_s`` (seconds),
+        ``mode``, ``refit_id``, ``error`` (``load`` errors and refused entries, or None).
+
+    Raises:
+        RefitConfigError: ``refit_verify_broadcast_init`` was not called on this worker (or the group
+            was closed), or ``options`` is invalid.
+        RefitAbortedError: the sender aborted the refit.
+        RefitProtocolError: an unexpected message, or ``src`` is this worker's own group rank.
+        RefitTimeoutError: a collective ran past the group's timeout or a peer dropped out.
+    """
+    from refit_verify.boundary.worker import SessionDigests
+    from refit_verify.collective.broadcast import receive_broadcast
+    from refit_verify.config import RefitConfig
+    from refit_verify.errors import RefitConfigError
+
+    state = getattr(self, _BCAST_ATTR, None)
+    if state is None:
+        raise RefitConfigError(f"refit_verify_broadcast_receive: worker rank {self.rank} is in no broadcast group; "
+                               "call collective_rpc('refit_verify_broadcast_init', ...) first (concurrently with the "
+                               "trainer's refit_verify.vllm_plugin.broadcast_group)")
+    cfg = RefitConfig.from_options(options, source="refit_verify_broadcast_receive options")
+    group = state["group"]
+    wb = sessions.boundary_of(self)
+    digests = SessionDigests(wb, "broadcast") if wb is not None else None
+    with _on_device(state["device"]), _reload_session(self, digests) as load:
+        res = receive_broadcast(group, src, load, cfg, device=state["device"], digests=digests)
+    return {"rank": self.rank, "group_rank": group.rank(), "manifest": digest_map_text(res.manifest), "tensors": res.tensors,
+            "bytes": res.bytes, "buckets": res.buckets, "digest_s": res.digest_s, "mode": res.mode.value,
+            "refit_id": res.refit_id, "error": res.error}
+
+
+def refit_verify_broadcast_close(self) -> dict[str, Any]:
+    """Leave the broadcast group joined by ``refit_verify_broadcast_init`` (shuts it down here).
+
+    Returns:
+        dict: ``rank`` (vLLM rank) and ``closed`` (False when this worker was in no group).
+    """
+    state = self.__dict__.pop(_BCAST_ATTR, None)
+    if state is None:
+        return {"rank": self.rank, "closed": False}
+    try:
+        state["group"].shutdown()
+    except Exception:  # noqa: BLE001 - the group is dropped either way
+        logging.getLogger("refit_verify").exception("shutting down the broadcast group failed on worker rank %s", self.rank)
+    return {"rank": self.rank, "closed": True}
+
+
+def owned_copies(batch: list) -> list:
+    """A clone per tensor of ``batch`` (``[(name, tensor)]``, any dtypes and devices), the copies
+    vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order.
+
+    With ``REFIT_VERIFY_CUDA_GRAPHS=1`` (opt-in, :func:`refit_verify.config.cuda_graphs_enabled`),
+    CUDA clones come from this process's own memory pool for them (:func:`_copies_pool`): each is
+    still its own storage, but no other allocation shares the pool, so the same refit asks it for
+    the same sizes in the same order and gets the same addresses back from the second refit on. The
+    check before loading then finds its kept set (and its captured graph) for every buffer instead
+    of depending on where the device's general cache put each copy this time.
+
+    Fallbacks, all to plain clones of the whole batch: another thread is using the pool (no wait);
+    entering the pool fails (the pool is given up for good only when the error says this allocator
+    has no pools, e.g. expandable segments); a pooled clone raises ``torch.OutOfMemoryError`` (the
+    pool cannot take memory the device's general cache holds; the pool stays for the next refit,
+    and if the plain clones run out of memory too, the pool is released — :func:`release_pools` —
+    and the plain clones tried once more). The pool keeps its high-water mark reserved until
+    :func:`release_pools` (the plugin calls it at the worker's sleep).
+
+    Raises:
+        torch.OutOfMemoryError: the plain clones do not fit even with the pool released.
+    """
+    from refit_verify.config import cuda_graphs_enabled
+
+    if not cuda_graphs_enabled() or not _POOLS_LOCK.acquire(blocking=False):
+        return [(n, t.clone()) for n, t in batch]
+    try:
+        pool = _copies_pool(batch)
+        copies = _pooled(batch, *pool) if pool is not None else None
+    finally:
+        _POOLS_LOCK.release()
+    if pool is None:
+        return [(n, t.clone()) for n, t in batch]
+    if copies is not None:
+        return copies
+    import torch
+
+    try:
+        return [(n, t.clone()) for n, t in batch]
+    except torch.OutOfMemoryError:
+        pass
+    release_pools()  # its cached blocks are the memory the plain clones lack
+    torch.cuda.empty_cache()
+    return [(n, t.clone()) for n, t in batch]
+
+
+def _pooled(batch: list, index: int, mp) -> list | None:
+    """The clones of ``batch`` from pool ``mp`` on cuda:``index``; None when they must be plain."""
+    import torch
+
+    log = logging.getLogger("refit_verify")
+    try:
+        ctx = torch.cuda.use_mem_pool(mp, device=index)
+        ctx.__enter__()  # raises before anything is registered (use_mem_pool begins before its try)
+    except Exception as e:  # noqa: BLE001 - plain clones this time; for good only when pools are unsupported
+        unsupported = isinstance(e, AttributeError) or any(w in str(e).lower() for w in _NO_POOLS)
+        if unsupported:
+            _POOLS[index] = False
+        log.warning("refit-verify: no memory pool for the layerwise reload's copies on cuda:%s (%s: %s); plain "
+                    "clones%s", index, type(e).__name__, e, " from now on" if unsupported else " this time")
+        return None
+    oom = False
+    try:
+        return [(n, t.clone()) for n, t in batch]
+    except torch.OutOfMemoryError:  # the pool cannot take memory the device's general cache holds
+        oom = True
+    finally:
+        ctx.__exit__(None, None, None)  # ends routing to the pool and drops the context's reference
+        if oom:
+            log.warning("refit-verify: the layerwise reload's copies ran out of memory in their pool on cuda:%s; plain "
+                        "clones for this batch", index)
+    return None
+
+
+_NO_POOLS = ("expandable", "not supported", "unsupported", "does not support")
+"""Words of an error saying this allocator has no memory pools (then the pool is given up for good)."""
+
+_POOLS: dict = {}  # CUDA device index -> torch.cuda.MemPool of the layerwise reload's copies (False: none)
+_POOLS_LOCK = threading.Lock()  # one user of the pools at a time (begin/end of a pool is per thread)
+
+
+def release_pools() -> int:
+    """Drop this process's pools of the reload's copies; the next pooled refit makes new ones.
+
+    Dropping a ``MemPool`` releases it (its destructor: ``releasePool`` then ``emptyCache`` of its
+    id): its free blocks go back to the device, its live blocks when their copies die. Devices
+    whose allocator has no pools stay marked so. Waits at most :data:`POOL_WAIT_S` for a pooled
+    clone in progress; after that it releases nothing.
+
+    Returns:
+        int: how many pools were dropped (0 without CUDA or pools).
+    """
+    if not _POOLS_LOCK.acquire(timeout=POOL_WAIT_S):
+        logging.getLogger("refit_verify").warning("refit-verify: the reload's copies pool is busy; not released")
+        return 0
+    try:
+        dropped = [i for i, mp in _POOLS.items() if mp is not False]
+        for i in dropped:
+            del _POOLS[i]
+        return len(dropped)
+    finally:
+        _POOLS_LOCK.release()
+
+
+POOL_WAIT_S = 30.0
+"""Seconds :func:`release_pools` waits for a batch being cloned into a pool."""
+
+
+def _copies_pool(batch: list):
+    """``(device index, MemPool)`` for the copies of ``batch`` when its tensors are all on one
+    CUDA device and this torch has memory pools; else None (plain clones). The caller holds
+    :data:`_POOLS_LOCK`."""
+    devs = {t.device for _, t in batch}
+    if len(devs) != 1:
+        return None
+    (dev,) = devs
+    if dev.type != "cuda":
+        return None
+    import torch
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    pool = _POOLS.get(index)
+    if pool is None:
+        try:
+            with torch.cuda.device(index):  # a MemPool binds to the current device (MemPool.cpp: device_ = current_device())
+                pool = _POOLS[index] = torch.cuda.MemPool()
+        except (AttributeError, RuntimeError):  # no memory pools in this torch / allocator
+            _POOLS[index] = False
+            return None
+    return (index, pool) if pool is not False else None
+
+
+@contextlib.contextmanager
+def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterator[Callable[[list], None]]:
+    """Yield ``load(batch)`` feeding ``model.load_weights`` inside vLLM's layerwise reload.
+
+    The reload is started at the first ``load`` (a session opened by the transport's handshake
+    indexes the model outside the reload, so what the session keeps on its index — snapshot set,
+    read-back program, refit plan — survives from one refit to the next) and finalized after the
+    body, also when the body raises (the engine stays usable for the next refit); an error while
+    finalizing after a failure is logged and the original error raised. With ``digests`` (a :class:`~refit_verify.boundary.worker.SessionDigests`),
+    the reload is finalized just before its session closes, so the layers vLLM processes at
+    finalize are inside the session (coverage and read-back see them).
+
+    Before finalize, a layer that cannot land whole gets its previous kernel tensors back
+    (:func:`shims.restore_unfinished_layers`): a layer with a part refused before loading (verify
+    before load), and after a failed refit every partly loaded layer, never a fused parameter half
+    written with uninitialised rows. What was put back is recorded with the session and, when
+    ``outcome`` is given, in ``outcome["kept"]`` (``{parameter: why}``).
+    """
+    model = worker.get_model()
+    start, finish = shims.layerwise_reload()
+    started = [False]
+    finished = [not start]
+    wb = getattr(digests, "wb", None)
+
+    def finalize(failed: bool = False) -> None:
+        if finished[0]:
+            return
+        finished[0] = True
+        if not started[0]:
+            return  # nothing was loaded: the reload never started
+        refused = wb.refused_names("model") if wb is not None else []
+        if refused or failed:
+            boundary = wb.modules.get("model") if wb is not None else None
+            kept, withheld, attributed = shims.restore_unfinished_layers(
+                model, refused, failed, boundary.delivered_name if boundary is not None else (lambda t: None))
+            if wb is not None:
+                wb.note_kept(kept, withheld, attributed)
+            if outcome is not None:
+                outcome.setdefault("kept", {}).update(kept)
+            if kept:
+                logging.getLogger("refit_verify").warning(
+                    "refit-verify: %d parameters keep the previous version (%s): %s", len(kept),
+                    "the refit failed" if failed and not refused else f"refused before loading: {', '.join(refused[:4])}",
+                    ", ".join(list(kept)[:8]))
+        finish(model, worker.model_config)
+
+    def load(batch):
+        # Layerwise reload defers a layer's processing until all its weights arrived and keeps
+        # references to what it was handed: give it owned copies, never views of a staging slot
+        # that the sender refills after our Ack (the staged-slot reuse race) or of a broadcast
+        # bucket that is freed and reused after the bucket. A clone per tensor: one block shared by
+        # a buffer's tensors (tried, 797ed20) let one kept view pin the whole block and shared one
+        # version counter, so a watched session's write check blamed untouched tensors.
+        if start and not started[0]:
+            start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
+            started[0] = True
+        model.load_weights(owned_copies(batch) if start else batch)
+
+    if digests is not None:
+        digests.before_close = finalize
+    failed = True
+    try:
+        yield load
+        failed = False
+    finally:
+        try:
+            finalize(failed)
+        except Exception:
+            if not failed:
+                raise
+            logging.getLogger("refit_verify").exception("finalizing the layerwise reload after a failed refit failed")
+
+
+def _on_device(device):
+    """``torch.cuda.device(device)`` for a CUDA device (NCCL's object collectives use the current
+    device), else a no-op context."""
+    import torch
+
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
