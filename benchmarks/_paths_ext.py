@@ -101,12 +101,12 @@ TIMED_WORKER = (
     # kept sets: digest_now as its users call it, how often a kept set was found, adds of the general path
     "refit_verify.boundary.model:digest_now!",  # "!": the GPU work queued before it, waited for apart (row "… backlog")
     "refit_verify.boundary.record:digest_now",
-    "refit_verify.digest.held:_kept_held?",
+    "refit_verify.digest.kept:_kept_held?",
     "refit_verify.digest.incremental:HeldBatch.add",
     # inside the digests and the close: where a call's milliseconds go
     "refit_verify.digest.incremental:HeldBatch.hexdigests",
     "refit_verify.digest.incremental:HeldBatch._launch_general",
-    "refit_verify.digest.held:_keep_held",
+    "refit_verify.digest.kept:_keep_held",
     "refit_verify.digest.incremental:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
     "refit_verify.digest.batch:DigestBatch.add",
     "refit_verify.digest.batch:DigestBatch.launch",
@@ -161,7 +161,7 @@ TIMED_TRAINER = (
     "refit_verify.vllm_plugin.native_sender:NativeSendVerifier.add",
     "refit_verify.trainer.channel:WorkerChannel.call",
     "refit_verify.stream.pack:digest_now!",
-    "refit_verify.digest.held:_kept_held?",
+    "refit_verify.digest.kept:_kept_held?",
     "refit_verify.digest.incremental:_columns_or_none",  # a flush's (or digest_now's) signatures, column by column
     "refit_verify.digest.kept:DigestSet.launch",
     "refit_verify.digest.kept:DigestSet.collect",

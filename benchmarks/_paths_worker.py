@@ -580,7 +580,7 @@ def main() -> None:
         _native._engine_elsewhere = lambda llm: False
     if os.environ.get("BENCH_SENDER_WHOLE") == "1":  # diagnostic: the sender digests the whole list before the first group
         from refit_verify.stream.pack import Packer
-        from refit_verify.stream.unpack import check_items
+        from refit_verify.stream.items import check_items
 
         def _whole(self, items):
             if self.digests is not None:

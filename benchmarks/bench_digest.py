@@ -74,7 +74,8 @@ def main() -> int:
 
     from refit_verify.digest import _torch as td
     from refit_verify.digest import reference as ref
-    from refit_verify.digest.batch import digest_tensors, dtype_name, logical_bytes
+    from refit_verify.digest.batch import digest_tensors
+    from refit_verify.digest.tensors import dtype_name, logical_bytes
     from refit_verify.digest.kernels import launch as kd
 
     def roofline(u8: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,7 @@ def _worker(args: argparse.Namespace) -> int:
     sync()
     check = hashlib.sha256("".join(f"{k}={v};" for k, v in got.items()).encode()).hexdigest()
     try:
-        from refit_verify.digest.batch import backend_for
+        from refit_verify.digest.backends import backend_for
 
         backend = backend_for(torch.device(args.device).type).name
     except ImportError:  # a baseline without refit_verify.digest.backends

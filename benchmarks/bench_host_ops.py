@@ -28,7 +28,8 @@ import torch
 from refit_verify.testing import models
 from refit_verify.boundary.worker import identity_of
 from refit_verify.config import DIRECT_LAUNCH_ENV_VAR
-from refit_verify.digest.batch import DigestBatch, _tensor_seed, logical_bytes
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.tensors import tensor_seed, logical_bytes
 from refit_verify.digest.kept import DigestSet
 from refit_verify.digest.incremental import CopyingBatch, _same_storage, digest_now
 from refit_verify.trainer.exports import StreamDigests
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ("t.untyped_storage().data_ptr()", lambda: [t.untyped_storage().data_ptr() for _, t in ts]),
         ("t.reshape(-1).view(torch.uint8)", lambda: [t.reshape(-1).view(torch.uint8) for _, t in ts]),
         ("logical_bytes(t) (checks + views)", lambda: [logical_bytes(t) for _, t in ts]),
-        ("cached seed", lambda: [_tensor_seed(t.dtype, t.shape, u.numel()) for u, (_, t) in zip(u8s, ts)]),
+        ("cached seed", lambda: [tensor_seed(t.dtype, t.shape, u.numel()) for u, (_, t) in zip(u8s, ts)]),
         ("same-storage test", lambda: [_same_storage(u, t) for u, (_, t) in zip(u8s, ts)]),
         ("u8.clone() (one device copy)", lambda: [u.clone() for u in u8s]),
         ("DigestBatch: add + hexdigests (incl. sync)", plain),

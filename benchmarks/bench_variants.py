@@ -87,7 +87,7 @@ def main() -> int:
 
     from refit_verify.digest import _torch as td
     from refit_verify.digest import reference as ref
-    from refit_verify.digest.batch import dtype_name, logical_bytes
+    from refit_verify.digest.tensors import dtype_name, logical_bytes
     from refit_verify.digest.kernels import launch as kd
 
     def elapsed() -> float:

@@ -22,11 +22,12 @@ def warm_numba_cache() -> None:
     """Compile (or load) the numba digest in this process before spawning: concurrent first
     compilations of the same cached functions in several processes can leave a cache that
     segfaults later (numba issue #10128)."""
+    from refit_verify.digest import backends
+
     try:
-        from refit_verify.digest import _numba as _numba_digest
-    except Exception:  # noqa: BLE001 - no numba: the torch path needs no warm-up
+        backends.warmup_cpu()
+    except ImportError:  # no numba: the torch path needs no warm-up
         return
-    _numba_digest.warmup()
 
 
 def init_rank(rank: int, world: int, port: int, backend: str = "gloo", timeout_s: float = 60.0,

@@ -26,11 +26,12 @@ import msgspec
 import torch
 
 from refit_verify import RefitConfig
-from refit_verify.digest.batch import dtype_name
+from refit_verify.digest.tensors import dtype_name
 from refit_verify.errors import RefitTimeoutError
-from refit_verify.stream.unpack import round_up as _round_up
+from refit_verify.stream.items import round_up as _round_up
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire.staged import Buffer, Entry, Hello
+from refit_verify.wire.staged import Buffer, Hello
+from refit_verify.wire.fields import Entry
 
 SPAWN = mp.get_context("spawn")
 LANE = 8  # bytes per 64-bit digest lane
@@ -470,7 +471,7 @@ def random_budget(seed: int, tensors: list[tuple[str, torch.Tensor]]) -> dict:
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes in logical order, computed without :func:`refit_verify.digest.batch.logical_bytes`
+    """``t``'s bytes in logical order, computed without :func:`refit_verify.digest.tensors.logical_bytes`
     (an independent reference for the tests)."""
     x = t.detach().clone(memory_format=torch.contiguous_format).reshape(-1)
     if x.dtype.is_complex:

@@ -17,8 +17,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
+from refit_verify.boundary import placement
 from refit_verify import RefitVerificationError
-from refit_verify.boundary import record as delivery
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402
@@ -120,7 +120,7 @@ def test_direct_loads_verified_with_every_byte_proven(engine):
     # an in-process engine: the worker's record itself came back, not JSON text (tests/test_local_reply.py)
     assert getattr(llm.llm_engine.model_executor.driver_worker.worker, _ATTR).last is man
     # on CUDA every tensor is copied whole into its place by vLLM's loaders, so each is digested where it landed
-    assert man.modules["model"].in_place == (list(w) if DEVICE in delivery.DERIVE_DEVICE_TYPES else [])
+    assert man.modules["model"].in_place == (list(w) if DEVICE in placement.DERIVE_DEVICE_TYPES else [])
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, w[n]) for n in names)
 
@@ -145,7 +145,7 @@ def test_lm_head_overwritten_after_load_named_by_read_back(engine):
     with pytest.raises(RefitVerificationError) as ei:
         _sync(llm, model, w, version=3, after=overwrite)
     rep = ei.value.report
-    if DEVICE in delivery.DERIVE_DEVICE_TYPES:  # lm_head was digested where it landed: that is the mismatch
+    if DEVICE in placement.DERIVE_DEVICE_TYPES:  # lm_head was digested where it landed: that is the mismatch
         assert rep.verified == 20 and list(rep.mismatched) == ["lm_head.weight"]
     else:
         assert rep.verified == 21 and not rep.mismatched
@@ -234,7 +234,7 @@ def test_steady_state_refits_replay_the_plan(engine, monkeypatch):
     """After a watched refit, the next ones replay its plan (refit_verify.boundary.plan: the loader tap
     off, every tensor read back where it landed); a corrupted push is still named, and the refit
     after a failed one is watched again. On CPU the landing digests are switched on for the test."""
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
     first = _sync(llm, model, _weights(cfg, 40), version=40, replay=None)
     assert first.reports[0].ok
@@ -265,7 +265,7 @@ def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypat
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
 
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
     conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
     with RefitSender(config=conf, device=DEVICE) as tx:
@@ -307,7 +307,7 @@ def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(en
     kept, and the report agrees with the engine's bytes."""
     from tests.soak_lanes import engine_layout
 
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
     for seed in (60, 61):
         man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"b{seed}")
@@ -329,7 +329,7 @@ def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(en
     """A name replayed in one call and delivered again in a later one (the replay ends: "delivered
     twice"; the later delivery is what lands), then the refit fails and layer 0 is put back: the
     replayed delivery's plan regions are taken back, so the fused parameter is kept, not landed."""
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
     for seed in (70, 71):
         man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"d{seed}")
@@ -348,7 +348,7 @@ def test_the_layerwise_reloads_copies_are_one_storage_each():
     version counter: an in-place write into one copy leaves the others' counters alone (a watched
     session's write check would otherwise blame untouched tensors), and a copy the reload keeps pins
     only its own bytes. Regression test for one block shared by a buffer's tensors (797ed20)."""
-    from refit_verify.vllm_plugin.worker_methods import owned_copies
+    from refit_verify.vllm_plugin.worker_copies import owned_copies
 
     slot = torch.arange(64, dtype=torch.uint8)
     batch = [("a", slot[0:16].view(torch.bfloat16)), ("b", slot[16:48].view(torch.float32)), ("c", slot[48:64])]
@@ -376,7 +376,7 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
     from refit_verify.transport import RefitSender
     from tests.soak_lanes import engine_layout
 
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     llm, model, cfg = engine
     conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
     target, fused = "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"

@@ -371,7 +371,7 @@ def test_verification_errors_pickle() -> None:
     """Raised in a process pool or a Ray task, the errors reach the caller whole."""
     import pickle
 
-    from refit_verify.report import compare_manifests
+    from refit_verify.compare import compare_manifests
 
     a, b = "0" * 32, "1" * 32
     bad = compare_manifests({"w": a, "v": a}, {"w": b, "v": a}, rank=2)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify.boundary import record as delivery
 
 from refit_verify.engine import state as engine_state
 
 from refit_verify.engine import readback
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
-from refit_verify.trainer.refit import compare_session
+from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.digest.kept import DigestSet
 from tests.support.toy_model import Q, default_weight_loader, toy_weights
@@ -24,7 +23,7 @@ from tests.test_refit_plan import _Faulty, _untimed
 
 @pytest.fixture(autouse=True)
 def landed(monkeypatch):
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
 
 

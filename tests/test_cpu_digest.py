@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from refit_verify.digest import backends
 from refit_verify import tensor_digest
 
 from refit_verify.digest import _torch as _torch_digest
@@ -239,12 +240,12 @@ def test_digest_many_equals_one_call_per_string():
     string (every length 0..80, lane and block edges, the largest length it takes), and it refuses a
     misaligned address or a length out of range before reading anything."""
     from refit_verify.digest import _numba_many as nm
-    from refit_verify.digest.batch import _tensor_seed
+    from refit_verify.digest.tensors import tensor_seed
 
     g = torch.Generator().manual_seed(5)
     lengths = [*range(81), 127, 128, 129, 4095, 4096, 4097, 16 * 256 * 8 + 8, nm.MANY_MAX_BYTES - 1]
     ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in lengths]
-    items = [(t.data_ptr(), t.numel(), _tensor_seed(torch.bfloat16, (t.numel(), 1), t.numel())) for t in ts]
+    items = [(t.data_ptr(), t.numel(), tensor_seed(torch.bfloat16, (t.numel(), 1), t.numel())) for t in ts]
     assert all(a % 8 == 0 for a, _, _ in items)
     assert nm.digest_words_many(items) == [nd.digest_words(t, s) for t, (_, _, s) in zip(ts, items)]
     assert nm.digest_words_many([]) == []
@@ -387,10 +388,9 @@ def test_a_copying_batch_reads_small_cpu_tensors_as_they_were_at_their_add_in_on
     and read at the flush with the others in one digest_many call; a large one is digested at once.
     Either way the digest is of the bytes at the add, whatever the trainer writes afterwards, and
     equals tensor_digest of them (contiguous, transposed, conjugate, empty, large)."""
-    from refit_verify.digest import batch as dg
     from refit_verify.digest.incremental import CopyingBatch
 
-    be = dg.backend_for("cpu")
+    be = backends.backend_for("cpu")
     if be.digest_many is None:
         pytest.skip("no compiled CPU batch on this machine")
     calls = []

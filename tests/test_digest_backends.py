@@ -65,10 +65,10 @@ def _count_imports(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_cpu_backend_is_numba_and_adds_import_nothing(fresh_choice, monkeypatch, caplog) -> None:
     named = _tensors()
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        b = digest.backend_for("cpu")
+        b = backends.backend_for("cpu")
     assert (b.name, b.fallback_reason, b.digest_views) == ("numba", None, None)
     assert b.digest_words is nd.digest_words and b.chunk_roots_u8 is nd.chunk_roots_u8
-    assert digest.backend_for("cpu") is b  # chosen once
+    assert backends.backend_for("cpu") is b  # chosen once
     assert not caplog.records
     batch = digest.DigestBatch()
     imports = _count_imports(monkeypatch)
@@ -96,7 +96,7 @@ def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplo
                 batch.add(n, t)
             assert batch.hexdigests() == want
         assert tensor_digest(named[0][1]) == want["t0"]
-    assert digest.backend_for("cpu").name == "torch"
+    assert backends.backend_for("cpu").name == "torch"
     assert len(calls) == 3 * len(named) + 1
     msgs = [r.getMessage() for r in caplog.records if r.name == "refit_verify"]
     assert len(msgs) == 1, msgs
@@ -109,7 +109,7 @@ def test_numba_failing_its_probe_falls_back(fresh_choice, monkeypatch, caplog) -
     """A numba path that runs but gives another value than the reference is not used."""
     monkeypatch.setattr(nd, "digest_words", lambda u8, seeds: (0, 0))
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        b = digest.backend_for("cpu")
+        b = backends.backend_for("cpu")
     assert b.name == "torch" and "RuntimeError: probe digest (0, 0) differs from the reference" in b.fallback_reason
     assert len(caplog.records) == 1
     t = torch.arange(100, dtype=torch.int16)
@@ -121,10 +121,10 @@ def test_kernels_missing_falls_back_to_torch(fresh_choice, monkeypatch, caplog) 
     monkeypatch.setitem(sys.modules, "refit_verify.digest.kernels.launch", None)
     if "refit_verify.digest.kernels" in sys.modules:  # imported by an earlier test: drop its attribute too
         monkeypatch.delattr(sys.modules["refit_verify.digest.kernels"], "digest", raising=False)
-    monkeypatch.setattr(digest, "_KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        b = digest.backend_for("cpu")
-        assert digest.backend_for("cpu") is b
+        b = backends.backend_for("cpu")
+        assert backends.backend_for("cpu") is b
     assert b.name == "torch" and b.digest_words is _torch_digest.digest_words
     assert "the Triton kernels are unavailable (ModuleNotFoundError: import of refit_verify.digest.kernels.launch halted" in b.fallback_reason
     assert [r.levelno for r in caplog.records] == [logging.WARNING]

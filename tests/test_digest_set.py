@@ -17,16 +17,15 @@ import torch
 if not torch.cuda.is_available():  # the kernel path on CPU tensors, as tests/kernels (on a GPU: compiled)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from refit_verify.boundary import record as delivery
 
+from refit_verify.digest import backends
 from refit_verify.digest import incremental as digest_stream
 
 from refit_verify.engine import state as engine_state
 
 from refit_verify.engine import readback
-from refit_verify.digest import batch as dg
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
-from refit_verify.trainer.refit import compare_session
+from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors, tensor_digest
 from refit_verify.digest.kept import DigestSet, signature
 from refit_verify.errors import RefitInputError
@@ -63,14 +62,14 @@ def test_the_kernel_path_on_the_interpreter_equals_the_reference(monkeypatch):
         pytest.skip("the Triton interpreter is not on in this process")
     ts = _tensors("cpu")[:4] + [torch.randn(70_000)]
     want = [tensor_digest(t) for t in ts]
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
     ds = DigestSet(ts)
     assert ds._groups[0][2].name == "triton"
     assert ds.digest() == want
     ts[-1][-1] = 5.0
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset())
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset())
     want = [tensor_digest(t) for t in ts]
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
     assert ds.digest() == want
 
 
@@ -226,7 +225,7 @@ def test_a_tensor_the_set_cannot_read_falls_back_to_the_general_path_and_recover
 
 @pytest.fixture
 def landed(monkeypatch):
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
 
 
@@ -345,7 +344,7 @@ def test_digest_now_reads_a_kept_set_from_the_second_call_and_follows_the_memory
     plan is run with no HeldBatch at all, and it reads the bytes as they are at each call. Other
     memory under the same names, a duplicate name or a tensor that cannot be read take the general
     path again, with the right digests."""
-    from refit_verify.digest import held as held_sets
+    from refit_verify.digest import kept as held_sets
     from refit_verify.digest.incremental import HeldBatch, digest_now
 
     ts = _tensors(device)
@@ -429,7 +428,7 @@ def test_sets_that_cannot_follow_their_tensors_are_not_relocatable():
     than a pointer per tensor: such a set never reads tensors at other addresses."""
     ts = _laid_out(1)
     assert not DigestSet(ts, regions=[(0, tuple(t.shape), tuple(t.stride())) for t in ts], hold=False).relocatable
-    large = [torch.zeros((dg.backend_for("cpu").many_max_bytes // 4) + 1)]
+    large = [torch.zeros((backends.backend_for("cpu").many_max_bytes // 4) + 1)]
     ds = DigestSet(large, hold=False)
     assert not ds.relocatable and not ds.moved([large[0].clone()])
     assert ds.digest(tensors=[large[0].clone()], moved=True) is None
@@ -467,7 +466,7 @@ def test_held_batch_reads_moved_cpu_memory_through_its_set_and_still_sees_change
     """A trainer that exports a new CPU copy of its weights at every refit (a gathered or cast
     state dict): from the third refit each flush reads its kept set where the copies are; a copy
     written after its add is still found (not digested, named in ``changed``)."""
-    from refit_verify.digest import held as dst
+    from refit_verify.digest import kept as dst
 
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
     monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
@@ -509,19 +508,19 @@ def test_moving_memory_no_set_can_follow_is_never_planned(kind, monkeypatch):
     """Memory that moves at every call where no set can follow it (the kernel path, a GPU's clones
     or a sharded gather's; a CPU tensor past the compiled batch's bound) keeps only its signatures:
     no set is built and thrown away at each call, and the digests stay right."""
-    from refit_verify.digest import held as dst
+    from refit_verify.digest import kept as dst
 
     device = "cuda" if kind == "kernel" and torch.cuda.is_available() else "cpu"
     if kind == "kernel" and device == "cpu":  # the kernels' kept plans on CPU tensors, as CUDA tensors go
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("neither a GPU nor the Triton interpreter in this process")
-        monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())
     monkeypatch.setattr(dst, "_HELD_TENSORS", 0)
     built = []
     real_init = DigestSet.__init__
     monkeypatch.setattr(DigestSet, "__init__", lambda self, *a, **k: (built.append(1), real_init(self, *a, **k))[1])
-    base = _laid_out(9)[:2] + ([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)] if kind == "large" else [])
+    base = _laid_out(9)[:2] + ([torch.zeros(backends.backend_for("cpu").many_max_bytes // 4 + 1)] if kind == "large" else [])
     base = [t.to(device) for t in base]
     keep = []  # every call's clones stay alive: the next ones are at other addresses, as at a refit whose memory moved
     for call in range(4):
@@ -537,15 +536,15 @@ def test_a_set_that_cannot_follow_its_tensors_never_reads_others_even_unchecked(
     q = torch.randn(64)
     regioned = DigestSet([q], regions=[(6, (6,), (1,))], hold=False)
     assert regioned.launch(check=False, tensors=[torch.randn(64)], moved=True) is None
-    large = DigestSet([torch.zeros(dg.backend_for("cpu").many_max_bytes // 4 + 1)], hold=False)
-    assert large.digest(check=False, tensors=[torch.ones(dg.backend_for("cpu").many_max_bytes // 4 + 1)], moved=True) is None
+    large = DigestSet([torch.zeros(backends.backend_for("cpu").many_max_bytes // 4 + 1)], hold=False)
+    assert large.digest(check=False, tensors=[torch.ones(backends.backend_for("cpu").many_max_bytes // 4 + 1)], moved=True) is None
 
 
 def test_a_kept_flush_with_an_inference_tensor_and_an_empty_one_still_sees_in_place_changes(monkeypatch):
     """A flush's changed-since-add check reads version counters as a column, skipping where none was
     read (an inference tensor: its address is checked) and storage sizes skipping empty tensors: a
     flush holding both still reads its kept set, and a write after an add is still found."""
-    from refit_verify.digest import held as held_sets
+    from refit_verify.digest import kept as held_sets
 
     monkeypatch.setattr(held_sets, "_HELD_SETS", type(held_sets._HELD_SETS)())
     monkeypatch.setattr(held_sets, "_HELD_TENSORS", 0)
@@ -579,7 +578,7 @@ def test_a_held_batch_whose_launch_failed_never_answers_again(fail_at, monkeypat
     caller that catches the error and asks for the digests again never gets the earlier add's digest
     of a name it added again with other bytes (a stale digest that would match an engine that kept the
     old bytes), nor the failed flush's names silently missing."""
-    from refit_verify.digest import held as dst
+    from refit_verify.digest import kept as dst
     from refit_verify.errors import RefitError
 
     monkeypatch.setattr(dst, "_HELD_SETS", type(dst._HELD_SETS)())

@@ -23,7 +23,8 @@ from refit_verify.digest import _numba_many
 from refit_verify.digest import _torch as _torch_digest
 from refit_verify.digest import reference as ref
 from refit_verify import tensor_digest
-from refit_verify.digest.batch import DigestBatch, dtype_name, logical_bytes
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.tensors import dtype_name, logical_bytes
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 
-from refit_verify.digest import batch as dg
+from refit_verify.digest import backends
 from refit_verify.boundary.record import _each_readable
 from refit_verify.digest.batch import DigestBatch, tensor_digest
 from refit_verify.digest.incremental import CopyingBatch, HeldBatch, digest_now
@@ -25,7 +25,7 @@ from refit_verify.errors import RefitInputError
 @contextlib.contextmanager
 def _digest_words_fails_once():
     """The CPU backend's ``digest_words`` raises at its next call (an allocation failing, say), then works."""
-    be = dg.backend_for("cpu")
+    be = backends.backend_for("cpu")
     real = be.digest_words
     calls = []
 
@@ -245,14 +245,14 @@ def test_a_drain_that_raises_keeps_the_adds_it_did_not_reach(monkeypatch):
     import refit_verify.digest.incremental as ds
 
     freed = _freed_parameter(T1)
-    real = ds._check
+    real = ds.check_tensor
 
     def check(t):
         if t is freed:
             raise RuntimeError("injected: a device error in the checks")
         return real(t)
 
-    monkeypatch.setattr(ds, "_check", check)
+    monkeypatch.setattr(ds, "check_tensor", check)
     s = StreamDigests(hold_parameters=True)
     s.defer_held = True
     s.add("a", torch.nn.Parameter(T1.clone(), requires_grad=False))
@@ -267,7 +267,7 @@ def test_a_drain_that_raises_keeps_the_adds_it_did_not_reach(monkeypatch):
 def test_each_readable_leaves_out_a_queued_region_whose_read_failed():
     """A contiguous region is queued and read at the batch's launch, outside the per-add guard: its
     failure leaves that region out, the others read one by one."""
-    be = dg.backend_for("cpu")
+    be = backends.backend_for("cpu")
     real = be.digest_words
     bad = torch.full((8,), 7.0)
 
@@ -377,7 +377,7 @@ def test_a_digest_that_fails_at_the_closing_flush_still_closes_the_workers_sessi
             self.calls.append(method)
             return [{"verifying": True, "rank": 0}] if method.endswith("open") else [{"rank": 0, "manifest": None}]
 
-    be = dg.backend_for("cpu")
+    be = backends.backend_for("cpu")
     if be.digest_many is None:
         pytest.skip("no compiled CPU batch on this machine")
     real, seen = be.digest_many, []

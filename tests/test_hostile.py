@@ -30,8 +30,8 @@ from refit_verify.wire.collective import (BROADCAST_PROTOCOL, MAX_SHARD_MESSAGE_
                                     decode_shard_meta, decode_shard_roots)
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, digest_map, digest_map_text, from_wire, to_text, to_wire
-from refit_verify.wire.staged import (MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Entry, Hello, Reject,
-                               ShmHandle, Welcome, decode_reply, decode_request, encode)
+from refit_verify.wire.staged import (PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, Done, Hello, Reject, ShmHandle, Welcome, decode_reply, decode_request)
+from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry, encode
 
 
 class _Plant:

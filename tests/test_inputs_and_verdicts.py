@@ -11,7 +11,7 @@ import refit_verify
 from refit_verify import verdicts
 from refit_verify.trainer.channel import _in_other_process, channel
 from refit_verify.errors import RefitConfigError, RefitInputError
-from refit_verify.report import compare_manifests
+from refit_verify.compare import compare_manifests
 
 HEX = "0" * 32
 

@@ -2,7 +2,7 @@
 
 Every refit of any framework ends in ``model.load_weights``: these tests drive
 :class:`refit_verify.boundary.worker.WorkerBoundary` directly, the way the plugin does inside a worker,
-and compare with :func:`refit_verify.trainer.refit.compare_session`, the way the trainer API does.
+and compare with :func:`refit_verify.compare.compare_session`, the way the trainer API does.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import weakref
 import pytest
 import torch
 
+from refit_verify.digest import backends
+from refit_verify.boundary import placement
 from refit_verify.boundary import record as delivery
 from refit_verify.boundary.worker import SessionDigests, WorkerBoundary, identity_of
-from refit_verify.trainer.refit import compare_session
+from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors, tensor_digest
 from refit_verify.engine.state import read_back
 from refit_verify.errors import RefitProtocolError
@@ -96,7 +98,7 @@ def test_flipped_byte_in_transit_named(device):
     r = compare_session({"model": expected}, _refit(wb, model, bad), version=1)
     assert not r.ok and list(r.mismatched) == ["k_proj"] and not r.missing
     # digested where it landed (CUDA): the engine's qkv_proj holds the flipped byte, so it is named too
-    assert list(r.engine_mismatched) == (["qkv_proj"] if device in delivery.DERIVE_DEVICE_TYPES else [])
+    assert list(r.engine_mismatched) == (["qkv_proj"] if device in placement.DERIVE_DEVICE_TYPES else [])
 
 
 def test_skipped_name_unconsumed_and_omitted_param_unwritten():
@@ -188,7 +190,7 @@ def test_loader_that_misplaces_blocks_on_a_later_load_named_by_read_back(device)
     assert compare_session({"model": digest_tensors(w1.items())}, _refit(wb, model, w1, version=1), version=1).ok
     r = compare_session({"model": digest_tensors(w2.items())}, _refit(wb, model, w2, version=2), version=2)
     assert not r.ok
-    if device in delivery.DERIVE_DEVICE_TYPES:  # digested where they landed: the regions hold each other's bytes
+    if device in placement.DERIVE_DEVICE_TYPES:  # digested where they landed: the regions hold each other's bytes
         assert sorted(r.mismatched) == ["k_proj", "v_proj"] and list(r.engine_mismatched) == ["qkv_proj"]
     else:
         assert r.verified == 5 and not r.mismatched
@@ -306,7 +308,7 @@ def test_a_drafter_no_refit_feeds_is_stated_not_hidden():
 
 @pytest.fixture
 def landed(monkeypatch):
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
 
 
 @pytest.mark.parametrize("form", ["list", "iter", "keyword"])
@@ -373,7 +375,7 @@ def test_bytes_changed_after_the_loader_wrote_them_are_never_verified(monkeypatc
     """Both ways of digesting see it and name qkv_proj as holding other bytes; where landed, q_proj is
     also the mismatched tensor (its delivery was never digested apart from where it landed)."""
     if mode == "where landed":
-        monkeypatch.setattr("refit_verify.boundary.record.DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
+        monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
     wb, model = _worker(_Clobbering())
     w = toy_weights(36)
     r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
@@ -496,7 +498,7 @@ def test_whole_parameter_read_back_from_the_snapshot_still_sees_a_changed_parame
     from refit_verify.engine.state import snapshot
 
     if mode == "where landed":
-        monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
+        monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu"}))
     wb, model = _worker()
     wb.snapshotter = snapshot
     w = toy_weights(45)
@@ -722,9 +724,8 @@ def test_cpu_list_tensors_are_digested_together_before_the_model_sees_any(monkey
     (one batched call), as they were handed over: a loader that changes its input after writing it
     (gpt_oss zeroes a bias on other ranks) changes nothing; a name delivered twice, in the same list
     or pulled from an iterator later, is digested as that later delivery."""
-    from refit_verify.digest import batch as dg
 
-    backend = dg._CPU[0] or dg._cpu_backend()
+    backend = backends._CPU[0] or backends.cpu_backend()
     batched: list[int] = []
 
     def spy(items):
@@ -739,7 +740,7 @@ def test_cpu_list_tensors_are_digested_together_before_the_model_sees_any(monkey
                     t.zero_()  # after the loader copied it
             return done
 
-    monkeypatch.setattr(dg, "_CPU", [dataclasses.replace(backend, digest_many=spy)])
+    monkeypatch.setattr(backends, "_CPU", [dataclasses.replace(backend, digest_many=spy)])
     wb, model = _worker(_Zeroing())
     w, w2 = toy_weights(4), toy_weights(5)
     want = dict(digest_tensors(w.items()), norm=tensor_digest(w2["norm"]), k_proj=tensor_digest(w2["k_proj"]))

@@ -181,7 +181,7 @@ def test_a_change_the_opens_check_misses_is_read_back_from_the_live_tensors(monk
     """The open keeps the plan through a change it does not see (a new parameter dictionary): the
     session replays, the loader writes the new ``norm`` (resolved by name), and the close's full check
     reads the model's live tensors: verified, the bytes the trainer sent."""
-    from refit_verify.trainer.refit import compare_session
+    from refit_verify.compare import compare_session
     from refit_verify.digest.batch import digest_tensors
 
     model = ToyModel()
@@ -201,7 +201,7 @@ def test_a_change_the_opens_check_misses_is_read_back_from_the_live_tensors(monk
 def test_a_change_the_opens_check_misses_never_passes_bytes_the_model_does_not_use(monkeypatch):
     """The same miss with a loader that still writes the old ``norm`` object: the model computes
     with the new one, which holds other bytes. The replayed session must fail, not pass."""
-    from refit_verify.trainer.refit import compare_session
+    from refit_verify.compare import compare_session
     from refit_verify.digest.batch import digest_tensors
 
     model = _CachingLoader()

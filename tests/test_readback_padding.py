@@ -19,7 +19,7 @@ from refit_verify.engine import state as engine_state
 
 from refit_verify.engine import readback
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
-from refit_verify.trainer.refit import compare_session
+from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors, tensor_digest
 from refit_verify.boundary.placement import Copy
 from tests.support.toy_model import HIDDEN, KV, Q, VOCAB, ToyModel, default_weight_loader, toy_weights

@@ -13,7 +13,7 @@ from refit_verify.boundary import record as delivery
 
 from refit_verify.engine import state as engine_state
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
-from refit_verify.trainer.refit import compare_session
+from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitConfigError
 from refit_verify.boundary.plan import replay_call, replay_from_env
@@ -463,7 +463,7 @@ def test_an_open_sessions_check_reads_kept_regions_and_sees_in_place_changes(mon
     place between two checks is seen); a parameter replaced by other memory is read the general
     way again, and its new bytes are what the check gives."""
     from refit_verify.digest import incremental as digest_stream
-    from refit_verify.digest import held as held_sets
+    from refit_verify.digest import kept as held_sets
     from refit_verify.digest.batch import tensor_digest
 
     # kept sets are process-wide: another test's toy model of the same names and layout would be read through its
@@ -602,7 +602,7 @@ def test_checked_before_loading_then_replayed(writes, device):
     """Digests ahead of the bytes (our transport): every call is checked before loading and, once a
     watched session left a plan, replayed (tap off); the verdict reads what landed. The check reads
     a staging slot refilled in place through a kept set from the third refit on."""
-    from refit_verify.digest import held as held_sets
+    from refit_verify.digest import kept as held_sets
 
     wb, model = _worker(device)
     staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}

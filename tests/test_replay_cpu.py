@@ -14,7 +14,7 @@ import torch
 
 from refit_verify.digest.kernels import replay
 from refit_verify.digest.kernels.launch import Planned
-from refit_verify.vllm_plugin import worker_sessions as sessions, worker_methods as worker
+from refit_verify.vllm_plugin import worker_copies as worker, worker_sessions as sessions
 
 
 @pytest.mark.parametrize(("version", "ok"), [

@@ -27,7 +27,8 @@ from refit_verify import RefitConfig
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.transport.sender import SECOND_PEER_GRACE_S
-from refit_verify.wire.staged import PROTOCOL_VERSION, Abort, Ack, Hello, Reject, Welcome, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Abort, Ack, Hello, Reject, Welcome, decode_reply
+from refit_verify.wire.fields import encode
 from tests.support.zmq_peers import bound_req
 
 SPAWN = mp.get_context("spawn")

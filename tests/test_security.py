@@ -33,7 +33,8 @@ from refit_verify import RefitConfig, RefitConfigError, VerifyMode, mode_from_en
 from refit_verify.transport import guard
 from refit_verify.errors import RefitProtocolError, RefitTimeoutError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Complete, Entry, Hello, Reject, ShmHandle, Welcome, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Complete, Hello, Reject, ShmHandle, Welcome, decode_reply
+from refit_verify.wire.fields import Entry, encode
 from tests.support.zmq_peers import bound_req
 
 
@@ -472,7 +473,8 @@ _IMPOSTOR_SENDER = """
 import json, os, sys
 import torch, zmq
 from refit_verify.digest.batch import tensor_digest
-from refit_verify.wire.staged import PROTOCOL_VERSION, Complete, DigestBuffer, DigestEntry, Hello, ShmHandle, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Complete, DigestBuffer, Hello, ShmHandle, decode_reply
+from refit_verify.wire.fields import DigestEntry, encode
 endpoint, shm_name, wait_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
 data = bytes(range(64))
 digest = tensor_digest(torch.frombuffer(bytearray(data), dtype=torch.float32))  # a correct digest of its bytes

@@ -15,8 +15,9 @@ from refit_verify.config import VerifyMode
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitInputError
 from refit_verify.stream.pack import Packer
-from refit_verify.stream.unpack import SENT_TWICE, EntryChecker, ReceiveState, checked_item, round_up, view_slots
-from refit_verify.wire.staged import Entry
+from refit_verify.stream.unpack import EntryChecker, ReceiveState, view_slots
+from refit_verify.stream.items import SENT_TWICE, checked_item, round_up
+from refit_verify.wire.fields import Entry
 
 
 class RecordingSink:

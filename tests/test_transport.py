@@ -18,10 +18,11 @@ import zmq
 
 import refit_verify.digest.batch as digest_mod
 from refit_verify import RefitConfig, logical_bytes
-from refit_verify.digest.batch import dtype_name
+from refit_verify.digest.tensors import dtype_name
 from refit_verify.errors import RefitAbortedError, RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
 from refit_verify.transport import RefitReceiver, RefitSender
-from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply, encode
+from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply
+from refit_verify.wire.fields import encode
 
 SPAWN = mp.get_context("spawn")
 PROC_TIMEOUT_S = 60

@@ -10,25 +10,8 @@ import pytest
 import torch
 
 from refit_verify.errors import RefitProtocolError
-from refit_verify.wire.staged import (
-    MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
-    Abort,
-    Ack,
-    Buffer,
-    Complete,
-    CudaIpcHandle,
-    Done,
-    Entry,
-    Hello,
-    Reject,
-    ShmHandle,
-    Welcome,
-    decode_reply,
-    decode_request,
-    encode,
-    torch_dtype,
-)
+from refit_verify.wire.staged import (PROTOCOL_VERSION, Abort, Ack, Buffer, Complete, CudaIpcHandle, Done, Hello, Reject, ShmHandle, Welcome, decode_reply, decode_request)
+from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry, encode, torch_dtype
 
 CUDA_HANDLE = CudaIpcHandle(
     handle=bytes(range(64)), storage_size_bytes=1 << 20, storage_offset_bytes=4096, dtype="uint8",

@@ -47,9 +47,9 @@ _EXPORTS = {
     "ShardLayoutError": "refit_verify.errors",
     "VerificationReport": "refit_verify.report",
     "VerifyMode": "refit_verify.config",
-    "compare_manifests": "refit_verify.report",
+    "compare_manifests": "refit_verify.compare",
     "digest_tensors": "refit_verify.digest.batch",
-    "logical_bytes": "refit_verify.digest.batch",
+    "logical_bytes": "refit_verify.digest.tensors",
     "mode_from_env": "refit_verify.config",
     "PushResult": "refit_verify.trainer.push",
     "push": "refit_verify.trainer.push",
@@ -80,12 +80,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.collective.broadcast import BroadcastReceiver, BroadcastSender
     from refit_verify.trainer.refit import RefitCheck, refit
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
-    from refit_verify.digest.batch import DigestBatch, digest_tensors, logical_bytes, tensor_digest
+    from refit_verify.digest.batch import DigestBatch, digest_tensors, tensor_digest
+    from refit_verify.digest.tensors import logical_bytes
     from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
                                      RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
                                      RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
     from refit_verify.manifest import SessionManifest
-    from refit_verify.report import VerificationReport, compare_manifests
+    from refit_verify.report import VerificationReport
+    from refit_verify.compare import compare_manifests
     from refit_verify.trainer.push import PushResult, push
     from refit_verify.transport.receiver import RefitReceiver
     from refit_verify.transport.sender import RefitSender

@@ -28,7 +28,7 @@ MOVED = {
     "refit_verify.dist_wire": "refit_verify.wire.collective",
     "refit_verify.engine_state": "refit_verify.engine.state",
     "refit_verify.engines": "refit_verify.trainer.channel",
-    "refit_verify.held_sets": "refit_verify.digest.held",
+    "refit_verify.held_sets": "refit_verify.digest.kept",
     "refit_verify.integrations.trl": "refit_verify.vllm_plugin.trl",
     "refit_verify.kernels": "refit_verify.digest.kernels",
     "refit_verify.model_boundary": "refit_verify.boundary.model",

@@ -90,7 +90,7 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
             copy or a fill: counted as written, but which of their elements were written is unknown.
         in_place: delivered names whose digest in ``digests`` was taken in place, where they landed in the
             engine, at read-back, instead of on delivery (copied whole and exactly into parameter
-            regions on a CUDA worker; :data:`refit_verify.boundary.record.DERIVE_DEVICE_TYPES`): equal to
+            regions on a CUDA worker; :data:`refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`): equal to
             the trainer's digest means the engine holds the trainer's bytes there; a difference is
             a corrupted delivery or a loader that put the tensor elsewhere, not told apart.
         replayed: how many of ``in_place`` were recorded from the module's refit plan with the loader

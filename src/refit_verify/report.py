@@ -1,14 +1,11 @@
-"""Manifest comparison and the verification report."""
+"""The verification report: what one comparison found (pure data; the comparisons are :mod:`refit_verify.compare`)."""
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from refit_verify.config import act_on  # noqa: F401  (mode policy lives with the modes)
-from refit_verify.errors import RefitInputError
 
 logger = logging.getLogger("refit_verify")
 
@@ -143,54 +140,3 @@ class VerificationReport:
         return f"refit{tag} verification failed{where} ({self.verified} of {len(self.sender)} verified): " + "; ".join(parts)
 
 
-_HEX = frozenset("0123456789abcdef")
-_HEX_RUN = re.compile("[0-9a-f]*")
-_STR = {str}
-_LEN32 = {32}
-
-
-def _check_manifest(m: object, side: str) -> dict[str, str]:
-    """``m`` as a plain dict of the pairs checked (what the comparison then reads), or RefitInputError."""
-    if not isinstance(m, Mapping):
-        raise RefitInputError(f"{side} manifest must be a mapping of name to 32-hex digest, got {type(m).__name__}")
-    items = list(m.items())  # the pairs a comparison reads; the common case in a few C-level passes over them
-    names, values = (list(x) for x in zip(*items)) if items else ([], [])
-    if set(map(type, names)) <= _STR and set(map(type, values)) <= _STR and set(map(len, values)) <= _LEN32 \
-            and _HEX_RUN.fullmatch("".join(values)):
-        return dict(items)
-    for k, v in items:  # name the first bad entry
-        if not isinstance(k, str) or not (isinstance(v, str) and len(v) == 32 and _HEX.issuperset(v)):
-            raise RefitInputError(f"{side} manifest entry {k!r}: {v!r} is not a 32-character lowercase hex digest")
-    return dict(items)
-
-
-def _plain_str_pairs(m: dict) -> bool:
-    """True iff every key and value of ``m`` is exactly a ``str`` (no subclass with its own ``__eq__``)."""
-    return set(map(type, m)) <= _STR and set(map(type, m.values())) <= _STR
-
-
-def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None = None,
-                      rejected: Mapping[str, str] | None = None, receiver_error: str | None = None) -> VerificationReport:
-    """Compare a sender manifest with a receiver manifest over the union of their names.
-
-    Args:
-        sender: ``{name: 32-hex digest}`` of what the trainer exported.
-        receiver: ``{name: 32-hex digest}`` of what one vLLM worker loaded.
-        rank: the worker's rank, carried into the report.
-        rejected: ``{name: reason}`` of entries the receiver refused (from ``Done.rejected``).
-        receiver_error: the receiver's other errors (from ``Done.error``).
-
-    Returns:
-        VerificationReport: ``ok`` is True only if both have the same names and equal digests and
-        the receiver rejected nothing.
-    """
-    sender = _check_manifest(sender, "sender")  # plain dicts of the pairs checked: a Mapping whose views disagree
-    if type(receiver) is dict and _plain_str_pairs(receiver) and _plain_str_pairs(sender) \
-            and receiver == sender:  # the common case: str pairs equal to the sender's, checked just now (no __eq__ of
-        # a str subclass on either side decides the ==)
-        return VerificationReport((), (), (), sender, dict(receiver), rank, dict(rejected or {}), receiver_error)
-    receiver = _check_manifest(receiver, "receiver")  # is compared as it was checked
-    mismatched = tuple(k for k, v in sender.items() if k in receiver and receiver[k] != v)
-    missing = tuple(k for k in sender if k not in receiver)
-    unexpected = tuple(k for k in receiver if k not in sender)
-    return VerificationReport(mismatched, missing, unexpected, sender, receiver, rank, dict(rejected or {}), receiver_error)

@@ -1,4 +1,4 @@
-"""The layerwise reload's copies on CUDA (``vllm_plugin.worker.owned_copies``): their own memory
+"""The layerwise reload's copies on CUDA (``vllm_plugin.worker_copies.owned_copies``): their own memory
 pool gives the same addresses back refit after refit (from the second: the first grows the pool),
 whatever else the device allocated in between, each copy still its own storage. Needs a CUDA GPU (skipped without one)."""
 
@@ -19,7 +19,7 @@ def _graphs_on(monkeypatch):
     tests, the torch gate of replay opened (see ``test_graph_replay_gpu.py``), pools and graphs
     dropped after each test."""
     from refit_verify.digest.kernels import replay
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
     monkeypatch.setattr(replay, "_TORCH_OK", True)
@@ -42,7 +42,7 @@ def _batch(seed: int) -> list:
 
 
 def test_copies_are_own_storages_at_the_same_addresses_each_refit():
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     batch = _batch(1)
     seen = []
@@ -62,7 +62,7 @@ def test_copies_are_own_storages_at_the_same_addresses_each_refit():
 
 
 def test_a_device_without_pools_gets_plain_clones(monkeypatch, caplog):
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     def no_pools(*_a, **_k):
         raise RuntimeError("expandable segments do not support memory pools")
@@ -81,11 +81,11 @@ def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_by
     """The false-pass surface of the pool: a kept set (and its graph) hit at the same addresses must
     read the bytes there now."""
     from refit_verify.digest import incremental as digest_stream
-    from refit_verify.digest import held as held_sets
+    from refit_verify.digest import kept as held_sets
     from refit_verify.digest.batch import tensor_digest
     from refit_verify.digest.kept import DigestSet
     from refit_verify.digest.kernels import replay
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     space = "checked before loading"
     seen, digests = [], []
@@ -108,7 +108,7 @@ def test_pooled_copies_at_the_same_addresses_with_new_bytes_digest_as_the_new_by
 
 
 def test_a_pooled_clone_out_of_memory_gives_plain_clones_and_the_pool_stays(monkeypatch, caplog):
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     batch = _batch(3)
     worker.owned_copies(batch)  # the pool exists and is warm
@@ -157,7 +157,7 @@ def test_a_pooled_clone_out_of_memory_gives_plain_clones_and_the_pool_stays(monk
 
 
 def test_release_pools_gives_the_pools_memory_back():
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     batch = _batch(4)
     copies = worker.owned_copies(batch)

@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from refit_verify.digest import _torch as td  # noqa: E402
-from refit_verify.digest import batch as dg  # noqa: E402
 from refit_verify.digest import reference as ref  # noqa: E402
 from refit_verify.collective import sharded  # noqa: E402
 from refit_verify.digest.kernels import launch as kd  # noqa: E402
@@ -59,7 +58,7 @@ def test_two_chunks_roots_and_sharded_combine(monkeypatch) -> None:
     full = _rand(CHUNK + 4097 * L + 3, 11)
     got = _pairs(kd.chunk_roots([full]))
     assert len(got) == 2 and got == td.chunk_roots_u8(full.cpu())
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))  # route sharded's roots to the kernels
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))  # route sharded's roots to the kernels
     roots = sharded.shard_chunk_roots(full[:CHUNK], byte_offset=0) + sharded.shard_chunk_roots(full[CHUNK:], byte_offset=CHUNK)
     assert roots == got
     n = full.numel()

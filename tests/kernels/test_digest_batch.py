@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from refit_verify.digest import batch as dg  # noqa: E402
 from refit_verify.digest import incremental as ds  # noqa: E402
-from refit_verify.digest import held as hs  # noqa: E402
+from refit_verify.digest import kept as hs  # noqa: E402
 from refit_verify.digest import reference as ref  # noqa: E402
 from refit_verify.digest.kernels import launch as kd  # noqa: E402
 from tests.support.subclasses import RedirectingTensor  # noqa: E402
@@ -27,7 +27,7 @@ DEV = "cpu" if kd._INTERPRETED else "cuda"
 
 @pytest.fixture
 def kernel_batch(monkeypatch):
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
     return dg.DigestBatch()
 
 
@@ -77,7 +77,7 @@ def test_readd_on_the_cpu_path_replaces_a_pending_kernel_digest(kernel_batch, mo
     kernel_batch.add("launched", a)
     kernel_batch.launch()  # "launched" is in flight; "queued" was launched with it
     kernel_batch.add("queued2", a)  # stays queued
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset())  # later adds take the CPU path
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset())  # later adds take the CPU path
     for n in ("queued", "launched", "queued2"):
         kernel_batch.add(n, b.cpu())
     got = kernel_batch.hexdigests()
@@ -88,7 +88,7 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
     """CopyingBatch on the kernel path: contiguous tensors are copied, non-contiguous ones through
     logical_bytes' own copy; each digest is of the bytes at add time, however the original changes
     afterwards, across mid-way launches."""
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
     cb = ds.CopyingBatch(flush_bytes=10000)
     ts = [(n, t.to(DEV).clone()) for n, t in _tensors()]  # clones: their memory is ours to overwrite
     g = torch.Generator().manual_seed(9)
@@ -114,7 +114,7 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
 def test_copying_batch_copies_the_own_bytes_of_a_redirecting_subclass(monkeypatch):
     """Every read of ``add`` is a plain tensor op: a subclass that redirects ``untyped_storage()``
     cannot make the "is it a view of t?" test fail and leave t's own memory uncopied."""
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
     own = torch.arange(16, dtype=torch.float32, device=DEV)
     t = own.as_subclass(RedirectingTensor)
     t._live = own.clone() + 100
@@ -155,7 +155,7 @@ def test_kept_plan_reads_the_memory_as_it_is_at_each_launch(kernel_batch):
 def test_held_batch_digests_at_the_flush_and_names_what_changed(monkeypatch):
     """HeldBatch copies nothing: what it digests is each tensor at the flush; a tensor modified in
     place through itself, given other memory or freed (FSDP1's resize to 0) is named, not read."""
-    monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
     g = torch.Generator().manual_seed(12)
     ts = {n: torch.randint(0, 256, (k,), dtype=torch.uint8, generator=g).to(DEV) for n, k in
           (("kept", 333), ("bumped", 100), ("moved", 64), ("freed", 4096), ("late", 50), ("readded", 70))}
@@ -198,7 +198,7 @@ def test_held_batch_keeps_a_set_per_flush_and_checks_every_tensor_again(monkeypa
     kept set. New tensor objects over the same memory (a state_dict's) take it too; a tensor that
     moved, changed after its add or was freed is never read through it."""
     if kernel:
-        monkeypatch.setattr(dg, "_KERNEL_DEVICE_TYPES", frozenset({DEV}))
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
     dev = DEV if kernel else "cpu"
     monkeypatch.setattr(hs, "_HELD_SETS", type(hs._HELD_SETS)())
     g = torch.Generator().manual_seed(31)

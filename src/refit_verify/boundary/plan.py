@@ -10,7 +10,7 @@ and the parameter regions it landed in. The next session on the same model index
 the :class:`~refit_verify.boundary.placement.LoaderTap` stays off, each list handed to ``load_weights`` is
 checked against the plan (every name known, none delivered yet in this session, same geometry)
 and recorded with the plan's regions, and the read-back at close digests those regions, as it
-does after a session the tap watched (:data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`).
+does after a session the tap watched (:data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`).
 
 Why a replayed session proves what a watched one does:
 
@@ -42,14 +42,13 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.errors import RefitConfigError
 
-if TYPE_CHECKING:
-    from refit_verify.boundary.record import ModuleSession
 
 __all__ = ["REPLAY_ENV_VAR", "RefitPlan", "expand", "learn", "replay_call", "replay_from_env", "spec_of"]
 
@@ -72,7 +71,7 @@ def replay_from_env(environ: Any = None) -> bool:
 
 def spec_of(t: torch.Tensor) -> tuple:
     """What a delivered tensor must match to be replayed: (type, shape, strides, dtype, device).
-    The caller runs on plain tensor ops (:func:`~refit_verify.digest.batch.plain_tensor_ops`)."""
+    The caller runs on plain tensor ops (:func:`~refit_verify.digest.tensors.plain_tensor_ops`)."""
     return (type(t), t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -107,7 +106,7 @@ class RefitPlan:
         return len(self.spec)
 
 
-def learn(ms: ModuleSession, index: Any) -> tuple[RefitPlan | None, str]:
+def learn(ms: Any, index: Any) -> tuple[RefitPlan | None, str]:
     """The plan of closed session ``ms`` (read back already), or ``(None, why not)``."""
     why = _unlearnable(ms)
     if why is not None:
@@ -124,7 +123,7 @@ def learn(ms: ModuleSession, index: Any) -> tuple[RefitPlan | None, str]:
     return RefitPlan(index, spec, nbytes, {n: tuple(w) for n, w in writes.items()}, regions, params), ""
 
 
-def _unlearnable(ms: ModuleSession) -> str | None:
+def _unlearnable(ms: Any) -> str | None:
     checks = (
         (not ms.sessioned or not ms.derive, "the session's read-back did not run"),
         (bool(ms.errors), "the session recorded errors"),
@@ -140,21 +139,20 @@ def _unlearnable(ms: ModuleSession) -> str | None:
     for bad, why in checks:
         if bad:
             return why
-    from refit_verify.boundary.record import DERIVE_DEVICE_TYPES, WHOLE  # read at each use (tests switch the CPU on)
 
     for name, d in ms.delivered.items():
-        if name not in ms.spec or ms.spec[name][4].type not in DERIVE_DEVICE_TYPES:
-            return f"{name} is on a device whose landed regions are not read back in place (delivery.DERIVE_DEVICE_TYPES)"
+        if name not in ms.spec or ms.spec[name][4].type not in _placement.DERIVE_DEVICE_TYPES:
+            return f"{name} is on a device whose landed regions are not read back in place (placement.DERIVE_DEVICE_TYPES)"
         if d.other or not d.regions:
             return f"{name} was not copied whole and exactly into the engine"
     for entries in ms.placed.values():
         for c, key, src in entries:
-            if not c.fill and key != WHOLE + src:
+            if not c.fill and key != _placement.WHOLE + src:
                 return "a parameter region was written from part of a delivered tensor"
     return None
 
 
-def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> str | None:
+def replay_call(ms: Any, plan: RefitPlan, weights: list | tuple) -> str | None:
     """Record one ``load_weights`` list of a replayed session from the plan; return None, or why the
     plan does not describe it (then nothing is recorded and the call is watched as usual).
 
@@ -183,7 +181,7 @@ def replay_call(ms: ModuleSession, plan: RefitPlan, weights: list | tuple) -> st
     return None
 
 
-def expand(ms: ModuleSession, plan: RefitPlan, whole: bool = False) -> None:
+def expand(ms: Any, plan: RefitPlan, whole: bool = False) -> None:
     """Fill in what the plan says the names :func:`replay_call` recorded since the last expand wrote
     (coverage, placements, landed regions, geometry, counts), as a watched session records them.
 

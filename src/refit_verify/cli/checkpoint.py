@@ -285,8 +285,13 @@ def digest_checkpoint(path: str | Path, *, device: str | None = None, progress: 
     """
     import torch
 
-    from refit_verify import __version__
-    from refit_verify.digest.batch import dtype_name, logical_bytes
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        __version__ = version("refit-verify")
+    except PackageNotFoundError:  # a source tree without installed metadata
+        __version__ = "0+unknown"
+    from refit_verify.digest.tensors import dtype_name, logical_bytes
     from refit_verify.trainer.exports import StreamDigests
 
     root, files, wmap = checkpoint_files(path)

@@ -19,8 +19,8 @@ GPUs, gloo on CPUs). This module is that path, verified end to end:
   renames, fusion or quantisation), and records ``load`` errors;
 * after :class:`~refit_verify.wire.collective.BroadcastComplete` every receiver's
   :class:`~refit_verify.wire.collective.RankReport` comes back to the sender in one gather; the sender
-  compares it with its own manifest per receiving rank (:func:`refit_verify.stream.unpack.receiver_report`)
-  and applies the mode with :func:`refit_verify.report.act_on`: ``log`` warns per failing rank and
+  compares it with its own manifest per receiving rank (:func:`refit_verify.compare.receiver_report`)
+  and applies the mode with :func:`refit_verify.config.act_on`: ``log`` warns per failing rank and
   returns every report, ``enforce`` raises :class:`BroadcastVerificationError` (a
   :class:`RefitVerificationError`) carrying **all** ranks' reports, so a clean rank is reported
   clean next to a failing one.
@@ -66,11 +66,13 @@ from refit_verify.wire.collective import (BROADCAST_PROTOCOL, BroadcastAbort, Br
 from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitProtocolError,
                                  RefitReceiveError, RefitTimeoutError, RefitVerificationError)
 from refit_verify.manifest import ExternalDigests
-from refit_verify.report import VerificationReport, act_on
+from refit_verify.config import act_on
+from refit_verify.report import VerificationReport
 from refit_verify.stream.pack import Packer
-from refit_verify.stream.unpack import (MAX_ERROR_CHARS, Batch, LoadFn, ReceiveState, StreamResult, StreamStats, receiver_report, round_up,
-                                 view_slots)
-from refit_verify.wire.staged import MAX_MESSAGE_BYTES, Entry
+from refit_verify.compare import receiver_report
+from refit_verify.stream.items import MAX_ERROR_CHARS, Batch, LoadFn, StreamResult, StreamStats, round_up
+from refit_verify.stream.unpack import ReceiveState, view_slots
+from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry
 
 __all__ = [
     "BROADCAST_PROTOCOL",
@@ -87,7 +89,7 @@ logger = logging.getLogger("refit_verify")
 AFTER_LOAD_UNCHECKED = (
     "what each receiver's load did with the bytes it digested: a broadcast rank report carries the digests of what "
     "arrived, not a vLLM worker's coverage and read-back of its engine (compare those with "
-    "collective_rpc('refit_verify_session_manifest') and refit_verify.trainer.refit.compare_session)")
+    "collective_rpc('refit_verify_session_manifest') and refit_verify.compare.compare_session)")
 """The ``unchecked`` entry of every verifying broadcast report: the verdict compares the digests
 each receiver took before ``load``; nothing a receiver learns after it (a vLLM worker's read-back)
 travels back in its :class:`~refit_verify.wire.collective.RankReport`."""

@@ -38,7 +38,8 @@ import torch
 
 from refit_verify.digest import batch as _digest
 from refit_verify.digest import reference as _ref
-from refit_verify.digest.batch import dtype_name, logical_bytes, tensor_digest
+from refit_verify.digest.batch import tensor_digest
+from refit_verify.digest.tensors import dtype_name, logical_bytes
 from refit_verify.wire.collective import (MAX_SHARD_MESSAGE_BYTES, ShardMeta, ShardRoots, all_gather_messages, comm_device,
                                     decode_shard_meta, decode_shard_roots, gather_messages)
 from refit_verify.errors import RefitProtocolError, ShardLayoutError

@@ -14,11 +14,11 @@ from refit_verify._lazy import face
 
 _EXPORTS = {
     "DigestBatch": "refit_verify.digest.batch",
-    "backend_for": "refit_verify.digest.batch",
+    "backend_for": "refit_verify.digest.backends",
     "digest_tensors": "refit_verify.digest.batch",
-    "dtype_name": "refit_verify.digest.batch",
-    "logical_bytes": "refit_verify.digest.batch",
-    "plain_tensor_ops": "refit_verify.digest.batch",
+    "dtype_name": "refit_verify.digest.tensors",
+    "logical_bytes": "refit_verify.digest.tensors",
+    "plain_tensor_ops": "refit_verify.digest.tensors",
     "tensor_digest": "refit_verify.digest.batch",
 }
 __all__ = sorted(_EXPORTS)

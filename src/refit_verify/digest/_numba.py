@@ -36,7 +36,7 @@ from numba import njit, prange, set_parallel_chunksize
 
 from refit_verify.digest import reference as ref
 
-__all__ = ["digest_u8", "digest_words", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes", "warmup"]
+__all__ = ["digest_u8", "digest_words", "digest_lanes", "chunk_roots_u8", "chunk_roots_lanes"]
 
 if sys.byteorder != "little":  # lanes are read as native uint64; the spec says little-endian
     raise ImportError("refit_verify.digest._numba needs a little-endian host")
@@ -554,13 +554,3 @@ def chunk_roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     _digest_path_first()
     r0, r1 = _call(chunk_roots_lanes, *_lanes_and_tail(u8))
     return [(int(a), int(b)) for a, b in zip(r0, r1)]
-
-
-def warmup() -> None:
-    """Compile (or load from the cache) every specialisation ``digest_u8`` uses."""
-    for n in (0, 13, 8 * (PARALLEL_MIN_LANES + 1)):
-        digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
-    from refit_verify.digest import _numba_many
-
-    z = torch.zeros(16, dtype=torch.uint8)
-    _numba_many.digest_words_many([(z.data_ptr(), 13, (0, 0))])

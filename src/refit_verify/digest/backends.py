@@ -3,7 +3,7 @@
 Three implementations of digest v1, bit-identical to :mod:`refit_verify.digest.reference`:
 
 * ``triton``: the Triton kernels (:mod:`refit_verify.digest.kernels`), for the kernel device types
-  (CUDA; ``refit_verify.digest.batch._KERNEL_DEVICE_TYPES``). Batched: views are queued and launched
+  (CUDA; ``refit_verify.digest.backends.KERNEL_DEVICE_TYPES``). Batched: views are queued and launched
   together, words come back in one device-to-host copy.
 * ``numba``: :mod:`refit_verify.digest._numba`, CPU tensors (14-33 GB/s on 2 cores, by CPU).
 * ``torch``: :mod:`refit_verify.digest._torch`, torch ops only, so any device; 0.2-0.3 GB/s on a
@@ -26,15 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from refit_verify.digest import reference as _ref
 
-__all__ = ["Backend", "choose"]
+__all__ = ["Backend", "backend_for", "choose", "cpu_backend", "hexes", "hexes_many", "warmup_cpu"]
 
 logger = logging.getLogger("refit_verify")
 
 Words = tuple[int, int]
+
+KERNEL_DEVICE_TYPES = frozenset({"cuda"})
+"""Device types whose tensors go to the Triton kernels (read at each use: tests widen it)."""
 
 
 @dataclass(frozen=True, eq=False)  # one object per device type: hashed and compared by identity (a dict key per add)
@@ -84,7 +88,7 @@ def choose(device_type: str, kernel: bool) -> Backend:
 
     Args:
         device_type: ``torch.device.type`` of the tensors (``"cpu"``, ``"cuda"``, ...).
-        kernel: whether this device type goes to the Triton kernels (``digest._KERNEL_DEVICE_TYPES``).
+        kernel: whether this device type goes to the Triton kernels (``digest.backends.KERNEL_DEVICE_TYPES``).
 
     Returns:
         Backend: ``triton`` for kernel device types (``torch`` if the kernels cannot be imported),
@@ -146,3 +150,54 @@ def _kernel_roots(u8: torch.Tensor) -> list[Words]:
 
     m = _ref.MASK64
     return [(a & m, b & m) for a, b in kd.chunk_roots([u8]).cpu().tolist()]
+
+
+def warmup_cpu() -> None:
+    """Compile (or load from numba's cache) every specialisation the CPU digests use: ``digest_u8``
+    at a lane tail, a serial and a parallel length, and the batched small-string path.
+
+    Raises:
+        ImportError: numba is not installed.
+    """
+    from refit_verify.digest import _numba as nd
+    from refit_verify.digest import _numba_many as nm
+
+    for n in (0, 13, 8 * (nd.PARALLEL_MIN_LANES + 1)):
+        nd.digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
+    z = torch.zeros(16, dtype=torch.uint8)
+    nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
+
+
+def backend_for(device_type: str) -> Backend:
+    """Return the digest backend of ``device_type`` (chosen on first use, see :mod:`refit_verify.digest.backends`).
+
+    Args:
+        device_type: ``torch.device.type`` (``"cpu"``, ``"cuda"``, ...).
+
+    Returns:
+        Backend: its ``name`` is ``"triton"``, ``"numba"`` or ``"torch"``; ``fallback_reason`` says
+        why a fast backend was not taken.
+    """
+    return choose(device_type, device_type in KERNEL_DEVICE_TYPES)
+
+
+def hexes_many(h0: np.ndarray, h1: np.ndarray) -> str:
+    """Channel values of ``Backend.digest_many`` (uint64 ``[N]`` each) as one string of ``32 * N``
+    hex characters (§9: channel 0 then channel 1, each big-endian)."""
+    w = np.empty((len(h0), 2), ">u8")
+    w[:, 0], w[:, 1] = h0, h1
+    return w.tobytes().hex()
+
+
+def hexes(words: torch.Tensor) -> str:
+    """All rows of int64 ``[N, 2]`` words as one string of ``32 * N`` hex characters (§9), one copy to the host."""
+    return np.ascontiguousarray(words.cpu().numpy()).view(np.uint64).astype(">u8").tobytes().hex()
+
+
+def cpu_backend() -> Backend:
+    """The CPU's backend (chosen on the first call, then read from ``_CPU[0]``)."""
+    b = _CPU[0] = backend_for("cpu")
+    return b
+
+
+_CPU: list[Backend | None] = [None]  # the CPU backend, once chosen

@@ -12,21 +12,14 @@ once when the digests are read. The trainer's face of both batches,
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from operator import attrgetter
 
 import torch
 
-from refit_verify.digest import batch as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
-from refit_verify.digest import held as _held  # its store read at each use (tests replace it)
-from refit_verify.digest.batch import (
-    _PLAIN,
-    DigestBatch,
-    _check,
-    _check_storage,
-    _tensor_seed,
-    logical_bytes,
-    plain_tensor_ops,
-)
+from refit_verify.digest import kept as _held  # its store read at each use (tests replace it)
+from refit_verify.digest import backends as _backends
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.tensors import (IS_META, PLAIN, PLAIN_SET, PLAIN_TYPES, VERSION, check_storage, check_tensor, logical_bytes,
+                                         plain_tensor_ops, tensor_seed, version_of)
 from refit_verify.digest.kept import DigestSet, SetLaunch, _columns_or_none
 from refit_verify.errors import RefitError, RefitInputError
 
@@ -87,19 +80,19 @@ class CopyingBatch:
         try:
             if not isinstance(t, torch.Tensor):
                 raise RefitInputError(f"only torch tensors can be digested, got {type(t).__name__} for {name!r:.100}")
-            if t.device.type not in _digest._KERNEL_DEVICE_TYPES:
-                be = _digest._CPU[0] or _digest._cpu_backend()
+            if t.device.type not in _backends.KERNEL_DEVICE_TYPES:
+                be = _backends._CPU[0] or _backends.cpu_backend()
                 n = t.numel() * t.element_size()
-                if not (type(t) in _PLAIN_TYPES and t.is_cpu and be.digest_many is not None and n < be.many_max_bytes):
+                if not (type(t) in PLAIN_TYPES and t.is_cpu and be.digest_many is not None and n < be.many_max_bytes):
                     self._batch.add(name, t)  # large, a subclass, no compiled batch: digested at once, no copy
                     return
-                _check(t)
+                check_tensor(t)
                 self._batch._hold_cpu(name, t.clone(), be)  # small: a copy of its own, read at the flush with the others
                 n += _HELD_COPY_OVERHEAD  # what a queued copy holds besides its bytes (an empty one too)
             else:
                 u8 = logical_bytes(t)
                 n = u8.numel()
-                seeds = _tensor_seed(t.dtype, t.shape, n)
+                seeds = tensor_seed(t.dtype, t.shape, n)
                 if n and _same_storage(u8, t):
                     u8 = u8.clone()  # a view of t's memory (a non-contiguous t was already copied by logical_bytes)
                 self._batch._queue(name, u8, seeds)
@@ -150,13 +143,13 @@ class HeldBatch:
 
     The same memory is exported at every refit, so each flush's list of names keeps a
     :class:`~refit_verify.digest.kept.DigestSet` built over it (process-wide, up to
-    :data:`~refit_verify.digest.held.KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
+    :data:`~refit_verify.digest.kept.KEPT_HELD_TENSORS` tensors over all of them, holding signatures and launch plans, never
     the tensors): a flush whose names and tensor signatures (address, shape, strides, dtype,
     storage) are those of the kept set launches its plan with one signature compare per tensor, no
     planning; on the CPU, so does a flush of the kept set's layout at other addresses (a relocatable
     set, :meth:`~refit_verify.digest.kept.DigestSet.moved`: a copy made at every refit). Anything
     else takes the general path (:class:`~refit_verify.digest.batch.DigestBatch`) and is remembered for
-    the next refit (:func:`refit_verify.digest.held._keep_held`).
+    the next refit (:func:`refit_verify.digest.kept._keep_held`).
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
@@ -231,17 +224,17 @@ class HeldBatch:
         # these first checks inline for its taken adds, then take(): keep the two alike)
         try:
             held = None
-            if type(t) in _PLAIN_TYPES and not (t.is_quantized or t.is_nested):
+            if type(t) in PLAIN_TYPES and not (t.is_quantized or t.is_nested):
                 try:  # data_ptr: 0 for a meta or zero tensor, an empty one, a freed storage; its offset alone for a view of a
                     ptr = t.data_ptr()  # freed storage; raises with no storage (sparse), _version for an inference tensor
-                    if ptr and ptr != t.storage_offset() * t.itemsize:  # the rest of _check (layout, dims, a storage that
+                    if ptr and ptr != t.storage_offset() * t.itemsize:  # the rest of check_tensor (layout, dims, a storage that
                         held = (name, t, t._version if version is _NOW else version, ptr, None)  # holds it all): at the launch
                         nbytes = t.nbytes
                 except RuntimeError:
                     held = None
             if held is None:  # anything else: every check now
-                with _PLAIN():
-                    _check(t)
+                with PLAIN():
+                    check_tensor(t)
                     version = version_of(t) if version is _NOW else version  # None for an inference tensor: its address is checked
                     nbytes = t.numel() * t.element_size()
                     held = (name, t, version, t.data_ptr(), t.untyped_storage().nbytes() if nbytes else 0)
@@ -322,7 +315,7 @@ class HeldBatch:
 
     def _launch_general(self, held: list, key: tuple[str, ...], sigs: list[tuple] | None) -> None:
         """Check each held tensor and digest it through the :class:`DigestBatch`; when every one is
-        unchanged and the names are unique, remember the flush's signatures (:func:`~refit_verify.digest.held._keep_held`)."""
+        unchanged and the names are unique, remember the flush's signatures (:func:`~refit_verify.digest.kept._keep_held`)."""
         latest = {h[0]: i for i, h in enumerate(held)}
         ok = sigs is not None and len(latest) == len(held)
         for i, (name, t, version, ptr, size) in enumerate(held):
@@ -333,7 +326,7 @@ class HeldBatch:
             why = _changed(t, version, ptr, size)
             if why is None and size is None:  # added on the fast path: the checks it left for now
                 try:
-                    _check(t)
+                    check_tensor(t)
                 except RefitInputError as e:
                     why = _why_failed(e)
             if why is not None:
@@ -382,14 +375,6 @@ class HeldBatch:
         return len(self._order.keys() | {h[0] for h in self._held})
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-"""Tensor types whose attribute reads no Python ``__torch_function__`` redirects (checked inline at an add)."""
-_PLAIN_SET = frozenset(_PLAIN_TYPES)
-_IS_META = attrgetter("is_meta")
-_STRIDED = torch.strided
-
-_VERSION = attrgetter("_version")
-
 
 def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs: Sequence[int], sizes: tuple[int | None, ...],
                columns: tuple[list, ...]) -> bool:
@@ -404,7 +389,7 @@ def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs:
             return False
     if None in versions:
         return all(v is None or t._version == v for t, v in zip(ts, versions))
-    return list(map(_VERSION, ts)) == list(versions)
+    return list(map(VERSION, ts)) == list(versions)
 
 
 @plain_tensor_ops
@@ -419,7 +404,7 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     after :meth:`DigestSet.valid` (the signature fields compared field by field, nothing else per
     tensor); CPU tensors of a kept set's layout at other addresses are read through it too
     (:meth:`DigestSet.moved`, a pointer per tensor made again); otherwise every pair is checked
-    (:func:`~refit_verify.digest.batch.logical_bytes`' checks, a pair replaced by a later one of its name
+    (:func:`~refit_verify.digest.tensors.logical_bytes`' checks, a pair replaced by a later one of its name
     too: nothing is read when one fails) and the call goes through a :class:`HeldBatch` (the set is
     kept for the next call, as a flush's is).
 
@@ -433,7 +418,7 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         :func:`~refit_verify.digest.batch.tensor_digest` of each tensor), in the order given (a name given twice: at its later pair).
 
     Raises:
-        RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.batch.logical_bytes`),
+        RefitInputError: a tensor cannot be digested (see :func:`~refit_verify.digest.tensors.logical_bytes`),
             naming its pair; nothing was read.
     """
     items = list(items)  # an iterator is read once
@@ -441,8 +426,8 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     ts = [t for _, t in items]
     key = (space, *names) if space else names
     kept = _held.kept_set(key)  # else the HeldBatch below signs them (once)
-    if isinstance(kept, DigestSet) and len(set(names)) == len(names) and set(map(type, ts)) <= _PLAIN_SET \
-            and not any(map(_IS_META, ts)):
+    if isinstance(kept, DigestSet) and len(set(names)) == len(names) and set(map(type, ts)) <= PLAIN_SET \
+            and not any(map(IS_META, ts)):
         cols = _columns_or_none(ts)  # every signature field read once, for both checks (None: the HeldBatch says why)
         if cols is not None and kept.valid(ts, cols):  # every signature the set's, compared field by field
             return dict(zip(names, kept.digest(check=False, tensors=ts)))
@@ -450,7 +435,7 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
             return dict(zip(names, kept.digest(check=False, tensors=ts, moved=True)))
     for name, t in items:  # every pair checked before any is read: a bad one raises, a pair given again too
         try:
-            _check(t)
+            check_tensor(t)
         except RefitInputError as e:
             raise RefitInputError(f"{name!r:.100}: {e}") from None
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
@@ -462,14 +447,6 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         raise RefitInputError(f"{name!r:.100}: {why}")
     return out
 
-
-def version_of(t: torch.Tensor) -> int | None:
-    """``t``'s version counter (writes through it or its views so far), or None for an inference
-    tensor, which has none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _why_failed(e: BaseException) -> str:
@@ -490,7 +467,7 @@ def _changed(t: torch.Tensor, version: int | None, ptr: int, size: int | None) -
     if t.data_ptr() != ptr:
         if size is None:
             try:
-                _check_storage(t)  # every element it spans still in its storage?
+                check_storage(t)  # every element it spans still in its storage?
             except RefitInputError:
                 return f"its storage was freed or resized after it was added (now {t.untyped_storage().nbytes()} bytes)"
         return "its memory was replaced after it was added"

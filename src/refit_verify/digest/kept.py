@@ -22,18 +22,19 @@ bit for bit; ``tests/test_digest_set.py`` compares them on every backend this ma
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
 from operator import and_, attrgetter, sub
 
 import torch
 
-from refit_verify.digest import batch as _digest  # its _KERNEL_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.digest import backends as _backends
 from refit_verify.digest import reference as _ref
-from refit_verify.digest.batch import _check, _many_ok, _tensor_seed, logical_bytes, plain_tensor_ops
-from refit_verify.boundary.placement import as_view
+from refit_verify.digest.tensors import as_view, check_tensor, fits_many, logical_bytes, plain_tensor_ops, tensor_seed
 
-__all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature"]
+__all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature", "KEPT_HELD_TENSORS", "kept_set"]
 
 
 def signature(t: torch.Tensor) -> tuple:
@@ -91,13 +92,13 @@ def could_relocate(tensors: Sequence[torch.Tensor]) -> bool:
     address, below the compiled batch's length bound, on a CPU without kernels. For a caller that
     would otherwise build a set only to find it cannot follow moving memory. The caller runs on
     plain tensor ops."""
-    if "cpu" in _digest._KERNEL_DEVICE_TYPES or not set(map(_DEVICE, tensors)) <= _CPU:
+    if "cpu" in _backends.KERNEL_DEVICE_TYPES or not set(map(_DEVICE, tensors)) <= _CPU:
         return False
-    backend = _digest.backend_for("cpu")
+    backend = _backends.backend_for("cpu")
     if backend.plan_many is None:
         return False
     most = backend.many_max_bytes
-    return all(_many_ok(t, most) for t in tensors)
+    return all(fits_many(t, most) for t in tensors)
 
 
 class DigestSet:
@@ -105,9 +106,9 @@ class DigestSet:
 
     Args:
         tensors: the live tensors, in output order (contiguous, on CUDA, or on the CPU; anything
-            :func:`~refit_verify.digest.batch.logical_bytes` accepts). The set holds them (``hold``).
+            :func:`~refit_verify.digest.tensors.logical_bytes` accepts). The set holds them (``hold``).
         regions: per tensor, a region ``(element offset, shape, strides)`` of it to read instead
-            (:func:`~refit_verify.boundary.placement.as_view`; each must be contiguous): the set then holds
+            (:func:`~refit_verify.digest.tensors.as_view`; each must be contiguous): the set then holds
             the tensors (e.g. parameters) and their signatures, never a view of their storage.
         hold: keep the tensors (default). False: keep only their signatures and the launch plans,
             and be handed tensors with the same signatures at each call (a trainer's held tensors:
@@ -121,7 +122,7 @@ class DigestSet:
             region), so its plan is one pointer per tensor, made again from the tensors given.
 
     Raises:
-        RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.batch.logical_bytes`).
+        RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.tensors.logical_bytes`).
         ValueError: a tensor (region) is not contiguous, is a conjugate / negative view, or is on a
             device that has neither the kernels nor the CPU batch (use :class:`~refit_verify.digest.batch.DigestBatch`);
             ``regions`` and ``tensors`` differ in length.
@@ -142,7 +143,7 @@ class DigestSet:
         self._n = len(self.tensors)
         views = [self._view(i) for i in range(self._n)]  # transient: only addresses are kept
         for u in views:
-            _check(u)
+            check_tensor(u)
         self._columns = _signature_columns(self.tensors)  # what valid() compares
         self.signatures = list(zip(*self._columns))
         self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
@@ -154,13 +155,13 @@ class DigestSet:
             if not t.is_contiguous() or t.is_conj() or t.is_neg():
                 raise ValueError("a DigestSet reads tensors in place: contiguous ones, without conjugate or negative bits")
             dtype = "cuda" if t.is_cuda else t.device.type
-            if dtype in _digest._KERNEL_DEVICE_TYPES:
-                backend = _digest.backend_for(dtype)
+            if dtype in _backends.KERNEL_DEVICE_TYPES:
+                backend = _backends.backend_for(dtype)
                 if backend.plan_views is None:
                     raise ValueError(f"no kept launch plans for {dtype} tensors (backend {backend.name})")
                 by.setdefault((t.get_device(), True, backend), []).append(i)
             elif dtype == "cpu":
-                backend = _digest.backend_for("cpu")
+                backend = _backends.backend_for("cpu")
                 if backend.digest_many is None:
                     raise ValueError(f"no batched CPU digests (backend {backend.name})")
                 by.setdefault((-1, False, backend), []).append(i)
@@ -169,7 +170,7 @@ class DigestSet:
         for (_dev, kernel, backend), pos in by.items():
             if kernel:
                 u8 = [logical_bytes(views[i]) for i in pos]
-                seeds = [_tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
+                seeds = [tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
                 self._groups.append((pos, backend.plan_views(u8, seeds), backend, []))
                 continue
             most = backend.many_max_bytes
@@ -177,8 +178,8 @@ class DigestSet:
             for i in pos:
                 t = views[i]
                 nbytes = t.numel() * t.element_size()
-                seeds = _tensor_seed(t.dtype, t.shape, nbytes)
-                if _many_ok(t, most):
+                seeds = tensor_seed(t.dtype, t.shape, nbytes)
+                if fits_many(t, most):
                     many.append((t.data_ptr(), nbytes, seeds))
                     mpos.append(i)
                 else:
@@ -258,7 +259,7 @@ class DigestSet:
                         got = backend.run_many(kept, map(_T.data_ptr, map(tensors.__getitem__, pos)))  # type: ignore[union-attr]
                     else:
                         got = backend.digest_many(kept) if isinstance(kept, list) else backend.run_many(kept)
-                    hx = _digest._many_hexes(*got)
+                    hx = _backends.hexes_many(*got)
                     for j, i in enumerate(pos):
                         out[i] = hx[32 * j : 32 * j + 32]
                 for i, seeds in large:
@@ -275,7 +276,7 @@ class DigestSet:
         for pos, w in launched.words:
             by_device.setdefault(w.device, []).append((pos, w))
         for groups in by_device.values():
-            hx = _digest._hexes(torch.cat([w for _, w in groups]) if len(groups) > 1 else groups[0][1])
+            hx = _backends.hexes(torch.cat([w for _, w in groups]) if len(groups) > 1 else groups[0][1])
             j = 0
             for pos, _ in groups:
                 for i in pos:
@@ -299,3 +300,77 @@ class SetLaunch:
 
     def __init__(self, hexes: list[str | None], words: list[tuple[list[int], torch.Tensor]]) -> None:
         self.hexes, self.words = hexes, words
+
+
+# -- the kept sets of held flushes, process-wide ---------------------------------------------------
+# The kept sets of held flushes: one :class:`~refit_verify.digest.kept.DigestSet` per list of names, process-wide.
+#
+# A trainer exports the same memory at every refit, and a receiver checks the same staging slots (or
+# the CPU's clones of them, laid out alike) before loading: :class:`~refit_verify.digest.incremental.HeldBatch`
+# and :func:`~refit_verify.digest.incremental.digest_now` look each flush's names up here and, when its
+# tensors still have the kept set's signatures (or, on the CPU, its layout elsewhere), launch that
+# set's plan instead of checking and planning every tensor again. A flush that went the general way
+# is remembered (:func:`_keep_held`): its signatures the first time, a set built over its tensors
+# when the same names come again alike. Entries hold signatures and launch plans, never tensors.
+
+KEPT_HELD_TENSORS = 1 << 17
+"""Tensors over all the flush signatures and sets :class:`~refit_verify.digest.incremental.HeldBatch` keeps (one entry per flush of a
+trainer's export, least recently used dropped beyond this): an entry holds no tensor, only signatures
+and a launch plan, so a whole large model's flushes fit (a 7B model in bf16 is about 56 flushes of
+256 MiB; a bound by entries would drop each flush's entry just before it comes again)."""
+_HELD_SETS: OrderedDict[tuple[str, ...], DigestSet | list[tuple]] = OrderedDict()
+_HELD_TENSORS = 0  # tensors over the entries of _HELD_SETS
+_HELD_LOCK = threading.Lock()
+
+
+def _kept_held(names: tuple[str, ...], columns: tuple[list, ...] | None,
+               tensors: Sequence[torch.Tensor]) -> tuple[DigestSet, bool] | None:
+    """The kept set of a flush of ``names`` whose ``tensors`` have the signature fields ``columns``
+    (:func:`~refit_verify.digest.kept._signature_columns`), and whether they moved (a relocatable set
+    of their layout elsewhere, :meth:`DigestSet.moved`), or None."""
+    ds = kept_set(names) if columns is not None else None
+    if ds is None:
+        return None
+    if ds.valid(tensors, columns):
+        return ds, False
+    return (ds, True) if ds.moved(tensors, columns) else None
+
+
+def kept_set(names: tuple[str, ...]) -> DigestSet | None:
+    """The kept set of ``names`` (marked most recently used), or None when there is none (or only the
+    signatures of one flush so far)."""
+    with _HELD_LOCK:
+        ds = _HELD_SETS.get(names)
+        if not isinstance(ds, DigestSet):
+            return None
+        _HELD_SETS.move_to_end(names)
+        return ds
+
+
+def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Tensor]) -> None:
+    """Remember a flush that went the general way: its signatures the first time; a set over its
+    tensors (no tensors held) when the same names come again with the same signatures, or with the
+    same layout elsewhere when a set can follow it (:func:`~refit_verify.digest.kept.could_relocate`:
+    CPU clones made at every refit). Memory that moves at every refit where no set can follow it
+    (a sharded gather's on a GPU, a large CPU tensor's) is never planned for nothing."""
+    with _HELD_LOCK:
+        prev = _HELD_SETS.get(names)
+    entry: DigestSet | list[tuple] = sigs
+    before = None if prev is None else prev if isinstance(prev, list) else prev.signatures
+    same = before == sigs
+    # memory that moves at every refit gets a set only where one can follow it (the CPU's compiled batch):
+    # a sharded gather's on a GPU, or a large CPU tensor's, is never planned for nothing
+    if same or (before is not None and same_layout(before, sigs) and could_relocate(tensors)):
+        try:
+            entry = DigestSet(tensors, hold=False)
+        except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
+            entry = sigs
+    with _HELD_LOCK:
+        global _HELD_TENSORS
+        old = _HELD_SETS.pop(names, None)
+        _HELD_TENSORS -= len(names) if old is not None else 0
+        _HELD_SETS[names] = entry
+        _HELD_TENSORS += len(names)
+        while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
+            dropped, _ = _HELD_SETS.popitem(last=False)
+            _HELD_TENSORS -= len(dropped)

@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 
-from refit_verify.boundary.record import WHOLE
-from refit_verify.digest.batch import DigestBatch, _check, plain_tensor_ops, tensor_digest
+from refit_verify.boundary.placement import WHOLE
+from refit_verify.digest.batch import DigestBatch, tensor_digest
+from refit_verify.digest.tensors import check_tensor, plain_tensor_ops
 from refit_verify.digest.kept import DigestSet
 from refit_verify.manifest import EngineState, ParamState
 from refit_verify.boundary.model_index import ModelIndex
-from refit_verify.boundary.placement import Copy, FillValue, as_view
+from refit_verify.boundary.placement import Copy, FillValue
+from refit_verify.digest.tensors import as_view
 
 __all__ = ["read_back"]
 
@@ -259,12 +261,12 @@ def _region(p: torch.Tensor, label: str, region, dkey: str, known: dict[str, str
             added: list) -> None:
     """Read region ``region`` of parameter ``p`` under digest key ``dkey``: from ``known`` (the
     snapshot's digest of the whole parameter, ``given``) when it is the whole parameter, else as a
-    checked view appended to ``added``. Raises what :func:`as_view` and ``_check`` raise."""
+    checked view appended to ``added``. Raises what :func:`as_view` and ``check_tensor`` raise."""
     if known is not None and label in known and _whole(p, region):
         given[dkey] = label
         return
     view = as_view(p.detach(), region)
-    _check(view)
+    check_tensor(view)
     added.append((dkey, region, view))
 
 
@@ -372,7 +374,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 if why is None:
                     try:
                         view = as_view(p.detach(), where)
-                        _check(view)
+                        check_tensor(view)
                         k = f"derived:{name}@{i}"
                         prog.dest_keys.append(k)
                         prog.dest_regions.append((p, where))
@@ -493,7 +495,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     count in ``unproven_bytes`` and the parameter is ``not_coverable`` with the reason.
 
     A delivered tensor that was copied whole into the engine and not digested when delivered
-    (:data:`~refit_verify.boundary.record.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
+    (:data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it
     landed in (``ms.derived_hex``); one whose region cannot be read is named in ``ms.underived``.
     A session that replayed its whole plan reads the same regions as the last one: what to read and
     compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again;

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import time
 from itertools import repeat
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from refit_verify.digest.batch import DigestBatch, dtype_name, plain_tensor_ops
+from refit_verify.digest.batch import DigestBatch
+
+from refit_verify.digest.tensors import dtype_name, plain_tensor_ops
 from refit_verify.digest.kept import DigestSet, SetLaunch, signature
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.engine.readback import _Program, _riding, read_back
 
-__all__ = ["StateComparison", "audit", "compare_replicas", "compare_states", "read_back", "snapshot"]
+__all__ = ["audit", "read_back", "snapshot"]
 
 
 # --------------------------------------------------------------------------- engine state
@@ -279,107 +280,3 @@ def audit(baseline: EngineSnapshot, now: EngineSnapshot, trigger: str = "rpc") -
                        tensors=len(now.params) + len(now.buffers), digest_s=now.digest_s, unseen=unseen)
 
 
-@dataclass(frozen=True)
-class StateComparison:
-    """Parameters that differ between engine states that must be equal (replicas, a canary).
-
-    Attributes:
-        differing: ``{name: description}`` naming the ranks or engines that disagree.
-        not_comparable: ``{name: why}`` (empty tensors whose bytes live in a kernel-packed form,
-            shapes that differ by layout).
-        compared: number of tensors compared.
-    """
-
-    differing: dict[str, str] = field(default_factory=dict)
-    not_comparable: dict[str, str] = field(default_factory=dict)
-    compared: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.differing
-
-    def describe(self, what: str, limit: int = 20) -> str:
-        extra = ""
-        if self.not_comparable:
-            nc = list(self.not_comparable.items())
-            extra = (f"; {len(nc)} not comparable, so not checked: " + "; ".join(f"{k} ({v})" for k, v in nc[:limit])
-                     + (f"; … (+{len(nc) - limit})" if len(nc) > limit else ""))
-        if self.ok:
-            return f"{what}: {self.compared} tensors identical{extra}"
-        items = list(self.differing.items())
-        shown = "; ".join(f"{k}: {v}" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
-        return f"{what} disagree on {len(items)} tensors: {shown}{extra}"
-
-
-def compare_states(a: EngineSnapshot, b: EngineSnapshot, labels: tuple[str, str] = ("refitted", "cold-loaded")) -> StateComparison:
-    """Compare two engine states tensor by tensor (the cold-load canary: a warm refit must leave
-    exactly what a cold load leaves)."""
-    differing, not_comparable = {}, {}
-    n = 0
-    for kind in ("params", "buffers"):
-        x, y = getattr(a, kind), getattr(b, kind)
-        for name in sorted(set(x) | set(y)):
-            s, t = x.get(name), y.get(name)
-            if s is None or t is None:
-                differing[name] = f"only in the {labels[0] if t is None else labels[1]} engine"
-                continue
-            if 0 in s.shape or 0 in t.shape:
-                not_comparable[name] = "empty tensor (its bytes live in a kernel-packed form vLLM does not expose)"
-                continue
-            n += 1
-            if s.digest != t.digest:
-                differing[name] = f"{labels[0]} {s.digest} != {labels[1]} {t.digest}"
-    return StateComparison(differing, not_comparable, n)
-
-
-def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
-    """Compare the engine states of replicas: every data-parallel replica of the same (tp, pp) rank
-    must hold identical tensors, and tensor-parallel ranks identical replicated ones.
-
-    A tensor on which the holders disagree is named with the ranks that differ from the majority
-    (with two holders, both are named).
-    """
-    differing, not_comparable = {}, {}
-    n = 0
-    groups: dict[tuple, list[EngineSnapshot]] = {}
-    for st in states:
-        groups.setdefault((st.worker.tp, st.worker.pp), []).append(st)
-    checks: list[tuple[str, list[tuple[EngineSnapshot, TensorState]]]] = []
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        for name in sorted(set().union(*(m.params for m in members))):
-            checks.append((name, [(m, m.params[name]) for m in members if name in m.params]))
-    by_pp: dict[int, list[EngineSnapshot]] = {}
-    for st in states:
-        by_pp.setdefault(st.worker.pp, []).append(st)
-    for members in by_pp.values():
-        tps = {m.worker.tp for m in members}
-        if len(tps) < 2:
-            continue
-        names = {n for m in members for n, t in m.params.items() if t.replicated}
-        for name in sorted(names):
-            checks.append((f"{name} (tensor-parallel replicated)", [(m, m.params[name]) for m in members if name in m.params]))
-    for name, holders in checks:
-        if len(holders) < 2:
-            continue
-        if any(0 in t.shape for _, t in holders):
-            not_comparable[name] = "empty tensor (kernel-packed)"
-            continue
-        n += 1
-        counts: dict[str, int] = {}
-        for _, t in holders:
-            counts[t.digest] = counts.get(t.digest, 0) + 1
-        if len(counts) == 1:
-            continue
-        top, top_n = max(counts.items(), key=lambda kv: kv[1])
-        if top_n > len(holders) / 2:  # a majority: the others differ
-            odd = [(m, t) for m, t in holders if t.digest != top]
-        else:  # no majority: name the holders whose last write is older than the newest (they missed a refit)
-            newest = max((t.written_version for _, t in holders if t.written_version is not None), default=None)
-            odd = [(m, t) for m, t in holders if newest is not None and (t.written_version is None or t.written_version < newest)]
-            odd = odd or list(holders)
-        differing[name] = "differs on " + ", ".join(
-            m.worker.label() + (f" (last written at version {t.written_version})" if t.written_version is not None else " (never written by a refit)")
-            for m, t in odd)
-    return StateComparison(differing, not_comparable, n)

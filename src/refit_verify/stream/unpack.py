@@ -21,193 +21,31 @@ Source: ``docs/protocol.md`` (sender and receiver steps, invariants).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import add, attrgetter, gt, mul
-from typing import NamedTuple, TypedDict
 
 import torch
 
 from refit_verify.config import VerifyMode
-from refit_verify.digest.batch import DigestBatch, _check
-from refit_verify.digest.incremental import _IS_META, _PLAIN_SET
-from refit_verify.errors import RefitInputError, RefitProtocolError
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
-from refit_verify.report import VerificationReport, compare_manifests
-from refit_verify.wire.staged import MAX_NAME_BYTES, Entry, torch_dtype
+from refit_verify.compare import check_digest
+from refit_verify.stream.items import MAX_ERROR_CHARS, MAX_REASON_CHARS, SENT_TWICE, Batch, LoadFn, Slot, round_up
+from refit_verify.wire.fields import Entry, torch_dtype
 
-__all__ = ["Batch", "LoadFn", "MAX_ERROR_CHARS", "EntryChecker", "ReceiveState", "Slot",
-           "StreamResult", "StreamStats", "check_digest", "check_items", "checked_item", "entry_cost", "receiver_report", "round_up", "view_slots"]
+__all__ = ["EntryChecker", "ReceiveState", "view_slots"]
 
 logger = logging.getLogger("refit_verify")
 
-Batch = list[tuple[str, torch.Tensor]]
-"""What ``load`` receives: ``(wire name, tensor view of the group's bytes)`` in message order."""
-
-LoadFn = Callable[[Batch], None]
-"""A receiver's ``load(batch)``: called once per group; must copy what it keeps."""
-
-MAX_ERROR_CHARS = 8192
-"""Longest error text a receiver sends back (characters)."""
-MAX_REASON_CHARS = 1000
-"""Longest reason recorded for one rejected entry (characters)."""
-
-SENT_TWICE = "sent twice in one refit"
 
 
-def round_up(n: int, a: int) -> int:
-    """Return ``n`` rounded up to a multiple of ``a`` (bytes)."""
-    return (n + a - 1) // a * a
-
-
-def entry_cost(name: str, dtype: str, ndim: int) -> int:
-    """Upper estimate of one :class:`~refit_verify.wire.staged.Entry`'s msgpack size, bytes."""
-    return len(name.encode()) + len(dtype) + 9 * ndim + 32
-
-
-def checked_item(item: tuple[str, torch.Tensor], seen: set[str]) -> tuple[str, torch.Tensor]:
-    """Validate one ``(name, tensor)`` of a refit stream and record its name in ``seen``.
-
-    Raises:
-        RefitInputError (a ``TypeError`` and a ``ValueError``): the item is not a ``(name, tensor)``
-            pair, the name is not a str of 1..MAX_NAME_BYTES characters or was given before, or the
-            tensor is not a ``torch.Tensor``.
-    """
-    try:
-        name, t = item
-    except (TypeError, ValueError):
-        size = f" of {len(item)} items" if isinstance(item, (tuple, list)) else ""
-        raise RefitInputError(f"each item of a refit must be a (name, tensor) pair, got {type(item).__name__}{size}") from None
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_BYTES:
-        raise RefitInputError(f"tensor names must be str of 1..{MAX_NAME_BYTES} characters, got {name!r:.100}")
-    if not isinstance(t, torch.Tensor):
-        raise RefitInputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if name in seen:
-        raise RefitInputError(f"{name}: given twice in one refit (wire names must be unique)")
-    seen.add(name)
-    return name, t
-
-
-_STRIDED_ONLY = frozenset((torch.strided,))
-_IS_NESTED, _IS_QUANTIZED, _LAYOUT, _NBYTES = attrgetter("is_nested"), attrgetter("is_quantized"), attrgetter("layout"), attrgetter("nbytes")
-
-
-def _plain_items(items: Sequence) -> bool:
-    """True iff every item is a ``(name, tensor)`` tuple with a unique str name of 1..MAX_NAME_BYTES
-    characters and a plain contiguous tensor the digest can read (``torch.Tensor`` /
-    ``nn.Parameter``, dense strided, not nested, quantized, meta or a ZeroTensor, at most 255
-    dimensions, every element inside its storage): C-level passes over the list, no Python step per
-    item (about 0.2 ms for 310 tensors on a CPU host). False means only "not all of the plain
-    kinds": :func:`check_items` then checks them one by one."""
-    if not items:
-        return True
-    if set(map(type, items)) != {tuple} or set(map(len, items)) != {2}:
-        return False
-    names, ts = zip(*items)
-    if set(map(type, names)) != {str} or len(set(names)) != len(names):
-        return False
-    lengths = list(map(len, names))
-    if min(lengths) < 1 or max(lengths) > MAX_NAME_BYTES or not set(map(type, ts)) <= _PLAIN_SET:
-        return False
-    if (any(map(_IS_NESTED, ts)) or any(map(_IS_QUANTIZED, ts)) or any(map(_IS_META, ts))
-            or set(map(_LAYOUT, ts)) != _STRIDED_ONLY or any(map(torch.Tensor._is_zerotensor, ts))
-            or max(map(torch.Tensor.dim, ts)) > 255 or not all(map(torch.Tensor.is_contiguous, ts))):
-        return False
-    # every element inside its storage (none freed or shrunk under its tensor, as FSDP does after a gather)
-    spans = (map(add, map(mul, map(torch.Tensor.storage_offset, ts), map(torch.Tensor.element_size, ts)), map(_NBYTES, ts))
-             if any(map(torch.Tensor.storage_offset, ts)) else map(_NBYTES, ts))  # parameters: each at offset 0
-    return not any(map(gt, spans, map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, ts))))
-
-
-def check_items(items: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Validate every ``(name, tensor)`` of a refit given as a list, before any of it is sent: what
-    :func:`checked_item` and the digest's own checks (:func:`~refit_verify.digest.batch._check`) would find
-    item by item, in C-level passes over the list when every item is of the plain kinds (the common
-    case: a trainer's contiguous parameters), else item by item.
-
-    Raises:
-        RefitInputError (a ``TypeError`` and a ``ValueError``): the first bad item: not a ``(name,
-            tensor)`` pair, a bad or repeated name, a tensor the digest cannot read (sparse, nested,
-            quantized, meta, its storage freed or shrunk under it).
-    """
-    if _plain_items(items):
-        return
-    seen: set[str] = set()
-    for item in items:
-        _check(checked_item(item, seen)[1])
-
-
-class StreamStats(TypedDict):
-    """Numbers of a sender's last refit, common to both transports (a plain dict:
-    ``sender.last_stats["digest_s"]``).
-
-    Keys:
-        refit_id: the refit's id (32 hex). mode: the mode it ran in (agreed at the handshake).
-        tensors: tensors sent. bytes: their exact bytes (padding excluded).
-        digest_s: seconds the sender spent in digest code (0.0 in ``off`` mode); on CUDA this
-            includes waiting for earlier queued work at the synchronisation points.
-        digest_shadow_s: of ``digest_s``, the seconds spent after the first group was sent, while
-            the receivers check and load it (a refit given as a list: the digests of every tensor
-            the first group could not hold; off the refit's critical path unless the receivers
-            finish that group first; after an oversized first tensor sent alone: while the
-            receivers read it, before the sender waits for their acknowledgement).
-        wall_s: seconds from the first message to the receivers' answer.
-        receiver_digest_s: the receivers' digest seconds (the largest, with several receivers).
-    """
-
-    refit_id: str
-    mode: str
-    tensors: int
-    bytes: int
-    digest_s: float
-    digest_shadow_s: float
-    wall_s: float
-    receiver_digest_s: float
-
-
-@dataclass(kw_only=True)
-class StreamResult:
-    """Outcome of one receive, common to both transports.
-
-    Attributes:
-        manifest: ``{name: 32-hex digest}`` of every accepted entry (``None`` when the agreed mode
-            is ``off``). tensors: entries accepted. bytes: their exact bytes. digest_s: seconds in
-            digest code. refit_id: the sender's refit id. mode: the agreed mode.
-        error: errors recorded during the refit that name no entry (also sent to the sender), or ``None``.
-        rejected: ``{name: reason}`` of refused entries (also sent to the sender).
-    """
-
-    manifest: dict[str, str] | None
-    tensors: int
-    bytes: int
-    digest_s: float
-    refit_id: str = ""
-    mode: VerifyMode = VerifyMode.OFF
-    error: str | None = None
-    rejected: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing was rejected and no error was recorded."""
-        return self.error is None and not self.rejected
 
 
 # ------------------------------------------------------------------------------ receiver
 
-
-class Slot(NamedTuple):
-    """An accepted entry: where its bytes lie in the group's buffer."""
-
-    name: str
-    dtype: torch.dtype
-    shape: list[int]
-    offset: int
-    nbytes: int
-    digest: str | None = None  # the sender's digest, when it travelled ahead (DigestEntry)
 
 
 class EntryChecker:
@@ -447,33 +285,3 @@ class ReceiveState:
         return manifest, session, error
 
 
-def check_digest(got: str | None, want: str | None) -> str | None:
-    """Why a tensor whose digest is ``got`` must not be loaded against the sender's ``want`` (None: it may)."""
-    if want is None:
-        return "it carries no sender digest, so its bytes cannot be checked before loading"
-    if got != want:
-        return f"its digest {got} differs from the sender's {want}: corrupted between the sender's digest and this load"
-    return None
-
-
-def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, str], session: SessionManifest | None, *,
-                    refit_id: str, rejected: dict[str, str], error: str | None, rank: int | None,
-                    producer_rank: int | None = None, landed: list[str] | None = None,
-                    kept: dict[str, str] | None = None) -> VerificationReport:
-    """Compare one receiver's answer with the sender's manifest (not yet acted on).
-
-    With a ``session`` (the receiver loaded into a vLLM model and digested at its boundary), the
-    comparison is :func:`refit_verify.trainer.refit.compare_session` (coverage, identity and read-back
-    too); else :func:`refit_verify.report.compare_manifests`. ``rejected`` and ``error`` are
-    carried into the report; ``rank`` labels it; ``landed`` / ``kept`` (what the receiver's engine
-    holds, when the digests came ahead of the bytes) become ``report.landed`` / ``report.kept``.
-    """
-    extra = {"landed": tuple(landed or ()), "kept": dict(kept or {})}
-    if session is not None:
-        from refit_verify.trainer.refit import compare_session
-
-        base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, producer_rank=producer_rank)
-        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank,
-                                   **extra)
-    return dataclasses.replace(compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank),
-                               **extra)

@@ -19,7 +19,7 @@ import msgspec
 
 from refit_verify import verdicts
 from refit_verify.config import VerifyMode, mode_from_env
-from refit_verify.engine.state import StateComparison, compare_replicas as _compare
+from refit_verify.compare import StateComparison, compare_replicas as _compare
 from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import AuditError, RefitConfigError, ReplicaDisagreement
 from refit_verify.manifest import AuditResult, EngineSnapshot, from_wire

@@ -17,7 +17,8 @@ from time import perf_counter as _perf_counter
 import torch
 
 from refit_verify.digest import incremental as _ds  # its _changed read at each use (tests replace it)
-from refit_verify.digest.incremental import CopyingBatch, HeldBatch, _why_failed, version_of
+from refit_verify.digest.incremental import CopyingBatch, HeldBatch, _why_failed
+from refit_verify.digest.tensors import version_of
 from refit_verify.errors import RefitConfigError, RefitInputError, RefitProtocolError
 
 __all__ = ["MAX_NAMED_CHANGED", "YIELD_EVERY", "StreamDigests", "changed_problems"]

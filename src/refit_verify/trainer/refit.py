@@ -32,146 +32,23 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
-from refit_verify.digest.incremental import _PLAIN_TYPES
+from refit_verify.digest.tensors import PLAIN_TYPES
 from refit_verify.trainer.exports import StreamDigests, changed_problems
 from refit_verify.trainer.channel import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
-from refit_verify.manifest import CLOSE_AUDIT, SessionManifest, from_wire, local_reply_token
-from refit_verify.report import VerificationReport, compare_manifests
+from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
+from refit_verify.report import VerificationReport
+from refit_verify.compare import compare_session
 
 logger = logging.getLogger("refit_verify")
 
 MODULES = ("model", "drafter")
 """The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
 
-__all__ = ["RefitCheck", "compare_session", "refit"]
+__all__ = ["RefitCheck", "refit"]
 
 OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_close"
 
-
-def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
-                    version: int | None = None, partial: bool = False, producer_rank: int | None = None,
-                 sender_problems: Iterable[str] = (), undigested: Iterable[str] = ()) -> VerificationReport:
-    """Compare one worker's session manifest with what the trainer pushed.
-
-    Args:
-        expected: ``{module: {name: 32-hex}}`` the trainer digested (``"model"``, ``"drafter"``).
-        man: the worker's manifest.
-        session: the session id the trainer opened (a manifest of another session is a failure).
-        version: the weight version the trainer pushed (another one in the manifest is a failure).
-        partial: the refit does not write every parameter: unwritten parameters are not failures.
-        producer_rank: for multi-producer transports, the trainer rank that sent this payload.
-        sender_problems: what the trainer could not digest as it pushed it (a held tensor that
-            changed before the end of the refit); each is a failure.
-        undigested: the names those problems are about (drafter ones as ``"drafter:name"``): the
-            worker's digests of them are not reported again as unexpected.
-
-    Returns:
-        VerificationReport: digests compared per module; coverage, identity and read-back checks in
-        its session fields. ``ok`` only if all pass.
-    """
-    sender: dict[str, str] = {}
-    receiver: dict[str, str] = {}
-    mismatched: list[str] = []
-    missing: list[str] = []
-    unexpected: list[str] = []
-    unconsumed: list[str] = []
-    unwritten: list[str] = []
-    unattributed: list[str] = []
-    problems: list[str] = list(sender_problems)
-    skip = set(undigested)
-    unchecked: list[str] = []
-    landed_mismatched: set[str] = set()  # digested where they landed, and not what the trainer sent
-    for module in sorted(set(expected) | set(man.modules), key=lambda m: (m != "model", m)):
-        exp = dict(expected.get(module, {}))
-        got = man.modules.get(module)
-        digests = dict(got.digests) if got is not None else {}
-        if module != "model" and not exp and not digests:
-            if got is not None and got.unwritten and not (partial or man.partial):
-                unchecked.append(f"{module}: no tensor of this refit was for it; its {len(got.unwritten)} parameters keep "
-                                 "their previous weights (speculative decoding stays lossless; r.add(name, t, module="
-                                 f"{module!r}) to refit and verify it)")
-            continue
-        tag = (lambda n: n) if module == "model" else (lambda n, m=module: f"{m}:{n}")
-        r = compare_manifests(exp, digests)
-        if module == "model":
-            sender.update(exp)
-            receiver.update(digests)
-        else:
-            sender.update({tag(k): v for k, v in exp.items()})
-            receiver.update({tag(k): v for k, v in digests.items()})
-        mismatched += [tag(n) for n in r.mismatched]
-        missing += [tag(n) for n in r.missing]
-        unexpected += [tag(n) for n in r.unexpected if tag(n) not in skip]
-        if got is None:
-            continue
-        landed_bad = [tag(n) for n in got.in_place if n in r.mismatched]
-        landed_mismatched.update(landed_bad)
-        if landed_bad:
-            problems.append(f"{len(landed_bad)} tensors were digested where they landed in the engine (not on delivery) and the "
-                            "engine holds other bytes there than the trainer sent: a corrupted delivery or a loader that put "
-                            f"them elsewhere: {', '.join(landed_bad[:10])}")
-        changed = [tag(n) for n in got.changed_after_delivery if tag(n) not in mismatched]
-        if changed:
-            mismatched += changed
-            problems.append(f"{len(changed)} delivered tensors changed between load_weights and vLLM's deferred apply "
-                            f"(what landed is not what was delivered): {', '.join(changed[:10])}")
-        for n, why in got.coverage_unknown.items():
-            unchecked.append(f"coverage of {tag(n)}: {why}; which of its elements this refit wrote is unknown")
-        unconsumed += [tag(n) for n in got.unconsumed]
-        unattributed += [tag(n) for n in got.unattributed]
-        if not (partial or man.partial):
-            unwritten += [tag(n) for n in got.unwritten]
-        else:  # a parameter written in part: the close audit compares whole parameters only
-            part = [tag(n) for n in got.unwritten if n.endswith(" elements)")]
-            if part:
-                unchecked.append(f"{len(part)} parameters were written in part by this partial refit; their other elements are "
-                                 "not compared with what the last session left (the close audit compares whole parameters "
-                                 f"only): {', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
-    if session is not None and man.session != session:
-        problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
-    if version is not None and man.version != version:
-        problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
-    if man.stale:
-        problems.append(f"stale refit: {man.stale}")
-    for u in man.unsessioned:
-        shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
-        problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
-                        f"before this session): {shown}")
-    for a in man.audits:
-        when = ("since the last session, in parameters this session did not write" if a.trigger == CLOSE_AUDIT
-                else "outside any refit before this session")
-        problems.append(f"the engine's state changed {when} ({a.describe()})")
-    if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
-        problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
-    engine_bad: list[str] = []
-    not_proven: dict[str, str] = {}
-    proven = unproven = None
-    if man.engine is None and not any(e.startswith("read-back failed") for e in man.errors):
-        unchecked.append("read-back did not run (readback=False, or no read-back on this worker): what reached load_weights "
-                         "was checked, not what the engine holds after loading")
-    if man.engine is not None:
-        proven, unproven = man.engine.proven_bytes, man.engine.unproven_bytes
-        for pname, st in man.engine.params.items():
-            if st.status == "verified":
-                if not landed_mismatched:
-                    continue
-                role, sep, _ = pname.partition(":")
-                prefix = f"{role}:" if sep and role in man.modules else ""
-                if any(prefix + src in landed_mismatched for src, _where in st.blocks or ()):
-                    # its blocks were the landed digests themselves: the engine holds other bytes than the trainer's
-                    engine_bad.append(pname)
-                    proven, unproven = proven - st.bytes, unproven + st.bytes
-            elif st.status == "mismatch":
-                engine_bad.append(pname)
-            elif st.status != "verified":
-                not_proven[pname] = st.why or st.status
-    return VerificationReport(
-        tuple(mismatched), tuple(missing), tuple(unexpected), sender, receiver, man.worker.rank, {},
-        "; ".join(man.errors) if man.errors else None, session=man.session, version=man.version,
-        worker=man.worker.label(), unconsumed=tuple(unconsumed), unwritten=tuple(unwritten),
-        engine_mismatched=tuple(engine_bad), problems=tuple(problems), not_proven=not_proven,
-        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven, unchecked=tuple(unchecked))
 
 
 def _check_version(version: Any) -> int | None:
@@ -260,7 +137,7 @@ class RefitCheck:
                 the launch's own error (a device error) as it is.
         """
         taken = self._taken  # an add runs per tensor, between a loader's calls: the fewest steps
-        if taken is not None and type(module) is str and module == "model" and type(tensor) in _PLAIN_TYPES and type(name) is str:
+        if taken is not None and type(module) is str and module == "model" and type(tensor) in PLAIN_TYPES and type(name) is str:
             try:  # HeldBatch.add's own first checks (a storage with an address, not quantized or nested); the rest at the feed
                 ptr = tensor.data_ptr()
                 ok = ptr and ptr != tensor.storage_offset() * tensor.itemsize and not (tensor.is_quantized or tensor.is_nested)

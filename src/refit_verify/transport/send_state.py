@@ -9,19 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from typing import Protocol
 import torch
 
 from refit_verify.transport import staging as _staging
 from refit_verify.config import VerifyMode
-from refit_verify.stream.pack import Packer
-from refit_verify.wire.staged import Entry
-
-if TYPE_CHECKING:
-    from refit_verify.transport.sender import RefitSender
+from refit_verify.wire.fields import Entry
 
 __all__ = ["Progress", "SendState"]
+
+
+class PackCounts(Protocol):
+    """What :class:`Progress` reads of the refit's :class:`~refit_verify.stream.pack.Packer`."""
+
+    tensors: int
+    last_name: str | None
 
 
 @dataclass
@@ -39,7 +41,7 @@ class Progress:
     waiting_for: str = ""
     hello_sent: int = 0
     last_reply: str | None = None
-    packer: Packer | None = None
+    packer: PackCounts | None = None
 
     @property
     def tensors_packed(self) -> int:
@@ -60,6 +62,8 @@ class SendState:
     """One refit on the sender: REQ/REP sequencing and the staging buffers (the packer's sink).
 
     Attributes:
+        send: ``(state, buffer, entries, used bytes)``: sends one filled buffer (the sender's ``_post``).
+        settle: ``(state)``: takes the reply of the buffer in flight (the sender's ``_settle``).
         requested / mode: the configured and the agreed mode. progress: counts for errors.
         welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (``off``: taken lazily).
         outstanding: seq of the unanswered ``Buffer`` (``None``: nothing outstanding).
@@ -68,7 +72,8 @@ class SendState:
         dedicated: an oversized tensor's own buffer while it is in flight.
     """
 
-    sender: RefitSender
+    send: Callable[[SendState, _staging.StagingBuffer, list[Entry], int], None]
+    settle: Callable[[SendState], None]
     requested: VerifyMode
     mode: VerifyMode
     progress: Progress
@@ -96,7 +101,7 @@ class SendState:
         return self.pool[self.cur].tensor
 
     def post(self, entries: list[Entry], used: int) -> None:
-        self.sender._post(self, self.pool[self.cur], entries, used)
+        self.send(self, self.pool[self.cur], entries, used)
         self.cur ^= 1
 
     def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
@@ -105,10 +110,10 @@ class SendState:
         # freed (an error in ``meanwhile`` leaves it to the refit's abort, as a group in flight).
         self.dedicated = _staging.allocate(aligned, self._device_for(u8))
         self.dedicated.tensor[: entry.nbytes].copy_(u8, non_blocking=self.dedicated.tensor.is_cuda)
-        self.sender._post(self, self.dedicated, [entry], aligned)
+        self.send(self, self.dedicated, [entry], aligned)
         if meanwhile is not None:
             meanwhile()
-        self.sender._settle(self)
+        self.settle(self)
         self.dedicated.close()
         self.dedicated = None
 

@@ -24,14 +24,16 @@ from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
-from refit_verify.report import VerificationReport, act_on
+from refit_verify.config import act_on
+from refit_verify.report import VerificationReport
 from refit_verify.stream.pack import Packer
-from refit_verify.stream.unpack import MAX_ERROR_CHARS, StreamStats, receiver_report
+from refit_verify.stream.items import MAX_ERROR_CHARS, StreamStats
+from refit_verify.compare import receiver_report
 from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
                                           ms, private_endpoint)
 from refit_verify.transport.send_state import Progress, SendState
-from refit_verify.wire.staged import (ABORT_SEQ, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer,
-                               Done, Entry, Hello, Reject, Welcome, decode_reply, encode)
+from refit_verify.wire.staged import (ABORT_SEQ, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer, Done, Hello, Reject, Welcome, decode_reply)
+from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry, encode
 
 __all__ = ["ABORT_WAIT_S", "HELLO_RETRY_S", "RefitSender", "RefitStats"]
 
@@ -502,7 +504,7 @@ class RefitSender:
         cfg = self.config
         refit_id = uuid.uuid4().hex
         self._progress = p = Progress(refit_id=refit_id, mode=cfg.mode.value)
-        st = SendState(sender=self, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
+        st = SendState(send=self._post, settle=self._settle, requested=cfg.mode, mode=cfg.mode, progress=p, capacity=cfg.buffer_bytes // 2, device=self.device)
         t_start = time.perf_counter()
         self._sock.setsockopt(zmq.SNDTIMEO, ms(cfg.timeout_s))  # the config may have been replaced since the last refit
         self._watch.drain()

@@ -27,7 +27,7 @@ import torch
 
 from refit_verify.trainer.audits import engine_states
 from refit_verify.config import VerifyMode, mode_from_env
-from refit_verify.engine.state import StateComparison, compare_states
+from refit_verify.compare import StateComparison, compare_states
 from refit_verify.errors import RefitConfigError, ReplicaDisagreement
 
 logger = logging.getLogger("refit_verify")

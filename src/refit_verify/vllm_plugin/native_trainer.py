@@ -61,7 +61,7 @@ from refit_verify.vllm_plugin.native_sender import (  # noqa: F401  (FETCH_TIMEO
     NativeSendVerifier,
     _Wrapped,
 )
-from refit_verify.vllm_plugin.native_worker import FINISH_METHOD, MANIFEST_METHOD
+from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
 
@@ -117,14 +117,10 @@ def install(mode: VerifyMode) -> None:
         _STATE.update(installed=True, mode=mode.value, version=info["version"], sender_paths=info["sender"])
 
 
-def _uninstall() -> None:
-    """Restore every patched attribute (tests only; engines already built keep their wrappers)."""
+def forget() -> None:
+    """Forget that :func:`install` ran (:func:`refit_verify.vllm_plugin.patches.undo` calls it)."""
     with _LOCK:
-        shims.restore_all()
         _STATE.update(installed=False, mode=None, version=None, sender_paths=())
-        from refit_verify.vllm_plugin import patches
-
-        patches.reset()
 
 
 # -- vLLM >= 0.27 trainer engines
@@ -465,7 +461,7 @@ def _finishing(llm: Any, run: Callable[[], Any], combined: bool) -> Any:
     """Close ``llm``'s open update with ``run()`` and check every send pending on it as one session.
 
     ``combined``: ``run`` is vLLM 0.26's one-line finish; once ``llm``'s workers have said they
-    carry :data:`~refit_verify.vllm_plugin.native_worker.FINISH_METHOD` (in an earlier manifest), one
+    carry :data:`~refit_verify.vllm_plugin.rpc_names.FINISH_METHOD` (in an earlier manifest), one
     RPC finishes and returns the manifests instead of a finish and a fetch. An exception from the
     finish leaves the sends pending (a retried finish checks them) and propagates unchanged."""
     with _LOCK:

@@ -23,11 +23,10 @@ from typing import Any
 from refit_verify.config import mode_from_env
 from refit_verify.manifest import digest_map_text, to_text
 from refit_verify.vllm_plugin import worker_sessions as sessions
+from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
 
-MANIFEST_METHOD = "refit_verify_native_manifest"
-FINISH_METHOD = "refit_verify_native_finish"
 METHODS = (MANIFEST_METHOD, FINISH_METHOD)
 _ENGINE_ATTR = "_refit_verify_native"
 

@@ -89,6 +89,16 @@ def reset() -> None:
     _DONE.clear()
 
 
+def undo() -> None:
+    """Restore every patched attribute and forget what was applied (tests; engines already built keep
+    their wrappers)."""
+    from refit_verify.vllm_plugin import native_trainer
+
+    shims.restore_all()
+    native_trainer.forget()
+    reset()
+
+
 def _worker_methods() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 

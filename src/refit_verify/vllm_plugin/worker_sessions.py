@@ -134,7 +134,7 @@ def wrap_wake_up(raw):
 def wrap_sleep(raw):
     """Before ``sleep``, give back what refit-verify holds on the GPU outside vLLM's allocator: the
     captured graphs of kept digest plans with their work areas (:func:`refit_verify.digest.kernels.replay.release_all`)
-    and the reload copies' pools (:func:`refit_verify.vllm_plugin.worker_methods.release_pools`); vLLM's sleep
+    and the reload copies' pools (:func:`refit_verify.vllm_plugin.worker_copies.release_pools`); vLLM's sleep
     then empties the cache. After the wake, kept plans capture again and a new pool is made."""
 
     @functools.wraps(raw)
@@ -153,9 +153,9 @@ def release_gpu_holdings() -> tuple[int, int]:
     """
     try:
         from refit_verify.digest.kernels import replay
-        from refit_verify.vllm_plugin import worker_methods as worker
+        from refit_verify.vllm_plugin import worker_copies
 
-        return replay.release_all(), worker.release_pools()
+        return replay.release_all(), worker_copies.release_pools()
     except Exception:  # noqa: BLE001 - sleep goes on; the memory just stays held
         logging.getLogger("refit_verify").exception("refit-verify: releasing graphs and pools before sleep failed")
         return 0, 0

@@ -30,8 +30,8 @@ import msgspec
 import torch
 
 from refit_verify.errors import RefitProtocolError
-from refit_verify.wire.staged import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, Entry, _DType, _Name, _NonNeg, _OPTS, _Shape,
-                               _Text, decode_message, encode)
+from refit_verify.wire.fields import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, Entry, DType, Name, NonNeg, STRUCT_OPTS, Shape,
+                               Text, decode_message, encode)
 
 __all__ = [
     "BROADCAST_PROTOCOL", "MAX_SHARD_ROOTS", "MAX_SHARD_MESSAGE_BYTES", "BroadcastAbort", "BroadcastComplete",
@@ -51,10 +51,10 @@ MAX_SHARD_MESSAGE_BYTES = 32 << 20
 
 _U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack integers end at 2**64 - 1
 _Mode = Literal["off", "log", "enforce"]
-_Digest = Annotated[str, msgspec.Meta(max_length=128)]
+Digest = Annotated[str, msgspec.Meta(max_length=128)]
 
 
-class BroadcastHello(msgspec.Struct, tag="broadcast_hello", **_OPTS):
+class BroadcastHello(msgspec.Struct, tag="broadcast_hello", **STRUCT_OPTS):
     """First message of a broadcast refit (sender → receivers).
 
     Attributes:
@@ -73,7 +73,7 @@ class BroadcastHello(msgspec.Struct, tag="broadcast_hello", **_OPTS):
             raise ValueError(f"alignment {self.alignment} is not a power of two")
 
 
-class Bucket(msgspec.Struct, tag="bucket", **_OPTS):
+class Bucket(msgspec.Struct, tag="bucket", **STRUCT_OPTS):
     """One bucket's layout (sender → receivers); its ``used_bytes`` bytes follow as one broadcast.
 
     Attributes:
@@ -82,24 +82,24 @@ class Bucket(msgspec.Struct, tag="bucket", **_OPTS):
             from its own bytes) its exact size.
     """
 
-    seq: _NonNeg
+    seq: NonNeg
     entries: list[Entry]
-    used_bytes: _NonNeg
+    used_bytes: NonNeg
 
 
-class BroadcastComplete(msgspec.Struct, tag="broadcast_complete", **_OPTS):
+class BroadcastComplete(msgspec.Struct, tag="broadcast_complete", **STRUCT_OPTS):
     """Last message of a refit (sender → receivers): ``n_tensors`` entries were sent in total."""
 
-    n_tensors: _NonNeg
+    n_tensors: NonNeg
 
 
-class BroadcastAbort(msgspec.Struct, tag="broadcast_abort", **_OPTS):
+class BroadcastAbort(msgspec.Struct, tag="broadcast_abort", **STRUCT_OPTS):
     """The sender gives up on the refit (its exception); receivers raise ``RefitAbortedError``."""
 
-    reason: _Text
+    reason: Text
 
 
-class RankReport(msgspec.Struct, tag="rank_report", **_OPTS):
+class RankReport(msgspec.Struct, tag="rank_report", **STRUCT_OPTS):
     """One receiver's answer (receivers → sender, gathered after :class:`BroadcastComplete`).
 
     Attributes:
@@ -111,22 +111,22 @@ class RankReport(msgspec.Struct, tag="rank_report", **_OPTS):
     """
 
     rank: int
-    manifest: dict[_Name, _Digest] | None
-    error: _Text | None
-    rejected: dict[_Name, Annotated[str, msgspec.Meta(max_length=1024)]] | None
-    tensors: _NonNeg
-    bytes: _NonNeg
+    manifest: dict[Name, Digest] | None
+    error: Text | None
+    rejected: dict[Name, Annotated[str, msgspec.Meta(max_length=1024)]] | None
+    tensors: NonNeg
+    bytes: NonNeg
     digest_s: float
 
 
-class ShardMeta(msgspec.Struct, tag="shard_meta", **_OPTS):
+class ShardMeta(msgspec.Struct, tag="shard_meta", **STRUCT_OPTS):
     """One rank's shard metadata (every rank → every rank): dtype name and shape."""
 
-    dtype: _DType
-    shape: _Shape
+    dtype: DType
+    shape: Shape
 
 
-class ShardRoots(msgspec.Struct, tag="shard_roots", **_OPTS):
+class ShardRoots(msgspec.Struct, tag="shard_roots", **STRUCT_OPTS):
     """One rank's chunk roots ``[(root_0, root_1), ...]`` (every rank → the digesting rank)."""
 
     roots: Annotated[list[tuple[_U64, _U64]], msgspec.Meta(max_length=MAX_SHARD_ROOTS)]

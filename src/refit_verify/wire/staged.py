@@ -15,16 +15,13 @@ from __future__ import annotations
 from typing import Annotated, Union
 
 import msgspec
-import torch
 
-from refit_verify.errors import RefitProtocolError
+from refit_verify.wire.fields import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MAX_NDIM, MIN_ALIGNMENT, STRUCT_OPTS, Blob, DigestEntry, DType, Entry,
+                                      Name, NonNeg, Shape, Text, decode_message)
 from refit_verify.manifest import SessionManifest
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "MAX_MESSAGE_BYTES",
-    "Entry",
-    "DigestEntry",
     "ShmHandle",
     "CudaIpcHandle",
     "Hello",
@@ -39,11 +36,8 @@ __all__ = [
     "Reject",
     "Request",
     "Reply",
-    "encode",
-    "decode_message",
     "decode_request",
     "decode_reply",
-    "torch_dtype",
 ]
 
 PROTOCOL_VERSION = 3
@@ -60,75 +54,15 @@ another version answers ``Reject``, which the sender turns into an error naming 
 ABORT_SEQ = -2
 """``Ack.seq`` of the reply to :class:`Abort`."""
 
-MIN_ALIGNMENT = 16
-MAX_ALIGNMENT = 1 << 20
 
-MAX_MESSAGE_BYTES = 64 << 20
-"""Largest encoded message accepted by the decoders, in bytes (64 MiB).
-
-Large enough for a ``Done`` manifest of a few hundred thousand tensors (a DeepSeek-V3-sized MoE
-state dict with FP8 scales is ~90k names, ~8 MB); the sender also cuts a ``Buffer`` message well
-below this size (:data:`MAX_ENTRIES_BYTES`)."""
-
-MAX_ENTRIES_BYTES = MAX_MESSAGE_BYTES // 4
-"""Estimated encoded size (bytes) of a ``Buffer``'s entry list at which the sender cuts a group."""
-
-MAX_NAME_BYTES = 4096
-"""Longest tensor name accepted on the wire, in characters."""
-
-MAX_NDIM = 64
-
-_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_BYTES)]
-_DType = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")]
-_Shape = Annotated[list[_NonNeg], msgspec.Meta(max_length=MAX_NDIM)]
-_Text = Annotated[str, msgspec.Meta(max_length=1 << 16)]
-_Blob = Annotated[bytes, msgspec.Meta(max_length=1 << 12)]
-
-_OPTS = dict(frozen=True, array_like=True, forbid_unknown_fields=True)
-
-
-class Entry(msgspec.Struct, **_OPTS):
-    """One tensor inside a staging buffer.
-
-    Attributes:
-        name: wire name (the sender's state-dict key), 1..4096 characters.
-        dtype: :func:`refit_verify.digest.batch.dtype_name` of the tensor (``"bfloat16"``, ``"bool"``…).
-        shape: logical shape; ``[]`` for a 0-dim tensor.
-        offset: byte offset of the tensor's first byte in the buffer (a multiple of the alignment).
-        nbytes: exact byte length, ``numel × itemsize`` (padding excluded).
-    """
-
-    name: _Name
-    dtype: _DType
-    shape: _Shape
-    offset: _NonNeg
-    nbytes: _NonNeg
-
-
-_Digest = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
-
-
-class DigestEntry(Entry, **_OPTS):
-    """An :class:`Entry` of a verifying refit, carrying the sender's digest of the tensor.
-
-    Attributes:
-        digest: the sender's 32-hex digest of the tensor (``refit_verify.tensor_digest``), taken
-            before packing; the receiver compares the bytes it is about to load with it. ``None``
-            (an entry the sender did not digest) is refused in ``enforce``.
-    """
-
-    digest: _Digest | None = None
-
-
-class ShmHandle(msgspec.Struct, tag="shm", **_OPTS):
+class ShmHandle(msgspec.Struct, tag="shm", **STRUCT_OPTS):
     """A CPU staging buffer: a POSIX shared-memory object (``/dev/shm/<name>``) of ``nbytes`` bytes."""
 
     name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
     nbytes: Annotated[int, msgspec.Meta(gt=0)]
 
 
-class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", **_OPTS):
+class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", **STRUCT_OPTS):
     """A CUDA staging buffer: the fields of ``torch.multiprocessing.reductions.reduce_tensor(t)[1]``
     needed by ``rebuild_cuda_tensor`` (class arguments and ``requires_grad`` are implied).
 
@@ -144,21 +78,21 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", **_OPTS):
         device: the sender's device index; informational only, the receiver rebuilds on its own.
     """
 
-    handle: _Blob
-    storage_size_bytes: _NonNeg
-    storage_offset_bytes: _NonNeg
-    dtype: _DType
-    size: _Shape
+    handle: Blob
+    storage_size_bytes: NonNeg
+    storage_offset_bytes: NonNeg
+    dtype: DType
+    size: Shape
     stride: Annotated[list[int], msgspec.Meta(max_length=MAX_NDIM)]
-    tensor_offset: _NonNeg
-    ref_counter_handle: _Blob
-    ref_counter_offset: _NonNeg
-    event_handle: _Blob | None
+    tensor_offset: NonNeg
+    ref_counter_handle: Blob
+    ref_counter_offset: NonNeg
+    event_handle: Blob | None
     event_sync_required: bool
-    device: _NonNeg
+    device: NonNeg
 
 
-class Hello(msgspec.Struct, tag="hello", **_OPTS):
+class Hello(msgspec.Struct, tag="hello", **STRUCT_OPTS):
     """First request of every refit. Reply: :class:`Welcome` or ``Reject``.
 
     Attributes:
@@ -180,7 +114,7 @@ class Hello(msgspec.Struct, tag="hello", **_OPTS):
     producer_device: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
-class Welcome(msgspec.Struct, tag="welcome", **_OPTS):
+class Welcome(msgspec.Struct, tag="welcome", **STRUCT_OPTS):
     """Reply to ``Hello``: the mode agreement.
 
     Attributes:
@@ -195,7 +129,7 @@ class Welcome(msgspec.Struct, tag="welcome", **_OPTS):
     reason: Annotated[str, msgspec.Meta(max_length=4096)] | None
 
 
-class Buffer(msgspec.Struct, tag="buffer", **_OPTS):
+class Buffer(msgspec.Struct, tag="buffer", **STRUCT_OPTS):
     """One staging buffer ready to read. Reply: ``Ack(seq)`` (always, also after a receiver error).
 
     Attributes:
@@ -205,10 +139,10 @@ class Buffer(msgspec.Struct, tag="buffer", **_OPTS):
         used_bytes: aligned total, ``sum(round_up(e.nbytes, alignment))``.
     """
 
-    seq: _NonNeg
+    seq: NonNeg
     handle: Union[ShmHandle, CudaIpcHandle]
     entries: list[Entry]
-    used_bytes: _NonNeg
+    used_bytes: NonNeg
 
 
 class DigestBuffer(Buffer, tag="buffer_digests"):
@@ -219,28 +153,28 @@ class DigestBuffer(Buffer, tag="buffer_digests"):
     entries: list[DigestEntry]
 
 
-class Complete(msgspec.Struct, tag="complete", **_OPTS):
+class Complete(msgspec.Struct, tag="complete", **STRUCT_OPTS):
     """Last request of a refit: ``n_tensors`` entries were sent in total. Reply: ``Done``."""
 
-    n_tensors: _NonNeg
+    n_tensors: NonNeg
 
 
-class Abort(msgspec.Struct, tag="abort", **_OPTS):
+class Abort(msgspec.Struct, tag="abort", **STRUCT_OPTS):
     """The sender gives up on the current refit (an exception on its side, a failed mode agreement).
     Reply: ``Ack(seq=ABORT_SEQ)``; the receiver then raises
     :class:`~refit_verify.errors.RefitAbortedError` at once instead of waiting for its timeout."""
 
-    reason: _Text
+    reason: Text
 
 
-class Ack(msgspec.Struct, tag="ack", **_OPTS):
+class Ack(msgspec.Struct, tag="ack", **STRUCT_OPTS):
     """Reply to ``Buffer(seq)`` (all receiver work reading that buffer is finished) or, with
     ``seq=ABORT_SEQ`` (-2), to ``Abort``."""
 
     seq: Annotated[int, msgspec.Meta(ge=ABORT_SEQ)]
 
 
-class Done(msgspec.Struct, tag="done", **_OPTS):
+class Done(msgspec.Struct, tag="done", **STRUCT_OPTS):
     """Reply to ``Complete``.
 
     Attributes:
@@ -256,11 +190,11 @@ class Done(msgspec.Struct, tag="done", **_OPTS):
             model (its digests are then ``manifest``; coverage and read-back travel here).
     """
 
-    manifest: dict[_Name, Annotated[str, msgspec.Meta(max_length=128)]] | None
-    error: _Text | None
-    rejected: dict[_Name, Annotated[str, msgspec.Meta(max_length=1024)]] | None
-    tensors: _NonNeg
-    bytes: _NonNeg
+    manifest: dict[Name, Annotated[str, msgspec.Meta(max_length=128)]] | None
+    error: Text | None
+    rejected: dict[Name, Annotated[str, msgspec.Meta(max_length=1024)]] | None
+    tensors: NonNeg
+    bytes: NonNeg
     digest_s: float
     session: SessionManifest | None = None
 
@@ -276,48 +210,22 @@ class CheckedDone(Done, tag="checked_done"):
             sender's), or a fused sibling was (its parts land together or not at all).
     """
 
-    landed: list[_Name] = []
-    kept: dict[_Name, Annotated[str, msgspec.Meta(max_length=1024)]] = {}
+    landed: list[Name] = []
+    kept: dict[Name, Annotated[str, msgspec.Meta(max_length=1024)]] = {}
 
 
-class Reject(msgspec.Struct, tag="reject", **_OPTS):
+class Reject(msgspec.Struct, tag="reject", **STRUCT_OPTS):
     """Reply to a request the receiver cannot accept (undecodable, out of order, wrong version)."""
 
-    reason: _Text
+    reason: Text
 
 
 Request = Union[Hello, Buffer, DigestBuffer, Complete, Abort]
 Reply = Union[Welcome, Ack, Done, CheckedDone, Reject]
 
-_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
-
-def encode(msg: msgspec.Struct) -> bytes:
-    """Encode one message (of this module or :mod:`refit_verify.wire.collective`) to msgpack bytes."""
-    return _encoder.encode(msg)
-
-
-def decode_message(decoder: msgspec.msgpack.Decoder, data: bytes | bytearray | memoryview, what: str, max_bytes: int):
-    """Decode ``data`` with ``decoder`` (a typed msgspec decoder), at most ``max_bytes`` long.
-
-    Raises:
-        RefitProtocolError: ``data`` is longer than ``max_bytes``, or is not exactly one valid
-            message of the decoder's type (a pickle, garbage, truncated or trailing bytes, a
-            message of another direction, an unknown tag, a field out of range). Nothing is
-            unpickled and no type named by the data is built.
-    """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RefitProtocolError(f"undecodable {what}: expected bytes, got {type(data).__name__}")
-    n = len(data) if not isinstance(data, memoryview) else data.nbytes
-    if n > max_bytes:
-        raise RefitProtocolError(f"{what} of {n} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        head = bytes(data[:16]).hex()
-        raise RefitProtocolError(f"undecodable {what} ({n} bytes, starts {head}): {e}") from None
 
 
 def decode_request(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Request:
@@ -339,15 +247,3 @@ def decode_reply(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_M
     return decode_message(_reply_decoder, data, "reply", max_bytes)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """Map a wire dtype name back to a ``torch.dtype`` (``"bfloat16"`` → ``torch.bfloat16``).
-
-    Raises:
-        RefitProtocolError: ``name`` is not the name of a real torch dtype.
-    """
-    if not isinstance(name, str) or not name or name.startswith("_"):
-        raise RefitProtocolError(f"unknown dtype {name!r}")
-    d = getattr(torch, name, None)
-    if not isinstance(d, torch.dtype):
-        raise RefitProtocolError(f"unknown dtype {name!r}")
-    return d

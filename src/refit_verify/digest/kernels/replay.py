@@ -28,7 +28,7 @@ What replay changes, and what it does not:
 * **Memory.** The work area is allocated at the size a capture needs (rounded up to the allocator's
   granularity, never doubled) and is held only by the graphs captured with it (the device slot
   keeps a weak reference). :func:`release_all` drops every graph and so every area; the plugin calls
-  it (and :func:`refit_verify.vllm_plugin.worker_methods.release_pools`) from the worker's ``sleep``, before
+  it (and :func:`refit_verify.vllm_plugin.worker_copies.release_pools`) from the worker's ``sleep``, before
   vLLM empties the cache. Kept plans simply capture again at their next runs.
 * **A failed capture.** Capture goes to a pool of our own (``torch.cuda.graph_pool_handle()``). When
   anything fails after ``capture_begin`` (a capture-illegal call, an invalidated capture, a launch
