@@ -51,7 +51,7 @@ def native_llm(tmp_path_factory: pytest.TempPathFactory, backend: str, env: dict
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
-        from tests.engine_utils import forget_vllm_env_cache
+        from tests.support.engine_utils import forget_vllm_env_cache
 
         forget_vllm_env_cache()  # an in-process engine started earlier in this process cached its environment
 

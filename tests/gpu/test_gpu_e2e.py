@@ -1,4 +1,4 @@
-"""The CPU end-to-end tests of tests/test_vllm_e2e.py, on a CUDA engine staging through CUDA IPC.
+"""The CPU end-to-end tests of tests/e2e/test_staged_path.py, on a CUDA engine staging through CUDA IPC.
 
 Needs a CUDA GPU and a CUDA vLLM (0.26 on the H200 via ../shared/gpu-vllm/); skipped otherwise.
 """
@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from tests.test_vllm_e2e import (  # noqa: E402,F401
+from tests.e2e.test_staged_path import (  # noqa: E402,F401
     engine,
     test_clean_refit_enforce_verifies_and_loads,
     test_flipped_byte_named_exactly,

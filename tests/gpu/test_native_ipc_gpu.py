@@ -74,7 +74,7 @@ def _send(llm, weights: dict[str, torch.Tensor], packed: bool, before_update=Non
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-    from tests.native_cpu_backend import DictSource, LLMClient
+    from tests.support.native_cpu_backend import DictSource, LLMClient
 
     class Client(LLMClient):
         def update_weights(self, update_info: dict) -> None:

@@ -30,7 +30,7 @@ from refit_verify.cli.demo import readback_names  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.vllm_plugin import native_trainer as native  # noqa: E402
-from tests.dist_utils import free_port  # noqa: E402
+from tests.support.dist_utils import free_port  # noqa: E402
 from tests.gpu.native_env import native_llm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]

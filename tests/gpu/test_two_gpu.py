@@ -17,8 +17,8 @@ import zlib
 import pytest
 import torch
 
-from tests.dist_utils import init_rank, rank_result, spawn_ranks
-from tests.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, run_scenarios
+from tests.support.dist_utils import init_rank, rank_result, spawn_ranks
+from tests.collective.test_broadcast import ALL, SRC, check_clean, check_fault_enforce, run_scenarios
 
 WORLD = 2
 

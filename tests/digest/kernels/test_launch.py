@@ -1,0 +1,230 @@
+"""Triton digest kernels vs the pure-Python reference (and the torch path for huge inputs).
+
+Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before
+triton is imported) on CPU tensors; with CUDA every test runs the compiled kernels on the GPU, and
+the ``gpu`` test adds a > 2**31-lane tensor.
+
+Source: docs/digest-spec.md
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Triton interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from refit_verify.digest import _torch as td  # noqa: E402
+from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.digest.kernels import _mix as mx  # noqa: E402
+from refit_verify.digest.kernels import launch as kd  # noqa: E402
+
+# Interpreter: CPU tensors; compiled (a CUDA machine without TRITON_INTERPRET): CUDA tensors.
+DEV = "cpu" if kd._INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    DEV == "cuda" and not torch.cuda.is_available(),
+    reason="triton was imported without TRITON_INTERPRET=1 and there is no CUDA device",
+)
+
+L = 8  # bytes per lane
+# Byte lengths around every structural boundary: lane, block (16*W lanes), W_0 = 256 (4096
+# lanes), the level-1 fusion threshold (61440/61441 lanes), one leaf program (65536 lanes).
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 127, 255, 256, 257, 2047, 2048, 2049]
+SIZES += [n * L for n in (4080, 4081, 4095, 4096, 4097, 61440, 61441, 65535, 65536, 65537)]
+SIZES += [4097 * L + 5, 61441 * L + 1, 65537 * L + 3]
+
+
+def _rand(n: int, seed: int, device: str = DEV) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _expect(u: torch.Tensor) -> str:
+    n = u.numel()
+    return ref.digest_bytes(u.cpu().numpy().tobytes(), "uint8", (n,))
+
+
+def _run(views: list[torch.Tensor]) -> list[str]:
+    seeds = [ref.seed("uint8", (u.numel(),), u.numel()) for u in views]
+    words = kd.digest_views(views, seeds)
+    assert words.dtype == torch.int64 and tuple(words.shape) == (len(views), 2)
+    assert words.device == views[0].device
+    return kd.to_hex(words)
+
+
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_sizes_match_reference(nbytes: int) -> None:
+    u = _rand(nbytes, nbytes)
+    assert _run([u]) == [_expect(u)]
+
+
+def test_odd_storage_offsets_batched() -> None:
+    buf = _rand(65537 * L + 2048, 7)
+    cases = [(1, 13), (3, 2048 + 3), (8, 4097 * L), (517, 65537 * L + 1), (1, 0), (3, 7), (5, 61441 * L + 4)]
+    views = [buf[o : o + n] for o, n in cases]
+    assert [v.storage_offset() for v in views] == [o for o, _ in cases]
+    assert _run(views) == [_expect(v) for v in views]
+
+
+def test_many_views_one_call() -> None:
+    g = torch.Generator().manual_seed(3)
+    buf = _rand(1 << 16, 11)
+    views = []
+    for i in range(40):
+        off = int(torch.randint(0, 4096, (1,), generator=g))
+        n = int(torch.randint(0, 40000, (1,), generator=g)) if i % 3 else i
+        views.append(buf[off : off + n])
+    views += [views[5], _rand(300, 1), buf[:0]]  # a repeated view, a separate storage, empty
+    assert _run(views) == [_expect(v) for v in views]
+
+
+def test_two_chunks() -> None:
+    """Chain over two chunks; last chunk takes the small-chunk path and has a byte tail."""
+    u = _rand((ref.CHUNK_LANES + 4097) * L + 3, 5)
+    got = _run([u])
+    assert got == [_expect(u)]
+    assert got == [td.digest_u8(u, "uint8", (u.numel(),))]
+
+
+@pytest.mark.slow
+def test_one_lane_last_chunk_unaligned() -> None:
+    buf = _rand((ref.CHUNK_LANES + 1) * L + 16, 9)
+    u = buf[3 : 3 + (ref.CHUNK_LANES + 1) * L]
+    assert _run([u]) == [td.digest_u8(u, "uint8", (u.numel(),))]
+
+
+def test_plan_memo_and_errors() -> None:
+    u = _rand(100, 2)
+    assert _run([u]) == _run([u]) == [_expect(u)]
+    assert tuple(kd.digest_views([], []).shape) == (0, 2)
+    with pytest.raises(ValueError):
+        kd.digest_views([u], [])
+    with pytest.raises(TypeError):
+        kd.digest_views([u.view(torch.int8)], [(1, 2)])
+    with pytest.raises(TypeError):
+        kd.digest_views([u[::2]], [(1, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU (compiled kernels)")
+def test_cuda_matches_reference_and_torch_path() -> None:
+    """Compiled kernels on CUDA: small sizes/offsets vs reference, batched; a > 2**31-lane view
+    (> 16 GiB) vs the torch path on CUDA; tensor_digest CUDA == CPU."""
+    dev = "cuda"
+    buf = _rand(65537 * L + 4096, 13, dev)
+    views = [_rand(n, n, dev) for n in SIZES]
+    views += [buf[o : o + n] for o, n in [(1, 13), (3, 2051), (8, 4097 * L), (517, 65537 * L + 1)]]
+    assert _run(views) == [_expect(v) for v in views]
+
+    from refit_verify.digest.batch import tensor_digest
+
+    t = torch.randn(3072, 1023, dtype=torch.bfloat16, device=dev)
+    assert tensor_digest(t) == tensor_digest(t.cpu())
+    assert tensor_digest(t[:, 1:]) == tensor_digest(t[:, 1:].cpu())
+
+    n = ((1 << 31) + 65536 + 4097) * L  # > 2**31 lanes, aligned length: the torch path won't copy
+    free, _ = torch.cuda.mem_get_info()
+    if free < 4 * n:
+        pytest.skip(f"needs {4 * n / 2**30:.0f} GiB free GPU memory for the >2**31-lane case")
+    big = torch.empty(n, dtype=torch.uint8, device=dev)
+    big.view(torch.int64).random_()
+    got = _run([big, big[5 : 5 + 4097 * L]])
+    expect = td.digest_u8(big, "uint8", (n,))
+    assert got[0] == expect
+    assert got[1] == _expect(big[5 : 5 + 4097 * L])
+
+
+def test_known_answer_vectors_batched() -> None:
+    """docs/digest-spec.md §10 vectors (those up to 512 KiB), all in one call."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "vectors" / "digest_vectors.json"
+    if not path.exists():
+        pytest.skip("tests/vectors/digest_vectors.json not present")
+    vecs = [v for v in json.loads(path.read_text())["vectors"] if v["nbytes"] <= 524296]
+    views, seeds = [], []
+    for v in vecs:
+        b = (torch.arange(v["nbytes"], dtype=torch.int64) * 7 + 3) % 251
+        views.append((b % 2 if v["dtype"] == "bool" else b).to(torch.uint8).to(DEV))
+        seeds.append(ref.seed(v["dtype"], tuple(v["shape"]), v["nbytes"]))
+    assert kd.to_hex(kd.digest_views(views, seeds)) == [v["digest"] for v in vecs]
+
+
+def test_plan_fast_classification_align() -> None:
+    """``align=16`` (the lab's ``vec`` variants) sends views off a 16-byte boundary to the general launch."""
+    sb = 65536 * L
+    sizes = [2 * sb, sb + 4097 * L, 2 * sb, 3 * sb + 5]
+    addrs = [1 << 20, 2 << 20, (3 << 20) + 8, 4 << 20]
+    seeds = [(1, 2)] * 4
+    # programs: 2, 2, 2, 4 (the last one holds the 5-byte tail: never fast); chunks: 1 each
+    assert kd._plan(addrs, sizes, seeds)[1:] == (10, 9, 4)
+    assert kd._plan(addrs, sizes, seeds, align=16)[1:] == (10, 7, 4)
+
+
+def _ptx_eval(ptx: str, args: list[int]) -> int:
+    """Tiny model of the PTX subset used by ``_mix._node_k``'s ``ASM`` bits ($0 = result, $1.. = args)."""
+    m32, m64 = (1 << 32) - 1, (1 << 64) - 1
+    regs: dict[str, int] = {f"${i + 1}": a for i, a in enumerate(args)}
+    carry = 0
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    body = ptx.strip().strip("{}")
+    for ins in (s.strip() for s in body.split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        if op == "mov.b64" and rest.startswith("{"):  # unpack {lo, hi}, src
+            pair, src = rest.split("},")
+            lo, hi = (t.strip() for t in pair.strip("{ ").split(","))
+            v = val(src.strip())
+            regs[lo], regs[hi] = v & m32, v >> 32
+            continue
+        if op == "mov.b64":  # pack dst, {lo, hi}
+            dst, pair = rest.split(",", 1)
+            lo, hi = (t.strip() for t in pair.strip(" {}").split(","))
+            regs[dst.strip()] = regs[lo] | (regs[hi] << 32)
+            continue
+        ops = [t.strip() for t in rest.split(",")]
+        d, a = ops[0], [val(t) for t in ops[1:]]
+        if op == "mul.wide.u32":
+            regs[d] = (a[0] * a[1]) & m64
+        elif op == "mad.wide.u32":
+            regs[d] = (a[0] * a[1] + a[2]) & m64
+        elif op == "shr.b32":
+            regs[d] = a[0] >> a[1]
+        elif op == "xor.b32":
+            regs[d] = a[0] ^ a[1]
+        elif op == "add.cc.u32":
+            s = a[0] + a[1]
+            regs[d], carry = s & m32, s >> 32
+        elif op == "madc.lo.u32":
+            regs[d] = ((a[0] * a[1]) + a[2] + carry) & m32
+        else:
+            raise AssertionError(f"unmodelled PTX op {op}")
+    return regs["$0"]
+
+
+def test_ptx_sequences_match_reference() -> None:
+    """The inline-PTX pieces of ``_node_k`` (``ASM``; the production FAST launch uses bits 2 and 4)
+    equal the spec's xor-shifts and ``m + ror(r, R_c)`` of each channel, with the multipliers ``KM``."""
+    g = torch.Generator().manual_seed(17)
+    vals = [0, 1, (1 << 64) - 1, 1 << 63, (1 << 32) - 1, 1 << 32]
+    vals += [int(x) & ref.MASK64 for x in torch.randint(-(1 << 63), (1 << 63) - 1, (200,), generator=g, dtype=torch.int64)]
+    pieces = [(mx._PTX_MID0, ref.MIXERS[0][0][1]), (mx._PTX_LAST0, ref.MIXERS[0][0][2]),
+              (mx._PTX_MID1, ref.MIXERS[1][0][1]), (mx._PTX_LAST1, ref.MIXERS[1][0][2])]
+    assert [s for _, s in pieces] == [33, 27, 27, 31]
+    for x in vals:
+        for ptx, s in pieces:
+            assert _ptx_eval(ptx.value, [x]) == x ^ (x >> s)
+    assert mx.KM == (1 << 9, 1 << 23)
+    for m, r in zip(vals, reversed(vals)):
+        assert _ptx_eval(mx._PTX_ADDROR0.value, [m, r, mx.KM[0]]) == (m + ref.ror(r, ref.ROT[0])) & ref.MASK64
+        assert _ptx_eval(mx._PTX_ADDROR1.value, [m, r, mx.KM[1]]) == (m + ref.ror(r, ref.ROT[1])) & ref.MASK64

