@@ -1,7 +1,7 @@
 """The ``broadcast`` path of ``benchmarks/bench_paths.py``: refit-verify's verified broadcast over a
 ``torch.distributed`` group, from the bench child (the trainer) into an ``mp`` engine's worker.
 
-Wired as ``tests/test_vllm_broadcast.py`` does, in one child:
+Wired as ``tests/e2e/test_broadcast_path.py`` does, in one child:
 
 * the group, once per child (at start-up, not per refit): the child joins as group rank 0 (the sender;
   ``refit_verify.vllm_plugin.broadcast_group``, it hosts the rendezvous) while a helper thread makes the
@@ -16,7 +16,7 @@ Wired as ``tests/test_vllm_broadcast.py`` does, in one child:
   bucket: a bucket holds ``buffer_bytes // 2``). The refit is timed from the helper thread's start to
   both sides' return.
 * CUDA: skipped. NCCL cannot put two ranks of one communicator on one GPU, and the bench runs the
-  trainer and its engines on one GPU (tests/test_vllm_broadcast.py puts them on two).
+  trainer and its engines on one GPU (tests/e2e/test_broadcast_path.py puts them on two).
 
 The sender runs in the main thread so that ``--profile`` (cProfile, which before Python 3.12 sees only
 the thread that enables it) sees it in the child's profile; the worker's side is in the worker's profile.

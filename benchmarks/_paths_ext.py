@@ -17,9 +17,9 @@ import os
 from typing import Any
 
 if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu: the worker process too, as on CUDA
-    from refit_verify.boundary import record as delivery
+    from refit_verify.boundary import placement
 
-    delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
+    placement.DERIVE_DEVICE_TYPES = frozenset({*placement.DERIVE_DEVICE_TYPES, "cpu"})
 
 
 class WorkerProfile:

@@ -179,7 +179,7 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                      "`refit_verify_broadcast_receive` in a helper thread; one sender and one group per child, reused")
     if a.device == "cpu":
         lines.append("- CPU: plain linear weights kept in every engine (tests/support/plugins.py); native = the test backend "
-                     "tests/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
+                     "tests/support/native_cpu_backend.py (files in /dev/shm), not a vLLM built-in; OMP_WAIT_POLICY=PASSIVE")
     elif info.get("native_api"):
         lines.append(f"- native: vLLM `ipc` backend, {info['native_api']} trainer API")
     lines += ["", "## Wall time per refit (ms)", "",

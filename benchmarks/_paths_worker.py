@@ -160,10 +160,10 @@ class Bench:
         if why is None and not (self.static or "trainer_engine" in info["sender"]):
             why = f"vLLM {info['version']} has no trainer-side weight-transfer API"
         if why is None and not self.cuda:
-            from tests import native_cpu_backend as nb
+            from tests.support import native_cpu_backend as nb
 
             if not nb.TRAINER_API:
-                why = "the CPU test backend (tests/native_cpu_backend.py) needs vLLM's trainer-engine API (>= 0.27)"
+                why = "the CPU test backend (tests/support/native_cpu_backend.py) needs vLLM's trainer-engine API (>= 0.27)"
             else:
                 nb.register_vllm_plugin()
                 self.files = Path(tempfile.mkdtemp(prefix=f"{self.mode}-", dir=self.a.files_dir))  # the parent removes files_dir
@@ -241,7 +241,7 @@ class Bench:
                 "transport_buffer_bytes": str(self.sender.config.buffer_bytes) if hasattr(self, "sender") else "",
                 "native_api": ("static (0.26)" if getattr(self, "static", False) else "trainer engine (>= 0.27)")
                 if any(p.startswith("native") and p not in self.skips for p in self.paths) else "",
-                "native_backend": ("ipc" if self.cuda else "tests/native_cpu_backend.py (files in /dev/shm)")
+                "native_backend": ("ipc" if self.cuda else "tests/support/native_cpu_backend.py (files in /dev/shm)")
                 if any(p.startswith("native") and p not in self.skips for p in self.paths) else "",
                 **(self.bcast.info() if self.bcast is not None else {})}
 
@@ -459,7 +459,7 @@ class Bench:
         else:
             from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-            from tests import native_cpu_backend as nb
+            from tests.support import native_cpu_backend as nb
 
             if self.cuda:
                 from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
@@ -547,9 +547,9 @@ def main() -> None:
         lo, hi = (int(x) for x in cpus.split("-"))
         os.sched_setaffinity(0, range(lo, hi + 1))  # before torch / vLLM start threads and processes (they inherit it)
     if os.environ.get("REFIT_BENCH_LANDED_CPU") == "1":  # bench_paths --landed-cpu (this process runs the inproc engine)
-        from refit_verify.boundary import record as delivery
+        from refit_verify.boundary import placement
 
-        delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
+        placement.DERIVE_DEVICE_TYPES = frozenset({*placement.DERIVE_DEVICE_TYPES, "cpu"})
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["off", "enforce"])
     ap.add_argument("--kind", required=True, choices=["inproc", "mp"])

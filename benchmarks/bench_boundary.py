@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from refit_verify.boundary import record as delivery
+from refit_verify.boundary import placement
 
 from refit_verify.testing import models
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     a, dev = parse(__doc__, argv, rounds=20, extra=extra)
     if a.landed_cpu:
-        delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
+        placement.DERIVE_DEVICE_TYPES = frozenset({*placement.DERIVE_DEVICE_TYPES, "cpu"})
     name = a.model or ("qwen3-0.6b-like" if dev == "cuda" else "tiny")
     cfg = {"qwen3-0.6b-like": models.QWEN3_0_6B_LIKE, "qwen3-shaped-small": models.QWEN3_0_6B_SHAPED_SMALL}.get(name) \
         or models.load_config(models.packaged_config_dir())

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from refit_verify.digest import _numba as nd
+        from refit_verify.digest import backends
     except Exception as e:  # noqa: BLE001
         nd = None
         print(f"numba path unavailable: {e!r}", file=sys.stderr)
@@ -106,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # Ours.
         t0 = time.perf_counter()
-        nd.warmup()
+        backends.warmup_cpu()
         warm_s = time.perf_counter() - t0
-        bench("**refit-verify digest v1, numba** (`_numba_digest.digest_u8`)", numba_threads,
+        bench("**refit-verify digest v1, numba** (`digest._numba.digest_u8`)", numba_threads,
               lambda: nd.digest_u8(u8, "uint8", shape))  # fmt: skip
         bench("refit-verify digest v1, numba, public API (`tensor_digest`)", numba_threads,
               lambda: _digest.tensor_digest(u8))  # fmt: skip

@@ -56,13 +56,13 @@ def child(a: argparse.Namespace, device: str) -> None:
     import _paths_worker as pw
     import torch
 
-    from refit_verify.boundary import record as delivery
+    from refit_verify.boundary import placement
 
     from refit_verify.boundary import model as model_boundary
     from refit_verify.trainer.exports import StreamDigests
 
     if device == "cpu":  # landed digests and plan replay as on CUDA (bench_paths --landed-cpu)
-        delivery.DERIVE_DEVICE_TYPES = frozenset({*delivery.DERIVE_DEVICE_TYPES, "cpu"})
+        placement.DERIVE_DEVICE_TYPES = frozenset({*placement.DERIVE_DEVICE_TYPES, "cpu"})
     import refit_verify
 
     ns = argparse.Namespace(mode="enforce", kind="inproc", device=device, config_dir=a.child, paths="boundary-per-param", seed=0,

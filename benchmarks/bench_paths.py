@@ -34,7 +34,7 @@ Paths (each a refit of the whole state dict, timed in the child around the refit
   inside ``initialize_layerwise_reload`` / ``finalize_layerwise_reload``; enforce as above.
 * ``native-unpacked``, ``native-packed`` (``native`` = both): vLLM's weight-transfer API, the ``ipc``
   backend on CUDA (vLLM 0.26 static ``trainer_send_weights`` or >= 0.27 ``trainer_init().send_weights()``),
-  the test backend ``tests/native_cpu_backend.py`` on CPU; verified by the plugin with no user code.
+  the test backend ``tests/support/native_cpu_backend.py`` on CPU; verified by the plugin with no user code.
   The trainer exports its parameters (``nn.Parameter``, as ``model.named_parameters()`` yields them:
   held by the sender's digests, no copy); ``--native-tensors``: plain tensors (a ``state_dict()``,
   copied per tensor).
@@ -267,7 +267,7 @@ def build_env(a: argparse.Namespace, work: Path) -> dict[str, dict[str, str]]:
         from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir
 
         eps = entry_points_dir(work / "entry-points", {PLAIN_LINEAR: PLAIN_LINEAR_TARGET,
-                                                       "refit_verify_test_backend": "tests.native_cpu_backend:register_vllm_plugin"})
+                                                       "refit_verify_test_backend": "tests.support.native_cpu_backend:register_vllm_plugin"})
         py.append(str(eps))
         base.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_WAIT_POLICY": "PASSIVE"})  # idle engines must not spin
         if "broadcast" in a.paths:  # gloo on the loopback, in the child (rank 0) and the engine's worker (rank 1)

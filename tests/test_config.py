@@ -78,7 +78,7 @@ def test_cuda_graph_replay_and_the_copies_pool_are_opt_in(value, on):
 def test_cpu_copies_never_use_a_pool_even_opted_in(monkeypatch):
     import torch
 
-    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_copies as worker
 
     monkeypatch.setenv("REFIT_VERIFY_CUDA_GRAPHS", "1")
     monkeypatch.setattr(worker, "_POOLS", {})

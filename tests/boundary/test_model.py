@@ -302,7 +302,7 @@ def test_a_drafter_no_refit_feeds_is_stated_not_hidden():
 
 # --------------------------------------------------------------------------- digested where it landed
 # On CUDA workers a tensor of a list that the loader copies whole and exactly into the engine is not
-# digested on delivery: its digest is read back where it landed (delivery.DERIVE_DEVICE_TYPES). These
+# digested on delivery: its digest is read back where it landed (placement.DERIVE_DEVICE_TYPES). These
 # tests switch that on for the CPU too, so the logic runs in CI; the CUDA variants run it as shipped.
 
 

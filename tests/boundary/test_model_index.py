@@ -164,9 +164,8 @@ def _swap_dictionary(model: ToyModel) -> torch.nn.Parameter:
 
 
 def _replaying_worker(model: ToyModel, monkeypatch) -> WorkerBoundary:
-    from refit_verify.boundary import record as delivery
 
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))  # landing digests on the CPU
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))  # landing digests on the CPU
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
     wb = _worker(model)
     for v in (1, 2):

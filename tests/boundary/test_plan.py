@@ -1,7 +1,7 @@
 """Plan replay (refit_verify.boundary.plan): a steady-state refit verified with the loader tap off.
 
 The toy model's loaders behave like vLLM's (tests/support/toy_model.py). Landing digests are switched
-on for the CPU (delivery.DERIVE_DEVICE_TYPES), as on CUDA workers, so the replay logic runs in CI.
+on for the CPU (placement.DERIVE_DEVICE_TYPES), as on CUDA workers, so the replay logic runs in CI.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.fixture(autouse=True)
 def landed(monkeypatch):
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import refit_verify
+from refit_verify.digest import tensors  # noqa: E402
 from refit_verify import tensor_digest
 from refit_verify.digest import _torch as _torch_digest
 from refit_verify.digest import backends
@@ -40,7 +41,7 @@ def _reference(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     out = {}
     for n, t in named:
         u8 = digest.logical_bytes(t)
-        out[n] = reference.digest_bytes(u8.numpy().tobytes(), digest.dtype_name(t.dtype), tuple(t.shape))
+        out[n] = reference.digest_bytes(u8.numpy().tobytes(), tensors.dtype_name(t.dtype), tuple(t.shape))
     return out
 
 

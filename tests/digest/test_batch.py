@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from refit_verify.digest import tensors  # noqa: E402
 from refit_verify.digest import batch as dg  # noqa: E402
 from refit_verify.digest import incremental as ds  # noqa: E402
 from refit_verify.digest import kept as hs  # noqa: E402
@@ -56,7 +57,7 @@ def test_launch_then_hex_matches_reference(kernel_batch):
     assert list(got) == [n for n, _ in ts]
     for n, t in ts:
         u8 = dg.logical_bytes(t.cpu())
-        assert got[n] == ref.digest_bytes(bytes(u8.numpy()), dg.dtype_name(t.dtype), tuple(t.shape)), n
+        assert got[n] == ref.digest_bytes(bytes(u8.numpy()), tensors.dtype_name(t.dtype), tuple(t.shape)), n
 
 
 def test_readd_replaces_and_keeps_first_position(kernel_batch):
@@ -96,7 +97,7 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
     ts.append(("complex", torch.randn(5, 3, dtype=torch.complex64, generator=g).to(DEV)))
     want, nonzero = {}, []
     for n, t in ts:
-        want[n] = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+        want[n] = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), tensors.dtype_name(t.dtype), tuple(t.shape))
         if t.numel() and bool(t.cpu().ne(0).any()):
             nonzero.append(n)
         cb.add(n, t)
@@ -107,7 +108,7 @@ def test_copying_batch_digests_what_each_tensor_held_when_added(monkeypatch):
     assert got == want
     assert len(nonzero) >= 17
     for n, t in ts:  # the originals did change after their adds
-        now = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+        now = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), tensors.dtype_name(t.dtype), tuple(t.shape))
         assert (now != want[n]) == (n in nonzero), n
 
 
@@ -137,7 +138,7 @@ def test_kept_plan_reads_the_memory_as_it_is_at_each_launch(kernel_batch):
             b.add(f"t{i}", t)
         return b.hexdigests()
     def want():
-        return {f"t{i}": ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+        return {f"t{i}": ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), tensors.dtype_name(t.dtype), tuple(t.shape))
                 for i, t in enumerate(ts)}
     dg._PLANNED.clear()
     first = batch_hex()
@@ -185,7 +186,7 @@ def test_a_tensor_made_non_contiguous_after_its_add_is_digested_as_it_is_and_its
         b = dg.DigestBatch()
         b.add("t", t)
         t.t_()  # now non-contiguous, same memory
-        want = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), dg.dtype_name(t.dtype), tuple(t.shape))
+        want = ref.digest_bytes(bytes(dg.logical_bytes(t.cpu()).numpy()), tensors.dtype_name(t.dtype), tuple(t.shape))
         assert b.hexdigests() == {"t": want}
         assert not dg._PLANNED
         t.t_()  # back to contiguous for the next round

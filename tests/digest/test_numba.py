@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from refit_verify.digest import tensors  # noqa: E402
 from refit_verify.digest import backends
 from refit_verify import tensor_digest
 
@@ -163,7 +164,7 @@ def _make(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor
 def test_all_dtypes_via_tensor_digest(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     t = _make(dtype, shape, seed=len(shape) * 31 + sum(shape))
     u8 = digest.logical_bytes(t)
-    name = digest.dtype_name(dtype)
+    name = tensors.dtype_name(dtype)
     want = reference.digest_bytes(u8.numpy().tobytes(), name, tuple(t.shape))
     assert tensor_digest(t) == want
     assert _torch_digest.digest_u8(u8, name, tuple(t.shape)) == want
@@ -175,7 +176,7 @@ def test_views(dtype: torch.dtype) -> None:
     for v in (base[1:], base[:, 3:], base.t(), base[5:9, 7:30:3], base[3, 5]):
         assert tensor_digest(v) == tensor_digest(v.contiguous().clone())
         u8 = digest.logical_bytes(v)
-        want = reference.digest_bytes(u8.numpy().tobytes(), digest.dtype_name(dtype), tuple(v.shape))
+        want = reference.digest_bytes(u8.numpy().tobytes(), tensors.dtype_name(dtype), tuple(v.shape))
         assert tensor_digest(v) == want
 
 

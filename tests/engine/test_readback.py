@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from refit_verify.boundary import record as delivery
 
 from refit_verify.engine import state as engine_state
 
@@ -35,7 +34,7 @@ PAD_BYTES = PAD * HIDDEN * 2
 @pytest.fixture
 def landed(monkeypatch):
     """Landing digests and plan replay on the CPU, as on CUDA workers (tests/boundary/test_plan.py)."""
-    monkeypatch.setattr(delivery, "DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
     monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
 
 

@@ -338,7 +338,7 @@ class ModelBoundary:
             self.install(loaders=False)
             # the partial check: a change it misses leaves the plan describing other parameters than the
             # loader writes, which the close's full check and read-back of the live tensors find (a failed
-            # verdict, never a passed one): tests/test_model_index.py
+            # verdict, never a passed one): tests/boundary/test_model_index.py
             if self.index(quick=True) is not plan.index():
                 plan, self.plan, self.plan_why = None, None, "the model's parameters changed"
         if plan is None:

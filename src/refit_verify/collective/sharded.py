@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from refit_verify.digest import batch as _digest
+from refit_verify.digest import backends as _backends
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.batch import tensor_digest
 from refit_verify.digest.tensors import dtype_name, logical_bytes
@@ -119,7 +119,7 @@ def _roots_u8(u8: torch.Tensor) -> list[tuple[int, int]]:
     """Chunk roots of a 1-D contiguous uint8 tensor on its own device (a standalone byte string)."""
     if u8.numel() == 0:
         return []
-    return _digest.backend_for(u8.device.type).chunk_roots_u8(u8)  # chosen once per device type (refit_verify.digest.backends)
+    return _backends.backend_for(u8.device.type).chunk_roots_u8(u8)  # chosen once per device type (refit_verify.digest.backends)
 
 
 def shard_chunk_roots(shard: torch.Tensor, *, byte_offset: int) -> list[tuple[int, int]]:

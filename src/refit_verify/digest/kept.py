@@ -17,7 +17,7 @@ address per tensor.
 The bytes are read at every call: the kernels (Triton on CUDA, one launch plan per device) and the
 CPU's compiled batch (numba, ``Backend.digest_many``) read the memory the tensors hold then. The
 digests are those of :func:`~refit_verify.digest.batch.tensor_digest` (digest v1, ``docs/digest-spec.md``),
-bit for bit; ``tests/test_digest_set.py`` compares them on every backend this machine has.
+bit for bit; ``tests/digest/test_kept.py`` compares them on every backend this machine has.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ class RefitSender:
 
         On CUDA the staging device's current stream is synchronised before the handle leaves.
         A test subclass may corrupt ``staging`` or replace ``msg`` (``msgspec.structs.replace``)
-        before calling ``super()._exchange`` (see ``tests/faults.py``).
+        before calling ``super()._exchange`` (see ``tests/support/faults.py``).
 
         Raises:
             RefitTimeoutError: the message could not be queued, or ``Done`` did not arrive, within

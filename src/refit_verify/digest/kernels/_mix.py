@@ -82,7 +82,7 @@ def _tree16c(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x1
 # IMAD pipe each take a warp instruction every other cycle; the plain node is ~14 ALU + 9 IMAD per
 # channel, so the ALU pipe binds. A 32x32->64-bit multiply by 2**k is a two-word shift on the
 # IMAD pipe: hi32(h * 2**(32-s)) = h >> s, lo32(h * 2**(32-s)) = h << (32-s). The PTX below
-# (tested against the reference by a small PTX model in tests/kernels/test_digest_kernel.py):
+# (tested against the reference by a small PTX model in tests/digest/kernels/test_launch.py):
 #   xor-shift ``x ^ (x >> s)``: s < 32, the high word's shift through mul.wide (1 ALU -> 1 IMAD);
 #       s > 32, lo ^= hi >> (s - 32) through mul.wide;
 #   add-rotate ``m + ror(r, R)``: m + hi*2**k by one mad.wide, low word's shift added with carry,
