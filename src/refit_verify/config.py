@@ -62,8 +62,7 @@ CUDA_GRAPHS_ENV_VAR = "REFIT_VERIFY_CUDA_GRAPHS"
 graphs (:mod:`refit_verify.digest.kernels.replay`, torch >= 2.12 only) and take the layerwise reload's
 copies from their own memory pool (``vllm_plugin.worker_copies.owned_copies``). ``force``: the same, and
 replay also on torch older than 2.12, whose CUDA graphs share the device's random-number state
-with eager code (``kernels.replay``'s docstring says what that risks). Off by default
-(``docs/performance.md``, the nineteenth and twentieth runs)."""
+with eager code (``kernels.replay``'s docstring says what that risks). Off by default."""
 
 _CUDA_GRAPHS_ON = ("1", "true", "on", "yes", "force")
 _CUDA_GRAPHS_OFF = ("", "0", "false", "off", "no")

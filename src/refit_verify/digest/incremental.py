@@ -204,8 +204,7 @@ class HeldBatch:
         Host cost: a plain tensor or parameter whose storage has an address (not quantized, not
         nested) is taken with a few attribute reads (``data_ptr``, ``storage_offset``, ``itemsize``,
         ``_version``, ``nbytes``) and an append, no storage object made: an add runs between a
-        loader's calls, where every step costs several times more than in a tight loop
-        (``docs/performance.md``, the thirty-third run). The rest of :func:`logical_bytes`' checks
+        loader's calls, where every step costs several times more than in a tight loop. The rest of :func:`logical_bytes`' checks
         (strided layout, at most 255 dimensions, a storage that holds every byte it spans) run at
         the launch, over the flush: a tensor failing them there is named in :attr:`changed` with why
         and never read. Anything else is checked in full here. The storage's size is not read at

@@ -161,17 +161,6 @@ class Packer:
         a mismatch in the verdict without): a failure, never a pass. A tensor of the rest changed
         before the first group is sent is digested as it is packed.
 
-        Measured (``docs/performance.md``, one H100, our transport, 310 tensors in 8 buffers whose
-        first, the 297 MiB embedding, is sent alone): the thirty-second run gave 2.42 ms whole and
-        0.84 ms split on the critical path, but counted the rest as in the shadow while our transport
-        still waited for the embedding's Ack before digesting it; the thirty-sixth run, counting it
-        where it ran, 4.24 ms on a slower host. The rest now runs between that send and that wait:
-        on a CPU host with the embedding sent alone, 1.8-2.4 -> 0.16-0.17 ms on the critical path
-        (the thirty-sixth run); on an H200, 0.71 ms of 1.98 on the critical path, the embedding's own
-        digest (the thirty-seventh run). The fourteenth run had measured the split 17 ms slower per refit
-        by comparing two engine processes' wall clocks, whose own loading differs by 10-24 ms from
-        process to process; it was reverted then.
-
         Raises:
             RefitInputError: as :func:`checked_item`, or a tensor cannot be digested (before anything
             is sent; a storage freed under a tensor of the rest after this call: once the first

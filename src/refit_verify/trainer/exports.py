@@ -91,9 +91,8 @@ class StreamDigests:
     """Bytes of copies at which a copying batch launches (bounds the copies the device holds at once)."""
     HELD_FLUSH_BYTES = 1 << 30
     """Bytes held at which a held batch launches: a held tensor costs no memory of ours, so a held
-    batch launches less often than a copying one (each launch is a fixed host cost: a signature pass,
-    the launches, later a read; about 0.45 ms on the lent GPU hosts, ``docs/performance.md``, the
-    thirty-second run); bounded so one launch's work area stays small (about 1 % of the bytes read)."""
+    batch launches less often than a copying one (each launch is a fixed host cost, about 0.45 ms on
+    an H100/H200 host); bounded so one launch's work area stays small (about 1 % of the bytes read)."""
     DEFER_BYTES = 1 << 30
     """Deferred bytes at which an add drains at once (:attr:`defer_held`)."""
 
@@ -168,8 +167,7 @@ class StreamDigests:
         as read when taken, after :meth:`HeldBatch.add <refit_verify.digest.incremental.HeldBatch.add>`'s
         own first checks passed then (:meth:`HeldBatch.take <refit_verify.digest.incremental.HeldBatch.take>`).
 
-        For a caller that only recorded its adds where they were made (between a loader's calls, where
-        every step costs several times more than in a loop of its own: :meth:`RefitCheck.add
+        For a caller that only recorded its adds where they were made (:meth:`RefitCheck.add
         <refit_verify.trainer.refit.RefitCheck.add>`) and hands them over here at once. Each counts as an
         add made when it was taken: a tensor written, freed or given other memory since is named in
         :attr:`changed` at the launch, as is one failing the checks left to it.

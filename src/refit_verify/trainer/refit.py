@@ -124,8 +124,7 @@ class RefitCheck:
 
         Host cost under ``copy=False``: from the model's second add on, a plain tensor or parameter
         with a storage address is only taken (a few attribute reads and an append: an add runs
-        between a loader's calls, where every step costs several times what it costs in a loop of
-        its own, ``docs/performance.md``, the thirty-fifth run); what was taken goes to the digest
+        between a loader's calls, where every step costs more than in a loop of its own); what was taken goes to the digest
         stream in one loop at the close, before any add that goes through the stream at once, and
         whenever it holds ``StreamDigests.held_flush_bytes``. The checks and what is reported are
         those of :meth:`HeldBatch.add <refit_verify.digest.incremental.HeldBatch.add>` made at the add.

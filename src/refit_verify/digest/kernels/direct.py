@@ -5,9 +5,8 @@ A kept plan (:class:`~refit_verify.digest.kernels.launch.Planned`, held by a
 loading, the engine-state snapshot, the read-back, a trainer's held tensors. Each run is up to four
 Triton launches, and each ``kernel[grid](...)`` goes through ``JITFunction.run``: it binds the
 arguments, specialises each one, builds the cache key, looks the compiled kernel up and checks the
-kernel's globals before it launches. The H200 host measured about 0.4 ms of host time per run of a
-plan (``docs/performance.md``, the nineteenth and twenty-second runs), however few bytes the plan
-reads.
+kernel's globals before it launches: about 0.4 ms of host time per run of a plan on an H200 host,
+however few bytes the plan reads.
 
 Here a plan's launches are checked at its second run and go, from its third run on, straight to the
 compiled kernels its JIT runs returned (``JITFunction.run`` returns the ``CompiledKernel`` it launched): ``compiled[grid](*args,

@@ -3,8 +3,7 @@
 A kept plan (:class:`~refit_verify.digest.kernels.launch.Planned`, held by a
 :class:`~refit_verify.digest.kept.DigestSet`) is run again at every refit: the worker's check before
 loading, the engine-state snapshot, the read-back, a trainer's held tensors. Its up to four Triton
-launches cost about 0.5 ms of host time a run on the H200 host measured (``docs/performance.md``,
-nineteenth run), however few bytes they read. Their arguments never change between runs (the plan's
+launches cost about 0.5 ms of host time a run on an H200 host, however few bytes they read. Their arguments never change between runs (the plan's
 addresses, its counts, a work area), so the second run of a plan captures them into a CUDA graph and
 every run from then on is one ``cudaGraphLaunch`` plus a copy of the output row block.
 
@@ -49,7 +48,7 @@ What replay changes, and what it does not:
   once); ``REFIT_VERIFY_CUDA_GRAPHS=force`` replays there too (logged once), for processes where no
   other thread draws random numbers on the device during a refit (a vLLM worker runs its refits
   and its sampling in one thread) and on the understanding that a capture failing midway leaves the
-  device's generator unusable (no capture failure has been seen on the H200 runs).
+  device's generator unusable.
 * **Opt-in** (``REFIT_VERIFY_CUDA_GRAPHS=1`` or ``force``, read at each run;
   :func:`refit_verify.config.cuda_graphs_enabled`).
 
