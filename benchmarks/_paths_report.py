@@ -154,8 +154,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              *([f"- placement (`--pin`): {a.pinned}"] if getattr(a, "pinned", "") else []),
              *(["- `BENCH_NO_SHADOW=1`: the native trainer's digest work runs on its sending thread, between the engine's "
                 "RPCs (no helper thread beside them)"] if os.environ.get("BENCH_NO_SHADOW") == "1" else []),
-             *(["- `BENCH_SENDER_WHOLE=1`: the transport sender digests the whole list before its first buffer (as before the "
-                "thirty-second run), none after it"] if os.environ.get("BENCH_SENDER_WHOLE") == "1" else []),
+             *(["- `BENCH_SENDER_WHOLE=1`: the transport sender digests the whole list before its first buffer (the "
+                "earlier behaviour), none after it"] if os.environ.get("BENCH_SENDER_WHOLE") == "1" else []),
              *([f"- `BENCH_PAUSE_AFTER_MS={os.environ['BENCH_PAUSE_AFTER_MS']}`: the transport sender pauses after each "
                 "posted buffer (`--timers`)"] if os.environ.get("BENCH_PAUSE_AFTER_MS") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "

@@ -12,8 +12,8 @@ trainer's ``StreamDigests``):
   (a device copy per tensor: ``refit(copy=True)``, the default);
 * ``trainer-held``: the same with ``StreamDigests(copy=False)`` (``refit(copy=False)``: held, no copy),
   launched every ``StreamDigests.HELD_FLUSH_BYTES`` (1 GiB);
-* ``trainer-held-256``: the same, launched every 256 MiB (``held_flush_bytes``; the default before
-  the thirty-second run): what the larger held flush saves.
+* ``trainer-held-256``: the same, launched every 256 MiB (``held_flush_bytes``; the earlier
+  default): what the larger held flush saves.
 
 Prints a Markdown table (median, quartiles, ratio to the same run's ``off`` median).
 Usage: ``python benchmarks/bench_boundary.py [--rounds 20] [--device auto|cuda|cpu] [--model NAME] [--out FILE]``

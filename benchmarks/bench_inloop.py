@@ -3,7 +3,7 @@
 A trainer that pushes one parameter at a time (TRL colocate, OpenRLHF) runs ``r.add(name, t)`` and
 ``model.load_weights([(name, t)])`` 310 times a refit. Each of refit-verify's steps then runs right
 after vLLM's loader code, which leaves the host's caches cold: the same ``r.add`` costs several times
-what it costs in a tight loop (``docs/performance.md``, the thirty-third run). This benchmark times
+what it costs in a tight loop. This benchmark times
 those steps where they run, in one in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 ``REFIT_VERIFY=enforce``, the refit replaying its learned plan), interleaved round by round:
 

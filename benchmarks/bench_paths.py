@@ -210,7 +210,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--cuda-graphs", nargs="?", const="1", default=None, choices=("1", "force"),
                     help="REFIT_VERIFY_CUDA_GRAPHS=1 (or =force: replay on torch < 2.12 too) in every child (engines in "
                          "both modes, and the trainer): kept digest plans replayed as CUDA graphs and the layerwise "
-                         "reload's copies from their own pool (opt-in; docs/performance.md, nineteenth and twentieth runs)")
+                         "reload's copies from their own pool (opt-in)")
     ap.add_argument("--no-direct-launch", action="store_true",
                     help="REFIT_VERIFY_DIRECT_LAUNCH=0 in every child: kept digest plans go through Triton's JIT dispatch "
                          "at every run (default: straight to their compiled kernels from the third run, "
