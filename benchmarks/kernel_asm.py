@@ -7,9 +7,11 @@ One file pair per launch (``OUT_DIR/<launch>.ptx`` and ``.sass``): the productio
 every variant of ``benchmarks/digest_variants.py`` (``var_<name>``, ``l0`` variants as ``_l0`` and
 ``_l1``). Kernel names, ``.loc``/``.file`` lines, debug sections and ``$L__tmp`` labels are
 stripped, so two trees give equal files exactly when ptxas would run the same code: to check that
-a refactor of the kernels changes nothing, run this in both trees (``PYTHONPATH=<tree>/src``) and
-``diff -r`` the two directories. A tree from before the production/lab split (``kernels.digest``
-holding ``LEAF_VARIANTS``) is understood too: its production FAST leaf is then its ``LEAF`` variant.
+a refactor of the kernels changes nothing, run each tree's own copy of this script
+(``PYTHONPATH=<tree>/src python <tree>/benchmarks/kernel_asm.py``) and ``diff -r`` the two
+directories. This copy reads the ``refit_verify.digest.kernels`` layout; for a tree from before
+the production/lab split (``kernels.digest`` holding ``LEAF_VARIANTS``, no copy of its own) use
+this script as of commit 9b4c8f9, which reads both.
 
 Needs Triton's bundled ``ptxas``/``cuobjdump`` (the CUDA Triton wheel); no CUDA device or driver.
 Pointer arguments are compiled with Triton's 16-byte divisibility hint, as torch allocations launch.
@@ -66,40 +68,25 @@ def _variant_specs(variants: dict, fused, l0, l1) -> dict:
 
 
 def specs() -> dict:
-    """Every launch of the tree on ``sys.path``, in either layout."""
-    from refit_verify.digest.kernels import launch as kd
+    """Every launch of the tree on ``sys.path`` (``refit_verify.digest.kernels`` layout)."""
+    from refit_verify.digest.kernels import _leaf, _upper, launch as kd
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import digest_variants as dv
 
     upper = {"tab_ptr": P, "work_ptr": P, "V": "i64", "C": "i64", "CV": "i64"}
     chain = {"tab_ptr": P, "work_ptr": P, "out_ptr": P, "V": "i64", "C": "i64", "RB": "constexpr"}
-    if hasattr(kd, "LEAF_VARIANTS"):  # before the production/lab split
-        out = _variant_specs(dict(kd.LEAF_VARIANTS, **_extra()), kd._leaf_fused_kernel, kd._leaf_l0_kernel,
-                             kd._leaf_l1_kernel)
-        prod = next(n for n, lf in kd.LEAF_VARIANTS.items() if lf is kd.LEAF)
-        out["fast"] = out[f"var_{prod}"]
-        leaf, up, ch = kd._digest_leaf_kernel, kd._digest_upper_kernel, kd._digest_chain_kernel
-    else:
-        from refit_verify.digest.kernels import _leaf, _upper
-
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import digest_variants as dv
-
-        out = _variant_specs(dict(dv.LEAF_VARIANTS, **dv.EXTRA_VARIANTS), dv._leaf_fused_kernel,
-                             dv._leaf_l0_kernel, dv._leaf_l1_kernel)
-        fl = _leaf.FAST_LEAF
-        out["fast"] = (_leaf._leaf_fast_kernel, _sig(_FAST, ("COLS", "ASM")), dict(COLS=fl["cols"], ASM=fl["asm"]),
-                       {"num_warps": fl["warps"], "maxnreg": fl["maxnreg"]})
-        leaf, up, ch = _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel
+    out = _variant_specs(dict(dv.LEAF_VARIANTS, **dv.EXTRA_VARIANTS), dv._leaf_fused_kernel,
+                         dv._leaf_l0_kernel, dv._leaf_l1_kernel)
+    fl = _leaf.FAST_LEAF
+    out["fast"] = (_leaf._leaf_fast_kernel, _sig(_FAST, ("COLS", "ASM")), dict(COLS=fl["cols"], ASM=fl["asm"]),
+                   {"num_warps": fl["warps"], "maxnreg": fl["maxnreg"]})
+    leaf, up, ch = _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel
     out["leaf_general"] = (leaf, _LEAF, {"FAST": False}, {"num_warps": kd.LEAF_WARPS})
     out["leaf_v1fast"] = (leaf, _LEAF, {"FAST": True}, {"num_warps": kd.LEAF_WARPS})
     out["upper"] = (up, upper, {}, {"num_warps": 4})
     out["chain"] = (ch, chain, {"RB": 16}, {"num_warps": 1})
     return out
-
-
-def _extra() -> dict:
-    """The lab's EXTRA_VARIANTS, for a pre-split tree (which kept them in its tests)."""
-    return {"f256w8-full-u16": dict(mode="fused", cols=256, warps=8, full=True, unroll=16),
-            "f128w4-u2-ilv": dict(mode="fused", cols=128, warps=4, unroll=2, ilv=True)}
 
 
 def compile_one(fn, sig: dict, constexprs: dict, opts: dict, arch: int, out: Path) -> tuple[float, str]:
