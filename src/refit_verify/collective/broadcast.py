@@ -173,7 +173,7 @@ def _collective(what: str, progress: dict, fn, *args, **kwargs):
 
 class BroadcastStats(StreamStats):
     """Numbers of a broadcast sender's last refit (a plain dict): the keys of
-    :class:`~refit_verify.stream.unpack.StreamStats`, ``buckets`` (buckets broadcast, oversized tensors
+    :class:`~refit_verify.stream.items.StreamStats`, ``buckets`` (buckets broadcast, oversized tensors
     included) and ``receivers`` (receiving ranks that answered)."""
 
     buckets: int
@@ -394,7 +394,7 @@ class BroadcastSender:
 @dataclass(kw_only=True)
 class BroadcastReceiveResult(StreamResult):
     """Outcome of one :meth:`BroadcastReceiver.receive` on one rank: the fields of
-    :class:`~refit_verify.stream.unpack.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
+    :class:`~refit_verify.stream.items.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
     ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``), ``buckets`` (buckets received) and
     ``rank`` (this receiver's label)."""
 

@@ -11,8 +11,9 @@ A region a loader filled itself (``fill_`` / ``zero_``: the padding rows of a vo
 too and compared with the digest of a tensor of its dtype and shape holding the recorded fill value
 (:attr:`~refit_verify.boundary.placement.Copy.value`): padding that holds other bytes than the loader's fill
 (written over after the load, or a loader that no longer fills it) is a mismatch. A fill whose
-value was not recorded, or whose region a delivered block or another fill was written over, is not
-read: its bytes are unproven and the parameter says why.
+value was not recorded (a tensor value on a device, a value read from the loaded tensor), or whose
+region a delivered block or another fill was written over, is not read: its bytes are unproven and
+the parameter says why.
 
 A parameter is reported ``verified`` (every written block and padding equal), ``mismatch`` (a block
 or padding differs: the engine holds other bytes than were delivered or filled), or
@@ -487,12 +488,9 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
 def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
     """Digest every region written in the session and compare it with its source block or fill.
 
-    A region a loader filled itself (vocab padding: ``fill_`` / ``zero_``) is read and compared with
-    the digest of a tensor of its dtype and shape holding the recorded fill value; its bytes count
-    in ``padding_bytes`` when it holds them, and make the parameter a ``mismatch`` when it does not.
-    A fill whose value was not recorded (a tensor value on a device, a value read from the loaded
-    tensor), or whose region a delivered block or another fill overlaps, is not read: its bytes
-    count in ``unproven_bytes`` and the parameter is ``not_coverable`` with the reason.
+    Filled regions (padding) are read as the module docstring says: their bytes count in
+    ``padding_bytes`` when they hold the fill, and in ``unproven_bytes`` when they are not read
+    (the parameter is then ``not_coverable`` with the reason) or do not hold it (``mismatch``).
 
     A delivered tensor that was copied whole into the engine and not digested when delivered
     (:data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`) gets its digest here, from the region it

@@ -142,16 +142,19 @@ class Packer:
     def digest_first(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
         """When verifying: digest a refit given as a sequence ahead of its groups, in two parts, each
         read at once through :func:`~refit_verify.digest.incremental.digest_now` (kept sets: the
-        trainer's memory at every refit; no per-tensor check besides one signature): the tensors the
-        first group can hold (at most ``capacity`` aligned bytes, or the first tensor alone when it
-        is larger) now, the rest right after the first group is sent, while the receivers check and
-        load it (after an oversized first tensor, sent alone: once it is sent, before the sink waits
-        for the receivers to take it, :meth:`PackSink.post_alone`'s ``meanwhile``). Two
-        synchronisations per device for the refit instead of one per group, and only the first
-        part's on the refit's critical path (the rest's seconds are also counted in
-        ``digest_shadow_s``). No digest work is left to :meth:`add`.
+        trainer's memory at every refit; no per-tensor check besides one signature):
 
-        Every item is validated before anything is sent (:func:`~refit_verify.stream.unpack.check_items`:
+        * now: the tensors the first group can hold (at most ``capacity`` aligned bytes, or the
+          first tensor alone when it is larger);
+        * the rest: right after the first group is sent, while the receivers check and load it
+          (after an oversized first tensor: once it is sent, before the sink waits for the
+          receivers, :meth:`PackSink.post_alone`'s ``meanwhile``); its seconds are also counted in
+          ``digest_shadow_s``.
+
+        Two synchronisations per device for the refit, not one per group, and only the first part's
+        on the critical path. No digest work is left to :meth:`add`.
+
+        Every item is validated before anything is sent (:func:`~refit_verify.stream.items.check_items`:
         names, duplicates, tensors the digest can read, storage that holds them), so a bad item anywhere in the list raises before the receiver
         loads any of it. Only a tensor whose storage is freed or resized under it after this call is
         found later, when its digest is taken (the transport then aborts the refit).
@@ -179,7 +182,7 @@ class Packer:
         self._rest = list(items[head:]) if head < len(items) else None
 
     def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
-        """Digest ``items`` (checked: :func:`~refit_verify.stream.unpack.check_items`) together now (one
+        """Digest ``items`` (checked: :func:`~refit_verify.stream.items.check_items`) together now (one
         synchronisation per device); return the seconds it took."""
         t0 = time.perf_counter()
         got = digest_now(items)  # checked by digest_first (check_items)

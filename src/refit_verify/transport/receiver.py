@@ -39,7 +39,7 @@ RECONNECT_IVL_MS = 5
 @dataclass(kw_only=True)
 class ReceiveResult(StreamResult):
     """Outcome of one :meth:`RefitReceiver.receive`: the fields of
-    :class:`~refit_verify.stream.unpack.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
+    :class:`~refit_verify.stream.items.StreamResult` (``manifest``, ``tensors``, ``bytes``, ``digest_s``,
     ``refit_id``, ``mode``, ``error``, ``rejected``, ``.ok``), ``buffers``: ``Buffer`` messages handled,
     and, for a verifying refit, ``landed`` (what was loaded) and ``kept`` (``{name: why}`` of what still
     holds the previous version: refused before loading)."""

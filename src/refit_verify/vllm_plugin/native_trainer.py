@@ -274,12 +274,10 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
 
 def _deferred(verifier: NativeSendVerifier) -> bool:
     """Leave ``verifier``'s check to the close of the update it fed, when that update is an in-process
-    ``LLM``'s open one (``start_weight_update`` went through the tracking wrapper): its
-    ``finish_weight_update`` checks the whole session (coverage, apply-time digests, read-back) with
-    one fetch of the workers' manifests, where a check at the send would cost a second fetch and a
-    read of the open update's landed tensors. A start of a new update before that finish checks the
-    pending sends first (:func:`_wrap_llm_start`); sends still pending when the process exits are
-    named in a warning (:func:`_unchecked_at_exit`)."""
+    ``LLM``'s open one (``start_weight_update`` went through the tracking wrapper); True iff it was
+    left there. A check at the send would cost a second fetch of the manifests and a read of the open
+    update's landed tensors. The module docstring says what happens to a send left pending
+    (:func:`_wrap_llm_start`, :func:`_unchecked_at_exit`)."""
     with _LOCK:
         live = [llm for llm in (r() for r in _OPEN) if llm is not None]
         fed = [llm for llm in live if verifier._feeds(llm)]
