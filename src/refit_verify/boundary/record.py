@@ -6,6 +6,9 @@ sender's digests came first), which delivered tensors a parameter consumed and w
 were written (coverage), where each block landed (for read-back), the apply-time digests of loads
 vLLM's layerwise reload defers, what was refused before loading and what was withheld with a layer
 put back whole. :mod:`refit_verify.boundary.worker` owns the sessions and the wrappers that feed it.
+
+The module stays whole: it is one record, whose delivery, write and close steps all read and update
+the same per-session tables.
 """
 
 from __future__ import annotations

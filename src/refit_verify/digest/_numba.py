@@ -23,6 +23,9 @@ All arithmetic is ``uint64`` (``np.uint64`` constants and shift counts, wrapping
 mixer constants, rotations and roles come from ``reference.py`` (frozen into the compiled code).
 Compiled with ``cache=True`` where a cache directory is writable (else without caching).
 
+The module stays whole: its compiled functions are one numba call graph whose compile order and
+on-disk cache (see ``chunk_roots_lanes``) are managed here, next to the entry points that call it.
+
 Source: ``docs/digest-spec.md`` §2–§8.
 """
 

@@ -5,6 +5,9 @@ ping-pong staging buffers and this module sends one ``Buffer`` per filled buffer
 lockstep (the next group is packed while the receiver reads this one), ``Complete``, and the
 verdict on the receiver's ``Done``. The state of one refit is a :class:`SendState`.
 See ``docs/protocol.md``.
+
+The module stays whole: it is one class around one REQ socket, whose sends, waits, retries and
+errors all share that socket's peer watch and the refit's progress.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ closing: it gets this long (seconds) to go before the sender names two receivers
 class RefitStats(StreamStats):
     """Numbers of the sender's last refit (a plain dict: ``sender.last_stats["digest_s"]``).
 
-    Keys: those of :class:`~refit_verify.stream.unpack.StreamStats` (``refit_id``, ``mode`` — ``"off"``
+    Keys: those of :class:`~refit_verify.stream.items.StreamStats` (``refit_id``, ``mode`` — ``"off"``
     when a ``log`` sender met a receiver that cannot verify —, ``tensors``, ``bytes``, ``digest_s``,
     ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), ``buffers``:
     ``Buffer`` messages sent (oversized tensors included), and ``hello_sent``: ``Hello`` messages
