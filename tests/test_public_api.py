@@ -198,3 +198,28 @@ def test_only_the_plugin_imports_vllm():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             offenders += [f"{p.relative_to(SRC)}: {n}" for n in names if n == "vllm" or n.startswith("vllm.")]
     assert offenders == []
+
+
+def test_old_module_paths_alias_the_new_ones_with_a_deprecation_warning():
+    """Every flat-layout path of 0.1 still imports for one release: reads and writes reach the new
+    module, and the first import warns naming the new path."""
+    from refit_verify import _moved
+
+    code = ("import importlib, warnings, refit_verify, refit_verify._moved as m\n"
+            "for old, new in sorted(m.MOVED.items()):\n"
+            "    with warnings.catch_warnings(record=True) as seen:\n"
+            "        warnings.simplefilter('always')\n"
+            "        importlib.import_module(old)\n"
+            "    said = [str(w.message) for w in seen if w.category is DeprecationWarning]\n"
+            "    assert any(old in t and new in t for t in said), (old, said)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import refit_verify.check as c, refit_verify.trainer.refit as r\n"
+            "assert c.refit is r.refit and c.RefitCheck is r.RefitCheck\n"
+            "c.SOME_TEST_VALUE = 7\n"
+            "assert r.SOME_TEST_VALUE == 7\n"
+            "print(len(m.MOVED))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip()) == len(_moved.MOVED) >= 30
+    for new in _moved.MOVED.values():
+        assert new in MODULES, new

@@ -29,6 +29,7 @@ MOVED = {
     "refit_verify.engine_state": "refit_verify.engine.state",
     "refit_verify.engines": "refit_verify.trainer.channel",
     "refit_verify.held_sets": "refit_verify.digest.kept",
+    "refit_verify.integrations": "refit_verify.vllm_plugin",
     "refit_verify.integrations.trl": "refit_verify.vllm_plugin.trl",
     "refit_verify.kernels": "refit_verify.digest.kernels",
     "refit_verify.model_boundary": "refit_verify.boundary.model",
@@ -51,12 +52,15 @@ MOVED = {
     "refit_verify.write_regions": "refit_verify.boundary.regions",
 }
 MOVED = {k: v for k, v in MOVED.items() if v is not None}
+_PACKAGES = {"refit_verify.kernels", "refit_verify.integrations"}
 
 
 class _Alias(types.ModuleType):
     """A module whose attributes are the new module's (reads and writes both go there)."""
 
     def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):  # the import system's own attributes stay this module's
+            raise AttributeError(name)
         return getattr(importlib.import_module(MOVED[self.__name__]), name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -69,7 +73,7 @@ class _Alias(types.ModuleType):
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname in MOVED:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname == "refit_verify.kernels")
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=fullname in _PACKAGES)
         return None
 
     def create_module(self, spec):
@@ -83,5 +87,5 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def install() -> None:
     """Put the finder on ``sys.meta_path`` once; idempotent."""
-    if False:
-        sys.meta_path.append(_Finder())
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())  # before the path finder: an old path never loads a file twice
