@@ -17,8 +17,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify.boundary import placement
-from refit_verify import RefitVerificationError
+from refit_verify.boundary import placement  # noqa: E402
+from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.support.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402

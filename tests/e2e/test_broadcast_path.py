@@ -31,7 +31,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig
+from refit_verify import RefitConfig  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.collective.broadcast import AFTER_LOAD_UNCHECKED, BroadcastSender  # noqa: E402

@@ -56,6 +56,9 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     assert "refit-verify demo: " in out and "REFIT_VERIFY=enforce" in out
     rows = {c[0]: c for c in ([x.strip() for x in line.strip("│").split("│")] for line in p.stdout.splitlines() if line.startswith("│"))}
     assert rows["clean"][1] == "21" and rows["clean"][-1] == "verified"
+    assert rows["clean, again"][1] == "21" and rows["clean, again"][-1] == "verified"
+    assert re.search(r"first verified refit \d+\.\d{3} s, second \d+\.\d{3} s \(the worker compiled its digest kernels in the "
+                     r"background as the engine started\)", out)
     assert rows["byte flip"][1] == "21" and rows["byte flip"][-1] == "caught"
     assert "clean refit: 21 of 21 tensors verified at the model boundary, bytes identical, on worker rank 0 (dp 0, tp 0, pp 0," in out
     assert "engine parameters read directly: 7 of 7 unfused parameters (embeddings, norms, lm_head) hold the new weights" in out
@@ -79,6 +82,9 @@ def test_log_file_named_and_holds_every_process_log(demo):
     procs = set(re.findall(r"^\S+ \S+ (?:INFO|WARNING|ERROR) (\S+) pid=\d+ \[vllm", text, re.M))
     assert {"MainProcess", "EngineCore", "VllmWorker-0"} <= procs, procs
     assert "Chat template warmup failed" in text and "Traceback" in text
+    # the worker warmed its digests as the engine started (its thread, not the first refit, compiled them)
+    assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: digest warm-up on "
+                     r"(cpu \(numba\)|cuda:\d+ \(triton\)) done in ", text, re.M)
     summary = next(line for line in p.stdout.splitlines() if line.startswith("vLLM log (not shown above): "))
     n_info = len(re.findall(r"^\S+ \S+ INFO ", text, re.M))
     assert summary.startswith(f"vLLM log (not shown above): {n_info} info, ")

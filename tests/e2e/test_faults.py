@@ -32,7 +32,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig, RefitVerificationError
+from refit_verify import RefitConfig, RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import OneByteFlipSender, readback_names, start_engine  # noqa: E402

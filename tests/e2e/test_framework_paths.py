@@ -36,7 +36,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify import RefitVerificationError
+from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.manifest import Unsessioned  # noqa: E402
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402

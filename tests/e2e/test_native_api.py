@@ -20,7 +20,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode
+from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import readback_names  # noqa: E402

@@ -21,7 +21,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 ray = pytest.importorskip("ray")
 
-from refit_verify import RefitConfigError, RefitVerificationError
+from refit_verify import RefitConfigError, RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
-from refit_verify import RefitVerificationError, ReplicaDisagreement
+from refit_verify import RefitVerificationError, ReplicaDisagreement  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.support import plugins  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfig, RefitVerificationError
+from refit_verify import RefitConfig, RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import OneByteFlipSender, push, readback_names, start_engine  # noqa: E402

@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from refit_verify import RefitVerificationError
+from refit_verify import RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors, tensor_digest  # noqa: E402

@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitVerificationError
+from refit_verify import RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import readback_names  # noqa: E402

@@ -23,7 +23,7 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs two CUDA GPUs (trainer on cuda:0, the vLLM worker on cuda:1)", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitVerificationError
+from refit_verify import RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import readback_names  # noqa: E402
