@@ -52,7 +52,7 @@ if [ "$stage" = b ]; then  # first call of a boundary-only session (carry as sta
   timeout 200 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1
   echo "bench_boundary rc=$?"; tail -8 "$OUT/bench_boundary.md" 2>/dev/null || tail -20 "$OUT/bench_boundary.log"
 elif [ "$stage" = k ]; then
-  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/digest/test_reference_vectors.py tests/digest/test_backends.py \
+  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py tests/digest/test_backends.py \
     tests/collective/test_sharded.py -x -p no:cacheprovider >"$OUT/kernel-tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   timeout 150 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" >"$OUT/bench_digest.log" 2>&1; echo "bench_digest rc=$?"
@@ -98,7 +98,7 @@ elif [ "$stage" = x2a ]; then
   timeout 400 python3 -m pytest -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR|^rank" "$OUT/two-gpu.log" | head -40; echo "two-gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = 1 ]; then
-  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/kernels tests/digest/test_reference_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
+  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   [ -f benchmarks/bench_variants.py ] && timeout 200 python3 benchmarks/bench_variants.py 2>&1 | tee "$OUT/bench_variants.txt" | tail -30
   timeout 200 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" 2>&1 | tail -25
