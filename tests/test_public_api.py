@@ -223,3 +223,17 @@ def test_old_module_paths_alias_the_new_ones_with_a_deprecation_warning():
     assert int(out.stdout.strip()) == len(_moved.MOVED) >= 30
     for new in _moved.MOVED.values():
         assert new in MODULES, new
+
+
+def test_the_readmes_map_of_the_code_matches_the_tree():
+    """README's "Where things are" names every package and foundation module of src/refit_verify, and
+    nothing that is not there."""
+    import re
+
+    text = (SRC.parents[1] / "README.md").read_text()
+    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0].split("Tests mirror", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)/`", section)) | {m[:-3] for m in re.findall(r"`([a-z_]+\.py)`", section)}
+    named -= {"kernels"}  # digest/kernels/, named inside the digest entry
+    parts = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    parts |= {p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_")}
+    assert named == parts
