@@ -220,6 +220,86 @@ def test_row_a_parameter_written_in_part_fails():
     assert r.unwritten == (f"embed ({12 * HIDDEN} of {16 * HIDDEN} elements)",) and not _enforced(r)
 
 
+class _Tied(ToyModel):
+    """``head.weight`` is ``embed`` (tied) and, as vLLM 0.32's loader, the model loads only the first
+    name of a tied pair: ``head.weight`` is skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Module()
+        self.head.weight = self.embed
+
+    def load_weights(self, weights):
+        return super().load_weights([(n, t) for n, t in weights if n != "head.weight"])
+
+
+@pytest.mark.parametrize("sent", ["embed", "head", "equal", "different"])
+def test_row_tied_names_sent_with_different_bytes_fail(sent):
+    """Tied ``embed`` / ``head.weight``: either name alone, or both equal, is what the engine holds
+    (the skipped name counts as consumed through the tie); both different fails, naming both. The
+    head alone is skipped and nothing writes the embedding: it keeps its previous bytes, named."""
+    w = toy_weights(9)
+    if sent != "embed":
+        w["head.weight"] = w["embed"].clone() if sent == "equal" else (w["embed"].float() + 1).to(torch.bfloat16)
+    if sent == "head":
+        w["head.weight"] = w.pop("embed")
+    r = _check(_Tied(), w)
+    if sent in ("embed", "equal"):
+        assert r.ok and r.unconsumed == () and r.receiver_error is None and _enforced(r)
+        return
+    assert not _enforced(r) and r.unconsumed == ("head.weight",)
+    if sent == "head":
+        assert r.unwritten == ("embed",) and r.receiver_error == (
+            "model: head.weight is tied to embed in the engine; the model skipped it (vLLM loads one name of a tied pair) "
+            "and nothing wrote embed in this session: the engine keeps its previous bytes, not the ones sent")
+        return
+    h = digest_tensors(w.items())
+    assert r.receiver_error == (
+        f"model: embed, head.weight are one tensor in the engine (tied), and this refit sent them with different bytes "
+        f"(embed {h['embed']}, head.weight {h['head.weight']}); the model loaded embed and skipped head.weight: the engine "
+        "holds embed for all")
+
+
+class _Reloading(_Tied):
+    """Tied as :class:`_Tied`, loaded as vLLM's layerwise reload does: each module's parameters are
+    swapped for copies of their own while loading (``head.weight`` written through its own copy),
+    then the result lands in the tied parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = {n: torch.nn.Parameter(torch.zeros_like(self.embed), requires_grad=False) for n in ("embed", "head.weight")}
+        for p in self.copies.values():
+            p.weight_loader = self._embed_loader
+
+    def load_weights(self, weights):
+        tied = self.embed
+        for n, t in weights:
+            if n in self.copies:
+                p = self.copies[n]
+                p.weight_loader(p, t)
+                tied.data.copy_(p)
+            else:
+                ToyModel.load_weights(self, [(n, t)])
+        return {n for n, _ in weights}
+
+
+@pytest.mark.parametrize("sent", ["head", "equal", "different"])
+def test_tied_writes_through_a_copy_count_for_the_tied_parameter(sent):
+    """A write under the tied parameter's other name (vLLM's layerwise reload) is a write of the tied
+    parameter: the head alone covers it (was: "not written"), both different are named."""
+    w = toy_weights(10)
+    w["head.weight"] = w["embed"].clone() if sent != "different" else (w["embed"].float() + 1).to(torch.bfloat16)
+    if sent == "head":
+        del w["embed"]
+    model = _Reloading()
+    r = _check(model, w, extra=lambda m: list(m.copies.items()))
+    if sent != "different":
+        assert r.ok and r.unwritten == () and r.not_proven == {} and _enforced(r)
+        assert r.proven_bytes == QKV_BYTES + EMBED_BYTES + NORM_BYTES
+        return
+    assert not _enforced(r) and r.engine_mismatched == ("embed",) and "are one tensor in the engine (tied)" in r.receiver_error
+
+
 # -- the registry ------------------------------------------------------------------------------
 
 

@@ -410,3 +410,22 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
     assert torch.equal(held[fused], prev[fused])
     now = engine_layout(w)
     assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
+
+
+@pytest.mark.parametrize("sent", ["both", "lm_head only"])
+def test_untied_embedding_and_lm_head_are_two_parameters(engine, sent):
+    """The untied model (``tests/e2e/test_tied.py`` has the tied one): embedding and lm_head with
+    different bytes are two parameters, each verified in its own; lm_head alone leaves the embedding
+    not written, a failure, with no word of a tie."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 90)
+    assert not torch.equal(w["model.embed_tokens.weight"], w["lm_head.weight"])
+    if sent == "both":
+        rep = _sync(llm, model, w, version=1000).reports[0]
+        assert rep.ok and rep.verified == 21 and rep.proven_bytes == TOTAL_BYTES and rep.receiver_error is None
+        return
+    del w["model.embed_tokens.weight"]
+    with pytest.raises(RefitVerificationError) as ei:
+        _sync(llm, model, w, version=1001)
+    rep = ei.value.report
+    assert rep.unwritten == ("model.embed_tokens.weight",) and rep.receiver_error is None and rep.unconsumed == ()

@@ -76,6 +76,8 @@ class ModelIndex:
     Attributes:
         params: ``{name: parameter}`` as ``dict(model.named_parameters())`` (tied ones once).
         all_params: ``[(name, parameter)]`` as ``model.named_parameters(remove_duplicate=False)``.
+        aliases: ``{name: name in params}`` of every other name of a tied parameter (``{"lm_head.weight":
+            "model.embed_tokens.weight"}``); empty for an untied model.
         state: ``[(name, tensor, "param" | "buffer")]``: every parameter (tied ones once), then
             every persistent buffer that is not None, in ``named_modules()`` order.
         kept: what is worked out once for these tensors and valid as long as this index is
@@ -89,6 +91,10 @@ class ModelIndex:
         self._structure = _Structure(self._modules)
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self.all_params: list[tuple[str, torch.Tensor]] = list(model.named_parameters(remove_duplicate=False))
+        self.aliases: dict[str, str] = {}
+        if len(self.all_params) != len(self.params):
+            first = {id(p): n for n, p in self.params.items()}
+            self.aliases = {n: first[id(p)] for n, p in self.all_params if first.get(id(p), n) != n}
         state: list[tuple[str, torch.Tensor, str]] = [(n, p, "param") for n, p in self.params.items()]
         for mname, module in model.named_modules():
             for bname, buf in module.named_buffers(recurse=False):

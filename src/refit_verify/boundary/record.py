@@ -144,6 +144,7 @@ class ModuleSession:
         self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
         self.unexplained: dict[str, str] = {}  # pname -> why its loader's output cannot be explained (a failure)
         self.assumed: dict[str, str] = {}  # pname -> why it is held to the bytes its loader was handed (placement.judged)
+        self.aliases: dict[str, str] = {}  # tied parameter's other name -> the name the index uses (fold_aliases)
         self.param_numel: dict[str, int] = {}
         self.replicated: dict[str, bool] = {}  # pname -> written whole from one whole delivered tensor
         self.n_blocks = 0
@@ -360,6 +361,66 @@ class ModuleSession:
 
     # -- close --------------------------------------------------------------------------------
 
+    def fold_aliases(self, aliases: dict[str, str]) -> None:
+        """Record writes under a tied parameter's other name as writes into that parameter under the
+        name the model index uses (``aliases``: ``{other name: index name}``, e.g. ``{"lm_head.weight":
+        "model.embed_tokens.weight"}``); keep ``aliases`` for :meth:`_tied`. Call once, at the close.
+
+        vLLM's layerwise reload restores each module's parameters as copies of their own, so a tied
+        ``lm_head.weight`` is written through its own copy, into the embeddings' memory."""
+        self.aliases = aliases
+        hit = [a for a in aliases if a in self.written or a in self.inexact or a in self.param_numel]
+        for alias in hit:
+            p = aliases[alias]
+            if alias in self.written:
+                self.written.setdefault(p, {}).update(self.written.pop(alias))
+            if alias in self.placed:
+                self.placed.setdefault(p, []).extend(self.placed.pop(alias))
+            for rec in (self.inexact, self.unexplained, self.assumed, self.opaque, self.param_numel, self.param_dtype,
+                        self.param_geometry, self.replicated):
+                if alias in rec:
+                    rec.setdefault(p, rec.pop(alias))
+        if hit:
+            for name, regions in self.derived.items():
+                self.derived[name] = [(aliases.get(pn, pn), where) for pn, where in regions]
+            for d in self.delivered.values():
+                d.regions = [(aliases.get(pn, pn), where) for pn, where in d.regions]
+
+    def _tied(self, digests: dict[str, str], allow: tuple[str, ...]) -> None:
+        """Check the delivered names of each tied parameter (:meth:`fold_aliases`): the engine holds
+        one tensor for them, so the names this session sent for it (loaded, or skipped by the model:
+        vLLM loads one name of a tied pair) must carry equal bytes. A skipped name equal to a loaded
+        one is consumed through the tie (taken out of ``unconsumed``); a difference, or a skipped
+        name whose parameter nothing wrote, is an error naming them."""
+        if not self.aliases:
+            return
+        role = self.module.role
+        tied: dict[str, list[str]] = {}
+        for alias, p in self.aliases.items():
+            tied.setdefault(p, [p]).append(alias)
+        unconsumed = set(self.unconsumed)
+        for p, names in tied.items():
+            sent = [n for n in names if n in digests]
+            skipped = [n for n in sent if n in unconsumed]
+            placed = [src for c, _key, src in self.placed.get(p, ()) if not c.fill and src in digests]
+            loaded = list(dict.fromkeys(placed + [n for n in sent if n not in unconsumed]))
+            if not skipped and len(loaded) < 2:
+                continue
+            hexes = {n: digests[n] for n in loaded + skipped}
+            if len(set(hexes.values())) > 1:
+                holds = (f"the model loaded {', '.join(loaded)} and skipped {', '.join(skipped)}: the engine holds "
+                         f"{' / '.join(loaded)} for all" if skipped else "the engine holds one of them for all (read-back "
+                         "names the parameter)")
+                self.errors.append(f"{role}: {', '.join(names)} are one tensor in the engine (tied), and this refit sent "
+                                   "them with different bytes (" + ", ".join(f"{n} {h}" for n, h in hexes.items())
+                                   + f"); {holds}")
+            elif loaded:
+                self.unconsumed = [n for n in self.unconsumed if n not in skipped]
+            elif p not in self.written and not all(match_any(n, allow) for n in skipped):
+                self.errors.append(f"{role}: {', '.join(skipped)} is tied to {p} in the engine; the model skipped it (vLLM "
+                                   f"loads one name of a tied pair) and nothing wrote {p} in this session: the engine "
+                                   "keeps its previous bytes, not the ones sent")
+
     @property
     def replayed_all(self) -> bool:
         """True iff this session replayed its plan from the first call to the close, every name of
@@ -465,12 +526,13 @@ class ModuleSession:
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()
         digests = self.digests()
+        allow = tuple(allow)
+        self._tied(digests, allow)
         changed = []
         if len(self.recheck):
             for name, h in self.recheck.hexdigests().items():
                 if digests.get(name) != h:
                     changed.append(name)
-        allow = tuple(allow)
         unwritten = []
         written = 0
         hint = self.module.numel_hint

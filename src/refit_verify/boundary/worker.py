@@ -180,6 +180,10 @@ class WorkerBoundary:
             t0 = time.perf_counter()
             self.open_session = None
             sessions = {role: b.end() for role, b in self.modules.items()}
+            for role, ms in sessions.items():  # writes under a tied parameter's other name count under its index name
+                idx = self.modules[role].index(refresh=False)
+                if idx is not None and idx.aliases:
+                    ms.fold_aliases(idx.aliases)
             errors = list(s.errors)
             written: set[str] = set()
             for role, ms in sessions.items():
