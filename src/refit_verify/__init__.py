@@ -25,6 +25,8 @@ _EXPORTS = {
     "ReplicaDisagreement": "refit_verify.errors",
     "audit": "refit_verify.trainer.audits",
     "canary": "refit_verify.vllm_plugin.canary",
+    "certificate": "refit_verify.trainer.audits",
+    "Certificate": "refit_verify.manifest",
     "compare_replicas": "refit_verify.trainer.audits",
     "BroadcastReceiver": "refit_verify.collective.broadcast",
     "BroadcastSender": "refit_verify.collective.broadcast",
@@ -76,7 +78,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from refit_verify.trainer.audits import audit, compare_replicas
+    from refit_verify.trainer.audits import audit, certificate, compare_replicas
     from refit_verify.collective.broadcast import BroadcastReceiver, BroadcastSender
     from refit_verify.trainer.refit import RefitCheck, refit
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
@@ -85,7 +87,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
                                      RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
                                      RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
-    from refit_verify.manifest import SessionManifest
+    from refit_verify.manifest import Certificate, SessionManifest
     from refit_verify.report import VerificationReport
     from refit_verify.compare import compare_manifests
     from refit_verify.trainer.push import PushResult, push

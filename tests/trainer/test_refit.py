@@ -3,6 +3,8 @@ get their waits bounded from a helper thread. No vLLM needed."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -113,7 +115,11 @@ def test_a_mapping_is_compared_as_it_was_checked():
 
 def test_good_manifests_pass_with_str_subclasses():
     ok = {"a": HEX, _Str("b"): _Str(HEX), "": "0" * 32}
-    assert compare_manifests(ok, dict(ok)).ok and compare_manifests({}, {}).ok
+    assert compare_manifests(ok, dict(ok)).ok
+    empty = compare_manifests({}, {})  # equal, but nothing was compared: never a pass (issue #50)
+    assert not empty.ok and empty.nothing_checked and empty.describe().endswith("(0 of 0 verified): nothing was checked: the "
+                                                                             "trainer stated no tensor and the worker loaded none "
+                                                                             "(a refit that compares nothing verifies nothing)")
 
 
 def test_allow_as_one_string_is_refused():
@@ -255,3 +261,139 @@ def test_a_channel_keeps_no_engine_alive_through_its_collective_rpc():
         del e, h
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_verdicts_remember_passes_too():
+    verdicts.record("s-pass-1", True)
+    assert verdicts.passed("s-pass-1") and verdicts.failed("s-pass-1") is None
+    verdicts.record("s-pass-1", False, "it failed later")
+    assert not verdicts.passed("s-pass-1") and verdicts.failed("s-pass-1") == "it failed later"
+    assert not verdicts.passed("s-never-seen") and not verdicts.passed(None)
+
+
+# -- nothing checked is never a pass: engines that cannot be checked (issue #50) -------------------------
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """A toy worker reached through a fake engine running the plugin's session methods."""
+    from refit_verify.vllm_plugin import worker_sessions
+    from tests.support.toy_model import ToyEngine, toy_worker
+
+    monkeypatch.setattr(worker_sessions, "attach_models", lambda *a, **k: None)  # the toy model is attached already
+    worker, wb, model = toy_worker()
+    return ToyEngine(worker), wb, model
+
+
+def _refit(engine, mode, weights, load=None, **kw):
+    with refit_verify.refit(engine, mode=mode, **kw) as r:
+        for n, t in weights.items():
+            r.add(n, t)
+        if load is not None:
+            load(list(weights.items()))
+    return r
+
+
+NOT_INSTALLED = AttributeError("'CPUWorker' object has no attribute 'refit_verify_session_open'")
+NOT_VERIFYING = [{"rank": 0, "verifying": False, "reason": "REFIT_VERIFY=off in this vLLM worker"}]
+
+
+@pytest.mark.parametrize("answer, says", [([], "refit_verify_session_open through ToyEngine answered for no worker"),
+                                          (NOT_INSTALLED, "is refit-verify installed in the vLLM engine's environment?"),
+                                          (NOT_VERIFYING, "vLLM worker rank 0 does not verify (REFIT_VERIFY=off in this")])
+def test_an_engine_that_cannot_be_checked_fails_in_enforce_and_warns_in_log(toy, caplog, answer, says):
+    from tests.support.toy_model import ToyEngine, toy_weights
+
+    engine, wb, model = toy
+    engine = ToyEngine(*engine.workers, answer={"refit_verify_session_open": answer})
+    w = toy_weights(1)
+    with pytest.raises(RefitConfigError, match=re.escape(says)):
+        _refit(engine, "enforce", w, model.load_weights)
+    with caplog.at_level("WARNING", logger="refit_verify"):
+        r = _refit(engine, "log", w, model.load_weights)
+    assert says in caplog.text
+    (rep,) = r.reports  # an unverified refit in log: one failing report saying why, never an empty (all-pass) list
+    assert not rep.ok and rep.nothing_checked and says in rep.describe() and rep.session == r.session
+    assert verdicts.failed(r.session) == "its workers could not be checked"
+    assert wb.open_session is None  # every worker that did open was closed
+
+
+def test_a_close_answered_for_no_worker_is_not_a_pass(toy):
+    from tests.support.toy_model import ToyEngine, toy_weights
+
+    engine, wb, model = toy
+    engine = ToyEngine(*engine.workers, answer={"refit_verify_session_close": []})
+    r = refit_verify.refit(engine, mode="enforce")
+    with pytest.raises(RefitConfigError, match="refit_verify_session_close through ToyEngine answered for no worker"):
+        with r:
+            for n, t in toy_weights(1).items():
+                r.add(n, t)
+    assert r.reports == [] and verdicts.failed(r.session) == "its verification did not complete (RefitConfigError)"
+
+
+def test_a_close_that_says_the_worker_does_not_verify_names_it(toy):
+    from tests.support.toy_model import ToyEngine
+
+    engine, wb, model = toy
+    engine = ToyEngine(*engine.workers, answer={"refit_verify_session_close": NOT_VERIFYING})
+    with pytest.raises(refit_verify.RefitProtocolError, match=re.escape("worker rank 0 does not verify (REFIT_VERIFY=off in")):
+        _refit(engine, "enforce", {"embed": torch.ones(2)})
+
+
+def test_refits_that_compare_no_tensor_fail_and_an_empty_partial_one_passes_on_what_was_verified(toy):
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    nothing = "nothing was checked: the trainer stated no tensor and the worker loaded none"
+    with pytest.raises(refit_verify.RefitVerificationError, match=nothing):
+        _refit(engine, "enforce", {}, version=1, partial=True)  # the first refit: nothing earlier to compare with
+    w = toy_weights(1)
+    with pytest.raises(refit_verify.RefitVerificationError, match="the worker loaded no tensor in this session"):
+        _refit(engine, "enforce", w, version=2)
+    clean = _refit(engine, "enforce", w, model.load_weights, version=3)
+    assert clean.reports[0].ok and clean.reports[0].verified == 5
+    r = _refit(engine, "enforce", {}, version=4, partial=True)  # deliberately empty: the engine holds what version 3 left
+    (rep,) = r.reports
+    assert rep.ok and rep.unchanged == 3 and rep.verified == 0 and "an empty partial refit" in rep.unchecked[0]
+    assert wb.manifests[r.session].unchanged_since == clean.session
+    with pytest.raises(refit_verify.RefitVerificationError, match=nothing) as ei:
+        _refit(engine, "enforce", {}, version=5)  # full: every parameter unwritten
+    failed = ei.value.report.session
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:  # the state it finds is what a failed session left
+        _refit(engine, "enforce", {}, version=6, partial=True)
+    assert ei.value.report.problems == (f"this partial refit wrote nothing, and the state it found is what session {failed} "
+                                        "left, which its refit failed verification in this trainer",)
+    assert _refit(engine, "enforce", w, model.load_weights, version=7).reports[0].ok
+    with torch.no_grad():  # changed outside any load
+        model.embed[0, 0] += 1
+    with pytest.raises(refit_verify.RefitVerificationError, match="1 changed: embed"):
+        _refit(engine, "enforce", {}, version=8, partial=True)
+
+
+def test_a_channel_never_answers_with_no_worker():
+    from refit_verify.trainer.channel import WorkerChannel
+
+    class Empty:
+        def collective_rpc(self, method, args=(), timeout=None):
+            return []
+
+    with pytest.raises(RefitConfigError, match=re.escape("m through Empty answered for no worker (an empty result list)")):
+        channel(Empty()).call("m")
+    two = WorkerChannel([lambda m, a, t: [1], lambda m, a, t: []], "two engines")
+    with pytest.raises(RefitConfigError, match=re.escape("m through two engines, engine 2 of 2 answered for no worker")):
+        two.call("m")
+
+
+@pytest.mark.parametrize("mode", ["enforce", "off"])
+def test_a_verifying_refit_starts_the_trainers_digest_warmup_and_an_off_one_does_not(monkeypatch, mode):
+    from refit_verify.digest import backends
+
+    class Engine:
+        def collective_rpc(self, method, args=(), timeout=None):
+            return []
+
+    started = []
+    monkeypatch.setattr(backends, "start_warmup", lambda device=None, then=None: started.append(device))
+    refit_verify.refit(Engine(), mode=mode)
+    refit_verify.refit(Engine(), mode=mode)
+    assert started == ([None, None] if mode == "enforce" else [])  # None: this process's CUDA device if it uses one, else the CPU

@@ -17,7 +17,8 @@ import torch
 
 from refit_verify.boundary.record import ModuleSession, match_any
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import CLOSE_AUDIT, AuditResult, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.manifest import (CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned,
+                                   WorkerIdentity)
 from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
 
@@ -222,11 +223,14 @@ class WorkerBoundary:
                 self.modules[role].learn(ms, read_back=engine is not None)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             errors += [e for ms in sessions.values() for e in ms.errors]
-            self._audit_unwritten(previous, written)
+            unchanged = self._audit_unwritten(previous, written)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
-                                  partial=s.partial, errors=errors, audits=audits,
+                                  partial=s.partial, errors=errors, audits=audits, unchanged=unchanged,
+                                  unchanged_since=previous.session if unchanged else None,
+                                  state_digest=self.baseline.state_digest() if self.baseline is not None else None,
+                                  closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s)
             if s.version is not None and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
@@ -237,15 +241,20 @@ class WorkerBoundary:
             man.close_s = time.perf_counter() - t0
             return man
 
-    def _audit_unwritten(self, previous: Any, written: set[str]) -> None:
+    def _audit_unwritten(self, previous: Any, written: set[str]) -> int:
         """Compare the parameters this session did not write with the state the last session left
         (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
         changed outside any load the new baseline unnoticed. What changed is reported with this
         session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
-        names an automatic audit already reported are left out."""
+        names an automatic audit already reported are left out.
+
+        Returns:
+            int: the parameters found holding the bytes ``previous`` recorded (empty placeholders,
+            whose bytes live elsewhere, not counted); 0 when there is nothing to compare with.
+        """
         now = self.baseline
         if now is None:
-            return
+            return 0
         if previous is None:  # a session closed before, but its snapshot failed: nothing to compare with
             last = self.last
             unwritten = [n for n in now.params if n not in written] if last is not None else []
@@ -255,14 +264,15 @@ class WorkerBoundary:
                     trigger=CLOSE_AUDIT, tensors=len(now.params),
                     problems=[f"the engine-state snapshot at the close of session {last.session!r} failed: the "
                               f"{len(unwritten)} parameters this session did not write are not compared with what it left"]))
-            return
+            return 0
         seen = {n for a in self.pending_audits for n in a.changed}
-        changed = [n for n, st in now.params.items() if n not in written and n not in seen
-                   and n in previous.params and previous.params[n].digest != st.digest]
+        compared = [(n, st) for n, st in now.params.items() if n not in written and n in previous.params]
+        changed = [n for n, st in compared if n not in seen and previous.params[n].digest != st.digest]
         if changed:
             self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
                                                    since_version=previous.version, changed=changed, moved=[],
                                                    trigger=CLOSE_AUDIT, tensors=len(now.params)))
+        return sum(1 for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest)
 
     def abandon(self, session_id: str, why: str) -> None:
         """End an implicit session whose closing call never came (its manifest records ``why``)."""
@@ -404,6 +414,40 @@ class WorkerBoundary:
                 logger.warning("refit-verify: %s", res.describe())
                 self.pending_audits.append(res)
             return res
+
+    def certificate(self) -> Certificate:
+        """Which version this worker holds and whether its engine still holds what the last close left.
+
+        Re-digests the engine state now (as :meth:`audit`, with no side effect) and compares it with
+        the state the last session's close left. The trainer's verdict is not known here
+        (``verified`` None): :func:`refit_verify.certificate` adds it.
+
+        Raises:
+            RefitInputError: a tensor of the engine cannot be digested (as :meth:`state`).
+        """
+        with self._lock:
+            last, base = self.last, self.baseline
+            problems: list[str] = []
+            now = self.state() if self.snapshotter is not None and self.modules else None
+            if last is None:
+                problems.append("no refit session has closed on this worker: it holds the weights it was started with, "
+                                "never verified")
+            elif base is None or last.state_digest is None:
+                problems.append(f"the engine-state snapshot at the close of session {last.session!r} failed: there is "
+                                "nothing to compare the engine with")
+            elif now is None:
+                problems.append("the engine state cannot be read on this worker")
+            else:
+                res = self.auditor(base, now, "certificate") if self.auditor is not None else None
+                if res is not None and not res.ok:
+                    problems.append(f"the engine's state changed after session {last.session!r} closed ({res.describe()})")
+            if self.open_session is not None:
+                problems.append(f"refit session {self.open_session.id!r} is open: the engine is being refitted")
+            problems += [a.describe() for a in self.pending_audits]
+            return Certificate(worker=self.identity, session=last.session if last else None, version=last.version if last else None,
+                               closed_at=last.closed_at or None if last else None, state_digest=last.state_digest if last else None,
+                               current_digest=now.state_digest() if now is not None else None, current=not problems,
+                               problems=problems, unseen=now.unseen if now is not None else [])
 
     def current_id(self) -> str | None:
         s = self.open_session

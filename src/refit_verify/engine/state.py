@@ -274,9 +274,8 @@ def audit(baseline: EngineSnapshot, now: EngineSnapshot, trigger: str = "rpc") -
             if b.ptr != st.ptr:
                 moved.append(name)
         vanished += [n for n in old if n not in new]
-    unseen = [n for n, st in now.params.items() if 0 in st.shape]  # emptied after loading (kernel-packed)
     return AuditResult(worker=now.worker, since_session=baseline.session, since_version=baseline.version, changed=changed,
                        moved=moved, appeared=appeared, vanished=vanished, trigger=trigger,
-                       tensors=len(now.params) + len(now.buffers), digest_s=now.digest_s, unseen=unseen)
+                       tensors=len(now.params) + len(now.buffers), digest_s=now.digest_s, unseen=now.unseen)
 
 

@@ -6,6 +6,9 @@
   by a refit that failed or aborted in this trainer process fails the audit.
 * :func:`compare_replicas` — data-parallel replicas (and tensor-parallel ranks, for replicated
   tensors) must hold identical bytes; the rank that differs is named.
+* :func:`certificate` — which weight version every worker holds, the digest of its engine state, the
+  session that wrote it and when, this trainer's verdict on that session, and whether the engine
+  still holds exactly what that session left.
 * The cold-load canary is :func:`refit_verify.canary` (it starts an engine, so it lives in the plugin).
 """
 
@@ -22,11 +25,11 @@ from refit_verify.config import VerifyMode, mode_from_env
 from refit_verify.compare import StateComparison, compare_replicas as _compare
 from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import AuditError, RefitConfigError, ReplicaDisagreement
-from refit_verify.manifest import AuditResult, EngineSnapshot, from_wire
+from refit_verify.manifest import AuditResult, Certificate, EngineSnapshot, WorkerIdentity, from_wire
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["audit", "compare_replicas", "engine_states"]
+__all__ = ["audit", "certificate", "compare_replicas", "engine_states"]
 
 
 def _mode(mode: VerifyMode | str | None) -> VerifyMode:
@@ -75,6 +78,45 @@ def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float
             raise AuditError(out)
         for a in failed:
             logger.warning("refit-verify: %s", a.describe())
+    return out
+
+
+def certificate(engine: Any, *, timeout_s: float = 120.0) -> list[Certificate]:
+    """Ask every worker of ``engine`` which weight version it holds (``refit_verify_certificate``).
+
+    Each worker digests its engine state again and compares it with what its last session's close
+    left; this trainer adds its verdict on that session (:mod:`refit_verify.verdicts`). A
+    certificate is good (``cert.ok``) only when the session verified in this trainer process and
+    the engine still holds exactly its state; ``cert.describe()`` says what it holds, or why not.
+
+    Args:
+        engine: what :func:`refit_verify.refit` accepts (LLM, Ray handle, HTTP URL, ...).
+        timeout_s: bound on the call to the workers, seconds.
+
+    Returns:
+        list[Certificate]: one per worker, in worker order; a worker that does not verify answers
+        one with no session and the reason in ``problems``.
+
+    Raises:
+        RefitConfigError: the engine lacks refit-verify's plugin, or answered for no worker.
+        RefitProtocolError: a malformed answer. RefitTimeoutError: no answer within ``timeout_s``.
+    """
+    out: list[Certificate] = []
+    for r in require_channel(engine).call("refit_verify_certificate", timeout_s=timeout_s):
+        if not (isinstance(r, Mapping) and r.get("verifying")):
+            rank = r.get("rank") if isinstance(r, Mapping) else None
+            why = r.get("reason", "no reason given") if isinstance(r, Mapping) else repr(r)
+            out.append(Certificate(worker=WorkerIdentity(rank=rank if type(rank) is int else -1), session=None, version=None,
+                                   closed_at=None, state_digest=None, current_digest=None, current=False,
+                                   problems=[f"this worker does not verify ({why}): it cannot say what it holds"]))
+            continue
+        c = from_wire(r["certificate"], Certificate)
+        why = verdicts.failed(c.session)
+        if why is not None:
+            c = msgspec.structs.replace(c, verified=False, problems=[*c.problems, f"session {c.session} {why} in this trainer"])
+        elif verdicts.passed(c.session):
+            c = msgspec.structs.replace(c, verified=True)
+        out.append(c)
     return out
 
 

@@ -58,12 +58,13 @@ class WorkerChannel:
 
         Raises:
             RefitTimeoutError: an engine did not answer within ``timeout_s`` seconds.
-            RefitConfigError: an engine lacks the method (refit-verify not installed there).
+            RefitConfigError: an engine lacks the method (refit-verify not installed there), or
+                answered for no worker at all (an empty list: nothing there could be checked).
             RefitProtocolError: the method failed on a worker (its message is kept); an in-process
                 worker's own refit-verify error is raised as it is.
         """
         out: list[Any] = []
-        for f in self._calls:
+        for i, f in enumerate(self._calls):
             try:
                 res = f(method, args, timeout_s)
             except RefitTimeoutError:
@@ -82,8 +83,16 @@ class WorkerChannel:
                     raise RefitConfigError(f"refit-verify: {method} failed through {self.label} ({text}); "
                                            "is refit-verify installed in the vLLM engine's environment?") from e
                 raise RefitProtocolError(f"refit-verify: {method} failed on a worker through {self.label}: {text}"[:2000]) from e
-            out.extend(res or [])
+            if not res:
+                raise _no_worker(method, self.label + (f", engine {i + 1} of {len(self._calls)}" if len(self._calls) > 1 else ""))
+            out.extend(res)
         return out
+
+
+def _no_worker(method: str, where: str) -> RefitConfigError:
+    """The error for an engine whose ``collective_rpc`` answered with an empty list."""
+    return RefitConfigError(f"refit-verify: {method} through {where} answered for no worker (an empty result list): "
+                            "no vLLM worker was reached, so nothing can be checked there")
 
 
 def _is_ray_handle(obj: Any) -> bool:
@@ -188,7 +197,9 @@ def _ray(handles: list) -> Callable[[str, tuple, float], list]:
         import ray
 
         out: list = []
-        for res in ray.get([h.collective_rpc.remote(method, args=args) for h in handles], timeout=timeout_s):
+        for i, res in enumerate(ray.get([h.collective_rpc.remote(method, args=args) for h in handles], timeout=timeout_s)):
+            if not res:
+                raise _no_worker(method, f"Ray actor handle {i + 1} of {len(handles)}")
             out.extend(res)
         return out
 

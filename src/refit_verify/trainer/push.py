@@ -17,7 +17,7 @@ import torch
 
 from refit_verify.config import RefitConfig
 from refit_verify.trainer.channel import require_channel
-from refit_verify.errors import RefitTimeoutError
+from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport
 from refit_verify.transport.sender import RefitSender
 
@@ -70,6 +70,8 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
     Raises:
         RefitVerificationError: ``enforce`` and the engine's manifest differs (names the parameters).
         RefitTimeoutError: the workers or the sender did not finish within the bound.
+        RefitConfigError: the engine lacks refit-verify's plugin or answered for no worker (raised
+            once the sender, which no receiver reached, gave up: after ``timeout_s``).
         RefitConfigError, RefitProtocolError, RefitReceiveError: as :meth:`RefitSender.send`.
     """
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
@@ -95,6 +97,8 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
         workers = ch.call(RECEIVE_METHOD, sender.endpoint, opts, timeout_s=bound)
     except BaseException as worker_error:
         th.join(bound)
+        if isinstance(worker_error, RefitConfigError):  # no worker took part (no plugin, none answered): the sender only timed out
+            raise worker_error from out.get("error")
         if "error" in out:  # the sender's view (e.g. "receiver disconnected"), caused by the workers' own error
             raise out["error"] from worker_error
         raise

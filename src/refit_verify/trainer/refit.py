@@ -21,6 +21,7 @@ With ``REFIT_VERIFY=off`` (and no ``mode``), :func:`refit` returns a check that 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ import torch
 
 from refit_verify import verdicts
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
+from refit_verify.digest import backends as _backends
 from refit_verify.digest.tensors import PLAIN_TYPES
 from refit_verify.trainer.exports import StreamDigests, changed_problems
 from refit_verify.trainer.channel import WorkerChannel, require_channel
@@ -108,9 +110,12 @@ class RefitCheck:
         self._taken_bytes = 0
         self._taken_flush: float = 0
         self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
+        if self.mode.verifies:
+            _backends.start_warmup()  # once per process: the digests compile while the sessions open
         self._key = _engine_key(engine)
         self._opened = False
         self._workers = 0
+        self._unverified: str | None = None  # log: why the workers could not be checked (the report verify() returns)
 
     # -- the trainer's side -----------------------------------------------------------------
 
@@ -199,8 +204,9 @@ class RefitCheck:
         """Open the session on every worker (what ``with`` does on enter).
 
         Raises:
-            RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there)
-                or cannot be reached; in ``log`` this is logged and the refit goes unverified.
+            RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there), lacks
+                refit-verify's plugin, or the engine answered for no worker; in ``log`` this is logged,
+                the refit goes unverified and :meth:`verify` returns one failing report saying why.
             RefitTimeoutError: the workers did not answer within ``timeout_s``.
         """
         if self._channel is None or self._opened:
@@ -209,6 +215,9 @@ class RefitCheck:
                 "deadline": time.time() + self.timeout_s, "replay": self._key not in _RELEARN}
         try:
             results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
+        except RefitConfigError as e:  # no plugin in the engine, or no worker answered: nothing can be checked
+            self._not_checked(str(e))
+            return
         except RefitTimeoutError:
             # the open may still reach the workers later: queue a close behind it, so no session is left open
             verdicts.record(self.session, False, "its session open timed out")
@@ -220,21 +229,26 @@ class RefitCheck:
             raise RefitTimeoutError(f"refit-verify: session {self.session} reached a worker after {self.timeout_s:g} s "
                                     "(timeout_s); it was not opened", {"waiting_for": OPEN_METHOD, "timeout_s": self.timeout_s})
         idle = [r for r in results if not (isinstance(r, Mapping) and r.get("verifying"))]
-        if idle or not results:
-            r = idle[0] if idle else {}
+        if idle:  # (the channel never answers with no worker at all)
+            r = idle[0]
+            why = r.get("reason", "no reason given") if isinstance(r, Mapping) else repr(r)
             msg = (f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank "
-                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify "
-                   f"({r.get('reason', 'no workers answered') if isinstance(r, Mapping) else r!r}); "
+                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify ({why}); "
                    "set REFIT_VERIFY in the vLLM engine's environment too")
-            if self.mode is VerifyMode.ENFORCE:
-                if results:
-                    self._close_quietly(results_known=True)
-                raise RefitConfigError(msg)
-            logger.warning("%s", msg)
-            self._channel = None
+            self._close_quietly(results_known=True)  # the workers that verify opened the session
+            self._not_checked(msg)
             return
         self._opened, self._workers = True, len(results)
         _RELEARN.discard(self._key)
+
+    def _not_checked(self, msg: str) -> None:
+        """The workers cannot be checked (``msg`` says why): raise in ``enforce``; in ``log`` warn and
+        go unverified (:meth:`verify` then returns one failing report saying why)."""
+        verdicts.record(self.session, False, "its workers could not be checked")
+        if self.mode is VerifyMode.ENFORCE:
+            raise RefitConfigError(msg)
+        logger.warning("%s", msg)
+        self._channel, self._unverified = None, msg
 
     def _close_quietly(self, results_known: bool = False) -> None:
         if self._channel is None or not (self._opened or results_known):
@@ -266,12 +280,19 @@ class RefitCheck:
         """Close the sessions, compare every worker's manifest, act on the mode (what ``with`` does on exit).
 
         Returns:
-            list[VerificationReport]: one per worker, in worker order (empty when not verifying).
+            list[VerificationReport]: one per worker, in worker order; empty when the mode is ``off``;
+            in ``log``, when the workers could not be checked (see :meth:`open`), one failing report
+            saying why (nothing checked is never a pass).
 
         Raises:
-            RefitVerificationError: ``enforce`` and a worker's report is not ok (the others are logged).
+            RefitVerificationError: ``enforce`` and a worker's report is not ok (the others are logged);
+                a report that compared no tensor is not ok.
             RefitProtocolError: a worker's reply is malformed, or it closed no such session.
+            RefitConfigError: the engine answered the close for no worker.
         """
+        if self._unverified is not None:
+            self.reports = [VerificationReport.unchecked_because(self._unverified, session=self.session, version=self.version)]
+            return self.reports
         if self._channel is None or not self._opened:
             return []
         try:
@@ -300,12 +321,18 @@ class RefitCheck:
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
             if data is None:
-                raise RefitProtocolError(f"worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} closed no session "
-                                         f"{self.session!r} (was it restarted?)")
+                why = (f"does not verify ({r.get('reason')})" if isinstance(r, Mapping) and r.get("verifying") is False
+                       else f"closed no session {self.session!r} (was it restarted?)")
+                raise RefitProtocolError(f"worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} {why}")
             man = from_wire(data)
             self.manifests.append(man)
-            reports.append(compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
-                                           sender_problems=held, undigested=undigested))
+            rep = compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
+                                  sender_problems=held, undigested=undigested)
+            why = verdicts.failed(man.unchanged_since) if rep.unchanged and not (rep.sender or rep.receiver) else None
+            if why is not None:  # an empty partial refit vouches only for the state the last session left
+                rep = dataclasses.replace(rep, problems=(*rep.problems, f"this partial refit wrote nothing, and the state it "
+                                                         f"found is what session {man.unchanged_since} left, which {why} in this trainer"))
+            reports.append(rep)
         self.reports = reports
         ok = all(r.ok for r in reports)
         verdicts.record(self.session, ok)

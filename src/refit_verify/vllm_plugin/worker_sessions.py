@@ -7,8 +7,8 @@ worker, attached once its models are loaded, and the session methods reached thr
   in-process worker of ``distributed_executor_backend="external_launcher"`` (TRL colocate).
 * ``Worker.reload_weights`` is wrapped so that loads from disk outside a session are reported as
   such (``Unsessioned.where == "reload_weights"``).
-* Worker methods ``refit_verify_session_open`` / ``_close`` / ``_manifest`` (added to
-  ``WorkerBase`` by ``register()``).
+* Worker methods ``refit_verify_session_open`` / ``_close`` / ``_manifest``, ``refit_verify_engine_state``,
+  ``refit_verify_audit`` and ``refit_verify_certificate`` (added to ``WorkerBase`` by ``register()``).
 
 A worker whose ``REFIT_VERIFY`` is ``off`` gets no boundary: its methods answer ``verifying: False``.
 """
@@ -32,7 +32,7 @@ from refit_verify.vllm_plugin import shims
 logger = logging.getLogger("refit_verify")
 
 METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest",
-           "refit_verify_engine_state", "refit_verify_audit")
+           "refit_verify_engine_state", "refit_verify_audit", "refit_verify_certificate")
 _ATTR = "_refit_verify_boundary"
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> WorkerBoundary
 
@@ -306,3 +306,18 @@ def refit_verify_audit(self) -> dict[str, Any]:
         return _not_verifying(self)
     res = wb.audit("rpc")
     return {"rank": wb.identity.rank, "verifying": True, "audit": to_text(res) if res is not None else None}
+
+
+def refit_verify_certificate(self) -> dict[str, Any]:
+    """Say which weight version this worker holds and whether its engine still holds what the last
+    session's close left (the engine state is digested again now).
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``certificate`` (a :class:`~refit_verify.manifest.Certificate`
+        as JSON text; its ``verified`` is None: the trainer knows the verdict), or ``reason`` when
+        not verifying.
+    """
+    wb = getattr(self, _ATTR, None)
+    if wb is None:
+        return _not_verifying(self)
+    return {"rank": wb.identity.rank, "verifying": True, "certificate": to_text(wb.certificate())}

@@ -1,0 +1,107 @@
+"""A worker's close records what its engine holds (state digest, close time, what a partial refit
+left unchanged) and its certificate says whether the engine still holds it. No vLLM needed: a
+WorkerBoundary around the toy model (tests/support/toy_model.py), as the plugin wires it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refit_verify.digest.batch import digest_tensors
+from refit_verify.manifest import Certificate, from_wire
+from refit_verify.vllm_plugin import worker_sessions as sessions
+from tests.support.toy_model import toy_weights, toy_worker
+
+
+def _full(wb, model, sid, seed, version):
+    wb.open(sid, version=version)
+    model.load_weights(list(toy_weights(seed).items()))
+    return wb.close(sid)
+
+
+def test_the_close_records_the_state_digest_and_when():
+    _, wb, model = toy_worker()
+    before = time.time()
+    man = _full(wb, model, "s1", 1, 1)
+    assert man.state_digest == wb.baseline.state_digest() and len(man.state_digest) == 32
+    assert before <= man.closed_at <= time.time()
+    assert man.unchanged == 0 and man.unchanged_since is None  # a first session: nothing earlier to compare with
+    again = _full(wb, model, "s2", 1, 2)  # the same bytes: the same state
+    assert again.state_digest == man.state_digest
+    other = _full(wb, model, "s3", 2, 3)
+    assert other.state_digest != man.state_digest
+
+
+def test_a_partial_close_counts_the_parameters_it_found_unchanged():
+    _, wb, model = toy_worker()
+    _full(wb, model, "s1", 1, 1)
+    wb.open("p", version=2, partial=True)
+    model.load_weights([("norm", toy_weights(5)["norm"])])
+    man = wb.close("p")
+    assert (man.unchanged, man.unchanged_since) == (2, "s1")  # qkv_proj and embed, not the norm it wrote
+    wb.open("e", version=3, partial=True)  # nothing written
+    man = wb.close("e")
+    assert (man.unchanged, man.unchanged_since, man.audits) == (3, "p", [])
+    with torch.no_grad():
+        model.embed[0, 0] += 1  # changed outside any load
+    wb.open("e2", version=4, partial=True)
+    man = wb.close("e2")
+    assert man.unchanged == 2 and [a.changed for a in man.audits] == [["embed"]]
+
+
+def test_a_certificate_holds_until_the_engine_state_changes():
+    worker, wb, model = toy_worker()
+    first = from_wire(sessions.refit_verify_certificate(worker)["certificate"], Certificate)
+    assert first.session is None and not first.current and not first.ok
+    assert first.problems == ["no refit session has closed on this worker: it holds the weights it was started with, never verified"]
+    man = _full(wb, model, "s1", 1, 7)
+    out = sessions.refit_verify_certificate(worker)
+    assert (out["rank"], out["verifying"]) == (0, True)
+    c = from_wire(out["certificate"], Certificate)
+    assert (c.session, c.version, c.closed_at, c.state_digest) == ("s1", 7, man.closed_at, man.state_digest)
+    assert c.current and c.current_digest == man.state_digest and c.problems == [] and c.unseen == []
+    assert c.verified is None and not c.ok  # the worker does not know the trainer's verdict
+    with torch.no_grad():
+        model.norm[0] += 1
+    c = wb.certificate()
+    assert not c.current and c.current_digest != c.state_digest and c.state_digest == man.state_digest
+    assert c.problems == ["the engine's state changed after session 's1' closed (audit (certificate) of worker rank 0 (dp 0, "
+                          "tp 0, pp 0, cpu) failed since session s1 (version 7): 1 changed: norm)"]
+    with torch.no_grad():
+        model.norm[0] -= 1  # the same bytes again (same storage): current again
+    assert wb.certificate().current
+    wb.open("s2", version=8)
+    c = wb.certificate()
+    assert not c.current and c.problems == ["refit session 's2' is open: the engine is being refitted"]
+    wb.close("s2")
+
+
+def test_a_certificate_after_a_failed_snapshot_is_not_current(monkeypatch):
+    _, wb, model = toy_worker()
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+
+    good = wb.snapshotter
+    wb.snapshotter = broken
+    wb.open("s1", version=1)
+    model.load_weights(list(toy_weights(1).items()))
+    man = wb.close("s1")
+    assert man.state_digest is None and any("snapshot failed" in e for e in man.errors)
+    wb.snapshotter = good
+    c = wb.certificate()
+    assert not c.current and c.state_digest is None
+    assert c.problems == ["the engine-state snapshot at the close of session 's1' failed: there is nothing to compare the engine with"]
+
+
+def test_the_certificate_digest_covers_every_tensor_in_a_stable_order():
+    _, wb, model = toy_worker()
+    _full(wb, model, "s1", 3, 1)
+    snap = wb.state()
+    reordered = type(snap)(worker=snap.worker, session=snap.session, version=snap.version,
+                           params=dict(reversed(list(snap.params.items()))), buffers=snap.buffers)
+    assert reordered.state_digest() == snap.state_digest()
+    assert snap.state_digest() == wb.last.state_digest
+    assert set(digest_tensors((n, p.detach()) for n, p in model.named_parameters()).values()) == {
+        t.digest for t in snap.params.values()}
