@@ -45,6 +45,8 @@ _EXPORTS = {
     "RefitTimeoutError": "refit_verify.errors",
     "RefitVerificationError": "refit_verify.errors",
     "RefitVerifyError": "refit_verify.errors",
+    "SelftestError": "refit_verify.errors",
+    "SelftestResult": "refit_verify.trainer.selftest",
     "SessionManifest": "refit_verify.manifest",
     "ShardLayoutError": "refit_verify.errors",
     "VerificationReport": "refit_verify.report",
@@ -56,6 +58,7 @@ _EXPORTS = {
     "PushResult": "refit_verify.trainer.push",
     "push": "refit_verify.trainer.push",
     "refit": "refit_verify.trainer.refit",
+    "selftest": "refit_verify.trainer.selftest",
     "tensor_digest": "refit_verify.digest.batch",
 }
 
@@ -86,11 +89,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.digest.tensors import logical_bytes
     from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
                                      RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
-                                     RefitVerifyError, ReplicaDisagreement, ShardLayoutError)
+                                     RefitVerifyError, ReplicaDisagreement, SelftestError, ShardLayoutError)
     from refit_verify.manifest import Certificate, SessionManifest
     from refit_verify.report import VerificationReport
     from refit_verify.compare import compare_manifests
     from refit_verify.trainer.push import PushResult, push
+    from refit_verify.trainer.selftest import SelftestResult, selftest
     from refit_verify.transport.receiver import RefitReceiver
     from refit_verify.transport.sender import RefitSender
     from refit_verify.vllm_plugin.canary import canary

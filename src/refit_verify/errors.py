@@ -12,7 +12,8 @@ builtin, so ``except ValueError`` / ``except TimeoutError`` keep working.
 ├── ``RefitVerificationError``       (RuntimeError) manifests differ (``enforce``)
 │   └── ``BroadcastVerificationError``  ... on a receiving rank of a broadcast
 ├── ``AuditError``                   (RuntimeError) engine tensors changed since the last refit
-└── ``ReplicaDisagreement``          (RuntimeError) replicas (or a canary) hold different bytes
+├── ``ReplicaDisagreement``          (RuntimeError) replicas (or a canary) hold different bytes
+└── ``SelftestError``                (RuntimeError) the self-test against a live engine failed (``enforce``)
 
 ``RefitVerifyError`` is the former name of :class:`RefitError` (kept as an alias; it was too close to
 ``RefitVerificationError`` to be caught reliably).
@@ -216,3 +217,20 @@ class ReplicaDisagreement(RefitError, RuntimeError):
 
     def __reduce__(self):
         return type(self), (self.comparison, self.what)
+
+
+class SelftestError(RefitError, RuntimeError):
+    """:func:`refit_verify.selftest` found that verification does not work on this engine (``enforce``):
+    a worker does not verify, the clean refit did not verify, a corrupted byte was not named, or the
+    engine does not hold the clean refit's state after it.
+
+    Attributes:
+        result (SelftestResult): what was checked, what failed (``result.problems``) and the timings.
+    """
+
+    def __init__(self, result) -> None:
+        self.result = result
+        super().__init__("refit-verify selftest failed: " + "; ".join(result.problems))
+
+    def __reduce__(self):  # picklable (process pools, Ray)
+        return type(self), (self.result,)

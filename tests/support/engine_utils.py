@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,3 +75,33 @@ def settle_device_memory(timeout_s: float = 60.0, still_s: float = 3.0) -> None:
             last, since = free, time.monotonic()
         elif time.monotonic() - since >= still_s:
             return
+
+
+@contextlib.contextmanager
+def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str) -> Iterator[tuple[Any, Any, dict]]:
+    """A real vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL colocate runs
+    it) on the packaged tiny Llama with dummy weights, refit-verify's plugin registered, ``enforce``.
+    On CPU it keeps plain linear weights (tests/support/plugins.py), so every parameter can be read
+    back and loaded again.
+
+    Yields:
+        ``(llm, the worker's model, the model's HF config dict)``.
+    """
+    from tests.support.plugins import register_plain_linear
+
+    d = tiny_model_dir(tmp_path_factory)
+    if device == "cpu":
+        import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
+
+        register_plain_linear()  # in-process engine: plugins of this process apply to it
+    settle_device_memory()  # an earlier module's engine process may still be giving its memory back
+    with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
+        from refit_verify.cli.demo import start_engine
+        from refit_verify.vllm_plugin import register
+
+        register()
+        llm = start_engine(d, device)
+        worker = llm.llm_engine.model_executor.driver_worker.worker
+        yield llm, worker.get_model(), models.load_config(d)
+        del llm, worker
+        gc.collect()

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,36 +34,17 @@ import torch
 
 from refit_verify.testing import models
 
-from refit_verify.wire import staged as wire
+from refit_verify.trainer.audits import certificate
 from refit_verify.trainer.push import push as push_refit
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitConfigError, RefitVerificationError
 from refit_verify.report import VerificationReport
+from refit_verify.transport.faults import OneByteFlipSender
 from refit_verify.transport.sender import RefitSender
 
-__all__ = ["OneByteFlipSender", "push", "quiet_engine_output", "readback_names", "run_demo", "start_engine", "summarize_log"]
-
-
-class OneByteFlipSender(RefitSender):
-    """A sender that flips one byte of ``target``'s staged slot after digesting and packing it.
-
-    Demo and test utility: it models a staging slot overwritten before the receiver read it.
-    """
-
-    def __init__(self, *args, target: str, byte_index: int = 0, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.target, self.byte_index, self.flipped = target, byte_index, False
-
-    def _exchange(self, msg, staging=None):
-        if isinstance(msg, wire.Buffer) and staging is not None:
-            for e in msg.entries:
-                if e.name == self.target and e.nbytes > self.byte_index:
-                    staging[e.offset + self.byte_index] ^= 0x01
-                    self.flipped = True
-            if staging.is_cuda:
-                torch.cuda.synchronize(staging.device)
-        return super()._exchange(msg, staging)
+__all__ = ["OneByteFlipSender", "engine_up", "push", "quiet_engine_output", "readback_names", "run_demo", "run_on_engine",
+           "start_engine", "summarize_log"]
 
 
 def readback_names(weights: Mapping[str, torch.Tensor]) -> list[str]:
@@ -275,10 +256,35 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
         RefitConfigError: an option is not accepted, ``model`` has no ``config.json``, ``cuda``
             was asked for without CUDA, the log file cannot be opened.
     """
+    rcfg = RefitConfig.build(mode="enforce", buffer_bytes=buffer_bytes, timeout_s=timeout_s)  # before the engine starts
+
+    def body(console, work: Path, cfg: dict, device: str) -> bool:
+        return _run(console, work, cfg, device, seed, timeout_s, rcfg)
+
+    return run_on_engine("demo", body, model=model, device=device, log_file=log_file)
+
+
+def run_on_engine(command: str, body: Callable[[Any, Path, dict, str], bool], *, model: str | Path | None = None,
+                  device: str = "auto", log_file: str | Path | None = None) -> int:
+    """The screen of a command that starts vLLM: run ``body(console, work, cfg, device)``; return 0 only if it returned True.
+
+    ``REFIT_VERIFY=enforce`` in this process and the engine's; vLLM's log (every process) goes to
+    ``log_file`` (:func:`quiet_engine_output`), the screen shows ``body``'s lines and a summary of
+    that log. ``work`` is a fresh directory holding the model's ``config.json`` (start the engine
+    there with :func:`engine_up`), ``cfg`` that config, ``device`` ``"cpu"`` or ``"cuda"``. An
+    exception from ``body`` is shown in one line (its traceback goes to the log) and fails.
+
+    Args:
+        command: the command's name (in messages). model: directory with ``config.json`` (default:
+            the packaged tiny Llama). device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        log_file: where vLLM's full log goes (default: a new file in the temp directory).
+
+    Raises:
+        RefitConfigError: ``model`` has no ``config.json``, ``cuda`` was asked for without CUDA, the
+            log file cannot be opened (checked before the engine starts).
+    """
     from rich.console import Console
 
-    # validate every option before the engine starts (tens of seconds)
-    rcfg = RefitConfig.build(mode="enforce", buffer_bytes=buffer_bytes, timeout_s=timeout_s)
     src_dir = Path(model) if model else models.packaged_config_dir()
     if not (src_dir / "config.json").is_file():
         raise RefitConfigError(f"--model {src_dir}: no config.json there")
@@ -287,7 +293,7 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     if device == "cuda" and not torch.cuda.is_available():
         raise RefitConfigError("--device cuda: CUDA is not available")
     if log_file is None:
-        fd, name = tempfile.mkstemp(prefix="refit-verify-demo-", suffix=".log")
+        fd, name = tempfile.mkstemp(prefix=f"refit-verify-{command}-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
     else:
@@ -295,7 +301,7 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     os.environ["REFIT_VERIFY"] = VerifyMode.ENFORCE.value
     _env_defaults(device)
     cfg = models.load_config(src_dir)
-    work = Path(tempfile.mkdtemp(prefix="refit-verify-demo-"))
+    work = Path(tempfile.mkdtemp(prefix=f"refit-verify-{command}-"))
     shutil.copy(src_dir / "config.json", work / "config.json")
     ok = False
     try:
@@ -303,10 +309,10 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
             console = Console(file=screen, width=max(Console(file=screen).width, 100), highlight=False)
             console.print(f"vLLM's log (every process) goes to {log_path}", soft_wrap=True)
             try:
-                ok = _run(console, work, cfg, device, seed, timeout_s, rcfg)
+                ok = body(console, work, cfg, device)
             except Exception as e:  # noqa: BLE001 - shown in one line; the traceback goes to the log
                 traceback.print_exc()
-                console.print(f"[bold red]demo failed[/]: {type(e).__name__}: {e}")
+                console.print(f"[bold red]{command} failed[/]: {type(e).__name__}: {e}")
             summary = summarize_log(log_path)
             lv = summary["levels"]
             console.print(f"vLLM log (not shown above): {lv.get('INFO', 0)} info, {lv.get('WARNING', 0)} warning, "
@@ -320,14 +326,27 @@ def run_demo(model: str | None = None, device: str = "auto", seed: int = 1234, t
     return 0 if ok else 1
 
 
-def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: float, rcfg: RefitConfig) -> bool:
-    from rich.table import Table
-
+@contextlib.contextmanager
+def engine_up(console, work: Path, device: str) -> Iterator[Any]:
+    """Compile the digests, start vLLM on ``work`` (its ``config.json``, dummy weights) on ``device``
+    with a spinner on ``console``, yield the ``vllm.LLM``, and stop its processes after the block."""
     t0 = time.perf_counter()
     digest_tensors({"warm-up": torch.zeros(4096, dtype=torch.bfloat16, device=device)})  # one-off JIT/compile
     console.print(f"digest kernels ready in {time.perf_counter() - t0:.1f} s (first use compiles; cached after)")
     llm = start_engine(work, device, console)
     try:
+        yield llm
+    finally:
+        with console.status("[bold]stopping vLLM engine…", spinner="dots"):
+            _shutdown(llm)
+            del llm
+            gc.collect()
+
+
+def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: float, rcfg: RefitConfig) -> bool:
+    from rich.table import Table
+
+    with engine_up(console, work, device) as llm:
         weights = models.random_state_dict(cfg, seed=seed, device=device)
         options = {"timeout_s": timeout_s}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -336,6 +355,7 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
             clean, _, wall = push(llm, sender, weights, options)
             stats = dict(sender.last_stats or {})
         crep = _report_of(clean)
+        certs = certificate(llm, timeout_s=timeout_s)  # what every worker holds now, verified by this trainer or not
         clean_ok = isinstance(clean, VerificationReport) and clean.ok
 
         readback = readback_names(weights)
@@ -374,16 +394,13 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
                 by_why.setdefault(why.split(": ", 1)[0], []).append(name)
             for why, names in by_why.items():
                 console.print(f"  not coverable, {len(names)}: {why}: {', '.join(names)}")
+        for c in certs:
+            console.print(("[green]" if c.ok else "[red]") + f"certificate[/]: {c.describe()}")
         ok_held = held == len(readback)
         console.print(("[green]" if ok_held else "[red]") + f"engine parameters read directly[/]: {held} of {len(readback)} unfused "
                       "parameters (embeddings, norms, lm_head) hold the new weights")
         console.print(f"{'[green]' if fault_ok else '[red]'}faulty refit[/] (byte 777 of {target} flipped in its staged slot): "
                       f"{type(fault).__name__}: {fault}")
-        ok = clean_ok and ok_held and fault_ok
+        ok = clean_ok and ok_held and fault_ok and all(c.ok for c in certs)
         console.print("[bold green]PASS[/]" if ok else "[bold red]FAIL[/]")
         return ok
-    finally:
-        with console.status("[bold]stopping vLLM engine…", spinner="dots"):
-            _shutdown(llm)
-            del llm
-            gc.collect()

@@ -2,6 +2,9 @@
 
 ``refit-verify demo``
     a verified refit into a real vLLM engine, then one with an injected fault.
+``refit-verify selftest``
+    does verification work on this machine's vLLM? a corrupted refit must be caught, a clean one
+    verified and certified; exit 0 when so, 1 otherwise.
 ``refit-verify digest PATH [-o MANIFEST]``
     digest every tensor of a safetensors file or checkpoint directory into a manifest (JSON).
 ``refit-verify compare A B``
@@ -19,7 +22,7 @@ from pathlib import Path
 
 EXIT_EQUAL, EXIT_DIFFER, EXIT_BAD_INPUT = 0, 1, 2
 
-_NEEDS = {"demo": ("rich",), "digest": ("rich", "safetensors", "tqdm"), "compare": ("rich",)}
+_NEEDS = {"demo": ("rich",), "selftest": ("rich",), "digest": ("rich", "safetensors", "tqdm"), "compare": ("rich",)}
 
 
 def _missing(modules: tuple[str, ...]) -> list[str]:
@@ -34,6 +37,15 @@ def _missing(modules: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _engine_options(cmd: argparse.ArgumentParser, timeout: str) -> None:
+    """The options of a command that starts vLLM (``demo``, ``selftest``): model, device, seed, timeout, log file."""
+    cmd.add_argument("--model", default=None, help="directory with config.json (default: the packaged tiny Llama)")
+    cmd.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="staging device (auto: cuda if available)")
+    cmd.add_argument("--seed", type=int, default=1234, help="seed of the trainer-side random weights")
+    cmd.add_argument("--timeout", type=float, default=120.0, help=timeout)
+    cmd.add_argument("--log-file", default=None, help="where vLLM's full log goes (default: a new file in the temp directory)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="refit-verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -41,12 +53,14 @@ def _parser() -> argparse.ArgumentParser:
                        description="Start vLLM on a small config with dummy weights, push fresh weights with REFIT_VERIFY=enforce "
                                    "(refit_verify.push), show the engine's read-back, then repeat with one staged byte flipped. "
                                    "vLLM's log goes to a file named at the end. Exit 0 only if both outcomes are as expected.")
-    d.add_argument("--model", default=None, help="directory with config.json (default: the packaged tiny Llama)")
-    d.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="staging device (auto: cuda if available)")
-    d.add_argument("--seed", type=int, default=1234, help="seed of the trainer-side random weights")
-    d.add_argument("--timeout", type=float, default=120.0, help="bound on every transport wait, seconds")
+    _engine_options(d, timeout="bound on every transport wait, seconds")
     d.add_argument("--buffer-mib", type=int, default=4, help="staging budget in MiB (two ping-pong halves)")
-    d.add_argument("--log-file", default=None, help="where vLLM's full log goes (default: a new file in the temp directory)")
+    t = sub.add_parser("selftest", help="check that verification works on a real vLLM engine: a corrupted refit caught, a clean one verified",
+                       description="Start vLLM on a small config with dummy weights and run refit_verify.selftest: a refit with one "
+                                   "staged byte flipped must be refused naming that tensor, a clean refit must verify, and the "
+                                   "worker's certificate must name the clean refit's engine state. vLLM's log goes to a file named "
+                                   "at the end. Exit 0 only if every check held.")
+    _engine_options(t, timeout="bound on every wait, seconds")
     g = sub.add_parser("digest", help="digest every tensor of a safetensors file or checkpoint directory into a manifest",
                        description="Read PATH (a .safetensors file, or a directory of them with or without "
                                    "model.safetensors.index.json) with the safetensors library, digest every tensor (digest v1, "
@@ -87,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "demo":
             return _demo(p, args)
+        if args.cmd == "selftest":
+            return _selftest(p, args)
         if args.cmd == "digest":
             return _digest(args)
         if args.cmd == "compare":
@@ -106,6 +122,51 @@ def _demo(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error("--timeout must be a positive, finite number of seconds")
     return run_demo(model=args.model, device=args.device, seed=args.seed, timeout_s=args.timeout,
                     buffer_bytes=args.buffer_mib << 20, log_file=args.log_file)
+
+
+def _selftest(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Start vLLM (dummy weights) and run :func:`refit_verify.selftest` with fresh random weights of
+    the model's HF names (the engine is left holding them); the screen is the demo's
+    (:func:`refit_verify.cli.demo.run_on_engine`). Returns 0 only if it passed."""
+    from refit_verify.cli.demo import engine_up, run_on_engine
+    from refit_verify.errors import SelftestError
+    from refit_verify.testing import models
+    from refit_verify.trainer.selftest import selftest
+
+    if not (args.timeout > 0 and args.timeout < float("inf")):
+        p.error("--timeout must be a positive, finite number of seconds")
+
+    def body(console, work: Path, cfg: dict, device: str) -> bool:
+        with engine_up(console, work, device) as llm:
+            weights = models.random_state_dict(cfg, seed=args.seed, device=device)
+            try:
+                res = selftest(llm, weights, mode="enforce", timeout_s=args.timeout)
+            except SelftestError as e:
+                res = e.result
+            _show_selftest(console, res)
+            return res.passed
+
+    return run_on_engine("selftest", body, model=args.model, device=args.device, log_file=args.log_file)
+
+
+def _show_selftest(console, res) -> None:
+    """The self-test's lines: the corrupted refit, the clean one, the certificates, what failed, the verdict."""
+    t = res.timings
+    sec = lambda k: f" ({t[k]:.2f} s)" if k in t else ""  # noqa: E731
+    if "corrupted" in t:
+        verdict = f"[green]caught[/], named {res.caught}" if res.caught else "[red]NOT caught as expected[/]"
+        console.print(f"corrupted refit: byte {res.byte_index} of {res.target} flipped after the sender digested it: {verdict}"
+                      + sec("corrupted"), soft_wrap=True)
+    rep = res.report
+    if rep is not None and rep.ok:
+        console.print(f"[green]clean refit[/]: {rep.verified} tensors verified at the model boundary on {rep.worker}{sec('clean')}",
+                      soft_wrap=True)
+    for c in res.certificates:
+        console.print(("[green]" if c.ok else "[red]") + f"certificate[/]: {c.describe()}", soft_wrap=True)
+    for problem in res.problems:
+        console.print(f"[red]problem[/]: {problem}", soft_wrap=True)
+    total = f" in {t['total']:.2f} s" if "total" in t else ""
+    console.print(f"[bold green]PASS[/]: selftest{total}" if res.passed else f"[bold red]FAIL[/]: selftest{total}")
 
 
 def _digest(args: argparse.Namespace) -> int:

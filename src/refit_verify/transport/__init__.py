@@ -10,7 +10,7 @@ A sender-side exception sends ``Abort`` so the receiver stops at once; every wai
 is bounded.
 
 Modules: :mod:`.guard` (endpoints, exclusive binds, peer checks), :mod:`.sender` (with :mod:`.send_state`),
-:mod:`.receiver`;
+:mod:`.receiver`, :mod:`.faults` (a sender that corrupts a staged byte on purpose, for self-tests);
 the packing and entry checks shared with the broadcast path are :mod:`refit_verify.stream.unpack`, the
 messages :mod:`refit_verify.wire.staged`. Layout, message sequence and invariants follow NeMo-RL's
 colocated ZMQ + CUDA-IPC refit; see ``docs/protocol.md``.
@@ -21,6 +21,7 @@ from refit_verify._lazy import face
 _EXPORTS = {
     "ABORT_WAIT_S": "refit_verify.transport.sender",
     "LAST_WORDS_S": "refit_verify.transport.guard",
+    "OneByteFlipSender": "refit_verify.transport.faults",
     "RECONNECT_IVL_MS": "refit_verify.transport.receiver",
     "ReceiveResult": "refit_verify.transport.receiver",
     "RefitReceiver": "refit_verify.transport.receiver",
