@@ -73,6 +73,11 @@ def test_an_engine_that_does_not_verify_fails_the_selftest_before_any_refit(capl
     assert not res.passed and f"refit-verify selftest FAILED: {says}" in caplog.text
 
 
+def test_an_engine_that_reaches_no_workers_is_refused():
+    with pytest.raises(RefitConfigError, match="refit-verify cannot reach the vLLM workers through object"):
+        refit_verify.selftest(object(), W, mode="log")
+
+
 def test_an_engine_of_several_workers_is_refused():
     w = {"rank": 0, "verifying": True, "manifest": None, "open": None}
     with pytest.raises(RefitConfigError, match="serves an engine of one worker; this engine has 2"):

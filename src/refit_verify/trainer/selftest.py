@@ -134,8 +134,9 @@ class _Run:
 
     def workers_verify(self) -> bool:
         """Every worker verifies and has no session open; the engine has one worker (what push serves)."""
-        answers, done = self._step("workers", "asking the engine's workers whether they verify", lambda: require_channel(
-            self.engine).call("refit_verify_session_manifest", timeout_s=self.timeout_s))
+        ch = require_channel(self.engine)  # an engine that reaches no workers is bad input, raised as it is
+        answers, done = self._step("workers", "asking the engine's workers whether they verify",
+                                   lambda: ch.call("refit_verify_session_manifest", timeout_s=self.timeout_s))
         if not done:
             return False
         self.workers = len(answers)
