@@ -237,3 +237,15 @@ def test_the_readmes_map_of_the_code_matches_the_tree():
     parts = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     parts |= {p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_")}
     assert named == parts
+
+
+def test_no_lazy_export_shares_its_name_with_a_submodule():
+    """``from pkg import name`` returns the submodule once it is imported, shadowing a lazy export of
+    the same name: every face's names differ from its package's module names."""
+    for m, p in MODULES.items():
+        if p.name != "__init__.py" or "face(" not in p.read_text():
+            continue
+        exports = ast.literal_eval(next(n.value for n in ast.parse(p.read_text()).body
+                                        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_EXPORTS"))
+        subs = {q.stem for q in p.parent.glob("*.py")} | {q.name for q in p.parent.iterdir() if (q / "__init__.py").exists()}
+        assert set(exports) & subs == set(), m

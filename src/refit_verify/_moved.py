@@ -47,7 +47,7 @@ MOVED = {
     "refit_verify.trainer_digests": "refit_verify.trainer.exports",
     "refit_verify.vllm_plugin.native": "refit_verify.vllm_plugin.native_trainer",
     "refit_verify.vllm_plugin.sessions": "refit_verify.vllm_plugin.worker_sessions",
-    "refit_verify.vllm_plugin.trainer": "refit_verify.vllm_plugin.broadcast_group",
+    "refit_verify.vllm_plugin.trainer": "refit_verify.vllm_plugin.broadcast_trainer",
     "refit_verify.vllm_plugin.worker": "refit_verify.vllm_plugin.worker_methods",
     "refit_verify.write_regions": "refit_verify.boundary.regions",
 }

@@ -23,7 +23,7 @@ pytest.importorskip("rich")
 from refit_verify import tensor_digest  # noqa: E402
 from refit_verify.cli.checkpoint import (CheckpointManifest, compare, decode_manifest, digest_checkpoint, encode_manifest,  # noqa: E402
                                      load_manifest, read_manifest)
-from refit_verify.cli.main import main  # noqa: E402
+from refit_verify.cli.commands import main  # noqa: E402
 from refit_verify.digest.batch import logical_bytes  # noqa: E402
 from refit_verify.errors import RefitConfigError  # noqa: E402
 from refit_verify.manifest import ModuleManifest, SessionManifest, WorkerIdentity, to_wire  # noqa: E402
@@ -303,7 +303,7 @@ def test_missing_cli_extra_prints_install_hint(tmp_path, capsys, monkeypatch):
 def test_console_script_digest_to_stdout(tmp_path, ckpt, weights):
     """The installed ``refit-verify`` script: ``-o -`` writes the manifest JSON to stdout, the summary to stderr."""
     exe = Path(sys.executable).with_name("refit-verify")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_verify.cli.main"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_verify.cli.commands"]
     p = subprocess.run([*cmd, "digest", str(ckpt), "-o", "-"], capture_output=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert p.returncode == 0, p.stderr
     m = decode_manifest(p.stdout)

@@ -29,7 +29,7 @@ VLLM_LINE = re.compile(r"\b(INFO|WARNING|DEBUG)\b|\[\w+\.py:\d+\]")  # vLLM's re
 def demo(tmp_path_factory):
     log = tmp_path_factory.mktemp("demo") / "vllm.log"
     exe = Path(sys.executable).with_name("refit-verify")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_verify.cli.main"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "refit_verify.cli.commands"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING", "REFIT_VERIFY"))}
     p = subprocess.run([*cmd, "demo", "--log-file", str(log)], capture_output=True, text=True, timeout=400, env={**env, "COLUMNS": "100"})
     return p, log

@@ -443,7 +443,9 @@ eng.finish_weight_update()
 worker = types.SimpleNamespace(weight_transfer_engine=eng, rank=0)
 print(json.dumps({
     "unchanged": {k: o.__dict__[a] is before[k] for k, (o, a) in labels.items()},
-    "meta_path_unchanged": sys.meta_path == meta_path,
+    # the plugin's import hooks only: refit_verify's own alias finder for its old module paths
+    # (refit_verify._moved, installed by `import refit_verify` in every mode) answers no vLLM import
+    "meta_path_unchanged": [f for f in sys.meta_path if type(f).__module__ != "refit_verify._moved"] == meta_path,
     "engine_overrides": sorted(k for k in vars(eng) if "weight" in k or k.startswith("_refit")),
     "hooked_during_update": hooked, "hooked_after": "load_weights" in vars(model),
     "digested": digested, "loaded": torch.equal(model.got[0][0][1], t), "status": native.status(),

@@ -165,7 +165,7 @@ def test_selftest_raises_when_a_corruption_goes_unnoticed(engine, monkeypatch, c
 def test_the_selftest_command_on_this_engine(engine, monkeypatch, capfd, tmp_path):
     """``refit-verify selftest`` (its engine start replaced by this module's engine)."""
     from refit_verify.cli import demo
-    from refit_verify.cli.main import main
+    from refit_verify.cli.commands import main
 
     llm, model, cfg = engine
     monkeypatch.setattr(demo, "start_engine", lambda *a, **k: llm)

@@ -8,11 +8,14 @@ process) and applies the patches listed, with why and when to remove each, in
 
 Layout, by side:
 
-* worker: :mod:`.sessions` (the model boundary of each worker and the session methods),
-  :mod:`.worker` (receivers of our transport and broadcast path), :mod:`.native_worker` (vLLM's
-  native weight-transfer updates as sessions);
-* trainer: :mod:`.native` (native API senders), :mod:`.trainer` (:func:`broadcast_group`);
-* versions: :mod:`.shims` (detection, patch machinery, per-version accessors), :mod:`.patches`.
+* worker: :mod:`.worker_sessions` (the model boundary of each worker and the session methods),
+  :mod:`.worker_methods` (receivers of our transport and broadcast path), :mod:`.worker_copies` (the
+  layerwise reload's copies and their pools), :mod:`.native_worker` (vLLM's
+  native weight-transfer updates as sessions), :mod:`.worker_warmup` (the digest kernels compiled
+  in the background once the worker's device is set);
+* trainer: :mod:`.native_trainer` and :mod:`.native_sender` (native API senders), :mod:`.broadcast_trainer` (:func:`broadcast_group`);
+* versions: :mod:`.shims` (detection, patch machinery, per-version accessors), :mod:`.patches`;
+  :mod:`.rpc_names` (the worker methods' names both sides use).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ SUPPORTED = ((0, 24), (0, 34))
 
 from refit_verify._lazy import face  # noqa: E402
 
-_EXPORTS = {"DEFAULT_GROUP_TIMEOUT_S": "refit_verify.vllm_plugin.broadcast_group",
-            "broadcast_group": "refit_verify.vllm_plugin.broadcast_group"}
+_EXPORTS = {"DEFAULT_GROUP_TIMEOUT_S": "refit_verify.vllm_plugin.broadcast_trainer",
+            "broadcast_group": "refit_verify.vllm_plugin.broadcast_trainer"}
 __all__ = ["DEFAULT_GROUP_TIMEOUT_S", "SUPPORTED", "broadcast_group", "register"]
 __getattr__, __dir__ = face(__name__, _EXPORTS)
 
@@ -34,13 +37,13 @@ def register() -> None:
     Raises:
         RefitConfigError: ``REFIT_VERIFY`` holds a value other than ``off``, ``log``, ``enforce``, or
             ``REFIT_VERIFY_REPLAY`` one other than ``0``, ``1``, or ``REFIT_VERIFY_CUDA_GRAPHS`` one that
-            is neither on, ``force`` nor off, or ``REFIT_VERIFY_DIRECT_LAUNCH`` one neither on nor off
-            (checked here, as the engine starts, so a bad value never reaches a session open inside
-            vLLM's own weight update).
+            is neither on, ``force`` nor off, or ``REFIT_VERIFY_DIRECT_LAUNCH`` or ``REFIT_VERIFY_WARMUP``
+            one neither on nor off (checked here, as the engine starts, so a bad value never reaches a
+            session open inside vLLM's own weight update).
         RuntimeError: verification is requested and this vLLM has no v1 ``WorkerBase`` (older than
             the supported range).
     """
-    from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, mode_from_env
+    from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, check_warmup_env, mode_from_env
     from refit_verify.vllm_plugin import patches, shims
 
     from refit_verify.boundary.plan import replay_from_env
@@ -49,6 +52,7 @@ def register() -> None:
     replay_from_env()
     check_cuda_graphs_env()
     check_direct_launch_env()
+    check_warmup_env()
     try:
         import vllm.v1.worker.worker_base  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the installed vLLM

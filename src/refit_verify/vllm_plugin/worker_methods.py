@@ -14,7 +14,7 @@ from typing import Any
 
 from refit_verify.manifest import digest_map_text
 from refit_verify.vllm_plugin import worker_sessions as sessions, shims
-from refit_verify.vllm_plugin.broadcast_group import DEFAULT_GROUP_TIMEOUT_S
+from refit_verify.vllm_plugin.broadcast_trainer import DEFAULT_GROUP_TIMEOUT_S
 from refit_verify.vllm_plugin.worker_copies import owned_copies
 
 METHODS = ("refit_verify_receive", "refit_verify_param_digests", "refit_verify_broadcast_init",
@@ -134,7 +134,7 @@ def refit_verify_broadcast_init(self, host: str, port: int, world_size: int, ran
     import torch
 
     from refit_verify.errors import RefitConfigError
-    from refit_verify.vllm_plugin.broadcast_group import broadcast_group
+    from refit_verify.vllm_plugin.broadcast_trainer import broadcast_group
 
     if getattr(self, _BCAST_ATTR, None) is not None:
         raise RefitConfigError(f"refit_verify_broadcast_init: worker rank {self.rank} already joined a broadcast group; "
