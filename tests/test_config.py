@@ -103,13 +103,16 @@ def test_a_cuda_graphs_value_that_means_nothing_is_refused_at_register(value):
 
 
 @pytest.mark.parametrize("value", ["of", "2", "enforce", "never"])
-def test_a_direct_launch_value_that_means_nothing_is_refused_at_register(value):
-    from refit_verify.config import check_direct_launch_env, direct_launch_enabled
+@pytest.mark.parametrize("var, check, enabled", [("REFIT_VERIFY_DIRECT_LAUNCH", "check_direct_launch_env", "direct_launch_enabled"),
+                                                 ("REFIT_VERIFY_WARMUP", "check_warmup_env", "warmup_enabled")])
+def test_an_on_off_switch_value_that_means_nothing_is_refused_at_register(value, var, check, enabled):
+    from refit_verify import config
 
-    with pytest.raises(RefitConfigError, match=f"REFIT_VERIFY_DIRECT_LAUNCH='{value}' is not accepted"):
-        check_direct_launch_env({"REFIT_VERIFY_DIRECT_LAUNCH": value})
+    check, enabled = getattr(config, check), getattr(config, enabled)
+    with pytest.raises(RefitConfigError, match=f"{var}='{value}' is not accepted"):
+        check({var: value})
     for ok, on in (("", True), ("1", True), ("Yes", True), (" on ", True), ("0", False), ("OFF", False), ("no", False)):
-        check_direct_launch_env({"REFIT_VERIFY_DIRECT_LAUNCH": ok})
-        assert direct_launch_enabled({"REFIT_VERIFY_DIRECT_LAUNCH": ok}) is on
-    check_direct_launch_env({})
-    assert direct_launch_enabled({}) is True
+        check({var: ok})
+        assert enabled({var: ok}) is on
+    check({})
+    assert enabled({}) is True

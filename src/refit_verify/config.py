@@ -100,25 +100,60 @@ Triton's JIT dispatch at every run, never straight through their compiled kernel
 (:mod:`refit_verify.digest.kernels.direct`; on by default). Read at each run."""
 
 
-_DIRECT_ON, _DIRECT_OFF = ("", "1", "true", "on", "yes"), ("0", "false", "off", "no")
+WARMUP_ENV_VAR = "REFIT_VERIFY_WARMUP"
+"""``0`` / ``false`` / ``off`` / ``no`` in a process's environment: no background digest warm-up
+(:func:`refit_verify.digest.backends.start_warmup`) when a vLLM worker loads its model or a trainer
+starts a refit; the first refit then compiles the digests itself. On by default; read at each start."""
+
+_SWITCH_ON, _SWITCH_OFF = ("", "1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _switched_on(var: str, environ: Mapping[str, str] | None) -> bool:
+    """False iff ``var`` is ``0`` / ``false`` / ``off`` / ``no`` (stripped, any case) in ``environ`` (default ``os.environ``)."""
+    return (os.environ if environ is None else environ).get(var, "").strip().lower() not in _SWITCH_OFF
+
+
+def _check_switch(var: str, environ: Mapping[str, str] | None) -> None:
+    """Refuse a value of on-by-default switch ``var`` that means neither on nor off (a misspelt ``off``
+    would otherwise read as on).
+
+    Raises:
+        RefitConfigError: any value other than ``1`` / ``true`` / ``on`` / ``yes``, ``0`` / ``false`` / ``off`` / ``no`` or unset.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(var, "").strip().lower() not in (*_SWITCH_ON, *_SWITCH_OFF):
+        raise RefitConfigError(f"{var}={env[var]!r} is not accepted; accepted values: "
+                               "1 / true / on / yes or unset (on, the default), 0 / false / off / no")
 
 
 def direct_launch_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False iff :data:`DIRECT_LAUNCH_ENV_VAR` is ``0`` / ``false`` / ``off`` / ``no`` (read at each call)."""
-    return (os.environ if environ is None else environ).get(DIRECT_LAUNCH_ENV_VAR, "").strip().lower() not in _DIRECT_OFF
+    return _switched_on(DIRECT_LAUNCH_ENV_VAR, environ)
 
 
 def check_direct_launch_env(environ: Mapping[str, str] | None = None) -> None:
-    """Refuse a :data:`DIRECT_LAUNCH_ENV_VAR` value that means neither on nor off (a misspelt ``off``
-    would otherwise read as on). The plugin's ``register()`` calls it as the engine starts.
+    """Refuse a :data:`DIRECT_LAUNCH_ENV_VAR` value that means neither on nor off. The plugin's
+    ``register()`` calls it as the engine starts.
 
     Raises:
         RefitConfigError: any other value.
     """
-    env = os.environ if environ is None else environ
-    if env.get(DIRECT_LAUNCH_ENV_VAR, "").strip().lower() not in (*_DIRECT_ON, *_DIRECT_OFF):
-        raise RefitConfigError(f"{DIRECT_LAUNCH_ENV_VAR}={env[DIRECT_LAUNCH_ENV_VAR]!r} is not accepted; accepted values: "
-                               "1 / true / on / yes or unset (on, the default), 0 / false / off / no")
+    _check_switch(DIRECT_LAUNCH_ENV_VAR, environ)
+
+
+def warmup_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False iff :data:`WARMUP_ENV_VAR` is ``0`` / ``false`` / ``off`` / ``no`` (read at each call)."""
+    return _switched_on(WARMUP_ENV_VAR, environ)
+
+
+def check_warmup_env(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a :data:`WARMUP_ENV_VAR` value that means neither on nor off. The plugin's ``register()``
+    calls it as the engine starts.
+
+    Raises:
+        RefitConfigError: any other value.
+    """
+    _check_switch(WARMUP_ENV_VAR, environ)
 
 
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
