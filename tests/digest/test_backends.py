@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import logging
 import sys
+import threading
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from refit_verify.digest import _torch as _torch_digest
 from refit_verify.digest import backends
 from refit_verify.digest import batch as digest
 from refit_verify.digest import reference
+from tests.support.warmups import forget_warmups
 
 nd = pytest.importorskip("refit_verify.digest._numba")
 
@@ -87,6 +89,7 @@ def test_numba_missing_falls_back_to_torch_once(fresh_choice, monkeypatch, caplo
     want = _reference(named)
     monkeypatch.setitem(sys.modules, "refit_verify.digest._numba", None)  # import now fails
     monkeypatch.delattr(refit_verify, "_numba_digest", raising=False)
+    monkeypatch.delattr(sys.modules["refit_verify.digest"], "_numba", raising=False)  # imported by an earlier test
     calls = []
     real = _torch_digest.digest_words
     monkeypatch.setattr(_torch_digest, "digest_words", lambda u8, seeds: calls.append(u8.numel()) or real(u8, seeds))
@@ -138,3 +141,128 @@ def test_other_device_types_take_torch_quietly(fresh_choice, caplog) -> None:
         b = backends.choose("xpu", False)
     assert (b.name, b.fallback_reason) == ("torch", None)
     assert not caplog.records
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+@pytest.fixture
+def fresh_warmups(monkeypatch: pytest.MonkeyPatch) -> None:
+    forget_warmups(monkeypatch)
+
+
+def test_the_cpu_warmup_leaves_numbas_functions_compiled() -> None:
+    """In a fresh process: nothing compiled before, every function the CPU digests call compiled after."""
+    import subprocess
+
+    code = ("from refit_verify.digest import _numba as nd, _numba_many as nm, backends\n"
+            "fns = (nd.digest_lanes, nm.digest_many)\n"
+            "before = [len(f.signatures) for f in fns]\n"
+            "backends.warmup_cpu()\n"
+            "print(before, [len(f.signatures) for f in fns])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split("\n")[0] == "[0, 0] [1, 1]", out
+
+
+def test_a_digest_that_comes_during_the_warmup_waits_for_it(fresh_warmups, monkeypatch) -> None:
+    """The warm-up is held by an Event; a digest started meanwhile blocks in choose() until it ends."""
+    started, release, waiting = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def held_warmup():
+        started.set()
+        assert release.wait(30)
+        order.append("warm-up done")
+
+    real_wait = backends.wait_for_warmup
+
+    def wait(device_type, timeout_s=None):
+        waiting.set()
+        real_wait(device_type, timeout_s)
+
+    monkeypatch.setattr(backends, "warmup_cpu", held_warmup)
+    monkeypatch.setattr(backends, "wait_for_warmup", wait)
+    w = backends.start_warmup("cpu")
+    assert w is not None and w.device == torch.device("cpu") and started.wait(30)
+    t = torch.arange(100, dtype=torch.int16)
+    got: list[str] = []
+    th = threading.Thread(target=lambda: (got.append(tensor_digest(t)), order.append("digest")))
+    th.start()
+    assert waiting.wait(30)  # the digest reached the warm-up's gate ...
+    assert th.is_alive() and order == []  # ... and stays there
+    release.set()
+    th.join(30)
+    assert order == ["warm-up done", "digest"] and got == [_reference([("t", t)])["t"]]
+    assert w.done.is_set() and w.error is None and w.backend == "numba" and backends._WARMING == {}
+    assert backends.start_warmup("cpu") is w  # once per device per process
+
+
+def test_a_failing_warmup_is_logged_once_and_digests_still_work(fresh_warmups, monkeypatch, caplog) -> None:
+    def broken():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(backends, "warmup_cpu", broken)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        w = backends.start_warmup("cpu")
+        assert w.done.wait(30)
+        assert backends.start_warmup("cpu") is w  # not retried, not logged again
+        t = torch.arange(50, dtype=torch.float32)
+        assert tensor_digest(t) == _reference([("t", t)])["t"]
+    assert isinstance(w.error, RuntimeError)
+    assert [r.getMessage() for r in caplog.records] == [
+        "refit-verify: the digest warm-up on cpu failed (RuntimeError: no compiler here); the first refit compiles the digests itself"]
+
+
+def test_a_warmup_that_outlasts_its_bound_is_waited_for_no_more(fresh_warmups, monkeypatch, caplog) -> None:
+    release = threading.Event()
+    monkeypatch.setattr(backends, "warmup_cpu", lambda: release.wait(30))
+    w = backends.start_warmup("cpu")
+    try:
+        with caplog.at_level(logging.WARNING, logger="refit_verify"):
+            backends.wait_for_warmup("cpu", timeout_s=0)
+            backends.wait_for_warmup("cpu", timeout_s=0)
+        assert backends._WARMING == {} and not w.done.is_set()
+        assert [r.getMessage() for r in caplog.records] == [
+            "refit-verify: the digest warm-up on cpu still runs after 0 s; digests no longer wait for it"]
+    finally:
+        release.set()
+    assert w.done.wait(30)
+
+
+def test_no_warmup_when_switched_off_and_none_after_one_in_the_callers_thread(fresh_warmups, monkeypatch) -> None:
+    monkeypatch.setenv("REFIT_VERIFY_WARMUP", "0")
+    assert backends.start_warmup("cpu") is None and backends._WARMUPS == {}
+    monkeypatch.delenv("REFIT_VERIFY_WARMUP")
+    assert backends.warmup("cpu") == "numba"
+    w = backends.start_warmup("cpu")
+    assert w.done.is_set() and w.thread is None and backends._WARMING == {}
+
+
+def test_the_kernel_warmup_takes_every_launch_of_a_run(fresh_warmups, monkeypatch) -> None:
+    """The views the kernel warm-up runs need the fast leaf, general leaf, upper and chain launches
+    (each a Triton specialisation of its own; none specialises on a view's address or length)."""
+    kd = pytest.importorskip("refit_verify.digest.kernels.launch")
+    if not kd._INTERPRETED:
+        pytest.skip("CPU views need TRITON_INTERPRET=1 (CUDA: tests/gpu)")
+    from refit_verify.digest.kernels import _leaf, _upper
+
+    ran = []
+
+    def run_plan(p):
+        work = torch.empty(1, dtype=torch.int64)
+        ran.append({la.fn for la in kd._launches(p, work, torch.empty((p.V, 2), dtype=torch.int64))})
+        return torch.zeros((p.V, 2), dtype=torch.int64)
+
+    monkeypatch.setattr(kd, "run_plan", run_plan)
+    monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    assert backends.warmup("cpu") == "triton"
+    assert ran == [{_leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel}]
+
+
+def test_a_gpu_warmup_warms_the_cpu_digests_too(fresh_warmups, monkeypatch) -> None:
+    """A GPU worker digests host tensors too (the read-back's): its warm-up starts the CPU's, each in a thread of its own."""
+    warmed = []
+    monkeypatch.setattr(backends, "warmup", lambda device=None: warmed.append(str(device)) or "stub")
+    w = backends.start_warmup("cuda:0")
+    assert w.done.wait(30) and backends._WARMUPS["cpu"].done.wait(30)
+    assert sorted(warmed) == ["cpu", "cuda:0"] and backends.start_warmup("cuda:0") is w

@@ -15,13 +15,21 @@ WARNING (logger ``refit_verify``) naming the reason and the speed cost. The numb
 accepted only after it digests a small probe equal to the reference (so a broken JIT, a read-only
 cache or a miscompile falls back loudly instead of failing or lying per tensor).
 
+Warm-up: :func:`warmup` compiles (or loads from the on-disk caches) and runs once every digest
+kernel a refit runs on a device; :func:`start_warmup` does it in a background thread, once per
+device per process (the vLLM plugin starts it when a worker's device is set, the trainer API at its
+first refit). Meanwhile :func:`choose` makes a digest of that device type wait for it (at most
+:data:`WARMUP_WAIT_S`) instead of compiling alongside it.
+
 Source: ``docs/digest-spec.md`` Appendix B.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +39,8 @@ import torch
 
 from refit_verify.digest import reference as _ref
 
-__all__ = ["Backend", "backend_for", "choose", "cpu_backend", "hexes", "hexes_many", "warmup_cpu"]
+__all__ = ["Backend", "Warmup", "backend_for", "choose", "cpu_backend", "hexes", "hexes_many", "start_warmup",
+           "wait_for_warmup", "warmup", "warmup_cpu"]
 
 logger = logging.getLogger("refit_verify")
 
@@ -94,7 +103,12 @@ def choose(device_type: str, kernel: bool) -> Backend:
         Backend: ``triton`` for kernel device types (``torch`` if the kernels cannot be imported),
         ``numba`` for ``"cpu"`` (``torch`` if numba is missing or fails its probe), ``torch`` for
         any other device type. Each fallback logs one WARNING.
+
+    While a warm-up of ``device_type`` runs in another thread (:func:`start_warmup`), the call
+    first waits for it (:func:`wait_for_warmup`).
     """
+    if _WARMING:  # a warm-up in progress (start_warmup): wait for it rather than compile alongside it
+        wait_for_warmup(device_type)
     key = (device_type, kernel)
     b = _CHOSEN.get(key)
     if b is None:
@@ -166,6 +180,184 @@ def warmup_cpu() -> None:
         nd.digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
     z = torch.zeros(16, dtype=torch.uint8)
     nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
+
+
+WARMUP_WAIT_S = 120.0
+"""Seconds a digest waits for a warm-up of its device type in progress before it goes on without it
+(compiling what it needs itself; logged once per warm-up)."""
+
+
+class Warmup:
+    """One device's warm-up (:func:`warmup`) in a background thread, started by :func:`start_warmup`.
+
+    Attributes:
+        device: the device warmed. thread: the daemon thread running it (None: :func:`warmup` ran
+            in its caller's thread).
+        done: a ``threading.Event`` set when the warm-up ended, finished or failed.
+        backend: the backend's name once finished (``"triton"``, ``"numba"``, ``"torch"``), else None.
+        error: the exception it raised (logged once), else None. seconds: how long it ran, once done.
+    """
+
+    __slots__ = ("device", "thread", "done", "backend", "error", "seconds")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.done = device, threading.Event()
+        self.thread: threading.Thread | None = None
+        self.backend: str | None = None
+        self.error: Exception | None = None
+        self.seconds: float | None = None
+
+
+_WARMUPS: dict[str, Warmup] = {}  # str(device) -> its warm-up, started at most once per process
+_WARMING: dict[str, Warmup] = {}  # the warm-ups still running (what choose() waits for)
+
+
+def warmup(device: torch.device | str | None = None) -> str:
+    """Compile (or load from the on-disk caches) and run once, in this thread, every digest kernel a
+    refit runs on ``device``.
+
+    CPU: :func:`warmup_cpu`. A kernel device type (CUDA): one launch plan whose views take each
+    Triton launch of ``kernels.launch.run_plan`` (fast leaf, general leaf, upper, chain; they
+    specialise on no view address, length or count), run on ``device`` and read back: the kernels
+    are compiled, loaded on the device and their launchers built. Other device types: nothing.
+
+    A device warmed here is not warmed again by :func:`start_warmup`.
+
+    Args:
+        device: as :func:`start_warmup` (None: the current CUDA device if CUDA is initialised, else the CPU).
+
+    Returns:
+        str: the backend's name (``"triton"``, ``"numba"`` or ``"torch"``).
+
+    Raises:
+        Exception: what choosing, compiling or launching raises (a Triton compile error, a device error).
+    """
+    t0 = time.perf_counter()
+    dev = _device(device)
+    b = choose(dev.type, dev.type in KERNEL_DEVICE_TYPES)
+    if b.name == "numba":
+        warmup_cpu()
+    elif b.name == "triton":
+        _warmup_kernels(dev)
+    with _LOCK:
+        if str(dev) not in _WARMUPS:  # warmed in the caller's thread: a later start_warmup has nothing to do
+            w = _WARMUPS[str(dev)] = Warmup(dev)
+            w.backend, w.seconds = b.name, time.perf_counter() - t0
+            w.done.set()
+    return b.name
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a ``torch.device``: None is the current CUDA device when CUDA is initialised, else
+    the CPU; a CUDA device without an index is the current one."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else torch.device("cpu")
+    dev = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+
+
+def _warmup_kernels(dev: torch.device) -> None:
+    """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back."""
+    from refit_verify.digest.kernels import launch as kd
+    from refit_verify.digest.kernels._mix import MID_N
+
+    # A view of 16 * MID_N + 1 whole lanes and 5 bytes: one chunk, its first leaf program fast (big,
+    # aligned, no partial lane), its second general (holds the partial lane); a view at an odd
+    # offset: general. Two chunks for the upper kernel, two views for the chain.
+    n = 8 * (16 * MID_N + 1) + 5
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        buf = torch.zeros(n + 8, dtype=torch.uint8, device=dev)
+        views = [buf[:n], buf[1:100]]
+        words = kd.run_plan(kd.plan_views(views, [_ref.seed("uint8", (v.numel(),), v.numel()) for v in views]))
+        words.cpu()
+
+
+def start_warmup(device: torch.device | str | None = None, then: Callable[[], object] | None = None) -> Warmup | None:
+    """Start :func:`warmup` of ``device`` in a daemon thread, once per device per process.
+
+    Until it ends, :func:`choose` (every digest of that device type) waits for it, at most
+    :data:`WARMUP_WAIT_S`. A warm-up that raises logs one WARNING; digests then compile what they
+    need themselves. Never raises. A device other than the CPU also starts the CPU's warm-up (a
+    thread of its own): a GPU worker digests host tensors too (the read-back's), and numba's first
+    compile of them took about 19 s on an H100 host.
+
+    Args:
+        device: the device to warm; None: the current CUDA device when this process has initialised
+            CUDA, else the CPU (CUDA is never initialised here).
+        then: called in the warm-up's thread after it, as part of it (the plugin imports the worker's
+            refit modules there); ignored when this device's warm-up was started before.
+
+    Returns:
+        Warmup | None: this device's warm-up (the one started earlier, if any); None when
+        ``REFIT_VERIFY_WARMUP`` is off or the device cannot be named.
+    """
+    from refit_verify.config import warmup_enabled
+
+    if not warmup_enabled():
+        return None
+    try:
+        dev = _device(device)
+    except Exception:  # noqa: BLE001 - a device that cannot be named: no warm-up, digests compile as they go
+        logger.warning("refit-verify: no digest warm-up for device %r", device, exc_info=True)
+        return None
+    if dev.type != "cpu":
+        start_warmup("cpu")
+    key = str(dev)
+    with _LOCK:
+        w = _WARMUPS.get(key)
+        if w is not None:
+            return w
+        w = _WARMUPS[key] = Warmup(dev)
+        w.thread = threading.Thread(target=_run_warmup, args=(w, key, then), name=f"refit-verify-warmup-{key}", daemon=True)
+        _WARMING[key] = w
+        if dev.type == "cpu":
+            _CPU[0] = None  # the CPU digests' shortcut past choose() goes through it (and waits) again
+        try:
+            w.thread.start()
+        except Exception as e:  # noqa: BLE001 - no thread to be had: digests compile as they go
+            _end_warmup(w, key, e)
+    return w
+
+
+def _run_warmup(w: Warmup, key: str, then: Callable[[], object] | None) -> None:
+    t0 = time.perf_counter()
+    try:
+        w.backend = warmup(w.device)
+        if then is not None:
+            then()
+    except Exception as e:  # noqa: BLE001 - logged once; the refit path compiles what it needs itself
+        w.seconds = time.perf_counter() - t0
+        _end_warmup(w, key, e)
+        return
+    w.seconds = time.perf_counter() - t0
+    logger.info("refit-verify: digest warm-up on %s (%s) done in %.2f s", key, w.backend, w.seconds)
+    _end_warmup(w, key, None)
+
+
+def _end_warmup(w: Warmup, key: str, error: Exception | None) -> None:
+    if error is not None:
+        w.error = error
+        logger.warning("refit-verify: the digest warm-up on %s failed (%s: %s); the first refit compiles the "
+                       "digests itself", key, type(error).__name__, error)
+    _WARMING.pop(key, None)
+    w.done.set()
+
+
+def wait_for_warmup(device_type: str, timeout_s: float | None = None) -> None:
+    """Wait until no warm-up of ``device_type`` runs (:func:`start_warmup`), at most ``timeout_s``
+    (default :data:`WARMUP_WAIT_S`) for each; a call from a warm-up's own thread does not wait for it.
+
+    A warm-up still running at the bound is no longer waited for by anyone (logged once): the caller
+    goes on and compiles what it needs itself.
+    """
+    me = threading.current_thread()
+    for key, w in list(_WARMING.items()):
+        if w.device.type != device_type or w.thread is me:
+            continue
+        bound = WARMUP_WAIT_S if timeout_s is None else timeout_s
+        if not w.done.wait(bound) and _WARMING.pop(key, None) is not None:
+            logger.warning("refit-verify: the digest warm-up on %s still runs after %g s; digests no longer wait for it",
+                           key, bound)
 
 
 def backend_for(device_type: str) -> Backend:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from refit_verify.config import RefitConfig
+from refit_verify.digest import backends as _backends
 from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport
@@ -79,6 +80,8 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
     if own:
         sender = RefitSender(config=config, device=device)
     cfg = sender.config
+    if cfg.mode.verifies:
+        _backends.start_warmup(sender.device)  # once per device: this push's digests wait for it, later ones find them compiled
     opts = dict(options or {"timeout_s": cfg.timeout_s, "connect_timeout_s": cfg.connect_timeout_s})
     bound = max(cfg.timeout_s, cfg.connect_timeout_s, float(opts.get("timeout_s", 0)), float(opts.get("connect_timeout_s", 0))) + GRACE_S
     out: dict[str, Any] = {}
