@@ -43,6 +43,15 @@ PATCHES: tuple[Patch, ...] = (
           "the model boundary needs every model a worker builds (main model, drafter) right after it is loaded, "
           "in worker processes and in the in-process worker of external_launcher (TRL colocate); CPUWorker inherits it",
           "vLLM calls a plugin hook after model load (0.33's init_worker_extension runs before the model exists)"),
+    Patch("digest-warmup", "vllm.v1.worker.{gpu,cpu}_worker:{Worker,CPUWorker}.init_device",
+          "compile and run once the digest kernels of the worker's device in a background thread as soon as the device "
+          "is set (refit_verify.vllm_plugin.worker_warmup), so the first refit compiles nothing (on a fresh GPU machine "
+          "the Triton compiles made it about 19 s longer)",
+          "vLLM calls a plugin hook in each worker once its device is set"),
+    Patch("warmup-before-capture", "vllm.v1.worker.gpu_worker:Worker.compile_or_warm_up_model",
+          "vLLM captures its CUDA graphs there: a launch or allocation of the warm-up thread during a capture would break "
+          "it, so the capture waits for the warm-up (bounded)",
+          "digest-warmup goes"),
     Patch("boundary-reload-weights", "vllm.v1.worker.gpu_worker:Worker.reload_weights",
           "a reload from disk outside any session is reported as such (TRL #5312: base weights reloaded over a sync)",
           "never: it is how a reload is told apart from a refit"),
@@ -124,6 +133,24 @@ def _boundary_cpu(module: Any) -> None:
     shims.patch(module.CPUWorker, "wake_up", sessions.wrap_wake_up)  # CPUWorker overrides wake_up
 
 
+def _warmup(module: Any) -> None:
+    from refit_verify.vllm_plugin import worker_warmup
+
+    shims.patch(module.Worker, "init_device", worker_warmup.wrap_init_device)
+
+
+def _warmup_cpu(module: Any) -> None:
+    from refit_verify.vllm_plugin import worker_warmup
+
+    shims.patch(module.CPUWorker, "init_device", worker_warmup.wrap_init_device)  # CPUWorker overrides init_device
+
+
+def _warmup_before_capture(module: Any) -> None:
+    from refit_verify.vllm_plugin import worker_warmup
+
+    shims.patch(module.Worker, "compile_or_warm_up_model", worker_warmup.wrap_compile_or_warm_up_model)
+
+
 def _sleep(module: Any) -> None:
     from refit_verify.vllm_plugin import worker_sessions as sessions
 
@@ -152,6 +179,9 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "worker-methods": lambda mode: _worker_methods(),
     "boundary-load-model": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _boundary),
     "boundary-wake-up": lambda mode: shims.when_imported("vllm.v1.worker.cpu_worker", _boundary_cpu),
+    "digest-warmup": lambda mode: (shims.when_imported("vllm.v1.worker.gpu_worker", _warmup),
+                                   shims.when_imported("vllm.v1.worker.cpu_worker", _warmup_cpu)),
+    "warmup-before-capture": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _warmup_before_capture),
     "release-on-sleep": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _sleep),
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),

@@ -1,0 +1,92 @@
+"""The worker's digest warm-up: started once the worker's device is set when it verifies, never
+with ``REFIT_VERIFY=off``; vLLM's graph capture waits for it. Fake workers, no engine (the demo's
+test reads the warm-up's record in a real worker's log: ``tests/e2e/test_demo.py``)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from refit_verify.config import VerifyMode
+from refit_verify.digest import backends
+from refit_verify.vllm_plugin import patches, worker_warmup
+from tests.support.warmups import forget_warmups
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    forget_warmups(monkeypatch)
+
+
+class _Worker:
+    """``init_device`` sets ``device``, as vLLM's ``Worker`` / ``CPUWorker`` do."""
+
+    def __init__(self, device: str) -> None:
+        self._device, self.device, self.captured = torch.device(device), None, threading.Event()
+
+    def init_device(self):
+        self.device = self._device
+        return "ready"
+
+    def compile_or_warm_up_model(self):
+        self.captured.set()
+        return "captured"
+
+
+@pytest.mark.parametrize("mode", ["enforce", "log", "off"])
+def test_a_worker_warms_its_digests_once_its_device_is_set_when_it_verifies(monkeypatch, mode):
+    monkeypatch.setenv("REFIT_VERIFY", mode)
+    w = _Worker("cpu")
+    assert worker_warmup.wrap_init_device(_Worker.init_device)(w) == "ready"
+    warm = backends._WARMUPS.get("cpu")
+    if mode == "off":
+        assert warm is None and backends._WARMING == {}
+        return
+    assert warm is not None and warm.done.wait(120)
+    assert (warm.error, warm.backend) == (None, "numba")
+    assert set(worker_warmup.REFIT_MODULES) <= sys.modules.keys()  # imported by the warm-up, not the first refit
+
+
+def test_the_warmup_patches_are_applied_only_when_verifying(monkeypatch):
+    applied = []
+    monkeypatch.setattr(patches, "_DONE", set())
+    monkeypatch.setattr(patches, "_APPLY", {name: lambda mode, name=name: applied.append(name)
+                                            for name in ("digest-warmup", "warmup-before-capture")})
+    patches.apply(VerifyMode.OFF)
+    assert applied == []
+    patches.apply(VerifyMode.ENFORCE)
+    assert applied == ["digest-warmup", "warmup-before-capture"]
+
+
+def test_no_warmup_without_a_device_or_with_the_switch_off(monkeypatch):
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    assert worker_warmup.start(_Worker("cpu")) is None  # init_device has not run: no device yet
+    monkeypatch.setenv("REFIT_VERIFY_WARMUP", "off")
+    w = _Worker("cpu")
+    w.init_device()
+    assert worker_warmup.start(w) is None and backends._WARMUPS == {}
+
+
+def test_the_graph_capture_waits_for_the_warmup(monkeypatch):
+    """A warm-up of the worker's device type in progress holds ``compile_or_warm_up_model`` (where vLLM
+    captures its CUDA graphs) until it ends."""
+    held = backends.Warmup(torch.device("cuda", 0))
+    held.thread = threading.Thread(target=lambda: None)  # not the capturing thread
+    backends._WARMING["cuda:0"] = held
+    waiting = threading.Event()
+    real_wait = backends.wait_for_warmup
+    monkeypatch.setattr(backends, "wait_for_warmup", lambda t, s=None: (waiting.set(), real_wait(t, s)))
+    w = _Worker("cuda:0")
+    w.init_device()
+    out = []
+    th = threading.Thread(target=lambda: out.append(worker_warmup.wrap_compile_or_warm_up_model(_Worker.compile_or_warm_up_model)(w)))
+    th.start()
+    assert waiting.wait(30)
+    assert th.is_alive() and not w.captured.is_set()
+    backends._WARMING.pop("cuda:0")
+    held.done.set()
+    th.join(30)
+    assert out == ["captured"]
