@@ -1,0 +1,132 @@
+"""First verified refit against the second on a fresh engine, with the digest warm-up on and off.
+
+    python benchmarks/bench_first_refit.py [--rounds 3] [--refits 3] [--device auto|cuda|cpu] [--model tiny-llama]
+        [--settings 1,3] [--fresh-caches] [--out FILE]
+
+Each round runs every setting in a fresh child process: the trainer starts a fresh vLLM engine (the
+packaged tiny Llama the demo uses, dummy weights; ``--model qwen3-0.6b-like`` for the 310-tensor
+set) and pushes the same weights ``--refits`` times through :func:`refit_verify.push`, the first
+push as soon as ``LLM(...)`` returned. The order of the settings rotates from round to round.
+
+Settings (``--settings``: their numbers, default all):
+
+0. ``off``: ``REFIT_VERIFY=off`` (vLLM's own first-refit cost; no digest code runs).
+1. ``enforce, warm-up off, trainer cold``: ``REFIT_VERIFY_WARMUP=0`` and nothing warmed beforehand:
+   the trainer and the worker compile (or load from the on-disk caches) their digests inside the
+   first refit, as before the warm-up existed.
+2. ``enforce, warm-up off``: the same, but the trainer warms its digests before the engine starts
+   (:func:`refit_verify.digest.backends.warmup`, as the demo does).
+3. ``enforce, warm-up on``: the trainer as in 2; the worker warms its digests in the background from
+   ``init_device`` on.
+4. ``enforce, warm-up on, trainer cold``: the worker as in 3; the trainer's warm-up starts at its
+   first push, which waits for it.
+
+Prints the median over rounds of the engine's start (s), the first, second and last refit (ms),
+the first refit over the second, and the first refit's excess over the median of the later ones
+(ms). numba's and Triton's on-disk caches are as the machine has them (warm after any earlier
+run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
+fresh machine, where whichever process compiles first writes the cache the others read).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "off": {"REFIT_VERIFY": "off", "REFIT_VERIFY_WARMUP": "1"},
+    "enforce, warm-up off, trainer cold": {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "0", "BENCH_TRAINER_COLD": "1"},
+    "enforce, warm-up off": {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "0"},
+    "enforce, warm-up on": {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "1"},
+    "enforce, warm-up on, trainer cold": {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "1", "BENCH_TRAINER_COLD": "1"},
+}
+
+
+def _child(device: str, model: str, refits: int) -> None:
+    """One fresh engine: print ``{"start_s": s, "walls": [s, ...]}`` as the last line."""
+    import torch
+
+    from refit_verify.cli.demo import _env_defaults, start_engine
+    from refit_verify.digest import backends
+    from refit_verify.testing import models
+    from refit_verify.trainer.push import push
+
+    _env_defaults(device)
+    cfg = models.QWEN3_0_6B_LIKE if model == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
+    d = Path(tempfile.mkdtemp())
+    (d / "config.json").write_text(json.dumps(cfg))
+    weights = models.random_state_dict(cfg, seed=0, device=device)
+    if os.environ["REFIT_VERIFY"] != "off" and not os.environ.get("BENCH_TRAINER_COLD"):
+        backends.warmup(device)  # as the demo does, before the engine starts
+    t0 = time.perf_counter()
+    llm = start_engine(d, device)
+    start_s = time.perf_counter() - t0
+    walls = []
+    for _ in range(refits):
+        walls.append(push(llm, weights, device=device, options={"timeout_s": 300.0}).seconds)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(json.dumps({"start_s": start_s, "walls": walls}), flush=True)
+
+
+def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool) -> dict:
+    env = {**os.environ, **SETTINGS[setting]}
+    if "BENCH_TRAINER_COLD" not in SETTINGS[setting]:
+        env.pop("BENCH_TRAINER_COLD", None)
+    if fresh_caches:
+        env["NUMBA_CACHE_DIR"], env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="numba-"), tempfile.mkdtemp(prefix="triton-")
+    cmd = [sys.executable, __file__, "--child", "--device", device, "--model", model, "--refits", str(refits)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        raise RuntimeError(f"{setting}: child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import emit, parse
+
+    a, device = parse(__doc__, argv, rounds=3, extra=lambda ap: (ap.add_argument("--refits", type=int, default=3),
+                                                                 ap.add_argument("--model", default="tiny-llama"),
+                                                                 ap.add_argument("--settings", default=None),
+                                                                 ap.add_argument("--fresh-caches", action="store_true"),
+                                                                 ap.add_argument("--child", action="store_true")))
+    if a.child:
+        _child(device, a.model, a.refits)
+        return
+    import platform
+
+    import torch
+
+    names = [list(SETTINGS)[int(i)] for i in a.settings.split(",")] if a.settings else list(SETTINGS)
+    got: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches))
+            w = got[n][-1]["walls"]
+            print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms", flush=True)
+    med = statistics.median
+    lines = [f"First vs second verified refit, fresh engine per run: {a.model}, {device} "
+             f"({torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} cores), torch {torch.__version__}, {a.rounds} rounds, {a.refits} refits each (medians)"
+             f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
+             "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for n in names:
+        runs = got[n]
+        first, second, last = (med([x["walls"][i] for x in runs]) for i in (0, 1, -1))
+        excess = med([x["walls"][0] - med(x["walls"][1:]) for x in runs])
+        lines.append(f"| {n} | {med([x['start_s'] for x in runs]):.1f} | {first * 1e3:.1f} | {second * 1e3:.1f} | {last * 1e3:.1f} | "
+                     f"{first / second:.2f} | {excess * 1e3:+.1f} |")
+    emit(lines, a.out)
+
+
+if __name__ == "__main__":
+    main()
