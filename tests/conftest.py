@@ -14,3 +14,32 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one worker per core, at most 4 (each worker may run a vLLM engine of its own)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_configure(config) -> None:
+    """Compile the CPU digests once, in the controller, before the workers start: concurrent first
+    compilations of the same cached numba functions in several processes can leave a cache that
+    segfaults later (numba issue #10128)."""
+    if hasattr(config, "workerinput"):
+        return
+    try:
+        from refit_verify.digest import backends
+
+        backends.warmup_cpu()
+    except ImportError:  # no numba: the torch path needs no warm-up
+        pass
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Longest files first (engine tests, then the Triton-interpreter kernel tests, then the rest; each
+    file's own order kept), so that ``--dist loadfile`` packs the two workers evenly."""
+    def weight(item) -> int:
+        path = str(item.fspath)
+        return 0 if "/e2e/" in path else 1 if "/digest/kernels/" in path or path.endswith("digest/test_batch.py") else 2
+
+    items.sort(key=weight)  # stable: collection order within each class
