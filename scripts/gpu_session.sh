@@ -47,12 +47,12 @@ PY
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
 if [ "$stage" = b ]; then  # first call of a boundary-only session (carry as stage k): no vLLM needed beyond the install
-  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/boundary/test_model.py tests/digest/test_backends.py tests/digest/test_batch.py \
+  timeout 200 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/boundary/test_model.py tests/digest/test_backends.py tests/digest/test_batch.py \
     -p no:cacheprovider >"$OUT/boundary-tests.log" 2>&1; echo "boundary tests rc=$?"; grep -E "passed|failed|^E |^FAILED" "$OUT/boundary-tests.log" | head -12
   timeout 200 python3 benchmarks/bench_boundary.py --rounds 20 --out "$OUT/bench_boundary.md" >"$OUT/bench_boundary.log" 2>&1
   echo "bench_boundary rc=$?"; tail -8 "$OUT/bench_boundary.md" 2>/dev/null || tail -20 "$OUT/bench_boundary.log"
 elif [ "$stage" = k ]; then
-  timeout 240 python3 -m pytest -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py tests/digest/test_backends.py \
+  timeout 240 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py tests/digest/test_backends.py \
     tests/collective/test_sharded.py -x -p no:cacheprovider >"$OUT/kernel-tests.log" 2>&1; echo "kernel tests rc=$?"; tail -4 "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   timeout 150 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" >"$OUT/bench_digest.log" 2>&1; echo "bench_digest rc=$?"
@@ -60,15 +60,15 @@ elif [ "$stage" = k ]; then
   timeout 120 python3 benchmarks/bench_engine_state.py --rounds 20 --out "$OUT/bench_engine_state.md" 2>&1 | tail -8
 elif [ "$stage" = t ]; then
   timeout 170 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
-  timeout 380 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py tests/e2e/test_boundary.py \
+  timeout 380 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py tests/e2e/test_boundary.py \
     tests/boundary/test_model.py tests/boundary/test_plan.py tests/digest/test_kept.py tests/e2e/test_replicas_and_canary.py tests/digest/test_batch.py tests/digest/test_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = u ]; then  # selected GPU tests only (carry as stage t): U_TESTS (files / -k), U_TIMEOUT seconds
-  timeout ${U_TIMEOUT:-240} python3 -m pytest -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
+  timeout ${U_TIMEOUT:-240} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR|s call|s setup" "$OUT/gpu-tests.log" | head -30; echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = d ]; then
-  timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
+  timeout 150 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
     tests/digest/test_kept.py tests/digest/kernels/test_direct.py -p no:cacheprovider >"$OUT/direct-tests.log" 2>&1
   echo "direct tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/direct-tests.log" | head -16
   timeout 90 python3 benchmarks/bench_host_ops.py --rounds 10 --out "$OUT/bench_host_ops.md" >"$OUT/bench_host_ops.log" 2>&1
@@ -95,10 +95,10 @@ elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refi
     --profile "$OUT/profile" --out "$OUT/bench_paths-profiled.md" >"$OUT/bench_paths-profiled.log" 2>&1
   echo "bench_paths --profile rc=$?"; ls -la "$OUT/profile"; grep -A12 "^## Wall" "$OUT/bench_paths-profiled.md" | head -14
 elif [ "$stage" = x2a ]; then
-  timeout 400 python3 -m pytest -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
+  timeout 400 python3 -m pytest -n 0 -q -s -m "gpu or not gpu" tests/gpu/test_two_gpu.py -p no:cacheprovider >"$OUT/two-gpu.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR|^rank" "$OUT/two-gpu.log" | head -40; echo "two-gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = 1 ]; then
-  timeout 200 python3 -m pytest -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
+  timeout 200 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/digest/kernels tests/digest/test_batch.py tests/digest/test_reference_vectors.py -x -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/kernel-tests.log"
   echo "kernel tests: $(( $(date +%s) - t0 )) s"
   [ -f benchmarks/bench_variants.py ] && timeout 200 python3 benchmarks/bench_variants.py 2>&1 | tee "$OUT/bench_variants.txt" | tail -30
   timeout 200 python3 benchmarks/bench_digest.py --out "$OUT/bench_digest.md" 2>&1 | tail -25
@@ -111,11 +111,11 @@ elif [ "$stage" = 2 ]; then
     timeout 150 refit-verify demo --model /tmp/gpu-llama >"$OUT/demo-cuda-256.log" 2>&1; echo "demo (hidden 256) rc=$?"
     grep -vE " INFO |FutureWarning" "$OUT/demo-cuda-256.log" | grep -E "Error|error|PASS|FAIL|│|verified|caught|read-back" | head -30
   fi
-  timeout 330 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  timeout 330 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E " "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = 4 ]; then  # end-to-end GPU tests, then the refit bench, in one call
-  timeout 300 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
+  timeout 300 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20
   echo "gpu tests: $(( $(date +%s) - t0 )) s"
   timeout 240 python3 benchmarks/bench_refit.py --refits 5 --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
@@ -123,13 +123,13 @@ elif [ "$stage" = 4 ]; then  # end-to-end GPU tests, then the refit bench, in on
 elif [ "$stage" = x2b ]; then
   for f in tests/e2e/test_tp2.py tests/gpu/test_native_nccl_two_gpu.py ${X2B_MORE:-}; do
     [ -f "$f" ] || continue; t1=$(date +%s); n=$(basename "$f" .py)
-    timeout 190 python3 -m pytest -q -s -m "gpu or not gpu" "$f" -p no:cacheprovider >"$OUT/$n.log" 2>&1
+    timeout 190 python3 -m pytest -n 0 -q -s -m "gpu or not gpu" "$f" -p no:cacheprovider >"$OUT/$n.log" 2>&1
     echo "$n rc=$? $(( $(date +%s) - t1 )) s"; grep -E "passed|failed|skipped|^E |^FAILED|^ERROR" "$OUT/$n.log" | head -12
   done
   timeout 200 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-10} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -9
 elif [ "$stage" = x2c ]; then
-  timeout 250 python3 -m pytest -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py \
+  timeout 250 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py \
     --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -20; echo "gpu tests: $(( $(date +%s) - t0 )) s"
   timeout 150 python3 benchmarks/bench_refit.py --refits ${REFITS:-10} --out "$OUT/bench_refit_tp1.md" >"$OUT/bench_refit_tp1.log" 2>&1; echo "bench_refit tp1 rc=$?"
@@ -138,7 +138,7 @@ elif [ "$stage" = x2d ]; then  # bench_refit --tp 2 only, per-refit lines
   timeout 200 python3 benchmarks/bench_refit.py --tp 2 --refits ${REFITS:-5} --out "$OUT/bench_refit_tp2.md" >"$OUT/bench_refit_tp2.log" 2>&1; echo "bench_refit tp2 rc=$?"
   grep -E "^(off|log|enforce):" "$OUT/bench_refit_tp2.log" | tail -16; grep -vE " INFO |WARNING" "$OUT/bench_refit_tp2.log" | tail -7
 elif [ "$stage" = 3 ]; then
-  timeout 60 python3 -m pytest -q tests/digest/test_batch.py -p no:cacheprovider 2>&1 | tail -2
+  timeout 60 python3 -m pytest -n 0 -q tests/digest/test_batch.py -p no:cacheprovider 2>&1 | tail -2
   timeout 400 python3 benchmarks/bench_refit.py --refits ${REFITS:-5} --out "$OUT/bench_refit.md" >"$OUT/bench_refit.log" 2>&1; echo "bench_refit rc=$?"
   grep -vE " INFO |WARNING" "$OUT/bench_refit.log" | tail -15
 fi
