@@ -156,6 +156,19 @@ def check_warmup_env(environ: Mapping[str, str] | None = None) -> None:
     _check_switch(WARMUP_ENV_VAR, environ)
 
 
+def check_version(version: object) -> int | None:
+    """Return ``version`` (a weight version: the trainer's step, an int >= 0) or None (unversioned).
+
+    Raises:
+        RefitConfigError: ``version`` is neither None nor an int >= 0 (a bool, a float, a str, a negative int).
+    """
+    if version is None:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) or None, got {version!r}")
+    return int(version)
+
+
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:
     """Return the mode from ``REFIT_VERIFY`` (unset means ``off``).
 

@@ -286,7 +286,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         worker: the worker's identity. producer: the sender, for multi-producer transports.
         modules: ``{"model" | "drafter": ModuleManifest}``.
         unsessioned: loads outside any session since the previous session closed.
-        stale: why the version is stale (older than one this worker already closed), or None.
+        stale: why the version is out of order (not newer than one this worker already closed), or None.
         engine: the read-back of what the engine holds, when it was run.
         partial: the session was declared partial (not every parameter is expected to be written).
         errors: worker-side errors during the session (a ``load_weights`` that raised, ...).
@@ -485,13 +485,14 @@ def digest_map(data: Any) -> dict[str, str] | None:
 class ExternalDigests:
     """Where a receiver's digests are taken when it is not the receiver itself (a typing protocol).
 
-    The transport and broadcast receivers call :meth:`begin` once the refit's mode is agreed,
+    The transport and broadcast receivers call :meth:`begin` once the refit's mode is agreed (with
+    the sender's weight version, when it named one),
     :meth:`finish` at its end (``(digests, session manifest or None)``) and :meth:`fail` when it
     ends in an error. :class:`refit_verify.boundary.worker.SessionDigests` implements it on a vLLM
     worker's model boundary.
     """
 
-    def begin(self, refit_id: str, producer: Producer | None) -> None:  # pragma: no cover - protocol
+    def begin(self, refit_id: str, producer: Producer | None, version: int | None = None) -> None:  # pragma: no cover - protocol
         raise NotImplementedError
 
     def finish(self) -> tuple[dict[str, str], SessionManifest | None]:  # pragma: no cover - protocol

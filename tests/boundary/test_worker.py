@@ -105,3 +105,54 @@ def test_the_certificate_digest_covers_every_tensor_in_a_stable_order():
     assert snap.state_digest() == wb.last.state_digest
     assert set(digest_tensors((n, p.detach()) for n, p in model.named_parameters()).values()) == {
         t.digest for t in snap.params.values()}
+
+
+def test_a_version_not_newer_than_one_closed_is_out_of_order_and_unversioned_ones_never_are():
+    _, wb, model = toy_worker()
+    assert _full(wb, model, "v3", 1, 3).stale is None
+    assert _full(wb, model, "v5", 2, 5).stale is None
+    assert _full(wb, model, "u", 2, None).stale is None  # unversioned: no order, and it leaves the order as it is
+    assert wb.max_version == 5
+    again = _full(wb, model, "again", 2, 5)
+    assert again.stale == "version 5 is the same as version 5 already closed on this worker (a late or repeated refit)"
+    late = _full(wb, model, "late", 1, 4)
+    assert late.stale == "version 4 is older than version 5 already closed on this worker (a late or repeated refit)"
+    assert wb.max_version == 5  # a late session never lowers the order
+    assert _full(wb, model, "v6", 1, 6).stale is None
+
+
+def test_a_late_older_session_leaves_a_certificate_of_the_older_version_that_does_not_hold():
+    worker, wb, model = toy_worker()
+    _full(wb, model, "v5", 2, 5)
+    cert = from_wire(sessions.refit_verify_certificate(worker)["certificate"], Certificate)
+    assert (cert.session, cert.version, cert.current, cert.problems) == ("v5", 5, True, [])
+    late = _full(wb, model, "v3", 1, 3)
+    cert = from_wire(sessions.refit_verify_certificate(worker)["certificate"], Certificate)
+    assert (cert.session, cert.version, cert.state_digest) == ("v3", 3, late.state_digest)  # what the engine holds
+    assert not cert.current and not cert.ok
+    assert cert.problems == ["the last session closed on this worker, 'v3', was out of order (version 3 is older than "
+                             "version 5 already closed on this worker (a late or repeated refit))"]
+
+
+def test_every_way_into_a_session_goes_through_the_order_check():
+    from refit_verify.boundary.worker import SessionDigests
+
+    _, wb, model = toy_worker()
+    _full(wb, model, "v5", 2, 5)
+    d = SessionDigests(wb, "transport")  # a transport's implicit session (push, RefitSender, broadcast)
+    d.begin("r-late", None, 2)
+    model.load_weights(list(toy_weights(1).items()))
+    _, man = d.finish()
+    assert (man.version, man.stale) == (2, "version 2 is older than version 5 already closed on this worker (a late or "
+                                           "repeated refit)")
+    d = SessionDigests(wb, "native")  # an implicit session a trainer's explicit open then takes over, with its version
+    d.begin("r", None)
+    wb.open("outer", version=4)
+    model.load_weights(list(toy_weights(1).items()))
+    man = wb.close("outer")
+    assert (man.session, man.version, man.stale) == ("outer", 4, "version 4 is older than version 5 already closed on this "
+                                                                 "worker (a late or repeated refit)")
+    d = SessionDigests(wb, "transport")
+    d.begin("r-ok", None, 9)
+    model.load_weights(list(toy_weights(1).items()))
+    assert d.finish()[1].stale is None and wb.max_version == 9

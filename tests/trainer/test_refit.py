@@ -12,7 +12,7 @@ import torch
 import refit_verify
 from refit_verify import verdicts
 from refit_verify.trainer.channel import _in_other_process, channel
-from refit_verify.errors import RefitConfigError, RefitInputError
+from refit_verify.errors import RefitConfigError, RefitInputError, RefitVerificationError
 from refit_verify.compare import compare_manifests
 
 HEX = "0" * 32
@@ -397,3 +397,26 @@ def test_a_verifying_refit_starts_the_trainers_digest_warmup_and_an_off_one_does
     refit_verify.refit(Engine(), mode=mode)
     refit_verify.refit(Engine(), mode=mode)
     assert started == ([None, None] if mode == "enforce" else [])  # None: this process's CUDA device if it uses one, else the CPU
+
+
+def test_an_older_version_after_a_newer_one_fails_in_enforce_and_unversioned_refits_pass(toy):
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(3)
+    assert all(r.ok for r in _refit(engine, "enforce", w, model.load_weights, version=5).reports)
+    with pytest.raises(RefitVerificationError) as ei:
+        _refit(engine, "enforce", w, model.load_weights, version=3)
+    rep = ei.value.report
+    assert rep.version == 3 and rep.problems == (
+        "stale refit: version 3 is older than version 5 already closed on this worker (a late or repeated refit)",)
+    assert not refit_verify.certificate(engine)[0].ok  # the engine holds version 3 now, which failed
+    assert all(r.ok for r in _refit(engine, "enforce", w, model.load_weights).reports)  # unversioned: no order
+    assert all(r.ok for r in _refit(engine, "enforce", w, model.load_weights, version=6).reports)
+    assert refit_verify.certificate(engine)[0].ok and refit_verify.certificate(engine)[0].version == 6
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, "3", True])
+def test_a_version_that_is_not_an_int_from_0_is_refused(bad):
+    with pytest.raises(RefitConfigError, match="version must be an int >= 0"):
+        refit_verify.refit("http://127.0.0.1:1", version=bad, mode="off")

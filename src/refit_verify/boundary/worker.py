@@ -134,7 +134,8 @@ class WorkerBoundary:
                         return cur.id
                     # an explicit open joins an implicit one: it takes the session over
                     cur.explicit, cur.id = True, session_id or cur.id
-                    cur.version = version if version is not None else cur.version
+                    if version is not None:
+                        cur.version, cur.stale = version, self._stale(version)
                     cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
                     if not replay:
                         for b in self.modules.values():
@@ -145,8 +146,7 @@ class WorkerBoundary:
             t0 = time.perf_counter()
             sid = session_id or uuid.uuid4().hex[:16]
             s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
-            if version is not None and self.max_version is not None and version < self.max_version:
-                s.stale = f"version {version} is older than version {self.max_version} already closed on this worker"
+            s.stale = self._stale(version)
             derive = readback and self.readback is not None
             # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
             replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
@@ -158,6 +158,19 @@ class WorkerBoundary:
             self.open_session = s
             s.open_s = time.perf_counter() - t0
             return sid
+
+    def _stale(self, version: int | None) -> str | None:
+        """Why a session of weight ``version`` is out of order on this worker, or None.
+
+        The one order check of every path (``refit``, ``push``, ``RefitSender``, the broadcast and
+        vLLM's native API all open their sessions here): a versioned session must be newer than
+        every versioned session already closed on this worker. An unversioned session (None) is
+        never out of order and leaves the order as it is.
+        """
+        if version is None or self.max_version is None or version > self.max_version:
+            return None
+        how = "the same as" if version == self.max_version else "older than"
+        return f"version {version} is {how} version {self.max_version} already closed on this worker (a late or repeated refit)"
 
     def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
         """Close the session (an implicit close only leaves a joined one); return its manifest.
@@ -441,6 +454,8 @@ class WorkerBoundary:
                 res = self.auditor(base, now, "certificate") if self.auditor is not None else None
                 if res is not None and not res.ok:
                     problems.append(f"the engine's state changed after session {last.session!r} closed ({res.describe()})")
+            if last is not None and last.stale:
+                problems.append(f"the last session closed on this worker, {last.session!r}, was out of order ({last.stale})")
             if self.open_session is not None:
                 problems.append(f"refit session {self.open_session.id!r} is open: the engine is being refitted")
             problems += [a.describe() for a in self.pending_audits]
@@ -477,8 +492,10 @@ class SessionDigests(ExternalDigests):
         self.landed: list[str] = []
         self.kept: dict[str, str] = {}
 
-    def begin(self, refit_id: str, producer: Producer | None) -> None:
-        self.sid = self.wb.open(refit_id, opened_by=self.opened_by, producer=producer, explicit=False)
+    def begin(self, refit_id: str, producer: Producer | None, version: int | None = None) -> None:
+        """Open (or join) the session of refit ``refit_id``; ``version``: the sender's weight version
+        (None: unversioned), checked for order by :meth:`WorkerBoundary.open`."""
+        self.sid = self.wb.open(refit_id, version=version, opened_by=self.opened_by, producer=producer, explicit=False)
 
     def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
         """The sender's digests of the tensors the next ``load_weights`` call gets (checked first)."""

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from refit_verify import verdicts
-from refit_verify.config import RefitConfig, VerifyMode, act_on_all, mode_from_env
+from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_version, mode_from_env
 from refit_verify.digest import backends as _backends
 from refit_verify.digest.tensors import PLAIN_TYPES
 from refit_verify.trainer.exports import StreamDigests, changed_problems
@@ -51,14 +51,6 @@ __all__ = ["RefitCheck", "refit"]
 
 OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_close"
 
-
-
-def _check_version(version: Any) -> int | None:
-    if version is None:
-        return None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) or None, got {version!r}")
-    return version
 
 
 _RELEARN: set[Any] = set()
@@ -89,7 +81,7 @@ class RefitCheck:
                  allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
                  copy: bool = True) -> None:
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
-        self.version = _check_version(version)
+        self.version = check_version(version)
         if not isinstance(partial, bool) or not isinstance(readback, bool) or not isinstance(copy, bool):
             raise RefitConfigError(f"partial, readback and copy must be True or False, got {partial!r}, {readback!r}, {copy!r}")
         self.copy = copy
@@ -352,8 +344,9 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
         engine: the vLLM engine: an ``LLM``, an object with ``collective_rpc``, a Ray actor handle (or a
             list, one per replica) whose actor exposes ``collective_rpc``, or the HTTP base URL of a
             ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1``.
-        version: the weight version (the trainer's step), recorded by every worker; a worker that
-            already closed a newer version reports this refit as stale.
+        version: the weight version (the trainer's step, an int >= 0), recorded by every worker; a worker
+            that already closed this version or a newer one reports this refit as stale (a ``problems``
+            entry: a failure). None: unversioned, never out of order.
         mode: ``off`` / ``log`` / ``enforce``; default ``REFIT_VERIFY``.
         partial: the refit pushes only some parameters (e.g. the trainable ones): parameters no load
             wrote are not failures.
