@@ -88,27 +88,35 @@ def check_digest(got: str | None, want: str | None) -> str | None:
     return None
 
 
+def stale_problems(stale: str | None) -> list[str]:
+    """The report's ``problems`` entry for a worker session out of order (``stale``: the worker's
+    :attr:`SessionManifest.stale <refit_verify.manifest.SessionManifest.stale>`); empty when it is None."""
+    return [f"stale refit: {stale}"] if stale else []
+
+
 def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, str], session: SessionManifest | None, *,
                     refit_id: str, rejected: dict[str, str], error: str | None, rank: int | None,
                     producer_rank: int | None = None, landed: list[str] | None = None,
-                    kept: dict[str, str] | None = None) -> VerificationReport:
+                    kept: dict[str, str] | None = None, version: int | None = None,
+                    stale: str | None = None) -> VerificationReport:
     """Compare one receiver's answer with the sender's manifest (not yet acted on).
 
     With a ``session`` (the receiver loaded into a vLLM model and digested at its boundary), the
     comparison is :func:`refit_verify.compare.compare_session` (coverage, identity and read-back
     too); else :func:`refit_verify.compare.compare_manifests`. ``rejected`` and ``error`` are
     carried into the report; ``rank`` labels it; ``landed`` / ``kept`` (what the receiver's engine
-    holds, when the digests came ahead of the bytes) become ``report.landed`` / ``report.kept``.
+    holds, when the digests came ahead of the bytes) become ``report.landed`` / ``report.kept``;
+    ``version``: the weight version the sender named (checked against the session's, with its order);
+    ``stale``: without a ``session``, why the receiver's worker session was out of order (a problem).
     """
     extra = {"landed": tuple(landed or ()), "kept": dict(kept or {})}
     if session is not None:
-
-
-        base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, producer_rank=producer_rank)
+        base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, version=version,
+                               producer_rank=producer_rank)
         return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank,
                                    **extra)
-    return dataclasses.replace(compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank),
-                               **extra)
+    base = compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank)
+    return dataclasses.replace(base, problems=(*base.problems, *stale_problems(stale)), **extra)
 
 
 def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,
@@ -197,8 +205,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
     if version is not None and man.version != version:
         problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
-    if man.stale:
-        problems.append(f"stale refit: {man.stale}")
+    problems += stale_problems(man.stale)
     for u in man.unsessioned:
         shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
         problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "

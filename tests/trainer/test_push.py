@@ -29,3 +29,13 @@ def test_a_push_no_worker_takes_part_in_raises_the_engines_error(answer, says):
         refit_verify.push(Engine(), {"w": torch.ones(4)}, config=cfg, options={"timeout_s": 1.0, "connect_timeout_s": 1.0})
     assert time.monotonic() - t0 < 10.0
     assert isinstance(ei.value.__cause__, RefitTimeoutError)  # the sender's view, kept as the cause
+
+
+@pytest.mark.parametrize("bad", [-3, 2.0, "7", False])
+def test_a_push_with_a_version_that_is_not_an_int_from_0_is_refused_before_anything_is_sent(bad):
+    class Engine:
+        def collective_rpc(self, method, args=(), timeout=None):  # never reached
+            raise AssertionError(method)
+
+    with pytest.raises(RefitConfigError, match="version must be an int >= 0"):
+        refit_verify.push(Engine(), {"w": torch.ones(4)}, version=bad)

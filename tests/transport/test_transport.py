@@ -19,7 +19,8 @@ import zmq
 import refit_verify.digest.batch as digest_mod
 from refit_verify import RefitConfig, logical_bytes
 from refit_verify.digest.tensors import dtype_name
-from refit_verify.errors import RefitAbortedError, RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError
+from refit_verify.errors import (RefitAbortedError, RefitConfigError, RefitInputError, RefitProtocolError, RefitReceiveError,
+                                 RefitTimeoutError, RefitVerificationError)
 from refit_verify.transport import RefitReceiver, RefitSender
 from refit_verify.wire.staged import PROTOCOL_VERSION, Buffer, Hello, Reject, decode_reply
 from refit_verify.wire.fields import encode
@@ -705,3 +706,54 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
         th.join(10)
     assert not th.is_alive() and isinstance(out.get("error"), RefitAbortedError)
     assert out.get("loaded", []) in ([], ["embed"])  # the embedding was sent before the failure; nothing after it
+
+
+def _boundary_receiver(endpoint: str, wb, model, cfg: RefitConfig, out: dict) -> threading.Thread:
+    """A receiver thread loading into ``model`` with its digests taken at ``wb`` (as a vLLM worker's)."""
+    from refit_verify.boundary.worker import SessionDigests
+
+    def run():
+        try:
+            with RefitReceiver(endpoint, config=cfg) as rx:
+                out["result"] = rx.receive(model.load_weights, digests=SessionDigests(wb, "transport"))
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+def test_the_sender_carries_its_version_and_an_older_one_after_a_newer_one_fails_in_enforce():
+    from tests.support.toy_model import toy_weights, toy_worker
+
+    _, wb, model = toy_worker()
+    w = list(toy_weights(4).items())
+    cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, connect_timeout_s=30.0)
+    with RefitSender(config=cfg) as tx:
+        def one(**kw):
+            out: dict = {}
+            th = _boundary_receiver(tx.endpoint, wb, model, cfg, out)
+            try:
+                return tx.send(w, **kw)
+            finally:
+                th.join(timeout=30)
+
+        assert one(version=7).ok and wb.last.version == 7
+        assert one().ok and wb.last.version is None  # unversioned: no order
+        with pytest.raises(RefitVerificationError) as ei:
+            one(version=7)
+        assert wb.last.version == 7 and ei.value.report.problems == (
+            "stale refit: version 7 is the same as version 7 already closed on this worker (a late or repeated refit)",)
+        assert one(version=8).ok and wb.last.stale is None
+        with pytest.raises(RefitConfigError, match="version must be an int >= 0"):
+            tx.send(w, version=-1)  # before anything is sent
+
+
+def test_a_hello_without_a_version_decodes_as_unversioned():
+    legacy = msgspec.msgpack.encode(["hello", PROTOCOL_VERSION, "r1", "enforce", 64, 0, "cpu"])
+    from refit_verify.wire.staged import decode_request
+
+    hello = decode_request(legacy)
+    assert isinstance(hello, Hello) and (hello.producer_rank, hello.version) == (0, None)
+    assert decode_request(encode(Hello(protocol=PROTOCOL_VERSION, refit_id="r1", mode="log", alignment=64, version=12))).version == 12

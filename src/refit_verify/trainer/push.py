@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from refit_verify.config import RefitConfig
+from refit_verify.config import RefitConfig, check_version
 from refit_verify.digest import backends as _backends
 from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
@@ -50,7 +50,7 @@ class PushResult:
 
 def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
          sender: RefitSender | None = None, config: RefitConfig | None = None, device: str | torch.device | None = None,
-         options: Mapping[str, Any] | None = None) -> PushResult:
+         options: Mapping[str, Any] | None = None, version: int | None = None) -> PushResult:
     """Push one refit into ``engine`` through the staged transport and verify it.
 
     Args:
@@ -64,6 +64,10 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
         device: staging device when ``sender`` is None (default: the first tensor's).
         options: receiver options passed to the workers (``timeout_s``, ``connect_timeout_s``);
             default the sender's timeouts.
+        version: the weight version (the trainer's step, an int >= 0), carried to every worker
+            (:meth:`RefitSender.send <refit_verify.transport.RefitSender.send>`): a worker that already
+            closed this version or a newer one reports this push as stale (a failure: ``enforce``
+            raises). None (default): unversioned, never out of order.
 
     Returns:
         PushResult: the report (``enforce`` never returns a failing one), worker results, seconds.
@@ -71,10 +75,12 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
     Raises:
         RefitVerificationError: ``enforce`` and the engine's manifest differs (names the parameters).
         RefitTimeoutError: the workers or the sender did not finish within the bound.
-        RefitConfigError: the engine lacks refit-verify's plugin or answered for no worker (raised
+        RefitConfigError: ``version`` is neither None nor an int >= 0 (before anything is sent); the
+            engine lacks refit-verify's plugin or answered for no worker (raised
             once the sender, which no receiver reached, gave up: after ``timeout_s``).
         RefitConfigError, RefitProtocolError, RefitReceiveError: as :meth:`RefitSender.send`.
     """
+    version = check_version(version)
     items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else named_tensors
     own = sender is None
     if own:
@@ -88,7 +94,7 @@ def push(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mappin
 
     def run() -> None:
         try:
-            out["report"] = sender.send(items)
+            out["report"] = sender.send(items, version=version)
         except BaseException as e:  # noqa: BLE001 - handed back to the caller, re-raised there
             out["error"] = e
 

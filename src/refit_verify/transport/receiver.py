@@ -299,7 +299,7 @@ class RefitReceiver:
         progress.update(refit_id=hello.refit_id, mode=mode.value, stage="waiting for Buffer 0 or Complete")
         if state.external is not None:
             producer = None if hello.producer_rank is None else Producer(rank=hello.producer_rank, device=hello.producer_device or "cpu")
-            state.external.begin(hello.refit_id, producer)
+            state.external.begin(hello.refit_id, producer, hello.version)
         try:
             return self._receive_loop(state, progress, load)
         except BaseException as e:

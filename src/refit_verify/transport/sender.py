@@ -24,7 +24,7 @@ import zmq
 
 from refit_verify.transport import staging as _staging
 from refit_verify import verdicts
-from refit_verify.config import RefitConfig, VerifyMode
+from refit_verify.config import RefitConfig, VerifyMode, check_version
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
 from refit_verify.config import act_on
@@ -458,12 +458,15 @@ class RefitSender:
 
     # -- the refit ---------------------------------------------------------------------------
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> VerificationReport | None:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None) -> VerificationReport | None:
         """Run one refit: stream every ``(name, tensor)`` to the receiver and verify.
 
         Args:
             named_tensors: wire names (unique, 1..4096 characters) and dense tensors of any dtype,
                 shape (0-dim and 0-element included), strides and device. Consumed once, lazily.
+            version: the weight version (the trainer's step, an int >= 0), carried in ``Hello``: a
+                vLLM worker records it in its session and reports a version not newer than one it
+                already closed as stale (a ``problems`` entry: the report fails). None: unversioned.
 
         Returns:
             VerificationReport | None: the comparison of both manifests; ``None`` when the refit ran
@@ -485,10 +488,12 @@ class RefitSender:
                 progress (a concurrent send: raised at once, the running refit goes on).
             RefitInputError (a ``TypeError`` and a ``ValueError``): an item that is not a ``(name, tensor)``
                 pair, a bad name, a name given twice, or a tensor the digest cannot read.
+            RefitConfigError: ``version`` is neither None nor an int >= 0 (before anything is sent).
 
         Any exception raised after ``Hello`` went out (these, the iterator's own, an interrupt)
         first sends ``Abort`` so the receiver stops at once; the staging memory is freed in every case.
         """
+        version = check_version(version)
         if not self._busy.acquire(blocking=False):
             p = self._progress
             raise RefitProtocolError(
@@ -498,12 +503,12 @@ class RefitSender:
                 "concurrent refit its own sender and endpoint", progress=p.as_dict(side="sender", reason="concurrent send"))
         try:
             self._busy_thread = threading.current_thread().name
-            return self._send_refit(named_tensors)
+            return self._send_refit(named_tensors, version)
         finally:
             self._busy_thread = None
             self._busy.release()
 
-    def _send_refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> VerificationReport | None:
+    def _send_refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> VerificationReport | None:
         cfg = self.config
         refit_id = uuid.uuid4().hex
         self._progress = p = Progress(refit_id=refit_id, mode=cfg.mode.value)
@@ -516,7 +521,8 @@ class RefitSender:
         try:
             st.hello_sent = True
             self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
-                                 producer_rank=self.rank, producer_device=None if self.device is None else str(self.device)), None)
+                                 producer_rank=self.rank, producer_device=None if self.device is None else str(self.device),
+                                 version=version), None)
             st.welcome_pending = True
             if st.requested.verifies:
                 self._take_welcome(st)  # agree before any digest work (one round trip)
@@ -546,9 +552,10 @@ class RefitSender:
             refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
             digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
         )
-        return self._verdict(st.mode, sender_manifest, done)
+        return self._verdict(st.mode, sender_manifest, done, version)
 
-    def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, done: Done) -> VerificationReport | None:
+    def _verdict(self, mode: VerifyMode, sender_manifest: dict[str, str] | None, done: Done,
+                 version: int | None = None) -> VerificationReport | None:
         p = self._progress
         rid = p.refit_id
         rejected = dict(done.rejected or {})
@@ -568,7 +575,7 @@ class RefitSender:
         checked = isinstance(done, CheckedDone)
         report = receiver_report(sender_manifest, done.manifest, done.session, refit_id=rid, rejected=rejected, error=done.error,
                                  rank=self.rank, producer_rank=self.rank, landed=done.landed if checked else None,
-                                 kept=done.kept if checked else None)
+                                 kept=done.kept if checked else None, version=version)
         # the worker's session: the one this transfer joined, else the implicit one named after the refit
         verdicts.record(getattr(done.session, "session", None) or rid, report.ok)
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok

@@ -104,6 +104,11 @@ class Hello(msgspec.Struct, tag="hello", **STRUCT_OPTS):
         producer_rank, producer_device: the sender's trainer rank and staging device, when it has
             one (``RefitSender(rank=)``): the worker records them in its session manifest, so a
             worker that received another producer's payload is named.
+        version: the weight version of this refit (the trainer's step, an int >= 0), or None
+            (unversioned). A vLLM worker opens its session with it: a version not newer than one the
+            worker already closed is reported as stale (:meth:`WorkerBoundary.open
+            <refit_verify.boundary.worker.WorkerBoundary.open>`). Optional and last: a Hello without
+            it decodes as unversioned.
     """
 
     protocol: int
@@ -112,6 +117,7 @@ class Hello(msgspec.Struct, tag="hello", **STRUCT_OPTS):
     alignment: Annotated[int, msgspec.Meta(ge=MIN_ALIGNMENT, le=MAX_ALIGNMENT)]
     producer_rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
     producer_device: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class Welcome(msgspec.Struct, tag="welcome", **STRUCT_OPTS):
