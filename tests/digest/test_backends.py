@@ -124,7 +124,7 @@ def test_kernels_missing_falls_back_to_torch(fresh_choice, monkeypatch, caplog) 
     """A kernel device type whose Triton kernels cannot be imported takes the torch path, loudly."""
     monkeypatch.setitem(sys.modules, "refit_verify.digest.kernels.launch", None)
     if "refit_verify.digest.kernels" in sys.modules:  # imported by an earlier test: drop its attribute too
-        monkeypatch.delattr(sys.modules["refit_verify.digest.kernels"], "digest", raising=False)
+        monkeypatch.delattr(sys.modules["refit_verify.digest.kernels"], "launch", raising=False)
     monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
         b = backends.backend_for("cpu")
