@@ -380,3 +380,45 @@ def test_verification_errors_pickle() -> None:
     assert e.failed_ranks == [2] and e.clean_ranks == [1] and e.mismatched == ["w"] and "worker rank 2" in str(e)
     e2 = pickle.loads(pickle.dumps(RefitVerificationError(bad)))
     assert e2.mismatched == ["w"] and e2.report.rank == 2 and str(e2) == str(RefitVerificationError(bad))
+
+
+# --------------------------------------------------------------------------- the weight version, on two ranks
+
+
+def _versions_worker(rank: int, port: int, out_dir: str) -> None:
+    from tests.support.toy_model import toy_weights, toy_worker
+
+    with rank_result(out_dir, rank) as out:
+        init_rank(rank, 2, port, timeout_s=60.0, one_numba_thread=True)
+        cfg = RefitConfig.build(mode="enforce")
+        w = list(toy_weights(2).items())
+        if rank == SRC:
+            tx = BroadcastSender(src=SRC, config=cfg)
+            for label, version in (("v5", 5), ("none", None), ("v4", 4), ("v6", 6)):
+                try:
+                    out[label] = {r: (rep.ok, rep.problems) for r, rep in tx.send(w, version=version).items()}
+                except BroadcastVerificationError as e:
+                    out[label] = {r: (rep.ok, rep.problems) for r, rep in e.reports.items()}
+            try:
+                tx.send(w, version=-1)
+            except Exception as e:  # noqa: BLE001 - checked by the test
+                out["bad"] = type(e).__name__
+        else:
+            from refit_verify.boundary.worker import SessionDigests
+
+            _, wb, model = toy_worker()  # a vLLM worker's boundary around a toy model
+            rx = BroadcastReceiver(src=SRC)
+            out["stale"] = []
+            for _ in range(4):
+                rx.receive(model.load_weights, digests=SessionDigests(wb, "broadcast"))
+                out["stale"].append((wb.last.version, wb.last.stale))
+        torch.distributed.destroy_process_group()
+
+
+def test_the_broadcast_carries_its_version_and_a_receiver_names_an_older_one(tmp_path):
+    src, dst = spawn_ranks(_versions_worker, 2, str(tmp_path))
+    older = "version 4 is older than version 5 already closed on this worker (a late or repeated refit)"
+    assert dst["stale"] == [(5, None), (None, None), (4, older), (6, None)]
+    assert src["v5"] == {1: (True, ())} and src["none"] == {1: (True, ())} and src["v6"] == {1: (True, ())}
+    assert src["v4"] == {1: (False, (f"stale refit: {older}",))}
+    assert src["bad"] == "RefitConfigError"

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_verify.config import RefitConfig, VerifyMode
+from refit_verify.config import RefitConfig, VerifyMode, check_version
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.wire.collective import (BROADCAST_PROTOCOL, BroadcastAbort, BroadcastComplete, BroadcastHello, Bucket, RankReport,
                                     broadcast_message, comm_device, decode_broadcast, decode_rank_report, gather_messages,
@@ -269,11 +269,15 @@ class BroadcastSender:
         self._device = torch.device(device) if device is not None else None
         self.last_stats: BroadcastStats | None = None
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[int, VerificationReport] | None:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int | None = None
+             ) -> dict[int, VerificationReport] | None:
         """Broadcast every ``(name, tensor)`` to the group and verify each receiving rank.
 
         Args:
             named_tensors: unique wire names and dense tensors (any dtype, shape, strides, device).
+            version: the weight version (the trainer's step, an int >= 0), carried in the header: a
+                receiving vLLM worker that already closed this version or a newer one reports its
+                rank stale (a ``problems`` entry: that rank's report fails). None: unversioned.
 
         Returns:
             ``{rank: VerificationReport}`` for every receiving rank (its rank within ``group`` unless it
@@ -293,8 +297,10 @@ class BroadcastSender:
                 (before any collective); receivers share a ``rank`` label, or a receiver's report is
                 malformed, oversized or inconsistent with the mode (at the verdict).
             RefitConfigError: ``src`` is not a rank of ``group``; or the mode verifies and the group
-                holds no receiver (size 1). Both before any collective.
+                holds no receiver (size 1); or ``version`` is neither None nor an int >= 0. All before
+                any collective.
         """
+        version = check_version(version)
         size = _check_membership(self.group, self.src, "sender")
         me = group_rank(self.group)
         if me != self.src:
@@ -314,7 +320,8 @@ class BroadcastSender:
         abort_due = False  # between the header and the complete, a failure here is told to the receivers
         try:
             abort_due = True
-            st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment), "header")
+            st.send(BroadcastHello(protocol=BROADCAST_PROTOCOL, refit_id=refit_id, mode=mode.value, alignment=cfg.alignment,
+                                   version=version), "header")
             if isinstance(named_tensors, (list, tuple)):
                 packer.digest_first(named_tensors)  # the first bucket's digests now, the rest's once it is sent (kept sets)
             packer.add_all(named_tensors)
@@ -368,7 +375,7 @@ class BroadcastSender:
                 raise RefitReceiveError(f"broadcast refit {refit_id}: receivers reported: {text}")
             return None
         reports = {g.rank: receiver_report(sender_manifest, g.manifest, None, refit_id=refit_id, rejected=g.rejected or {},
-                                           error=g.error, rank=g.rank) for g in results}
+                                           error=g.error, rank=g.rank, stale=g.stale) for g in results}
         reports = {r: dataclasses.replace(rep, unchecked=(*rep.unchecked, AFTER_LOAD_UNCHECKED)) for r, rep in reports.items()}
         failing = False
         for rep in reports.values():
@@ -473,17 +480,17 @@ class BroadcastReceiver:
         state = ReceiveState.start(mode, hello.refit_id, hello.alignment, digests, padded_tail=False)
         progress.update(refit_id=hello.refit_id, mode=mode.value)
         if state.external is not None:
-            state.external.begin(hello.refit_id, None)
+            state.external.begin(hello.refit_id, None, hello.version)
         try:
             n_tensors = self._receive_loop(load, state, progress, label, run, next_message)
         except BaseException as e:
             if state.external is not None:
                 state.external.fail(f"{type(e).__name__}: {e}")
             raise
-        manifest, _session, error = state.finish(n_tensors)  # the session manifest stays with the worker's boundary
+        manifest, session, error = state.finish(n_tensors)  # the session manifest stays with the worker's boundary
         rejected = dict(state.checker.rejected)
         report = RankReport(rank=label, manifest=manifest, error=error, rejected=rejected or None, tensors=state.tensors,
-                            bytes=state.bytes, digest_s=state.digest_s)
+                            bytes=state.bytes, digest_s=state.digest_s, stale=session.stale if session is not None else None)
         gather_messages(report, group=self.group, dst=self.src, device=msg_device, decode=decode_rank_report,
                         max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=run)
         return BroadcastReceiveResult(manifest=manifest, tensors=state.tensors, bytes=state.bytes, buckets=state.groups,

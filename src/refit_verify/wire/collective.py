@@ -61,12 +61,16 @@ class BroadcastHello(msgspec.Struct, tag="broadcast_hello", **STRUCT_OPTS):
         protocol: :data:`BROADCAST_PROTOCOL`. refit_id: the refit's id (32 hex).
         mode: the sender's mode; receivers verify iff it is not ``"off"``.
         alignment: byte alignment of every slot in a bucket (power of two, 16..2**20).
+        version: the weight version (the trainer's step, an int >= 0), or None (unversioned); a vLLM
+            worker opens its session with it and reports a version not newer than one it already
+            closed as stale. Optional and last: a header without it decodes as unversioned.
     """
 
     protocol: int
     refit_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     mode: _Mode
     alignment: Annotated[int, msgspec.Meta(ge=MIN_ALIGNMENT, le=MAX_ALIGNMENT)]
+    version: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:  # a ValueError here is a decode error (msgspec)
         if self.alignment & (self.alignment - 1):
@@ -108,6 +112,9 @@ class RankReport(msgspec.Struct, tag="rank_report", **STRUCT_OPTS):
         error: errors that name no entry (``load`` raised, a count mismatch in ``off`` mode), or ``None``.
         rejected: ``{name: reason}`` of refused entries, or ``None``.
         tensors / bytes: entries accepted and their exact bytes. digest_s: seconds in digest code.
+        stale: why the receiver's session is out of order (a vLLM worker that already closed this
+            version or a newer one: :attr:`SessionManifest.stale <refit_verify.manifest.SessionManifest.stale>`),
+            or None. Optional and last.
     """
 
     rank: int
@@ -117,6 +124,7 @@ class RankReport(msgspec.Struct, tag="rank_report", **STRUCT_OPTS):
     tensors: NonNeg
     bytes: NonNeg
     digest_s: float
+    stale: Text | None = None
 
 
 class ShardMeta(msgspec.Struct, tag="shard_meta", **STRUCT_OPTS):
