@@ -27,7 +27,8 @@ is checked right after the send.
 
 :class:`NativeSendVerifier` (:mod:`refit_verify.vllm_plugin.native_sender`) is the same logic as an explicit helper, for trainers that run where
 vLLM's plugins are never loaded (a Ray actor) or use a client refit-verify cannot reach the
-workers through. ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError` naming the
+workers through. :func:`next_update_version` names the weight version of the next update (before
+``start_weight_update``); each worker checks its order. ``enforce`` raises :class:`~refit_verify.errors.RefitVerificationError` naming the
 parameters and the worker rank; ``log`` logs a warning. The mode is read from ``REFIT_VERIFY`` at
 each send.
 
@@ -46,7 +47,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
+from refit_verify.config import RefitConfig, VerifyMode, check_version, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport
 from refit_verify.trainer.overlap import run_in_shadow
@@ -61,11 +62,11 @@ from refit_verify.vllm_plugin.native_sender import (  # noqa: F401  (FETCH_TIMEO
     NativeSendVerifier,
     _Wrapped,
 )
-from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD
+from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD, VERSION_METHOD
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["MANIFEST_METHOD", "NativeSendVerifier", "detect", "install", "last_reports", "status"]
+__all__ = ["MANIFEST_METHOD", "NativeSendVerifier", "detect", "install", "last_reports", "next_update_version", "status"]
 
 UNSUPPORTED_BACKENDS = frozenset({"sparse_nccl", "sharded_rdt", "nccl_m2n", "modelexpress"})
 """Trainer backends that ship deltas or partial shards, or load without ``model.load_weights``:
@@ -86,6 +87,49 @@ def status() -> dict[str, Any]:
         out = dict(_STATE)
     out["patched"] = list(shims.APPLIED)
     return out
+
+
+def next_update_version(engine: Any, version: int | None, *, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Name the weight version of ``engine``'s next native weight update (call it before
+    ``start_weight_update``): every worker opens that update's session with it.
+
+    A worker that already closed this version or a newer one reports the update as stale (a
+    ``problems`` entry of its report: ``enforce`` raises when the update is checked). Each worker
+    takes the version once, with its next ``start_weight_update``; an update with no version named
+    before it is unversioned (never out of order).
+
+    Args:
+        engine: what :func:`refit_verify.refit` takes: a ``vllm.LLM``, an object with
+            ``collective_rpc``, a Ray actor handle, a ``vllm serve`` base URL.
+        version: the trainer's step, an int >= 0, or None (the next update is unversioned).
+        timeout_s: bound, in seconds, on the call to the workers.
+
+    Returns:
+        list[dict]: every worker's answer (``rank``, ``verifying``, ``version``); empty when
+        ``REFIT_VERIFY`` is ``off`` in this process (nothing is called).
+
+    Raises:
+        RefitConfigError: ``version`` is neither None nor an int >= 0; in ``enforce``, a worker that
+            does not verify or has no weight-transfer engine (``log`` warns).
+        RefitTimeoutError: the workers did not answer within ``timeout_s``.
+    """
+    from refit_verify.trainer.channel import require_channel
+
+    version = check_version(version)
+    mode = mode_from_env()
+    if not mode.verifies:
+        return []
+    answers = list(require_channel(engine).call(VERSION_METHOD, version, timeout_s=timeout_s))
+    idle = [a for a in answers if not (isinstance(a, dict) and a.get("verifying"))]
+    if idle:
+        a = idle[0]
+        msg = (f"refit-verify: the next native update's version {version} does not reach vLLM worker rank "
+               f"{a.get('rank') if isinstance(a, dict) else '?'} "
+               f"({a.get('reason', 'no reason given') if isinstance(a, dict) else repr(a)})")
+        if mode is VerifyMode.ENFORCE:
+            raise RefitConfigError(msg)
+        logger.warning("%s", msg)
+    return answers
 
 
 def last_reports() -> list[VerificationReport]:

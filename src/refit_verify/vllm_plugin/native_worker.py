@@ -8,7 +8,11 @@ it (vLLM's layerwise reload finalises inside ``finish``, so deferred applies are
 backend hands to ``model.load_weights`` is digested by the boundary, never by a parallel copy here.
 
 The worker method ``refit_verify_native_manifest`` returns the digests of the current or last update
-(reached through ``collective_rpc`` by :class:`~refit_verify.vllm_plugin.native_trainer.NativeSendVerifier`).
+(reached through ``collective_rpc`` by :class:`~refit_verify.vllm_plugin.native_trainer.NativeSendVerifier`);
+``refit_verify_native_version`` sets the weight version the next update's session opens with (the
+trainer calls it through :func:`refit_verify.vllm_plugin.native_trainer.next_update_version`): the
+session's order is checked where every session's is (:meth:`WorkerBoundary.open
+<refit_verify.boundary.worker.WorkerBoundary.open>`).
 
 Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.py (0.26.0, 0.32.0).
 """
@@ -20,14 +24,14 @@ import logging
 import uuid
 from typing import Any
 
-from refit_verify.config import mode_from_env
+from refit_verify.config import check_version, mode_from_env
 from refit_verify.manifest import digest_map_text, to_text
 from refit_verify.vllm_plugin import worker_sessions as sessions
-from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD
+from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD, VERSION_METHOD
 
 logger = logging.getLogger("refit_verify")
 
-METHODS = (MANIFEST_METHOD, FINISH_METHOD)
+METHODS = (MANIFEST_METHOD, FINISH_METHOD, VERSION_METHOD)
 _ENGINE_ATTR = "_refit_verify_native"
 
 
@@ -41,6 +45,7 @@ class _EngineState:
         self.active = False
         self.session: str | None = None
         self.last = None  # SessionManifest of the last finished update
+        self.next_version: int | None = None  # the weight version the next update opens with (taken once)
         self.model = model
 
     def boundary(self):
@@ -74,7 +79,8 @@ def instrument_engine(engine: Any, backend: str) -> None:
             return
         if state.active and state.session is not None:  # a start without finish: that update is abandoned
             wb.abandon(state.session, "a new start_weight_update came before finish_weight_update")
-        state.session = wb.open(opened_by="native", explicit=False)
+        version, state.next_version = state.next_version, None
+        state.session = wb.open(version=version, opened_by="native", explicit=False)
 
     def _close(error: str | None = None) -> None:
         wb = state.boundary()
@@ -162,6 +168,31 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
     if wb is not None:
         out["rank"] = wb.identity.rank if out["rank"] is None else out["rank"]
     return out
+
+
+def refit_verify_native_version(self, version: int | None) -> dict[str, Any]:
+    """Worker method: the weight version this worker's next native update (``start_weight_update``)
+    opens its session with; taken by that update, then None again (unversioned).
+
+    Args:
+        version: the trainer's step, an int >= 0, or None (the next update is unversioned).
+
+    Returns:
+        dict: ``rank``, ``verifying`` (False when ``REFIT_VERIFY`` is off here or the worker has no
+        weight-transfer engine, with ``reason``), ``version`` (the version set, when verifying).
+
+    Raises:
+        RefitConfigError: ``version`` is neither None nor an int >= 0.
+    """
+    version = check_version(version)
+    engine = getattr(self, "weight_transfer_engine", None)
+    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    if state is None:
+        return {"rank": getattr(self, "rank", None), "verifying": False,
+                "reason": ("no weight-transfer engine (LLM(..., weight_transfer_config=...) not set)" if engine is None
+                           else f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker")}
+    state.next_version = version
+    return {"rank": getattr(self, "rank", None), "verifying": True, "version": version}
 
 
 def refit_verify_native_finish(self) -> dict[str, Any]:
