@@ -206,6 +206,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     if version is not None and man.version != version:
         problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
     problems += stale_problems(man.stale)
+    if man.misrouted:
+        problems.append(f"misrouted payload: {man.misrouted}")
     for u in man.unsessioned:
         shown = ", ".join(u.names[:8]) + (", …" if u.tensors > len(u.names[:8]) else "")
         problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "

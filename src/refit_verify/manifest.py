@@ -305,6 +305,9 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         close_s: host seconds the worker spent closing it, up to this manifest (the index's
             check, snapshot, read-back, the plan kept for the next session, the manifests; not
             the encoding that carries it back).
+        misrouted: why the payload came from another producer than the one that must feed this
+            worker (:meth:`WorkerBoundary.open <refit_verify.boundary.worker.WorkerBoundary.open>`,
+            ``expect_producer``), or None.
     """
 
     session: str
@@ -326,6 +329,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     snapshot_s: float = 0.0
     open_s: float = 0.0
     close_s: float = 0.0
+    misrouted: str | None = None
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""

@@ -156,3 +156,26 @@ def test_every_way_into_a_session_goes_through_the_order_check():
     d.begin("r-ok", None, 9)
     model.load_weights(list(toy_weights(1).items()))
     assert d.finish()[1].stale is None and wb.max_version == 9
+
+
+def test_a_payload_of_another_producer_than_the_one_that_must_feed_the_worker_is_named():
+    from refit_verify.boundary.worker import SessionDigests
+    from refit_verify.manifest import Producer
+
+    _, wb, model = toy_worker()
+    for expect, producer, misrouted in ((1, Producer(rank=1, device="cuda:1"), None),
+                                        (None, Producer(rank=3, device="cpu"), None),  # no expectation: any producer
+                                        (0, None, None),  # a sender that names no rank: nothing to compare
+                                        (0, Producer(rank=1, device="cuda:1"),
+                                         "worker rank 0 (tp 0, pp 0) received the payload of producer rank 1 (cuda:1); it "
+                                         "must be fed by producer rank 0")):
+        d = SessionDigests(wb, "transport", expect_producer=expect)
+        d.begin("r", producer)
+        model.load_weights(list(toy_weights(1).items()))
+        assert d.finish()[1].misrouted == misrouted
+    wb.open("outer", version=1)  # a transport joining a trainer's session: checked as it joins
+    d = SessionDigests(wb, "transport", expect_producer=0)
+    d.begin("r2", Producer(rank=2, device="cpu"))
+    model.load_weights(list(toy_weights(1).items()))
+    d.finish()
+    assert wb.close("outer").misrouted.startswith("worker rank 0 (tp 0, pp 0) received the payload of producer rank 2")

@@ -757,3 +757,33 @@ def test_a_hello_without_a_version_decodes_as_unversioned():
     hello = decode_request(legacy)
     assert isinstance(hello, Hello) and (hello.producer_rank, hello.version) == (0, None)
     assert decode_request(encode(Hello(protocol=PROTOCOL_VERSION, refit_id="r1", mode="log", alignment=64, version=12))).version == 12
+
+
+def test_a_worker_fed_by_another_producer_than_its_own_names_it_and_fails_in_enforce():
+    from refit_verify.boundary.worker import SessionDigests
+    from tests.support.toy_model import toy_weights, toy_worker
+
+    _, wb, model = toy_worker()
+    w = list(toy_weights(5).items())
+    cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, connect_timeout_s=30.0)
+
+    def one(expect):
+        out: dict = {}
+
+        def run():
+            with RefitReceiver(tx.endpoint, config=cfg) as rx:
+                out["result"] = rx.receive(model.load_weights, digests=SessionDigests(wb, "transport", expect_producer=expect))
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        try:
+            return tx.send(w)
+        finally:
+            th.join(timeout=30)
+
+    with RefitSender(config=cfg, rank=1) as tx:
+        assert one(1).ok and one(None).ok
+        with pytest.raises(RefitVerificationError) as ei:
+            one(0)
+    assert ei.value.report.problems == ("misrouted payload: worker rank 0 (tp 0, pp 0) received the payload of producer "
+                                        "rank 1 (cpu); it must be fed by producer rank 0",)

