@@ -42,7 +42,7 @@ def _push(llm, cfg, seed, version=None):
 
 
 def _stale(version, newest):
-    return f"stale refit: version {version} is older than version {newest} already closed on this worker (a late or repeated refit)"
+    return f"stale refit: version {version} is older than version {newest} already closed on this worker"
 
 
 def _cert(llm):

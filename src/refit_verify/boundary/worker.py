@@ -177,7 +177,7 @@ class WorkerBoundary:
         if version is None or self.max_version is None or version > self.max_version:
             return None
         how = "the same as" if version == self.max_version else "older than"
-        return f"version {version} is {how} version {self.max_version} already closed on this worker (a late or repeated refit)"
+        return f"version {version} is {how} version {self.max_version} already closed on this worker"
 
     def _misrouted(self, producer: Producer | None, expect: int | None) -> str | None:
         """Why ``producer``'s payload must not feed this worker (it expects trainer rank ``expect``), or None."""
