@@ -268,11 +268,13 @@ def test_sender_times_out_when_receiver_never_connects():
     assert "receiver never connected" in str(ei.value) and "VLLM_PLUGINS" in str(ei.value)
 
 
-def _thread_receiver(endpoint: str, load, cfg: RefitConfig, out: dict) -> threading.Thread:
+def _thread_receiver(endpoint: str, load, cfg: RefitConfig, out: dict, digests=None) -> threading.Thread:
+    """A receiver thread running one refit into ``load`` (``digests``: where its digests are taken,
+    e.g. a :class:`~refit_verify.boundary.worker.SessionDigests` at a worker's boundary)."""
     def run():
         try:
             with RefitReceiver(endpoint, config=cfg) as rx:
-                out["result"] = rx.receive(load)
+                out["result"] = rx.receive(load, digests=digests)
         except BaseException as e:  # noqa: BLE001
             out["error"] = e
 
@@ -708,23 +710,8 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
     assert out.get("loaded", []) in ([], ["embed"])  # the embedding was sent before the failure; nothing after it
 
 
-def _boundary_receiver(endpoint: str, wb, model, cfg: RefitConfig, out: dict) -> threading.Thread:
-    """A receiver thread loading into ``model`` with its digests taken at ``wb`` (as a vLLM worker's)."""
-    from refit_verify.boundary.worker import SessionDigests
-
-    def run():
-        try:
-            with RefitReceiver(endpoint, config=cfg) as rx:
-                out["result"] = rx.receive(model.load_weights, digests=SessionDigests(wb, "transport"))
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th
-
-
 def test_the_sender_carries_its_version_and_an_older_one_after_a_newer_one_fails_in_enforce():
+    from refit_verify.boundary.worker import SessionDigests
     from tests.support.toy_model import toy_weights, toy_worker
 
     _, wb, model = toy_worker()
@@ -733,7 +720,7 @@ def test_the_sender_carries_its_version_and_an_older_one_after_a_newer_one_fails
     with RefitSender(config=cfg) as tx:
         def one(**kw):
             out: dict = {}
-            th = _boundary_receiver(tx.endpoint, wb, model, cfg, out)
+            th = _thread_receiver(tx.endpoint, model.load_weights, cfg, out, SessionDigests(wb, "transport"))
             try:
                 return tx.send(w, **kw)
             finally:
@@ -768,14 +755,7 @@ def test_a_worker_fed_by_another_producer_than_its_own_names_it_and_fails_in_enf
     cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, connect_timeout_s=30.0)
 
     def one(expect):
-        out: dict = {}
-
-        def run():
-            with RefitReceiver(tx.endpoint, config=cfg) as rx:
-                out["result"] = rx.receive(model.load_weights, digests=SessionDigests(wb, "transport", expect_producer=expect))
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
+        th = _thread_receiver(tx.endpoint, model.load_weights, cfg, {}, SessionDigests(wb, "transport", expect_producer=expect))
         try:
             return tx.send(w)
         finally:
