@@ -16,7 +16,7 @@ import torch
 
 from refit_verify.engine import state as engine_state
 
-from refit_verify.engine import readback
+from refit_verify.engine import fills, readback
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
 from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors, tensor_digest
@@ -218,8 +218,8 @@ def test_a_non_zero_fill_is_read_back_against_its_value(landed, replay):
         _clean(man, r)
         assert bool((model.embed[VOCAB:] == 5).all())
     pad = model.embed[VOCAB:]
-    assert readback._fill_hex(torch.bfloat16, (PAD, HIDDEN), 5) == tensor_digest(pad)  # the expected digest is of 5s
-    assert readback._fill_hex(torch.bfloat16, (PAD, HIDDEN), 5) != readback._fill_hex(torch.bfloat16, (PAD, HIDDEN), 0)
+    assert fills.fill_hex(torch.bfloat16, (PAD, HIDDEN), 5) == tensor_digest(pad)  # the expected digest is of 5s
+    assert fills.fill_hex(torch.bfloat16, (PAD, HIDDEN), 5) != fills.fill_hex(torch.bfloat16, (PAD, HIDDEN), 0)
 
     def zeros(m):
         m.embed.data[VOCAB:] = 0  # the bytes of another fill (a loader that zeroes) are not the loader's 5s
@@ -313,9 +313,9 @@ def test_a_fill_a_delivered_block_overlaps_is_not_read():
     assert st.status == "not_coverable" and "a delivered block was written over part of it" in st.why, st
     assert man.engine.padding_bytes == 0 and man.engine.unproven_bytes == 16 * HIDDEN * 2
     assert r.ok and man.engine.proven_bytes == ALL  # the delivered rows are compared and hold
-    assert not readback._overlap((VOCAB * HIDDEN, (PAD, HIDDEN), (HIDDEN, 1)), (0, (VOCAB, HIDDEN), (HIDDEN, 1)))
-    assert readback._overlap((0, (4, 2), (4, 1)), (1, (4, 2), (4, 1)))  # columns 0-1 and 1-2 of a 4x4
-    assert not readback._overlap((0, (4, 2), (4, 1)), (2, (4, 2), (4, 1)))  # interleaved spans, no shared element
+    assert not fills.overlap((VOCAB * HIDDEN, (PAD, HIDDEN), (HIDDEN, 1)), (0, (VOCAB, HIDDEN), (HIDDEN, 1)))
+    assert fills.overlap((0, (4, 2), (4, 1)), (1, (4, 2), (4, 1)))  # columns 0-1 and 1-2 of a 4x4
+    assert not fills.overlap((0, (4, 2), (4, 1)), (2, (4, 2), (4, 1)))  # interleaved spans, no shared element
 
 
 class _WideViewFill(ToyModel):
@@ -347,17 +347,17 @@ def test_a_fill_through_a_view_of_another_dtype_is_not_credited(landed, replay):
 
 def test_overlap_is_exact_on_small_spans_and_says_when_it_cannot_tell():
     """Filled columns beside delivered columns (interleaved spans): exact on a span of at most
-    ``_MASK_MAX`` elements, None beyond (the fill is then not read, and the reason says it may share
-    elements), never a mask of more than ``_MASK_MAX`` bytes."""
+    ``MASK_MAX`` elements, None beyond (the fill is then not read, and the reason says it may share
+    elements), never a mask of more than ``MASK_MAX`` bytes."""
     cols, rows = 64, 4
     block = (0, (rows, cols - 8), (cols, 1))  # the first 56 columns of each row
     pad = (cols - 8, (rows, 8), (cols, 1))  # the last 8
-    assert readback._overlap(block, pad) is False and readback._overlap(pad, (cols - 9, (rows, 2), (cols, 1))) is True
-    big = readback._MASK_MAX // cols + 2  # rows: the spans meet over more than _MASK_MAX elements
-    assert readback._overlap((0, (big, cols - 8), (cols, 1)), (cols - 8, (big, 8), (cols, 1))) is None
-    assert readback._first_overlap(pad, [block]) is False
-    assert readback._first_overlap((cols - 8, (big, 8), (cols, 1)), [(0, (big, cols - 8), (cols, 1)), block]) is None
+    assert fills.overlap(block, pad) is False and fills.overlap(pad, (cols - 9, (rows, 2), (cols, 1))) is True
+    big = fills.MASK_MAX // cols + 2  # rows: the spans meet over more than MASK_MAX elements
+    assert fills.overlap((0, (big, cols - 8), (cols, 1)), (cols - 8, (big, 8), (cols, 1))) is None
+    assert fills.first_overlap(pad, [block]) is False
+    assert fills.first_overlap((cols - 8, (big, 8), (cols, 1)), [(0, (big, cols - 8), (cols, 1)), block]) is None
     p = torch.zeros(big, cols, dtype=torch.bfloat16)
-    read, unread = readback._fill_plan(p, [((cols - 8, (big, 8), (cols, 1)), Copy((cols - 8, (big, 8), (cols, 1)), None, True, 0))],
+    read, unread = fills.fill_plan(p, [((cols - 8, (big, 8), (cols, 1)), Copy((cols - 8, (big, 8), (cols, 1)), None, True, 0))],
                                        [(0, (big, cols - 8), (cols, 1))])
     assert read == [] and len(unread) == 1 and "may share elements with it" in unread[0][1]

@@ -1,7 +1,7 @@
 """What the engine holds: read-back of a session's writes in the engine's layout, the engine-state
 snapshot after a session, and audits of it.
 
-Modules: :mod:`.readback` (:func:`~refit_verify.engine.readback.read_back`), :mod:`.state`
+Modules: :mod:`.readback` (:func:`~refit_verify.engine.readback.read_back`), :mod:`.fills` (the padding loaders filled), :mod:`.state`
 (:func:`~refit_verify.engine.state.snapshot`, :func:`~refit_verify.engine.state.audit`).
 Comparisons of states and replicas are in :mod:`refit_verify.compare`.
 

@@ -32,20 +32,18 @@ from __future__ import annotations
 
 import functools
 import itertools
-import struct
 import time
 from typing import Any
 
 import torch
 
-from refit_verify.boundary.placement import WHOLE
-from refit_verify.digest.batch import DigestBatch, tensor_digest
-from refit_verify.digest.tensors import check_tensor, plain_tensor_ops
-from refit_verify.digest.kept import DigestSet
-from refit_verify.manifest import EngineState, ParamState
 from refit_verify.boundary.model_index import ModelIndex
-from refit_verify.boundary.placement import Copy, FillValue
-from refit_verify.digest.tensors import as_view
+from refit_verify.boundary.placement import WHOLE, Copy
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.kept import DigestSet
+from refit_verify.digest.tensors import as_view, check_tensor, plain_tensor_ops
+from refit_verify.engine.fills import Fills, fill_plan
+from refit_verify.manifest import EngineState, ParamState
 
 __all__ = ["read_back"]
 
@@ -80,118 +78,6 @@ def _unreadable(ms, pname: str, p: torch.Tensor) -> str | None:
     return None
 
 
-_FILL_HEX: dict[tuple, str] = {}
-_FILL_HEX_MAX = 256
-_FILL_MAX_BYTES = 1 << 28
-"""A filled region larger than this (256 MiB) is not rebuilt on the host to get its expected digest."""
-_MASK_MAX = 1 << 20
-"""Regions whose spans meet within this many elements are tested for a shared element exactly (a
-host mask of that many bytes at most); beyond, they are not tested and may share one."""
-
-
-def _value_key(v: FillValue) -> tuple:
-    """A fill value as a key that tells apart what ``==`` does not (``-0.0`` / ``0.0``, NaN payloads)."""
-    if isinstance(v, float):
-        return (float, struct.pack("<d", v))
-    if isinstance(v, complex):
-        return (complex, struct.pack("<dd", v.real, v.imag))
-    return (type(v), v)
-
-
-def _fill_hex(dtype: torch.dtype, shape: tuple, value: FillValue) -> str:
-    """32-hex digest of a CPU tensor of ``dtype`` and ``shape`` filled with ``value`` as ``fill_`` fills
-    it (the bytes a loader's fill leaves); kept per (dtype, shape, value) in a small module dict.
-
-    Raises:
-        RuntimeError / TypeError: ``value`` cannot be written into ``dtype``."""
-    key = (dtype, tuple(shape), _value_key(value))
-    h = _FILL_HEX.get(key)
-    if h is None:
-        if len(_FILL_HEX) >= _FILL_HEX_MAX:
-            _FILL_HEX.clear()
-        h = _FILL_HEX[key] = tensor_digest(torch.empty(tuple(shape), dtype=dtype).fill_(value))
-    return h
-
-
-def _span(g) -> tuple[int, int] | None:
-    """``[first, last + 1)`` element of region ``g`` relative to its parameter, or None when it is empty."""
-    off, shape, stride = g
-    if 0 in shape:
-        return None
-    return off, off + sum((s - 1) * st for s, st in zip(shape, stride)) + 1
-
-
-def _overlap(a, b) -> bool | None:
-    """True iff regions ``a`` and ``b`` of one parameter share an element, False iff they do not;
-    None when their spans meet over more than :data:`_MASK_MAX` elements (not tested: they may)."""
-    sa, sb = _span(a), _span(b)
-    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
-        return False
-    lo, hi = min(sa[0], sb[0]), max(sa[1], sb[1])
-    if hi - lo > _MASK_MAX:
-        return None
-    mask = torch.zeros(hi - lo, dtype=torch.bool)
-    mask.as_strided(b[1], b[2], b[0] - lo).fill_(True)
-    return bool(mask.as_strided(a[1], a[2], a[0] - lo).any())
-
-
-def _first_overlap(region, others: list) -> bool | None:
-    """True iff ``region`` shares an element with one of ``others``; else None iff one of them may
-    (:func:`_overlap` could not test it); else False."""
-    maybe = False
-    for o in others:
-        hit = _overlap(region, o)
-        if hit:
-            return True
-        if hit is None:
-            maybe = None
-    return maybe
-
-
-def _fill_plan(p: torch.Tensor, fills: list[tuple[tuple, Copy]], blocks: list[tuple]) -> tuple[list, list]:
-    """Which filled regions of parameter ``p`` are read: ``([(region, value, expected 32-hex, bytes)],
-    [(region, why not read, bytes)])``. ``fills``: ``(region, its last fill)``; ``blocks``: the
-    regions written from delivered tensors. A region is read when its fill value is known, can be
-    rebuilt on the host, and no block or fill of another value shares an element with it (what it
-    should hold then is not one value)."""
-    read, unread = [], []
-    esize = p.element_size()
-    last = {region: c for region, c in fills}
-    for region, c in fills:
-        nb = c.numel() * esize
-        why = None
-        if c.value is None:
-            why = c.unknown or "the loader's fill value was not recorded"
-        elif nb > _FILL_MAX_BYTES:
-            why = f"the filled region ({nb} bytes) is too large to rebuild on the host"
-        elif (hit := _first_overlap(region, blocks)) is not False:
-            why = ("a delivered block was written over part of it" if hit else "a delivered block may share elements with it "
-                   f"(regions spanning more than {_MASK_MAX} elements are not tested)")
-        elif (hit := _first_overlap(region, [r for r, o in last.items() if r != region and (
-                o.value is None or _value_key(o.value) != _value_key(c.value))])) is not False:
-            why = ("another fill of another value was written over part of it" if hit else "a fill of another value may share "
-                   f"elements with it (regions spanning more than {_MASK_MAX} elements are not tested)")
-        if why is None:
-            try:
-                read.append((region, c.value, _fill_hex(p.dtype, region[1], c.value), nb))
-                continue
-            except (RuntimeError, TypeError, ValueError) as e:
-                why = f"its fill value {c.value!r} cannot be rebuilt as {str(p.dtype).removeprefix('torch.')} ({e})"[:300]
-        unread.append((region, why, nb))
-    return read, unread
-
-
-class _Fills:
-    """The filled regions of one parameter (:func:`_program`): ``entries`` (those read)
-    ``[(digest key, expected 32-hex, region description, fill value)]``; ``held``: their bytes
-    (counted as padding when they hold, unproven when the parameter is a mismatch); ``nbytes``:
-    its state's ``bytes`` then."""
-
-    __slots__ = ("entries", "held", "nbytes")
-
-    def __init__(self, entries: list, held: int, nbytes: int) -> None:
-        self.entries, self.held, self.nbytes = entries, held, nbytes
-
 
 def _whole(p: torch.Tensor, dest) -> bool:
     """True iff region ``dest`` of ``p`` is ``p`` itself (same offset, shape and strides)."""
@@ -219,7 +105,7 @@ class _Program:
         self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
         self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
         self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
-        self.fills: dict[str, _Fills] = {}  # label -> its filled regions (padding), of parameters the loaders filled
+        self.fills: dict[str, Fills] = {}  # label -> its filled regions (padding), of parameters the loaders filled
         self.notes: dict[str, str] = {}  # label -> why it is held to the bytes its loader was handed (said on a mismatch)
         # when every region holds: bytes not proven (not coverable, fills not read), padding proven to hold its fill
         self.unproven = self.padding = 0
@@ -333,7 +219,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                     where = _describe(region) + (f" (also written by {len(others)} other source(s): {', '.join(others)})"
                                                  if others else "")
                     entries.append((dkey, key, src, where))
-            read, unread = _fill_plan(p, fills, [r for _, r in regions_here]) if fills else ((), ())
+            read, unread = fill_plan(p, fills, [r for _, r in regions_here]) if fills else ((), ())
             for region, value, hexd, _nb in read:  # padding: read like the blocks, compared with the fill's bytes
                 dkey = f"{label}@pad{len(fentries)}"
                 _region(p, label, region, dkey, known, given, added)
@@ -361,7 +247,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             params[label] = ParamState("not_coverable", "only padding was written" + (f"; {why_not}" if why_not else ""), nbytes)
             prog.unproven += nbytes - held  # the padding read back is counted there while it holds
             if fills:
-                prog.fills[label] = _Fills(fentries, held, nbytes)
+                prog.fills[label] = Fills(fentries, held, nbytes)
             continue
         plan[label] = entries
         if pname in ms.assumed:
@@ -374,7 +260,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
             params[label] = ParamState("not_coverable", f"{why_not}; its {block_bytes} bytes of delivered blocks are compared "
                                        "(proven when they hold)", block_bytes, blocks)
         if fills:
-            prog.fills[label] = _Fills(fentries, held, block_bytes + held + not_read)
+            prog.fills[label] = Fills(fentries, held, block_bytes + held + not_read)
     for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
         keys = []
         for i, (pname, where) in enumerate(regions):
