@@ -15,6 +15,9 @@ Tensors are read with the ``safetensors`` library (``safe_open(..., framework="p
 time, so memory holds one tensor (plus what :class:`~refit_verify.trainer.exports.StreamDigests` keeps in
 flight on CUDA).
 
+The module stays whole past 500 lines: its three parts (the manifest record and its JSON, digests
+of files on disk, comparison) are one file format, read and written in one place.
+
 Source: ``docs/digest-spec.md`` (digest v1).
 """
 

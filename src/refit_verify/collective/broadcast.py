@@ -43,6 +43,9 @@ Bounded waits: every wait is a ``torch.distributed`` collective, bounded by the 
 collective into an error instead of a hang, and ``torch.cuda.set_device(local_rank)`` on every
 rank before the refit (the message tensors live on the current CUDA device).
 
+The module stays whole past 500 lines: sender and receiver are the two halves of one collective
+protocol and share its group checks (membership, configuration, timeouts).
+
 Source: ``docs/protocol.md`` (broadcast path), ``docs/scale.md``; the digest is ``docs/digest-spec.md``.
 """
 

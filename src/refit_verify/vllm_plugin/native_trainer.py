@@ -32,6 +32,9 @@ workers through. :func:`next_update_version` names the weight version of the nex
 parameters and the worker rank; ``log`` logs a warning. The mode is read from ``REFIT_VERIFY`` at
 each send.
 
+The module stays whole past 500 lines: its wrappers (trainer engines, static senders, the in-process
+``LLM``) share one table of pending sends and one lock, and are installed and undone together.
+
 Source: vllm/distributed/weight_transfer/{base,factory,ipc_engine,nccl_engine}.py (0.26.0 and 0.32.0).
 """
 
