@@ -1,6 +1,8 @@
 """A worker's boundaries, its identity and the session in progress (:class:`WorkerBoundary`).
 
-The design is described in :mod:`refit_verify.boundary`.
+The design is described in :mod:`refit_verify.boundary`. The module stays whole past 500 lines: it
+is one worker's session state machine (open, join, close, audits, certificate), whose steps share
+its lock and its open session.
 """
 
 from __future__ import annotations
