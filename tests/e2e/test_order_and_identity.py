@@ -91,6 +91,8 @@ def test_refit_an_older_version_after_a_newer_one_fails_and_unversioned_refits_p
     (rep,) = refit(13, 21)
     assert rep.ok and rep.version == 21
     assert _cert(llm).ok and _cert(llm).version == 21
+    (rep,) = refit(14, 21)  # the same version again (a retried sync): in order, its bytes verified
+    assert rep.ok and rep.version == 21 and rep.problems == ()
 
 
 def test_a_worker_fed_by_another_trainer_rank_than_its_own_names_it(engine, tmp_path):

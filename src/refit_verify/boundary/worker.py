@@ -172,14 +172,15 @@ class WorkerBoundary:
         """Why a session of weight ``version`` is out of order on this worker, or None.
 
         The one order check of every path (``refit``, ``push``, ``RefitSender``, the broadcast and
-        vLLM's native API all open their sessions here): a versioned session must be newer than
-        every versioned session already closed on this worker. An unversioned session (None) is
-        never out of order and leaves the order as it is.
+        vLLM's native API all open their sessions here): a versioned session must not be older than
+        a versioned session already closed on this worker. The same version again is a repeat (TRL
+        syncs again at the same ``global_step`` after a failed or interrupted sync), not out of
+        order; its bytes are verified like any other. An unversioned session (None) is never out of
+        order and leaves the order as it is.
         """
-        if version is None or self.max_version is None or version > self.max_version:
+        if version is None or self.max_version is None or version >= self.max_version:
             return None
-        how = "the same as" if version == self.max_version else "older than"
-        return f"version {version} is {how} version {self.max_version} already closed on this worker"
+        return f"version {version} is older than version {self.max_version} already closed on this worker"
 
     def _misrouted(self, producer: Producer | None, expect: int | None) -> str | None:
         """Why ``producer``'s payload must not feed this worker (it expects trainer rank ``expect``), or None."""
