@@ -157,16 +157,24 @@ def check_warmup_env(environ: Mapping[str, str] | None = None) -> None:
 
 
 def check_version(version: object) -> int | None:
-    """Return ``version`` (a weight version: the trainer's step, an int >= 0) or None (unversioned).
+    """Return ``version`` (a weight version: the trainer's step, an int in [0, 2**63)) or None (unversioned).
+
+    Versions travel as int64 (msgpack, vLLM's RPC) and order every later session on a worker, so a
+    value past int64 is refused here rather than failing on the wire or blocking every later version.
 
     Raises:
-        RefitConfigError: ``version`` is neither None nor an int >= 0 (a bool, a float, a str, a negative int).
+        RefitConfigError: ``version`` is neither None nor an int in [0, 2**63) (a bool, a float, a str,
+            a negative or too large int).
     """
     if version is None:
         return None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) or None, got {version!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < MAX_VERSION:
+        raise RefitConfigError(f"version must be an int >= 0 (the trainer's step) and below 2**63, or None, got {version!r}")
     return int(version)
+
+
+MAX_VERSION = 1 << 63
+"""Weight versions are below this (int64 on the wire)."""
 
 
 def mode_from_env(environ: Mapping[str, str] | None = None) -> VerifyMode:

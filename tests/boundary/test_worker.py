@@ -121,6 +121,17 @@ def test_a_version_older_than_one_closed_is_out_of_order_a_repeat_and_unversione
     assert _full(wb, model, "v6", 1, 6).stale is None
 
 
+def test_a_session_that_loaded_nothing_orders_nothing():
+    """An aborted session (opened with a version, closed before any load) left the engine as it was:
+    a later, lower version is still in order."""
+    _, wb, model = toy_worker()
+    assert _full(wb, model, "v5", 1, 5).stale is None
+    wb.open("aborted", version=6000)
+    wb.close("aborted")
+    assert wb.max_version == 5
+    assert _full(wb, model, "v6", 2, 6).stale is None and wb.max_version == 6
+
+
 def test_a_late_older_session_leaves_a_certificate_of_the_older_version_that_does_not_hold():
     worker, wb, model = toy_worker()
     _full(wb, model, "v5", 2, 5)

@@ -416,7 +416,7 @@ def test_an_older_version_after_a_newer_one_fails_in_enforce_and_unversioned_ref
     assert refit_verify.certificate(engine)[0].ok and refit_verify.certificate(engine)[0].version == 6
 
 
-@pytest.mark.parametrize("bad", [-1, 1.0, "3", True])
+@pytest.mark.parametrize("bad", [-1, 1.0, "3", True, 2**63, 2**64])
 def test_a_version_that_is_not_an_int_from_0_is_refused(bad):
     with pytest.raises(RefitConfigError, match="version must be an int >= 0"):
         refit_verify.refit("http://127.0.0.1:1", version=bad, mode="off")

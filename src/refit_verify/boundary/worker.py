@@ -264,7 +264,9 @@ class WorkerBoundary:
                                   closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
                                   misrouted=s.misrouted)
-            if s.version is not None and (self.max_version is None or s.version > self.max_version):
+            # the order moves only with a session that wrote something: one that loaded nothing (aborted
+            # before its first load) left the engine as it was and orders nothing after it
+            if s.version is not None and written and (self.max_version is None or s.version > self.max_version):
                 self.max_version = s.version
             self.manifests[s.id] = man
             while len(self.manifests) > MAX_KEPT_MANIFESTS:
