@@ -416,6 +416,29 @@ def test_an_older_version_after_a_newer_one_fails_in_enforce_and_unversioned_ref
     assert refit_verify.certificate(engine)[0].ok and refit_verify.certificate(engine)[0].version == 6
 
 
+def test_a_refit_check_serves_one_session_adds_and_opens_after_it_are_refused(toy):
+    """After its block (verified, or aborted by an exception) a RefitCheck takes no add and opens no
+    second session: what it would take is checked by no session."""
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(3)
+    r = _refit(engine, "enforce", w, model.load_weights, version=1)
+    assert all(x.ok for x in r.reports)
+    with pytest.raises(RefitConfigError, match="already verified or aborted"):
+        r.add("norm", w["norm"])
+    with pytest.raises(RefitConfigError, match="a RefitCheck serves one session"):
+        with r:
+            pass
+    assert r.verify() is r.reports and all(x.ok for x in r.reports)  # verify again: the same reports, no new close
+    with pytest.raises(KeyError):
+        with refit_verify.refit(engine, mode="enforce", version=2) as aborted:
+            raise KeyError("the trainer's own error")
+    with pytest.raises(RefitConfigError, match="already verified or aborted"):
+        aborted.add("norm", w["norm"])
+    assert all(x.ok for x in _refit(engine, "enforce", w, model.load_weights, version=2).reports)  # the engine is fine
+
+
 @pytest.mark.parametrize("bad", [-1, 1.0, "3", True, 2**63, 2**64])
 def test_a_version_that_is_not_an_int_from_0_is_refused(bad):
     with pytest.raises(RefitConfigError, match="version must be an int >= 0"):

@@ -106,6 +106,7 @@ class RefitCheck:
             _backends.start_warmup()  # once per process: the digests compile while the sessions open
         self._key = _engine_key(engine)
         self._opened = False
+        self._closed = False  # the session was verified or aborted: this RefitCheck takes nothing more
         self._workers = 0
         self._unverified: str | None = None  # log: why the workers could not be checked (the report verify() returns)
 
@@ -128,7 +129,8 @@ class RefitCheck:
 
         Raises:
             RefitInputError: a name that is not a str, or a value that is not a digestable tensor.
-            RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``.
+            RefitConfigError: ``module`` is neither ``"model"`` nor ``"drafter"``, or the session was already
+                verified or aborted (a RefitCheck serves one session).
             RefitError: a digest launch this add starts (the held flush) finds that an earlier one failed;
                 the launch's own error (a device error) as it is.
         """
@@ -146,6 +148,9 @@ class RefitCheck:
                 if self._taken_bytes >= self._taken_flush:
                     self._feed()  # a launch that raises here raises from this add, as the stream's own add would
                 return
+        if self._closed:
+            raise RefitConfigError(f"refit {self.session} is already verified or aborted: an add after its close is "
+                                   "checked by no session (start a new refit_verify.refit(...))")
         stream = self._streams.get(module) if type(module) is str else None
         if stream is None:
             if module not in MODULES:
@@ -187,10 +192,17 @@ class RefitCheck:
         if exc_type is not None:
             verdicts.record(self.session, False, f"the refit was aborted ({exc_type.__name__})")
             _RELEARN.add(self._key)
-            self._close_quietly()
+            try:
+                self._close_quietly()
+            finally:
+                self._end()
             return False
         self.verify()
         return False
+
+    def _end(self) -> None:
+        """No add or open after this: the session was verified or aborted."""
+        self._closed, self._taken = True, None
 
     def open(self) -> None:
         """Open the session on every worker (what ``with`` does on enter).
@@ -199,8 +211,12 @@ class RefitCheck:
             RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there), lacks
                 refit-verify's plugin, or the engine answered for no worker; in ``log`` this is logged,
                 the refit goes unverified and :meth:`verify` returns one failing report saying why.
+            RefitConfigError: this RefitCheck's session was already verified or aborted.
             RefitTimeoutError: the workers did not answer within ``timeout_s``.
         """
+        if self._closed:
+            raise RefitConfigError(f"refit {self.session} is already verified or aborted: a RefitCheck serves one "
+                                   "session (start a new refit_verify.refit(...))")
         if self._channel is None or self._opened:
             return
         opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
@@ -282,10 +298,14 @@ class RefitCheck:
             RefitProtocolError: a worker's reply is malformed, or it closed no such session.
             RefitConfigError: the engine answered the close for no worker.
         """
+        if self._closed:
+            return self.reports
         if self._unverified is not None:
+            self._end()
             self.reports = [VerificationReport.unchecked_because(self._unverified, session=self.session, version=self.version)]
             return self.reports
         if self._channel is None or not self._opened:
+            self._end()
             return []
         try:
             return self._verify()
@@ -294,6 +314,8 @@ class RefitCheck:
             if verdicts.failed(self.session) is None:  # a timeout, a malformed reply: never a pass
                 verdicts.record(self.session, False, f"its verification did not complete ({type(e).__name__})")
             raise
+        finally:
+            self._end()
 
     def _verify(self) -> list[VerificationReport]:
         try:
