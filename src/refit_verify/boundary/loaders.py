@@ -27,6 +27,8 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from refit_verify.errors import RefitConfigError
+
 __all__ = ["TRANSFORMING", "TRANSFORMING_ENV_VAR", "allow_transforming", "loader_names", "transform_reason"]
 
 TRANSFORMING_ENV_VAR = "REFIT_VERIFY_TRANSFORMING_LOADERS"
@@ -49,9 +51,9 @@ def allow_transforming(name: str, reason: str) -> None:
     bytes than they are handed: their parameters are reported not proven with ``reason``.
 
     Raises:
-        ValueError: ``name`` or ``reason`` is empty."""
+        RefitConfigError: ``name`` or ``reason`` is empty (a ``ValueError``)."""
     if not name.strip() or not reason.strip():
-        raise ValueError("allow_transforming needs a loader name and a reason")
+        raise RefitConfigError("allow_transforming needs a loader name and a reason")
     TRANSFORMING[name.strip()] = reason.strip()
 
 

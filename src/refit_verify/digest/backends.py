@@ -234,7 +234,7 @@ def warmup(device: torch.device | str | None = None) -> str:
     """
     t0 = time.perf_counter()
     dev = _device(device)
-    b = choose(dev.type, dev.type in KERNEL_DEVICE_TYPES)
+    b = backend_for(dev.type)
     if b.name == "numba":
         warmup_cpu()
     elif b.name == "triton":
