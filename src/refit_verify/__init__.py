@@ -81,19 +81,32 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from refit_verify.trainer.audits import audit, certificate, compare_replicas
     from refit_verify.collective.broadcast import BroadcastReceiver, BroadcastSender
-    from refit_verify.trainer.refit import RefitCheck, refit
+    from refit_verify.compare import compare_manifests
     from refit_verify.config import RefitConfig, VerifyMode, mode_from_env
     from refit_verify.digest.batch import DigestBatch, digest_tensors, tensor_digest
     from refit_verify.digest.tensors import logical_bytes
-    from refit_verify.errors import (AuditError, BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitError,
-                                     RefitInputError, RefitProtocolError, RefitReceiveError, RefitTimeoutError, RefitVerificationError,
-                                     RefitVerifyError, ReplicaDisagreement, SelftestError, ShardLayoutError)
+    from refit_verify.errors import (
+        AuditError,
+        BroadcastVerificationError,
+        RefitAbortedError,
+        RefitConfigError,
+        RefitError,
+        RefitInputError,
+        RefitProtocolError,
+        RefitReceiveError,
+        RefitTimeoutError,
+        RefitVerificationError,
+        RefitVerifyError,
+        ReplicaDisagreement,
+        SelftestError,
+        ShardLayoutError,
+    )
     from refit_verify.manifest import Certificate, SessionManifest
     from refit_verify.report import VerificationReport
-    from refit_verify.compare import compare_manifests
+    from refit_verify.trainer.audits import audit, certificate, compare_replicas
     from refit_verify.trainer.push import PushResult, push
+    from refit_verify.trainer.refit import RefitCheck, refit
     from refit_verify.trainer.selftest import SelftestResult, selftest
     from refit_verify.transport.receiver import RefitReceiver
     from refit_verify.transport.sender import RefitSender

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from refit_verify.errors import RefitConfigError, RefitVerificationError
-
 from refit_verify.report import VerificationReport
 
 ENV_VAR = "REFIT_VERIFY"

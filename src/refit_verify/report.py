@@ -6,7 +6,6 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-
 logger = logging.getLogger("refit_verify")
 
 Manifest = Mapping[str, str]

@@ -23,17 +23,15 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
-from refit_verify.boundary.record import ModuleSession
-from refit_verify.digest.batch import MANY_MIN, DigestBatch
-from refit_verify.digest.tensors import PLAIN
-from refit_verify.digest.incremental import digest_now
-from refit_verify.digest.tensors import PLAIN_TYPES
-from refit_verify.manifest import ModuleManifest, Unsessioned
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import LoaderTap
 from refit_verify.boundary.plan import RefitPlan, learn, replay_call, spec_of
+from refit_verify.boundary.record import ModuleSession
 from refit_verify.compare import check_digest
-
+from refit_verify.digest.batch import MANY_MIN, DigestBatch
+from refit_verify.digest.incremental import digest_now
+from refit_verify.digest.tensors import PLAIN, PLAIN_TYPES
+from refit_verify.manifest import ModuleManifest, Unsessioned
 
 logger = logging.getLogger("refit_verify")
 

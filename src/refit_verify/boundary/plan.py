@@ -49,7 +49,6 @@ import torch
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.errors import RefitConfigError
 
-
 __all__ = ["REPLAY_ENV_VAR", "RefitPlan", "expand", "learn", "replay_call", "replay_from_env", "spec_of"]
 
 REPLAY_ENV_VAR = "REFIT_VERIFY_REPLAY"

@@ -21,21 +21,16 @@ from typing import Any, Protocol
 
 import torch
 
+from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.boundary.placement import WHOLE, Copy, Placement
+from refit_verify.boundary.plan import RefitPlan, expand, spec_of
+from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered
 from refit_verify.digest.batch import DigestBatch, tensor_digest
-
-from refit_verify.digest.tensors import check_tensor, plain_tensor_ops
-from refit_verify.digest.kept import DigestSet
 from refit_verify.digest.incremental import CopyingBatch, digest_now
-from refit_verify.digest.tensors import version_of
+from refit_verify.digest.kept import DigestSet
+from refit_verify.digest.tensors import as_view, check_tensor, plain_tensor_ops, version_of
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ModuleManifest
-from refit_verify.boundary.placement import Copy, Placement
-from refit_verify.digest.tensors import as_view
-from refit_verify.boundary.plan import RefitPlan, expand, spec_of
-from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
-from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered
-from refit_verify.boundary.placement import WHOLE
-
 
 __all__ = ["ModuleSession", "match_any"]
 

@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from refit_verify.boundary.record import ModuleSession, match_any
-from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import (CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned,
-                                   WorkerIdentity)
 from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
+from refit_verify.boundary.record import ModuleSession, match_any
+from refit_verify.errors import RefitProtocolError
+from refit_verify.manifest import CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
 
 logger = logging.getLogger("refit_verify")
 

@@ -286,9 +286,9 @@ def digest_checkpoint(path: str | Path, *, device: str | None = None, progress: 
         RefitConfigError: a missing path or file, a corrupt or truncated safetensors file, a tensor
             name found in two files, an index whose ``weight_map`` disagrees with the files.
     """
-    import torch
-
     from importlib.metadata import PackageNotFoundError, version
+
+    import torch
 
     try:
         __version__ = version("refit-verify")

@@ -33,15 +33,14 @@ from typing import IO, Any
 
 import torch
 
-from refit_verify.testing import models
-
-from refit_verify.trainer.audits import certificate
-from refit_verify.trainer.push import push as push_refit
 from refit_verify.config import WARMUP_ENV_VAR, RefitConfig, VerifyMode, warmup_enabled
 from refit_verify.digest import backends
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitConfigError, RefitVerificationError
 from refit_verify.report import VerificationReport
+from refit_verify.testing import models
+from refit_verify.trainer.audits import certificate
+from refit_verify.trainer.push import push as push_refit
 from refit_verify.transport.faults import OneByteFlipSender
 from refit_verify.transport.sender import RefitSender
 

@@ -52,7 +52,6 @@ Source: ``docs/protocol.md`` (broadcast path), ``docs/scale.md``; the digest is 
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import time
 import uuid
@@ -61,20 +60,38 @@ from dataclasses import dataclass
 
 import torch
 
-from refit_verify.config import RefitConfig, VerifyMode, check_version
-from refit_verify.digest.batch import DigestBatch
-from refit_verify.wire.collective import (BROADCAST_PROTOCOL, BroadcastAbort, BroadcastComplete, BroadcastHello, Bucket, RankReport,
-                                    broadcast_message, comm_device, decode_broadcast, decode_rank_report, gather_messages,
-                                    group_rank, group_size)
-from refit_verify.errors import (BroadcastVerificationError, RefitAbortedError, RefitConfigError, RefitProtocolError,
-                                 RefitReceiveError, RefitTimeoutError, RefitVerificationError)
-from refit_verify.manifest import ExternalDigests
-from refit_verify.config import act_on
-from refit_verify.report import VerificationReport
-from refit_verify.stream.pack import Packer
 from refit_verify.compare import receiver_report
+from refit_verify.config import RefitConfig, VerifyMode, act_on, check_version
+from refit_verify.digest.batch import DigestBatch
+from refit_verify.errors import (
+    BroadcastVerificationError,
+    RefitAbortedError,
+    RefitConfigError,
+    RefitProtocolError,
+    RefitReceiveError,
+    RefitTimeoutError,
+    RefitVerificationError,
+)
+from refit_verify.manifest import ExternalDigests
+from refit_verify.report import VerificationReport
 from refit_verify.stream.items import MAX_ERROR_CHARS, Batch, LoadFn, StreamResult, StreamStats, round_up
+from refit_verify.stream.pack import Packer
 from refit_verify.stream.unpack import ReceiveState, view_slots
+from refit_verify.wire.collective import (
+    BROADCAST_PROTOCOL,
+    BroadcastAbort,
+    BroadcastComplete,
+    BroadcastHello,
+    Bucket,
+    RankReport,
+    broadcast_message,
+    comm_device,
+    decode_broadcast,
+    decode_rank_report,
+    gather_messages,
+    group_rank,
+    group_size,
+)
 from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry
 
 __all__ = [

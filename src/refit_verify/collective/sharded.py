@@ -40,9 +40,17 @@ from refit_verify.digest import backends as _backends
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.batch import tensor_digest
 from refit_verify.digest.tensors import dtype_name, logical_bytes
-from refit_verify.wire.collective import (MAX_SHARD_MESSAGE_BYTES, ShardMeta, ShardRoots, all_gather_messages, comm_device,
-                                    decode_shard_meta, decode_shard_roots, gather_messages)
 from refit_verify.errors import RefitProtocolError, ShardLayoutError
+from refit_verify.wire.collective import (
+    MAX_SHARD_MESSAGE_BYTES,
+    ShardMeta,
+    ShardRoots,
+    all_gather_messages,
+    comm_device,
+    decode_shard_meta,
+    decode_shard_roots,
+    gather_messages,
+)
 
 __all__ = [
     "CHUNK_BYTES",

@@ -21,7 +21,6 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from refit_verify.errors import RefitInputError
 from refit_verify.digest._numba import (
     _CHAIN,
     _F0,
@@ -35,13 +34,14 @@ from refit_verify.digest._numba import (
     _jit,
     _level_buffers,
     _level_ser,
-    _upper_levels,
     _mix0,
     _mix1,
     _node0,
     _node1,
     _tweak,
+    _upper_levels,
 )
+from refit_verify.errors import RefitInputError
 
 __all__ = ["MANY_MAX_BYTES", "ManyPlan", "digest_arrays_many", "digest_many", "digest_words_many", "plan_many", "run_many"]
 

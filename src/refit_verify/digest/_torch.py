@@ -12,6 +12,7 @@ import torch
 
 from refit_verify.digest import reference as ref
 
+
 def _s64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 

@@ -20,9 +20,8 @@ import torch
 
 from refit_verify.digest import backends as _backends
 from refit_verify.digest import reference as _ref
-from refit_verify.digest.tensors import fits_many, check_storage, check_tensor, logical_bytes, plain_tensor_ops, tensor_seed
+from refit_verify.digest.tensors import check_storage, check_tensor, fits_many, logical_bytes, plain_tensor_ops, tensor_seed
 from refit_verify.errors import RefitInputError
-
 
 __all__ = ["tensor_digest", "digest_tensors", "DigestBatch"]
 

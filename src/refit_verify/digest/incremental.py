@@ -15,12 +15,23 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from refit_verify.digest import kept as _held  # its store read at each use (tests replace it)
 from refit_verify.digest import backends as _backends
+from refit_verify.digest import kept as _held  # its store read at each use (tests replace it)
 from refit_verify.digest.batch import DigestBatch
-from refit_verify.digest.tensors import (IS_META, PLAIN, PLAIN_SET, PLAIN_TYPES, VERSION, check_storage, check_tensor, logical_bytes,
-                                         plain_tensor_ops, tensor_seed, version_of)
 from refit_verify.digest.kept import DigestSet, SetLaunch, _columns_or_none
+from refit_verify.digest.tensors import (
+    IS_META,
+    PLAIN,
+    PLAIN_SET,
+    PLAIN_TYPES,
+    VERSION,
+    check_storage,
+    check_tensor,
+    logical_bytes,
+    plain_tensor_ops,
+    tensor_seed,
+    version_of,
+)
 from refit_verify.errors import RefitError, RefitInputError
 
 __all__ = ["CopyingBatch", "HeldBatch", "digest_now", "snapshot", "version_of"]

@@ -16,9 +16,6 @@ import torch
 from refit_verify.digest import reference as _ref
 from refit_verify.errors import RefitInputError
 
-
-
-
 _seed = functools.lru_cache(maxsize=1 << 14)(_ref.seed)  # (dtype name, shape tuple, nbytes) → seeds
 
 

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
+from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.digest.batch import DigestBatch
-
-from refit_verify.digest.tensors import dtype_name, plain_tensor_ops
 from refit_verify.digest.kept import DigestSet, SetLaunch, signature
+from refit_verify.digest.tensors import dtype_name, plain_tensor_ops
+from refit_verify.engine.readback import _Program, _riding, read_back
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
-from refit_verify.boundary.model_index import ModelIndex
-from refit_verify.engine.readback import _Program, _riding, read_back
 
 __all__ = ["audit", "read_back", "snapshot"]
 

@@ -19,9 +19,8 @@ from typing import Protocol
 import torch
 
 from refit_verify.digest.batch import DigestBatch
-
-from refit_verify.digest.tensors import dtype_name, logical_bytes
 from refit_verify.digest.incremental import digest_now
+from refit_verify.digest.tensors import dtype_name, logical_bytes
 from refit_verify.stream.items import check_items, checked_item, entry_cost, round_up
 from refit_verify.wire.fields import MAX_ENTRIES_BYTES, DigestEntry, Entry
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refit_verify.compare import check_digest
 from refit_verify.config import VerifyMode
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import ExternalDigests, SessionManifest
-from refit_verify.compare import check_digest
 from refit_verify.stream.items import MAX_ERROR_CHARS, MAX_REASON_CHARS, SENT_TWICE, Batch, LoadFn, Slot, round_up
 from refit_verify.wire.fields import Entry, torch_dtype
 

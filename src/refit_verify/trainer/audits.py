@@ -21,11 +21,12 @@ from typing import Any
 import msgspec
 
 from refit_verify import verdicts
+from refit_verify.compare import StateComparison
+from refit_verify.compare import compare_replicas as _compare
 from refit_verify.config import VerifyMode, mode_from_env
-from refit_verify.compare import StateComparison, compare_replicas as _compare
-from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import AuditError, RefitConfigError, ReplicaDisagreement
 from refit_verify.manifest import AuditResult, Certificate, EngineSnapshot, WorkerIdentity, from_wire
+from refit_verify.trainer.channel import require_channel
 
 logger = logging.getLogger("refit_verify")
 

@@ -17,9 +17,9 @@ import torch
 
 from refit_verify.config import RefitConfig, check_version
 from refit_verify.digest import backends as _backends
-from refit_verify.trainer.channel import require_channel
 from refit_verify.errors import RefitConfigError, RefitTimeoutError
 from refit_verify.report import VerificationReport
+from refit_verify.trainer.channel import require_channel
 from refit_verify.transport.sender import RefitSender
 
 __all__ = ["PushResult", "push"]

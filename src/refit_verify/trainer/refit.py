@@ -32,15 +32,15 @@ from typing import Any
 import torch
 
 from refit_verify import verdicts
+from refit_verify.compare import compare_session
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_version, mode_from_env
 from refit_verify.digest import backends as _backends
 from refit_verify.digest.tensors import PLAIN_TYPES
-from refit_verify.trainer.exports import StreamDigests, changed_problems
-from refit_verify.trainer.channel import WorkerChannel, require_channel
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
 from refit_verify.report import VerificationReport
-from refit_verify.compare import compare_session
+from refit_verify.trainer.channel import WorkerChannel, require_channel
+from refit_verify.trainer.exports import StreamDigests, changed_problems
 
 logger = logging.getLogger("refit_verify")
 

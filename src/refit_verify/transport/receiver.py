@@ -17,15 +17,28 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from refit_verify.transport import staging as _staging
 from refit_verify.config import RefitConfig, VerifyMode
 from refit_verify.errors import RefitAbortedError, RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import ExternalDigests, Producer
-from refit_verify.stream.unpack import ReceiveState, view_slots
 from refit_verify.stream.items import MAX_ERROR_CHARS, Batch, LoadFn, StreamResult
+from refit_verify.stream.unpack import ReceiveState, view_slots
+from refit_verify.transport import staging as _staging
 from refit_verify.transport.guard import LAST_WORDS_S, PeerWatch, check_private_dir, close_zmq, ms
-from refit_verify.wire.staged import (ABORT_SEQ, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, Done, Hello, Reject, Welcome, decode_request)
 from refit_verify.wire.fields import MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, encode
+from refit_verify.wire.staged import (
+    ABORT_SEQ,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Buffer,
+    CheckedDone,
+    Complete,
+    Done,
+    Hello,
+    Reject,
+    Welcome,
+    decode_request,
+)
 
 __all__ = ["RECONNECT_IVL_MS", "ReceiveResult", "RefitReceiver"]
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
 import torch
 
-from refit_verify.transport import staging as _staging
 from refit_verify.config import VerifyMode
+from refit_verify.transport import staging as _staging
 from refit_verify.wire.fields import Entry
 
 __all__ = ["Progress", "SendState"]

@@ -22,21 +22,33 @@ from collections.abc import Iterable
 import torch
 import zmq
 
-from refit_verify.transport import staging as _staging
 from refit_verify import verdicts
-from refit_verify.config import RefitConfig, VerifyMode, check_version
+from refit_verify.compare import receiver_report
+from refit_verify.config import RefitConfig, VerifyMode, act_on, check_version
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
-from refit_verify.config import act_on
 from refit_verify.report import VerificationReport
-from refit_verify.stream.pack import Packer
 from refit_verify.stream.items import MAX_ERROR_CHARS, StreamStats
-from refit_verify.compare import receiver_report
-from refit_verify.transport.guard import (LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq,
-                                          ms, private_endpoint)
+from refit_verify.stream.pack import Packer
+from refit_verify.transport import staging as _staging
+from refit_verify.transport.guard import LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq, ms, private_endpoint
 from refit_verify.transport.send_state import Progress, SendState
-from refit_verify.wire.staged import (ABORT_SEQ, PROTOCOL_VERSION, Abort, Ack, Buffer, CheckedDone, Complete, DigestBuffer, Done, Hello, Reject, Welcome, decode_reply)
 from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry, encode
+from refit_verify.wire.staged import (
+    ABORT_SEQ,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    Buffer,
+    CheckedDone,
+    Complete,
+    DigestBuffer,
+    Done,
+    Hello,
+    Reject,
+    Welcome,
+    decode_reply,
+)
 
 __all__ = ["ABORT_WAIT_S", "HELLO_RETRY_S", "RefitSender", "RefitStats"]
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from refit_verify.trainer.audits import engine_states
-from refit_verify.config import VerifyMode, mode_from_env
 from refit_verify.compare import StateComparison, compare_states
+from refit_verify.config import VerifyMode, mode_from_env
 from refit_verify.errors import RefitConfigError, ReplicaDisagreement
+from refit_verify.trainer.audits import engine_states
 
 logger = logging.getLogger("refit_verify")
 

@@ -18,13 +18,12 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from refit_verify.compare import compare_session
+from refit_verify.compare import compare_manifests, compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
-from refit_verify.trainer.exports import changed_problems
 from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport
-from refit_verify.compare import compare_manifests
+from refit_verify.trainer.exports import changed_problems
 from refit_verify.vllm_plugin.rpc_names import MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")

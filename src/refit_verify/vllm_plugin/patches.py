@@ -111,7 +111,9 @@ def undo() -> None:
 def _worker_methods() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
-    from refit_verify.vllm_plugin import native_worker, worker_sessions as sessions, worker_methods as worker
+    from refit_verify.vllm_plugin import native_worker
+    from refit_verify.vllm_plugin import worker_methods as worker
+    from refit_verify.vllm_plugin import worker_sessions as sessions
 
     for mod in (worker, sessions, native_worker):
         for name in mod.METHODS:

@@ -8,7 +8,6 @@ import logging
 import threading
 
 
-
 def owned_copies(batch: list) -> list:
     """A clone per tensor of ``batch`` (``[(name, tensor)]``, any dtypes and devices), the copies
     vLLM's layerwise reload keeps instead of views of a staging slot; same names, same order.

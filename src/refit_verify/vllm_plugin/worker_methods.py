@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from refit_verify.manifest import digest_map_text
-from refit_verify.vllm_plugin import worker_sessions as sessions, shims
+from refit_verify.vllm_plugin import shims
+from refit_verify.vllm_plugin import worker_sessions as sessions
 from refit_verify.vllm_plugin.broadcast_trainer import DEFAULT_GROUP_TIMEOUT_S
 from refit_verify.vllm_plugin.worker_copies import owned_copies
 
@@ -58,9 +59,8 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     """
     from refit_verify.boundary.worker import SessionDigests
     from refit_verify.config import RefitConfig
-    from refit_verify.transport.receiver import RefitReceiver
-
     from refit_verify.errors import RefitError
+    from refit_verify.transport.receiver import RefitReceiver
 
     cfg = RefitConfig.from_options(options, source="refit_verify_receive options")
     wb = sessions.boundary_of(self)

@@ -30,8 +30,20 @@ import msgspec
 import torch
 
 from refit_verify.errors import RefitProtocolError
-from refit_verify.wire.fields import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MIN_ALIGNMENT, Entry, DType, Name, NonNeg, STRUCT_OPTS, Shape,
-                               Text, decode_message, encode)
+from refit_verify.wire.fields import (
+    MAX_ALIGNMENT,
+    MAX_MESSAGE_BYTES,
+    MIN_ALIGNMENT,
+    STRUCT_OPTS,
+    DType,
+    Entry,
+    Name,
+    NonNeg,
+    Shape,
+    Text,
+    decode_message,
+    encode,
+)
 
 __all__ = [
     "BROADCAST_PROTOCOL", "MAX_SHARD_ROOTS", "MAX_SHARD_MESSAGE_BYTES", "BroadcastAbort", "BroadcastComplete",

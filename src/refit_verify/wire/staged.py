@@ -16,9 +16,23 @@ from typing import Annotated, Union
 
 import msgspec
 
-from refit_verify.wire.fields import (MAX_ALIGNMENT, MAX_MESSAGE_BYTES, MAX_NDIM, MIN_ALIGNMENT, STRUCT_OPTS, Blob, DigestEntry, DType, Entry,
-                                      Name, NonNeg, Shape, Text, decode_message)
 from refit_verify.manifest import SessionManifest
+from refit_verify.wire.fields import (
+    MAX_ALIGNMENT,
+    MAX_MESSAGE_BYTES,
+    MAX_NDIM,
+    MIN_ALIGNMENT,
+    STRUCT_OPTS,
+    Blob,
+    DigestEntry,
+    DType,
+    Entry,
+    Name,
+    NonNeg,
+    Shape,
+    Text,
+    decode_message,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",

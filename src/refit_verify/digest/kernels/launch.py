@@ -33,12 +33,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from refit_verify.digest import reference as _ref
 import refit_verify.digest.kernels.direct as _direct
-from refit_verify.digest.kernels.replay import replay as _graph_replay
+from refit_verify.digest import reference as _ref
 from refit_verify.digest.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.digest.kernels._mix import KM, MID_N, SCR_N
 from refit_verify.digest.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
+from refit_verify.digest.kernels.replay import replay as _graph_replay
 
 __all__ = ["Planned", "chunk_roots", "digest_views", "plan_views", "run_plan", "to_hex"]
 
