@@ -24,6 +24,7 @@ _EXPORTS = {
     "AuditError": "refit_verify.errors",
     "ReplicaDisagreement": "refit_verify.errors",
     "audit": "refit_verify.trainer.audits",
+    "audit_adapters": "refit_verify.trainer.adapters",
     "canary": "refit_verify.vllm_plugin.canary",
     "certificate": "refit_verify.trainer.audits",
     "Certificate": "refit_verify.manifest",
@@ -60,6 +61,7 @@ _EXPORTS = {
     "refit": "refit_verify.trainer.refit",
     "selftest": "refit_verify.trainer.selftest",
     "tensor_digest": "refit_verify.digest.batch",
+    "verify_adapter": "refit_verify.trainer.adapters",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -104,6 +106,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from refit_verify.manifest import Certificate, SessionManifest
     from refit_verify.report import VerificationReport
+    from refit_verify.trainer.adapters import audit_adapters, verify_adapter
     from refit_verify.trainer.audits import audit, certificate, compare_replicas
     from refit_verify.trainer.push import PushResult, push
     from refit_verify.trainer.refit import RefitCheck, refit

@@ -11,7 +11,8 @@ Layout, by side:
 * worker: :mod:`.worker_sessions` (the model boundary of each worker and the session methods),
   :mod:`.worker_methods` (receivers of our transport and broadcast path), :mod:`.worker_copies` (the
   layerwise reload's copies and their pools), :mod:`.native_worker` (vLLM's
-  native weight-transfer updates as sessions), :mod:`.worker_warmup` (the digest kernels compiled
+  native weight-transfer updates as sessions), :mod:`.worker_adapters` (LoRA adapters in vLLM's slots),
+  :mod:`.worker_warmup` (the digest kernels compiled
   in the background once the worker's device is set);
 * trainer: :mod:`.native_trainer` and :mod:`.native_sender` (native API senders), :mod:`.broadcast_trainer` (:func:`broadcast_group`);
 * versions: :mod:`.shims` (detection, patch machinery, per-version accessors), :mod:`.patches`;

@@ -112,10 +112,11 @@ def _worker_methods() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     from refit_verify.vllm_plugin import native_worker
+    from refit_verify.vllm_plugin import worker_adapters as adapters
     from refit_verify.vllm_plugin import worker_methods as worker
     from refit_verify.vllm_plugin import worker_sessions as sessions
 
-    for mod in (worker, sessions, native_worker):
+    for mod in (worker, sessions, native_worker, adapters):
         for name in mod.METHODS:
             if not hasattr(WorkerBase, name):
                 setattr(WorkerBase, name, getattr(mod, name))

@@ -1,0 +1,334 @@
+"""Worker side of adapter verification: where vLLM's LoRA manager holds each PEFT tensor.
+
+Worker methods (added to ``WorkerBase`` by ``register()``, reached through ``collective_rpc``):
+
+* ``refit_verify_lora_layout(config, names)``: the dtype vLLM casts adapters to (``lora_dtype``) and
+  the scale it folds into each ``lora_B`` (vLLM's own ``PEFTHelper.get_rank_and_scaling``), so the
+  trainer can build the bytes the engine must hold with the same ops (``lora.lora_model``:
+  ``tensor.to(device="cpu", dtype=lora_dtype)``; ``lora.lora_weights.LoRALayerWeights.optimize``:
+  ``lora_b *= scaling`` unless the scaling is 1).
+* ``refit_verify_lora_verify(adapter_id, version, expected)``: digest the regions of adapter
+  ``adapter_id`` (its slot when active, else the copy its manager registered) and compare.
+* ``refit_verify_lora_audit()``: the adapters active in slots now, against what was verified.
+
+Layout (vLLM 0.32, ``lora/layers``, TP=1): slot ``i`` of a linear layer holds, per slice ``s`` (q, k,
+v of ``qkv_proj``; gate, up of ``gate_up_proj``; one slice otherwise),
+``lora_a_stacked[s][i, 0, :r, :in]`` = ``lora_A`` and ``lora_b_stacked[s][i, 0, :out, :r]`` =
+``lora_B * scaling``; padding up to ``max_lora_rank`` is zero (``reset_lora`` before ``set_lora``).
+The logits layer keeps one tensor instead of a tuple; the embedding keeps ``lora_A`` transposed
+(``lora_a_stacked[i, :vocab, :r]``). Layers sharded across tensor-parallel ranks, fully sharded
+LoRA, and layer classes other than these are named not provable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+import torch
+
+from refit_verify.config import mode_from_env
+from refit_verify.engine.adapters import AdapterLedger, check_regions, outside, slot_fingerprint
+from refit_verify.errors import RefitConfigError
+from refit_verify.manifest import to_text
+from refit_verify.trainer.adapters import AUDIT_METHOD, LAYOUT_METHOD, VERIFY_METHOD, AdapterAudit, AdapterManifest
+from refit_verify.vllm_plugin import shims
+
+logger = logging.getLogger("refit_verify")
+
+METHODS = (LAYOUT_METHOD, VERIFY_METHOD, AUDIT_METHOD)  # the functions below, by name
+_LEDGER = "_refit_verify_lora_ledger"
+_EXPECTED = msgspec.json.Decoder(dict[str, tuple[str, list[int]]])
+
+
+def _not_verifying(worker) -> dict[str, Any]:
+    return {"rank": getattr(worker, "rank", None), "verifying": False,
+            "reason": f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker"}
+
+
+def _manager(worker) -> Any:
+    """The worker's ``LoRAModelManager`` (vLLM's adapter slots), or None when LoRA is off."""
+    wm = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    am = getattr(wm, "_adapter_manager", None)
+    if am is None:
+        try:
+            am = getattr(worker.get_model(), "lora_manager", None)
+        except Exception:  # noqa: BLE001 - no model yet
+            am = None
+    return am
+
+
+def _ledger(worker) -> AdapterLedger:
+    led = getattr(worker, _LEDGER, None)
+    if led is None:
+        led = AdapterLedger()
+        setattr(worker, _LEDGER, led)
+    return led
+
+
+def _mapper(am) -> Any:
+    m = getattr(am.model, "hf_to_vllm_mapper", None)
+    return m.get_rename_mapper() if m is not None else None
+
+
+def _place(am, module_name: str) -> tuple[str, int] | None:
+    """``(LoRA layer name, slice)`` that ``module_name`` (a PEFT module, after vLLM's mapping) lands in."""
+    if module_name in am.packed_modules:  # a packed module named whole: not a PEFT layout vLLM splits per slice
+        return None
+    if module_name in am.modules:
+        return module_name, 0
+    for packed, subs in am.packed_modules.items():
+        if module_name in subs:
+            return packed, subs.index(module_name)
+    return None
+
+
+def _why_not_provable(am, layer: Any) -> str | None:
+    from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
+
+    if getattr(am.lora_config, "fully_sharded_loras", False):
+        return "fully sharded LoRA (fully_sharded_loras=True): each rank holds a shard, not mapped"
+    if (getattr(layer, "tp_size", 1) or 1) > 1:
+        return f"sharded across {layer.tp_size} tensor-parallel ranks: per-rank shards are not mapped"
+    a = getattr(layer, "lora_a_stacked", None)
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA) or isinstance(a, tuple) or (isinstance(a, torch.Tensor) and a.dim() == 4):
+        return None
+    return f"layout of {type(layer).__name__} not mapped"
+
+
+def _slot_matrices(layer: Any, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per slice, ``(A, B)`` of ``slot`` as 2-D views in PEFT's orientation: ``A`` is
+    ``(max_rank, in)``, ``B`` is ``(out, max_rank)``."""
+    from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
+
+    a, b = layer.lora_a_stacked, layer.lora_b_stacked
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):
+        return [(a[slot].t(), b[slot, 0])]
+    if isinstance(a, tuple):
+        return [(ai[slot, 0], bi[slot, 0]) for ai, bi in zip(a, b)]
+    return [(a[slot, 0], b[slot, 0])]
+
+
+def _slice_label(am, layer_name: str, s: int) -> str:
+    subs = am.packed_modules.get(layer_name)
+    return f"{layer_name}[{subs[s].rsplit('.', 1)[-1]}]" if subs else layer_name
+
+
+def _registered_pair(lora_model, layer_name: str, s: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    lw = lora_model.loras.get(layer_name)
+    if lw is None:
+        return None, None
+    if isinstance(lw.lora_a, list):
+        return lw.lora_a[s], lw.lora_b[s]
+    return lw.lora_a, lw.lora_b
+
+
+def _parse(name: str, mapper) -> tuple[str, bool] | None:
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    try:
+        return parse_fine_tuned_lora_name(name, mapper)
+    except ValueError:
+        return None
+
+
+def refit_verify_lora_layout(self, config: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """The dtype vLLM gives adapters and the scale it folds into each ``lora_B`` of ``names``.
+
+    Args:
+        config: the adapter's PEFT config (``r``, ``lora_alpha``, ``target_modules``, and
+            ``use_rslora`` / ``rank_pattern`` / ``alpha_pattern`` when set), as vLLM's
+            ``PEFTHelper.from_dict`` reads it.
+        names: the PEFT tensor names the trainer pushed.
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``enabled`` (LoRA on in this engine), ``lora_dtype`` (e.g.
+        ``"bfloat16"``), ``scalings`` (``{name: float}``: 1.0 for ``lora_A`` and names vLLM does not
+        parse), or ``reason``.
+
+    Raises:
+        RefitConfigError: ``config`` is not a PEFT LoRA config vLLM reads.
+    """
+    if not mode_from_env().verifies:
+        return _not_verifying(self)
+    am = _manager(self)
+    if am is None:
+        return {"rank": self.rank, "verifying": True, "enabled": False, "reason": "LoRA is not enabled in this engine (enable_lora=False)"}
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    try:
+        helper = PEFTHelper.from_dict(dict(config))
+    except (TypeError, ValueError) as e:
+        raise RefitConfigError(f"refit-verify: not a PEFT LoRA config vLLM reads ({e})") from e
+    scalings: dict[str, float] = {}
+    for n in names:
+        try:
+            module, is_a = parse_fine_tuned_lora_name(n)  # rank/alpha patterns match the names before mapping
+        except ValueError:
+            scalings[n] = 1.0
+            continue
+        scalings[n] = 1.0 if is_a else float(helper.get_rank_and_scaling(module)[1])
+    dtype = str(am.lora_config.lora_dtype).removeprefix("torch.")
+    return {"rank": self.rank, "verifying": True, "enabled": True, "lora_dtype": dtype, "scalings": scalings}
+
+
+def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expected: str) -> dict[str, Any]:
+    """Digest what this worker holds of adapter ``adapter_id`` and compare it with ``expected``.
+
+    Args:
+        adapter_id: vLLM's ``lora_int_id``.
+        version: the trainer's version of the adapter (its step), or None.
+        expected: JSON text ``{PEFT name: [32-hex, shape]}``: the digest and shape of the bytes the
+            engine must hold for each name (cast and scaled as vLLM does).
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``adapter`` (an :class:`~refit_verify.trainer.adapters.AdapterManifest`
+        as JSON text), or ``reason`` when not verifying.
+    """
+    if not mode_from_env().verifies:
+        return _not_verifying(self)
+    want = _EXPECTED.decode(expected)
+    ident = shims.worker_identity(self)
+    am = _manager(self)
+    base = dict(worker=ident, adapter_id=int(adapter_id), version=version)
+    if am is None:
+        man = AdapterManifest(**base, loaded=False, problems=["LoRA is not enabled in this engine (enable_lora=False): no adapter is served"])
+        return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+    registered = sorted(am.list_adapters())
+    if adapter_id not in registered:
+        man = AdapterManifest(**base, loaded=False, where={n: "adapter not loaded" for n in want},
+                              problems=[f"adapter {adapter_id} was never loaded on this worker: not in its LoRA manager "
+                                        f"(loaded: {registered or 'none'})"])
+        return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+    slot = am.lora_index_to_id.index(adapter_id) if adapter_id in am.lora_index_to_id else None
+    mapper = _mapper(am)
+    regions: dict[str, torch.Tensor] = {}
+    pads: dict[str, list[torch.Tensor]] = {}
+    where: dict[str, str] = {}
+    not_proven: dict[str, str] = {}
+    covered: set[tuple[str, int, str]] = set()
+    problems: list[str] = []
+    lora_model = am.get_adapter(adapter_id) if slot is None else None
+    for n, (_, shape) in want.items():
+        parsed = _parse(n, mapper)
+        if parsed is None:
+            where[n] = "not a LoRA tensor name vLLM parses: no region holds it"
+            continue
+        module, is_a = parsed
+        ab = "lora_a" if is_a else "lora_b"
+        if module.rsplit(".", 1)[-1] in ("score", "classifier"):
+            not_proven[n] = "a full module (modules_to_save), not a LoRA pair: not mapped"
+            continue
+        placed = _place(am, module)
+        if placed is None:
+            where[n] = f"no LoRA layer of this engine takes module {module} (a target-module filter, or not supported)"
+            continue
+        layer_name, s = placed
+        layer = am.modules[layer_name]
+        why = _why_not_provable(am, layer)
+        if why is not None:
+            not_proven[n] = why
+            continue
+        label = f"{_slice_label(am, layer_name, s)}.{ab}"
+        if len(shape) != 2:
+            where[n] = f"{label}: a LoRA tensor is 2-D, the trainer's is {shape}"
+            continue
+        if slot is not None:
+            mats = _slot_matrices(layer, slot)
+            if s >= len(mats):
+                not_proven[n] = f"{layer_name} has {len(mats)} slices, slice {s} not mapped"
+                continue
+            m = mats[s][0 if is_a else 1]
+            rows, cols = shape
+            if rows > m.shape[0] or cols > m.shape[1]:
+                where[n] = f"{label}, slot {slot}: the trainer's shape {shape} does not fit the slot's {list(m.shape)}"
+                continue
+            regions[n] = m[:rows, :cols]
+            pads[f"{label} (slot {slot}, padding beyond {list(shape)})"] = outside(m, rows, cols)
+            where[n] = f"{label}, slot {slot}"
+        else:
+            a, b = _registered_pair(lora_model, layer_name, s)
+            t = a if is_a else b
+            if t is None:
+                where[n] = f"{label}: the registered adapter has no tensor there"
+                continue
+            regions[n] = t
+            where[n] = f"{label}, registered copy (in no slot)"
+        covered.add((layer_name, s, ab))
+    uncovered: dict[str, torch.Tensor] = {}
+    unchecked: list[str] = []
+    unmapped = sorted({type(lay).__name__ for lay in am.modules.values() if _why_not_provable(am, lay) is not None})
+    if slot is not None:
+        areas: dict[str, torch.Tensor] = {}
+        for layer_name, layer in am.modules.items():
+            if _why_not_provable(am, layer) is not None:
+                continue
+            for s, (a, b) in enumerate(_slot_matrices(layer, slot)):
+                for ab, m in (("lora_a", a), ("lora_b", b)):
+                    areas[f"{_slice_label(am, layer_name, s)}.{ab}"] = m
+                    if (layer_name, s, ab) not in covered:
+                        uncovered[f"{_slice_label(am, layer_name, s)}.{ab} (slot {slot})"] = m
+        fingerprint = slot_fingerprint(areas)
+    else:
+        fingerprint = None
+        unchecked.append(f"adapter {adapter_id} is registered but in no LoRA slot now: its registered copy (what vLLM "
+                         "copies into a slot when a request activates it) was compared; padding and other layers not read")
+        for layer_name, lw in lora_model.loras.items():
+            for s in range(len(lw.lora_a) if isinstance(lw.lora_a, list) else 1):
+                a, b = _registered_pair(lora_model, layer_name, s)
+                for ab, t in (("lora_a", a), ("lora_b", b)):
+                    if t is not None and (layer_name, s, ab) not in covered:
+                        uncovered[f"{_slice_label(am, layer_name, s)}.{ab} (registered)"] = t
+    if unmapped:
+        unchecked.append("LoRA layers of types not mapped, not read: " + ", ".join(unmapped))
+    chk = check_regions(regions, pads, uncovered)
+    provable = {n: d for n, (d, _) in want.items() if n not in not_proven}
+    mismatched = [n for n, d in provable.items() if n in chk.digests and chk.digests[n] != d]
+    missing = [n for n in provable if n not in chk.digests]
+    ok = bool(chk.digests) and not (mismatched or missing or chk.padding or chk.unexpected)
+    led = _ledger(self)
+    problems.extend(led.judge(int(adapter_id), version, fingerprint, ok))
+    ok = ok and not problems
+    if ok:
+        led.record(int(adapter_id), version, fingerprint)
+    man = AdapterManifest(**base, loaded=True, slot=slot, digests=chk.digests, where=where, not_proven=not_proven,
+                          padding=chk.padding, unexpected=chk.unexpected, problems=problems, unchecked=unchecked,
+                          proven_bytes=chk.proven_bytes, fingerprint=fingerprint, ok=ok)
+    return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+
+
+def refit_verify_lora_audit(self) -> dict[str, Any]:
+    """The adapters active in this worker's LoRA slots now, against what the trainer verified here.
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``audit`` (an :class:`~refit_verify.trainer.adapters.AdapterAudit`
+        as JSON text), or ``reason`` when not verifying.
+    """
+    if not mode_from_env().verifies:
+        return _not_verifying(self)
+    ident = shims.worker_identity(self)
+    am = _manager(self)
+    led = _ledger(self)
+    if am is None:
+        audit = AdapterAudit(worker=ident, verified=led.verified(), unchecked=["LoRA is not enabled in this engine"])
+        return {"rank": ident.rank, "verifying": True, "audit": to_text(audit)}
+    active: dict[int, str | None] = {}
+    slots: dict[int, int] = {}
+    for slot, aid in enumerate(am.lora_index_to_id):
+        if aid is None:
+            continue
+        slots[slot] = aid
+        active[aid] = slot_fingerprint({f"{_slice_label(am, name, s)}.{ab}": m
+                                        for name, layer in am.modules.items() if _why_not_provable(am, layer) is None
+                                        for s, pair in enumerate(_slot_matrices(layer, slot))
+                                        for ab, m in zip(("lora_a", "lora_b"), pair)})
+    never, changed, problems = led.audit(active)
+    idle = sorted(set(am.list_adapters()) - set(active))
+    unchecked = [f"adapters registered but in no slot (not served until activated, then copied from the registered "
+                 f"copy): {idle}"] if idle else []
+    audit = AdapterAudit(worker=ident, active=slots, verified=led.verified(), never_verified=never,
+                         changed=[f"adapter {a}" for a in changed], problems=problems, unchecked=unchecked)
+    return {"rank": ident.rank, "verifying": True, "audit": to_text(audit)}
