@@ -102,3 +102,48 @@ QWEN3_0_6B_SHAPED_SMALL = {
 }
 """The same 310 tensors (names, kinds, fused blocks) as :data:`QWEN3_0_6B_LIKE` with 2 MiB of weights:
 per-tensor host cost on a CPU, where digesting 1.11 GiB would hide it (benchmarks only)."""
+
+QWEN3_1_7B_LIKE = {**QWEN3_0_6B_LIKE, "hidden_size": 2048, "intermediate_size": 6144}
+"""Qwen3-1.7B's layout (hidden 2048, intermediate 6144, 28 layers, 16 q / 8 kv heads of 128, vocab 151936,
+tied embeddings): 310 tensors, 3.44 GB bf16 (benchmarks; dummy weights only)."""
+
+QWEN3_4B_LIKE = {**QWEN3_0_6B_LIKE, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32}
+"""Qwen3-4B's layout (hidden 2560, intermediate 9728, 36 layers, 32 q / 8 kv heads of 128, vocab 151936,
+tied embeddings): 398 tensors, 8.04 GB bf16 (benchmarks; dummy weights only)."""
+
+QWEN3_8B_LIKE = {**QWEN3_0_6B_LIKE, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "tie_word_embeddings": False}
+"""Qwen3-8B's layout (hidden 4096, intermediate 12288, 36 layers, 32 q / 8 kv heads of 128, vocab 151936,
+an untied ``lm_head``): 399 tensors, 16.38 GB bf16 (benchmarks; dummy weights only)."""
+
+BENCH_LAYOUTS = {"qwen3-shaped-small": QWEN3_0_6B_SHAPED_SMALL, "qwen3-0.6b-like": QWEN3_0_6B_LIKE,
+                 "qwen3-1.7b-like": QWEN3_1_7B_LIKE, "qwen3-4b-like": QWEN3_4B_LIKE, "qwen3-8b-like": QWEN3_8B_LIKE}
+"""The benchmarks' layouts by ``--model`` name, smallest first (``tiny`` is the packaged tiny Llama)."""
+
+
+def state_bytes(cfg: dict, element_size: int = 2) -> int:
+    """Bytes of the state dict :func:`param_shapes` lays out, at ``element_size`` bytes per element (bf16: 2)."""
+    total = 0
+    for shape in param_shapes(cfg).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * element_size
+    return total
+
+
+def device_state_dict(cfg: dict, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Fresh random weights as :func:`random_state_dict` lays them out (normal, std 0.02; norms near 1),
+    drawn on ``device`` in ``dtype`` by a generator of that device: seconds for GB-sized sets where the
+    CPU draw takes minutes. The same ``seed``, device type, dtype and torch give the same values; they
+    differ from :func:`random_state_dict`'s."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in param_shapes(cfg).items():
+        t = torch.randn(shape, generator=g, dtype=dtype, device=device).mul_(0.02)
+        if name.endswith("norm.weight"):
+            t.add_(1.0)
+        out[name] = t
+    return out
