@@ -183,6 +183,31 @@ def test_directory_adapter_verified_and_generates(engine, peft_model, verl_loade
     assert audit.ok and 2 in audit.active.values() and audit.verified[2] == 7, audit.describe()
 
 
+def test_embedding_and_lm_head_adapters_verified_base_layers_named(engine, verl_loader, tmp_path):
+    """lora_embedding_A lands transposed in the embedding's slot, lm_head's pair in the logits layer's;
+    the base embedding weights PEFT saves with them are skipped by vLLM: named not proven."""
+    import transformers
+
+    llm, cfg = engine
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)),
+                             peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["embed_tokens", "lm_head", "o_proj"],
+                                             init_lora_weights=False))
+    pm.save_pretrained(tmp_path)
+    sd = _state(pm)
+    base = {"base_model.model.model.embed_tokens.base_layer.weight", "base_model.model.lm_head.base_layer.weight"}
+    assert base <= set(sd)
+    req = LoRARequest("embeddings", 8, str(tmp_path))
+    llm.llm_engine.add_lora(req)
+    (rep,) = refit_verify.verify_adapter(llm, req, sd, version=1)
+    assert rep.ok and rep.verified == len(sd) - 2 == 8 and set(rep.not_proven) == base, rep.describe()
+    assert "save_embedding_layers" in rep.not_proven["base_model.model.lm_head.base_layer.weight"]
+    emb_a = _slot_tensor_whole(llm, 8, "model.embed_tokens", "a")
+    emb_a[3, RANK] = 1.0  # padding of the transposed embedding A
+    (rep,) = refit_verify.verify_adapter(llm, req, sd, version=2, mode="log")
+    assert rep.engine_mismatched == (f"model.embed_tokens.lora_a (slot {_slot_index(llm, 8)}, padding beyond [{RANK}, 512]) not zero",)
+
+
 def test_corrupted_lora_b_named_with_its_layer(engine, peft_model, verl_loader):
     """(c) one byte of one lora_B flipped on the way: that PEFT name, and where it landed, are named."""
     llm, _ = engine
@@ -215,6 +240,12 @@ def test_padding_and_slices_the_trainer_did_not_send_must_hold_zeros(engine, pef
     assert rep.unexpected == ("model.layers.1.self_attn.qkv_proj[k_proj].lora_a (slot %d)" % _slot_index(llm, 4),)
 
 
+def _slot_tensor_whole(llm, aid: int, layer: str, ab: str) -> torch.Tensor:
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    am = worker.model_runner.lora_manager._adapter_manager
+    return getattr(am.modules[layer], f"lora_{ab}_stacked")[am.lora_index_to_id.index(aid)]
+
+
 def _slot_index(llm, aid: int) -> int:
     worker = llm.llm_engine.model_executor.driver_worker.worker
     return worker.model_runner.lora_manager._adapter_manager.lora_index_to_id.index(aid)
@@ -229,6 +260,21 @@ def test_adapter_never_loaded_named(engine, peft_model, verl_loader):
     r = ei.value.report
     assert set(r.missing) == set(sd) and r.verified == 0
     assert any("adapter 99 was never loaded on this worker" in p for p in r.problems), r.problems
+
+
+def test_tensors_no_lora_layer_takes_are_named_missing(engine, peft_model, verl_loader):
+    """In memory, vLLM keeps tensors of a module it has no LoRA layer for and never applies them (an
+    adapter dropped by a name filter is served without them): named missing, with why."""
+    llm, _ = engine
+    sd = _state(peft_model)
+    extra = {"base_model.model.model.layers.0.self_attn.foo_proj.lora_A.weight": torch.randn(RANK, 128),
+             "base_model.model.model.layers.0.self_attn.foo_proj.lora_B.weight": torch.randn(128, RANK)}
+    req = _push(llm, "dropped", 9, {**sd, **extra}, _config(peft_model))
+    with pytest.raises(RefitVerificationError) as ei:
+        refit_verify.verify_adapter(llm, req, {**sd, **extra}, version=1)
+    r = ei.value.report
+    assert set(r.missing) == set(extra) and r.verified == 8
+    assert any("no LoRA layer of this engine takes module model.layers.0.self_attn.foo_proj" in p for p in r.problems), r.problems
 
 
 def test_replaced_under_the_same_id_and_never_verified_named_by_the_audit(engine, peft_model, verl_loader):

@@ -125,6 +125,24 @@ def _registered_pair(lora_model, layer_name: str, s: int) -> tuple[torch.Tensor 
     return lw.lora_a, lw.lora_b
 
 
+def _skipped(am) -> Any:
+    """``why(name)``: why vLLM's LoRA loader skips tensor ``name`` (``LoRAModel.from_lora_tensors``), or None."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.utils import is_base_embedding_weights
+
+    prefixes = getattr(am.model, "lora_skip_prefixes", None)
+
+    def why(name: str) -> str | None:
+        if is_base_embedding_weights(name):
+            return ("a base embedding weight saved with the adapter (PEFT's save_embedding_layers): vLLM's LoRA loader skips "
+                    "it and serves the base model's own (checked by refit and audit, not here)")
+        if prefixes and LoRAModel._should_skip_module(name, prefixes):
+            return f"vLLM's LoRA loader skips it (the model's lora_skip_prefixes {list(prefixes)})"
+        return None
+
+    return why
+
+
 def _parse(name: str, mapper) -> tuple[str, bool] | None:
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
@@ -212,7 +230,12 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     covered: set[tuple[str, int, str]] = set()
     problems: list[str] = []
     lora_model = am.get_adapter(adapter_id) if slot is None else None
+    skipped = _skipped(am)
     for n, (_, shape) in want.items():
+        why = skipped(n)
+        if why is not None:
+            not_proven[n] = why
+            continue
         parsed = _parse(n, mapper)
         if parsed is None:
             where[n] = "not a LoRA tensor name vLLM parses: no region holds it"
