@@ -22,6 +22,7 @@ LoRA, and layer classes other than these are named not provable.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import msgspec
 import torch
 
-from refit_verify.config import mode_from_env
+from refit_verify.config import check_version, mode_from_env
 from refit_verify.engine.adapters import AdapterLedger, check_regions, outside, slot_fingerprint
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import to_text
@@ -41,6 +42,12 @@ logger = logging.getLogger("refit_verify")
 METHODS = (LAYOUT_METHOD, VERIFY_METHOD, AUDIT_METHOD)  # the functions below, by name
 _LEDGER = "_refit_verify_lora_ledger"
 _EXPECTED = msgspec.json.Decoder(dict[str, tuple[str, list[int]]])
+
+
+def _arg(v: Any) -> Any:
+    """An argument as sent: a ``vllm serve``'s ``POST /collective_rpc`` hands every argument over as
+    JSON text (refit-verify's HTTP channel encodes each non-str one)."""
+    return json.loads(v) if isinstance(v, str) else v
 
 
 def _not_verifying(worker) -> dict[str, Any]:
@@ -177,6 +184,7 @@ def refit_verify_lora_layout(self, config: Mapping[str, Any], names: list[str]) 
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
+    config, names = _arg(config), _arg(names)
     try:
         helper = PEFTHelper.from_dict(dict(config))
     except (TypeError, ValueError) as e:
@@ -208,10 +216,13 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     """
     if not mode_from_env().verifies:
         return _not_verifying(self)
+    adapter_id, version = _arg(adapter_id), check_version(_arg(version))
+    if isinstance(adapter_id, bool) or not isinstance(adapter_id, int):
+        raise RefitConfigError(f"refit_verify_lora_verify: adapter_id must be an int, got {adapter_id!r}")
     want = _EXPECTED.decode(expected)
     ident = shims.worker_identity(self)
     am = _manager(self)
-    base = dict(worker=ident, adapter_id=int(adapter_id), version=version)
+    base = dict(worker=ident, adapter_id=adapter_id, version=version)
     if am is None:
         man = AdapterManifest(**base, loaded=False, problems=["LoRA is not enabled in this engine (enable_lora=False): no adapter is served"])
         return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
@@ -313,10 +324,10 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     missing = [n for n in provable if n not in chk.digests]
     ok = bool(chk.digests) and not (mismatched or missing or chk.padding or chk.unexpected)
     led = _ledger(self)
-    problems.extend(led.judge(int(adapter_id), version, fingerprint, ok))
+    problems.extend(led.judge(adapter_id, version, fingerprint, ok))
     ok = ok and not problems
     if ok:
-        led.record(int(adapter_id), version, fingerprint)
+        led.record(adapter_id, version, fingerprint)
     man = AdapterManifest(**base, loaded=True, slot=slot, digests=chk.digests, where=where, not_proven=not_proven,
                           padding=chk.padding, unexpected=chk.unexpected, problems=problems, unchecked=unchecked,
                           proven_bytes=chk.proven_bytes, fingerprint=fingerprint, ok=ok)
