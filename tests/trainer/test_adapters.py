@@ -105,6 +105,22 @@ def test_a_worker_that_does_not_verify_or_has_no_lora_fails_the_verify():
     off = _Engine(lambda m, a: {"rank": 0, "verifying": False, "reason": "REFIT_VERIFY=off in this vLLM worker"})
     (rep,) = refit_verify.verify_adapter(off, 1, {A: torch.zeros(4, 16)}, config={"r": 4, "lora_alpha": 8}, mode="log")
     assert not rep.ok and "does not verify" in rep.problems[0]
+    assert rep.describe().startswith("adapter 1 verification failed (0 of 0 verified): nothing was checked; vLLM worker rank 0")
     no_lora = _Engine(lambda m, a: {"rank": 0, "verifying": True, "enabled": False, "reason": "LoRA is not enabled"})
     with pytest.raises(RefitVerificationError, match="LoRA is not enabled"):
         refit_verify.verify_adapter(no_lora, 1, {A: torch.zeros(4, 16)}, config={"r": 4, "lora_alpha": 8}, mode="enforce")
+
+
+def test_a_report_speaks_of_the_adapter():
+    def answer(method, args):
+        if method == "refit_verify_lora_layout":
+            return _layout(method, args)
+        man = AdapterManifest(worker=WorkerIdentity(rank=0), adapter_id=args[0], version=args[1], loaded=False,
+                              where={A: "adapter not loaded"}, problems=["adapter 4 was never loaded on this worker"])
+        return {"rank": 0, "verifying": True, "adapter": to_text(man)}
+
+    (rep,) = refit_verify.verify_adapter(_Engine(answer), 4, {A: torch.zeros(4, 16)}, version=2, config={"r": 4, "lora_alpha": 8},
+                                         mode="log")
+    text = rep.describe()
+    assert text.startswith("adapter 4 version 2 verification failed on worker rank 0") and "refit" not in text
+    assert "the worker holds none of the adapter's tensors" in text and "adapter 4 was never loaded" in text

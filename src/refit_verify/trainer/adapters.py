@@ -39,7 +39,7 @@ from refit_verify.trainer.channel import DEFAULT_TIMEOUT_S, require_channel
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["AdapterAudit", "AdapterManifest", "audit_adapters", "expected_digests", "peft_config", "verify_adapter"]
+__all__ = ["AdapterAudit", "AdapterManifest", "AdapterReport", "audit_adapters", "expected_digests", "peft_config", "verify_adapter"]
 
 LAYOUT_METHOD = "refit_verify_lora_layout"
 VERIFY_METHOD = "refit_verify_lora_verify"
@@ -109,6 +109,27 @@ class AdapterAudit(msgspec.Struct, tag="adapter_audit", **_OPTS):
         else:
             text = f"adapter audit of {self.worker.label()} failed: " + "; ".join(self.problems)
         return text + ("; not checked: " + "; ".join(self.unchecked) if self.unchecked else "")
+
+
+_SAID = (("the worker loaded no tensor in this session (pushed outside the refit, or into another engine?)",
+          "the worker holds none of the adapter's tensors"),
+         ("nothing was checked: the trainer stated no tensor and the worker loaded none (a refit that compares nothing "
+          "verifies nothing)", "nothing was checked"),
+         ("engine read-back: ", "in the LoRA slots: "), (" parameters not coverable: ", " tensors not provable: "))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterReport(VerificationReport):
+    """A :class:`~refit_verify.report.VerificationReport` of one adapter on one worker: names are PEFT
+    names, ``session`` is ``"adapter N"``; :meth:`describe` speaks of the adapter, not of a refit."""
+
+    def describe(self, limit: int = 20) -> str:
+        text = super().describe(limit)
+        if text.startswith("refit session adapter "):
+            text = text[len("refit session "):]
+        for said, meant in _SAID:
+            text = text.replace(said, meant)
+        return text
 
 
 def _mode(mode: VerifyMode | str | None) -> VerifyMode:
@@ -184,23 +205,24 @@ def _check_tensors(tensors: Any) -> dict[str, torch.Tensor]:
     return dict(tensors)
 
 
-def _report(man: AdapterManifest, sender: Mapping[str, str]) -> VerificationReport:
+def _report(man: AdapterManifest, sender: Mapping[str, str]) -> AdapterReport:
     provable = {n: d for n, d in sender.items() if n not in man.not_proven}
     rep = compare_manifests(provable, man.digests, rank=man.worker.rank)
     problems = list(man.problems)
     for n in (*rep.mismatched, *rep.missing):
         if n in man.where:
             problems.append(f"{n}: {man.where[n]}")
-    return dataclasses.replace(
-        rep, session=f"adapter {man.adapter_id}", version=man.version, worker=man.worker.label(),
-        unexpected=(*rep.unexpected, *man.unexpected), engine_mismatched=tuple(f"{r} not zero" for r in man.padding),
-        problems=tuple(problems), not_proven=dict(man.not_proven), proven_bytes=man.proven_bytes,
-        unproven_bytes=0 if not man.not_proven else None, unchecked=tuple(man.unchecked))
+    fields = {f.name: getattr(rep, f.name) for f in dataclasses.fields(rep)}
+    return AdapterReport(**{
+        **fields, "session":f"adapter {man.adapter_id}", "version": man.version, "worker": man.worker.label(),
+        "unexpected": (*rep.unexpected, *man.unexpected), "engine_mismatched": tuple(f"{r} not zero" for r in man.padding),
+        "problems": tuple(problems), "not_proven": dict(man.not_proven), "proven_bytes": man.proven_bytes,
+        "unproven_bytes": 0 if not man.not_proven else None, "unchecked": tuple(man.unchecked)})
 
 
 def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], *, version: int | None = None,
                    config: Any = None, mode: VerifyMode | str | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[VerificationReport]:
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[AdapterReport]:
     """Check that every worker of ``engine`` serves exactly ``tensors`` as adapter ``lora``.
 
     Args:
@@ -216,7 +238,8 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
         timeout_s: bound on each call into the workers, seconds.
 
     Returns:
-        list[VerificationReport]: one per worker (``session`` is ``"adapter N"``); empty with ``off``.
+        list[AdapterReport]: one per worker (a :class:`~refit_verify.report.VerificationReport`; ``session``
+        is ``"adapter N"``); empty with ``off``.
 
     Raises:
         RefitVerificationError: ``enforce`` and a worker's report is not ok (the others are logged).
@@ -236,7 +259,7 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
             if isinstance(r, Mapping) and r.get("verifying") and r.get("enabled")}
     if len(seen) > 1:
         raise RefitProtocolError(f"refit-verify: the workers disagree on vLLM's LoRA dtype or scalings: {sorted(seen)}")
-    reports: list[VerificationReport] = []
+    reports: list[AdapterReport] = []
     if seen:
         (dtype_name, scalings_text), = seen
         dtype = getattr(torch, str(dtype_name), None)
@@ -253,7 +276,7 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
     else:  # no worker has LoRA on (or none verifies): say why, once per worker
         for r in layouts:
             if isinstance(r, Mapping) and r.get("verifying"):
-                reports.append(VerificationReport.unchecked_because(
+                reports.append(AdapterReport.unchecked_because(
                     f"worker rank {r.get('rank')}: {r.get('reason', 'LoRA is not enabled')}: adapter {aid} is not served",
                     session=f"adapter {aid}", version=version))
             else:
@@ -267,10 +290,10 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
     return reports
 
 
-def _not_verifying(r: Any, aid: int, version: int | None) -> VerificationReport:
+def _not_verifying(r: Any, aid: int, version: int | None) -> AdapterReport:
     rank = r.get("rank") if isinstance(r, Mapping) else None
     why = r.get("reason", "no reason given") if isinstance(r, Mapping) else repr(r)
-    return VerificationReport.unchecked_because(f"vLLM worker rank {rank} does not verify ({why}): adapter {aid} not checked",
+    return AdapterReport.unchecked_because(f"vLLM worker rank {rank} does not verify ({why}): adapter {aid} not checked",
                                                 session=f"adapter {aid}", version=version)
 
 
