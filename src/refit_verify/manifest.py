@@ -87,7 +87,9 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
         unattributed: delivered names whose consumption could not be attributed (the model's
             loader transformed them before writing); neither proven consumed nor skipped.
         unwritten: parameters no load of this session wrote, or wrote only in part
-            (``"name (12 of 48 elements)"``); meaningful for full refits.
+            (``"name (12 of 48 elements)"``; a stacked parameter of 3 or more dims, such as a
+            fused-MoE ``w13_weight``, also says which dim-0 slices (experts) were not written whole:
+            ``"name (dim-0 slices [2] not written whole; 12 of 16 elements)"``); meaningful for full refits.
         changed_after_delivery: delivered names whose bytes changed between ``load_weights`` and
             the deferred apply of vLLM's layerwise reload (what landed is not what was digested).
         calls: ``load_weights`` calls. bytes: bytes delivered. digest_s: host seconds digesting.

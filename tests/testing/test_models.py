@@ -52,3 +52,30 @@ def test_device_state_dict_same_seed_same_values_and_the_layout():
     emb, norm = a["model.embed_tokens.weight"].float(), a["model.norm.weight"].float()
     assert abs(emb.mean().item()) < 0.002 and 0.018 < emb.std().item() < 0.022
     assert abs(norm.mean().item() - 1.0) < 0.01
+
+
+def test_tiny_qwen3_moe_layout_per_expert_names_deterministic_by_seed():
+    """The packaged Qwen3-MoE: per layer a router and 4 experts of gate / up / down; the same seed, the same bytes."""
+    cfg = models.load_config(models.packaged_config_dir(models.TINY_QWEN3_MOE))
+    assert (cfg["model_type"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["num_hidden_layers"]) == ("qwen3_moe", 4, 2, 2)
+    shapes = models.param_shapes(cfg)
+    assert len(shapes) == 45 and not any(".mlp.gate_proj" in n or ".mlp.down_proj" in n for n in shapes)
+    assert shapes["model.layers.1.mlp.gate.weight"] == (4, 64)
+    assert shapes["model.layers.1.mlp.experts.3.gate_proj.weight"] == (64, 64) == shapes["model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (32,)
+    a, b, c = (models.random_state_dict(cfg, seed=s) for s in (5, 5, 6))
+    assert list(a) == list(shapes) and all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+
+
+def test_stacked_experts_are_the_per_expert_tensors_in_fused_checkpoint_names():
+    cfg = models.load_config(models.packaged_config_dir(models.TINY_QWEN3_MOE))
+    w = models.random_state_dict(cfg, seed=1)
+    s = models.stacked_experts(w, cfg)
+    assert len(s) == 45 - 2 * 12 + 2 * 2 and not any(".experts.0." in n for n in s)
+    gate_up, down = s["model.layers.1.mlp.experts.gate_up_proj"], s["model.layers.1.mlp.experts.down_proj"]
+    assert gate_up.shape == (4, 128, 64) and down.shape == (4, 64, 64)
+    assert torch.equal(gate_up[2, :64], w["model.layers.1.mlp.experts.2.gate_proj.weight"])
+    assert torch.equal(gate_up[2, 64:], w["model.layers.1.mlp.experts.2.up_proj.weight"])
+    assert torch.equal(down[3], w["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert models.stacked_experts(models.random_state_dict(models.load_config(models.packaged_config_dir()), seed=1), cfg).keys() \
+        == models.param_shapes(models.load_config(models.packaged_config_dir())).keys()  # no experts: unchanged

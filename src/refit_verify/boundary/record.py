@@ -24,7 +24,7 @@ import torch
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.boundary.placement import WHOLE, Copy, Placement
 from refit_verify.boundary.plan import RefitPlan, expand, spec_of
-from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered
+from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered, unwritten_slices
 from refit_verify.digest.batch import DigestBatch, tensor_digest
 from refit_verify.digest.incremental import CopyingBatch, digest_now
 from refit_verify.digest.kept import DigestSet
@@ -518,6 +518,19 @@ class ModuleSession:
             return None
         return {f"{i}:{name}": h for (name, i, *_), h in zip(regions, hexes)}
 
+    def _slices_note(self, pname: str, p: torch.Tensor, regions: dict[tuple, int]) -> str:
+        """For a stacked parameter (3 or more dims: a fused-MoE ``w13_weight`` / ``w2_weight``, one
+        expert per index of dim 0) written in part: ``"dim-0 slices [2, 5] not written whole; "``,
+        which experts the refit left stale (at most 16 listed); else ``""``."""
+        shape, stride, _off = self.param_geometry.get(pname) or (tuple(p.shape), tuple(p.stride()), 0)
+        if len(shape) < 3:
+            return ""
+        idx = unwritten_slices(regions, shape, stride)
+        if not idx:
+            return ""
+        shown = ", ".join(map(str, idx[:16])) + (", …" if len(idx) > 16 else "")
+        return f"dim-0 slices [{shown}] not written whole; "
+
     def manifest(self, params: dict[str, torch.Tensor], allow: Iterable[str]) -> ModuleManifest:
         t0 = time.perf_counter()
         digests = self.digests()
@@ -547,7 +560,7 @@ class ModuleSession:
             if got >= total:
                 written += 1
             elif not match_any(pname, allow):
-                unwritten.append(pname if got == 0 else f"{pname} ({got} of {total} elements)")
+                unwritten.append(pname if got == 0 else f"{pname} ({self._slices_note(pname, p, w)}{got} of {total} elements)")
         for name in self.derived:
             if name not in self.derived_hex and name not in self.withheld:
                 why = self.underived.get(name, "the read-back did not run")

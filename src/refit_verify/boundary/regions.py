@@ -16,7 +16,7 @@ import torch
 
 from refit_verify.boundary.placement import Placement
 
-__all__ = ["MAX_COVERAGE_SPANS", "covered"]
+__all__ = ["MAX_COVERAGE_SPANS", "covered", "unwritten_slices"]
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -127,6 +127,41 @@ def covered(regions: dict[tuple, int]) -> int:
             total += hi - end
             end = hi
     return total + extra
+
+
+def unwritten_slices(regions: dict[tuple, int], shape: tuple, stride: tuple) -> list[int] | None:
+    """Indices along dim 0 of a contiguous parameter of ``shape`` / ``stride`` (a stacked one: the
+    experts of a fused-MoE ``w13_weight`` / ``w2_weight``) that ``regions`` (``{dest geometry: numel}``,
+    offsets relative to the parameter's first element) do not cover whole, in order; None when that
+    cannot be told (the parameter is not contiguous or has no dim 0, a region is opaque or cannot be
+    listed as rows). Never claims a slice written that is not."""
+    shape, stride = tuple(shape), tuple(stride)
+    if not shape or not _contiguous(shape, stride) or any(n == 0 for n in shape):
+        return None
+    spans: list[tuple[int, int]] = []
+    for g, n in regions.items():
+        rows = _spans(g, n) if len(g) == 3 and isinstance(g[0], int) else None
+        if rows is None:
+            return None
+        spans.extend(rows)
+    spans.sort()
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        elif hi > lo:
+            merged.append([lo, hi])
+    step = 1
+    for n in shape[1:]:
+        step *= n
+    out, k = [], 0
+    for i in range(shape[0]):
+        lo, hi = i * step, (i + 1) * step
+        while k < len(merged) and merged[k][1] <= lo:
+            k += 1
+        if not (k < len(merged) and merged[k][0] <= lo and merged[k][1] >= hi):  # spans are merged: one must hold it all
+            out.append(i)
+    return out
 
 
 def _storage_ptr(t: torch.Tensor) -> int:

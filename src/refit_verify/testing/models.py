@@ -1,7 +1,7 @@
 """HF parameter layouts of small decoder models, for the demo, tests and benchmarks.
 
 Builds trainer-side state dicts whose names and shapes match what vLLM's ``load_weights`` expects
-for Llama- and Qwen3-style configs (``config.json`` fields).
+for Llama-, Qwen3- and Qwen3-MoE-style configs (``config.json`` fields).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 TINY_LLAMA = "tiny-llama"
+TINY_QWEN3_MOE = "tiny-qwen3-moe"
+"""A Qwen3-MoE layout (hidden 64, 4 experts of which 2 routed per token, 2 layers, vocab 512): experts tests."""
 
 
 def packaged_config_dir(name: str = TINY_LLAMA) -> Path:
@@ -31,7 +33,9 @@ def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     Args:
         cfg: ``config.json`` fields: hidden_size, intermediate_size, num_attention_heads,
             num_key_value_heads, num_hidden_layers, vocab_size, optional head_dim,
-            tie_word_embeddings, model_type (``qwen3`` adds per-head q/k norms).
+            tie_word_embeddings, model_type (``qwen3`` adds per-head q/k norms; ``qwen3_moe``
+            too, and each layer's MLP is a router ``mlp.gate`` ``(num_experts, hidden)`` and
+            per-expert ``mlp.experts.<e>.{gate,up,down}_proj`` of ``moe_intermediate_size``).
     """
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -43,17 +47,55 @@ def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_proj.weight"] = (nkv * hd, h)
         out[p + "self_attn.v_proj.weight"] = (nkv * hd, h)
         out[p + "self_attn.o_proj.weight"] = (h, nh * hd)
-        if cfg.get("model_type") == "qwen3":
+        if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
             out[p + "self_attn.q_norm.weight"] = (hd,)
             out[p + "self_attn.k_norm.weight"] = (hd,)
-        out[p + "mlp.gate_proj.weight"] = (inter, h)
-        out[p + "mlp.up_proj.weight"] = (inter, h)
-        out[p + "mlp.down_proj.weight"] = (h, inter)
+        if _sparse(cfg, i):
+            mi = cfg["moe_intermediate_size"]
+            out[p + "mlp.gate.weight"] = (cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                out[p + f"mlp.experts.{e}.gate_proj.weight"] = (mi, h)
+                out[p + f"mlp.experts.{e}.up_proj.weight"] = (mi, h)
+                out[p + f"mlp.experts.{e}.down_proj.weight"] = (h, mi)
+        else:
+            out[p + "mlp.gate_proj.weight"] = (inter, h)
+            out[p + "mlp.up_proj.weight"] = (inter, h)
+            out[p + "mlp.down_proj.weight"] = (h, inter)
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
     out["model.norm.weight"] = (h,)
     if not cfg.get("tie_word_embeddings", False):
         out["lm_head.weight"] = (v, h)
+    return out
+
+
+def _sparse(cfg: dict, layer: int) -> bool:
+    """Whether decoder ``layer`` has experts (Qwen3-MoE: ``num_experts`` > 0, not in
+    ``mlp_only_layers``, every ``decoder_sparse_step``-th layer)."""
+    if cfg.get("model_type") != "qwen3_moe" or not cfg.get("num_experts"):
+        return False
+    return layer not in cfg.get("mlp_only_layers", []) and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0
+
+
+def stacked_experts(weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """Return ``weights`` with each sparse layer's per-expert tensors stacked as fused checkpoints
+    (transformers v5) name them: ``mlp.experts.gate_up_proj`` ``(num_experts, 2 * moe_intermediate,
+    hidden)`` (each expert's gate rows then its up rows) and ``mlp.experts.down_proj``
+    ``(num_experts, hidden, moe_intermediate)``, in place of the first expert's names; other names
+    and the order of the rest are kept. Same dtype and device; the stacks are new tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        if not tail.startswith("0.gate_proj."):
+            continue
+        n = cfg["num_experts"]
+        e = [f"{head}.mlp.experts.{i}." for i in range(n)]
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([weights[x + "gate_proj.weight"], weights[x + "up_proj.weight"]]) for x in e])
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([weights[x + "down_proj.weight"] for x in e])
     return out
 
 
