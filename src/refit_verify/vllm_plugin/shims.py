@@ -86,13 +86,15 @@ def unwrap_descriptor(obj: Any) -> Any:
 
 def patch(owner: type, attr: str, make: Callable[[Any], Any]) -> bool:
     """Replace ``owner.__dict__[attr]`` by ``make(original)``, marked and remembered; idempotent.
+    ``owner`` is a class, or a module (a module-level function).
 
     Returns False (and patches nothing) when ``owner`` does not define ``attr`` itself.
     """
     with LOCK:
         if attr not in owner.__dict__:
             return False
-        label = f"{owner.__module__}.{owner.__qualname__}.{attr}"
+        label = (f"{owner.__module__}.{owner.__qualname__}.{attr}" if isinstance(owner, type)
+                 else f"{owner.__name__}.{attr}")
         raw = owner.__dict__[attr]
         if getattr(unwrap_descriptor(raw), MARK, False):
             return True
