@@ -296,6 +296,9 @@ def test_replaced_under_the_same_id_and_never_verified_named_by_the_audit(engine
     assert len(_generate(llm, unverified)) == 4  # served: active in a slot
     (audit,) = refit_verify.audit_adapters(llm, mode="log")
     assert 6 in audit.never_verified and any("adapter 6 is active" in p for p in audit.problems), audit.describe()
+    llm.llm_engine.remove_lora(5)
+    (gone,) = refit_verify.verify_adapter(llm, req, sd, version=5, mode="log")
+    assert any("adapter 5 is not loaded on this worker now (verified at version 4 before" in p for p in gone.problems), gone.problems
 
 
 def test_off_runs_nothing(engine, peft_model, verl_loader, monkeypatch):

@@ -228,9 +228,11 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
         return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
     registered = sorted(am.list_adapters())
     if adapter_id not in registered:
+        before = _ledger(self).get(adapter_id)
+        why = (f"adapter {adapter_id} was never loaded on this worker" if before is None else
+               f"adapter {adapter_id} is not loaded on this worker now (verified at version {before[0]} before: evicted or removed since)")
         man = AdapterManifest(**base, loaded=False, where={n: "adapter not loaded" for n in want},
-                              problems=[f"adapter {adapter_id} was never loaded on this worker: not in its LoRA manager "
-                                        f"(loaded: {registered or 'none'})"])
+                              problems=[f"{why}: not in its LoRA manager (loaded: {registered or 'none'})"])
         return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
     slot = am.lora_index_to_id.index(adapter_id) if adapter_id in am.lora_index_to_id else None
     mapper = _mapper(am)
