@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from _paths_ext import _loop
+from _paths_plan import floor_ms, target_ms, verdict
 from _paths_worker import KIND
 
 from refit_verify.testing import models
@@ -127,14 +128,55 @@ def python_speed(steps: int = 10_000, repeat: int = 5) -> float:
     return statistics.median(_loop(steps) for _ in range(repeat)) * 1e3
 
 
-def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None) -> str:
+def matched(res: dict, phase_of: dict | None, p: str, x: str, y: str) -> tuple[list, list, bool]:
+    """Engine ``x``'s and ``y``'s counted refits of path ``p`` over the phases both were live in, and True; or,
+    when they shared none (a plan of one engine at a time), all of each, and False. ``phase_of``: the phase of
+    each refit in ``res`` (None: one phase)."""
+    xs, ys = res.get(p, {}).get(x, []), res.get(p, {}).get(y, [])
+    if phase_of is None:
+        return xs, ys, True
+    px, py = phase_of[p][x], phase_of[p][y]
+    shared = set(px) & set(py)
+    if not shared:
+        return xs, ys, False
+    return [r for r, i in zip(xs, px) if i in shared], [r for r, i in zip(ys, py) if i in shared], True
+
+
+def floor_of(a, nbytes: int, tensors: int) -> tuple[float, str]:
+    """(floor ms, how it was obtained) of a set of ``nbytes`` in ``tensors`` tensors from the run's ``a.floor``
+    (the child's ``floor`` reply); NaN and why when it was not measured."""
+    f = getattr(a, "floor", None) or {}
+    if not f.get("read_gbps"):
+        return float("nan"), f"floor not measured ({f.get('error', 'no engine started')})"
+    gbps, us = float(f["read_gbps"]), float(f["launch_us"])
+    fl = floor_ms(nbytes, tensors, gbps, us)
+    return fl, (f"floor {fl:.2f} ms = two reads of {nbytes / 1e9:.3f} GB at {gbps:.0f} GB/s (the read roofline measured in this "
+                f"run in {f.get('where', '?')}: `torch.sum` over a 1 GiB float32 buffer on the {a.device}, fastest of 5) + "
+                f"{tensors} tensors × {us:.2f} µs (one `x.add_(1)` launch on a 1-element {a.device} tensor per tensor, Python "
+                "loop, fastest of 5); target = 2 × floor + 1 ms, read against own work and against added ms")
+
+
+def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=None, phase_of=None) -> str:
+    """The report of one size. ``res[path][engine]``: the counted replies; ``phase_of``: the phase of each
+    (None: every engine in one phase); ``children`` is unused (kept for callers)."""
     shapes = models.param_shapes(cfg)
     nbytes = sum(2 * _prod(s) for s in shapes.values())
+    every = res
+    res, inter = {}, {}
+    for p in every:
+        off, enf, inter[p] = matched(every, phase_of, p, MODES[0], MODES[1])
+        res[p] = {MODES[0]: off, MODES[1]: enf}
+    fl, fl_how = floor_of(a, nbytes, len(shapes))
+    tgt = target_ms(fl) if fl == fl else float("nan")
     cpu = next((ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
     dev = info.get("device_name", "?") if a.device == "cuda" else f"CPU ({cpu})"
     lines = [f"# Refit paths: REFIT_VERIFY=off vs enforce ({a.model}, {a.device})", "",
              f"- date: {datetime.datetime.fromtimestamp(t_start, datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; "
-             f"run took {time.time() - t_start:.0f} s",
+             f"run took {time.time() - t_start:.0f} s"
+             + (f" (estimated {a.estimate_s:.0f} s)" if getattr(a, "estimate_s", None) else ""),
+             *getattr(a, "plan_lines", []),
+             *([f"- engine starts (imports overlapped): {'; '.join(a.starts)}"] if getattr(a, "starts", None) else []),
+             f"- {fl_how}",
              f"- machine: {platform.node()} ({platform.platform()}), {os.cpu_count()} cores, load average "
              f"{load0[0]:.1f} at start / {os.getloadavg()[0]:.1f} at end, niceness {os.nice(0)}",
              f"- device: {dev}",
@@ -159,9 +201,9 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
              *([f"- `BENCH_PAUSE_AFTER_MS={os.environ['BENCH_PAUSE_AFTER_MS']}`: the transport sender pauses after each "
                 "posted buffer (`--timers`)"] if os.environ.get("BENCH_PAUSE_AFTER_MS") else []),
              f"- rounds: {a.rounds} counted after {a.warmup} warm-up; "
-             + ("per round and path one refit on each engine (off, enforce, off-b), the order rotating round by round (the "
-                "three rotations, then the three reversed)" if a.control else
-                "per round and path one refit in each mode, the mode that goes first alternating round by round")
+             + ("per round and path one refit on each live engine (off, enforce, off-b), the order rotating round by round (the "
+                "three rotations, then the three reversed; two engines alternate)" if a.control else
+                "per round and path one refit on each live engine, the one that goes first alternating round by round")
              + f"; {a.settle_s:g} s pause before a refit that follows one in another `mp` engine",
              f"- buckets: {_mib(a.bucket_bytes)} (boundary-bucketed: {info.get('buckets', '?')} buckets); native packed buffer "
              f"{_mib(int(info.get('packed_bytes') or 0))}; transport staging "
@@ -173,7 +215,8 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
                                                        if a.native_tensors else "`nn.Parameter`s (`model.named_parameters()`: held, no copy)"),
              "- engines: one per mode and kind, each in its own child process; `inproc` = engine in the child "
              "(VLLM_ENABLE_V1_MULTIPROCESSING=0, direct `load_weights`), `mp` = engine core and worker in their own processes "
-             "(transport, native, broadcast)" + ("; `--control`: one more off engine per kind (off-b), built the same way" if a.control else "")]
+             "(transport, native, broadcast)" + ("; A/A control: one more off engine per kind (off-b), built the same way"
+                                                 if a.control else "; no A/A control (`--no-control`)")]
     if info.get("broadcast"):
         lines.append(f"- broadcast: {info['broadcast']}; per refit the sender in the child's main thread, "
                      "`refit_verify_broadcast_receive` in a helper thread; one sender and one group per child, reused")
@@ -183,33 +226,41 @@ def render(a, info, cfg, res, skipped, failed, children, load0, t_start, ctl=Non
     elif info.get("native_api"):
         lines.append(f"- native: vLLM `ipc` backend, {info['native_api']} trainer API")
     lines += ["", "## Wall time per refit (ms)", "",
-              "| path | off median | off p25–p75 | enforce median | enforce p25–p75 | enforce/off | added | added ms | own work ms "
-              "(% of off) | n | enforce verified |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| path | off median | off p25–p75 | enforce median | enforce p25–p75 | enforce/off | A/A: off-b/off | added "
+              "| added ms | own work ms (% of off) | floor ms | target ms | own work vs target | added vs target | n "
+              "| enforce verified |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    empty = "|" * 15
     for p in a.paths:
         if p in skipped:
-            lines.append(f"| {p} | skipped: {skipped[p]} ||||||||||")
+            lines.append(f"| {p} | skipped: {skipped[p]} {empty}")
             continue
         off, enf = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in MODES)
         if not off or not enf:
-            lines.append(f"| {p} | failed: {failed.get(p, 'no rounds')[:300]} ||||||||||")
+            lines.append(f"| {p} | failed: {failed.get(p, 'no rounds')[:300]} {empty}")
             continue
         mo, me = pct(off, .5), pct(enf, .5)
         last = res[p]["enforce"][-1].counts
         ver = f"{last.get('verified', '?')}/{len(shapes)} tensors, {last.get('proven_bytes', 0) / 2**20:.2f} MiB read back" + (
             f", {last['replayed']} replayed" if last.get("replayed") else "")
         own = pct([sum(x.phases.get(k, 0.0) for k in OWN[p]) for x in res[p]["enforce"]], .5)
+        aa = _aa(every, phase_of, p) if a.control else "off (`--no-control`)"
         lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(me)} | {ms(pct(enf, .25))}–{ms(pct(enf, .75))} "
-                     f"| {me / mo:.3f} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} | {ms(own)} ({100 * own / mo:.1f} %) | {len(off)} "
-                     f"| {ver} |")
+                     f"| {me / mo:.3f}{'' if inter[p] else ' (phases in turn)'} | {aa} | {100 * (me / mo - 1):+.1f} % | {ms(me - mo)} "
+                     f"| {ms(own)} ({100 * own / mo:.1f} %) | {_f2(fl)} | {_f2(tgt)} | {verdict(own * 1e3, tgt)} "
+                     f"| {verdict((me - mo) * 1e3, tgt)} | {len(off)} | {ver} |")
     lines += ["", "*own work*: the median over the enforce rounds of the breakdown rows that are refit-verify's own work on the "
               "refit's critical path (listed under each path below; work in the shadow of a blocked call excluded), as a "
               "share of the off median: a measure of the overhead that does not rest on comparing two processes' wall clocks. "
               "The worker's whole session open and close are in it (the index checks, snapshot, read-back, the plan kept, the "
               "manifests). A lower bound still: it leaves out what no row covers (the loader tap's pass-through, the manifest's "
-              "encoding and RPC; the difference line under each path)."]
+              "encoding and RPC; the difference line under each path).",
+              "", "*A/A*: the second off engine's median over off's, over the rounds both ran (the noise floor of the "
+              "enforce/off ratio; – when it has none). *floor*, *target*: see the header; *vs target* reads own work, and "
+              "then the added milliseconds (enforce − off medians), against the target. *(phases in turn)*: off and enforce "
+              "never ran together (the memory plan), so the ratio holds the drift between the phases too."]
     if a.control:
-        lines += _control_table(a, res, skipped, failed, ctl or {})
+        lines += _control_table(a, every, skipped, failed, ctl or {}, phase_of)
     notes = [f"- {p}: stopped after {len(res.get(p, {}).get('off', []))} counted rounds: {failed[p][:600]}" for p in failed]
     if notes:
         lines += ["", "Failures:", *notes]
@@ -274,12 +325,23 @@ def _timers_table(rp: dict) -> list[str]:
     return out
 
 
-def _control_table(a, res, skipped, failed, ctl) -> list[str]:
-    """``--control``: off-b against off per path, over the counted rounds off-b ran (a prefix of off's)."""
+def _aa(res, phase_of, p) -> str:
+    """off-b / off medians of path ``p`` over the rounds both ran (– when off-b has none)."""
+    off, b, together = matched(res, phase_of, p, MODES[0], CONTROL)
+    if not b or not off:
+        return "–"
+    off = off[:len(b)] if together else off
+    r = pct([x.wall_s for x in b], .5) / pct([x.wall_s for x in off], .5)
+    return f"{r:.3f}" + ("" if together else " (phases in turn)")
+
+
+def _control_table(a, res, skipped, failed, ctl, phase_of=None) -> list[str]:
+    """The A/A control: off-b against off per path, over the counted rounds both ran (off-b's are a prefix of its phase's)."""
     lines = ["", "## A/A control: a second off engine (off-b) vs off, wall time per refit (ms)", "",
-             "off-b is a second `off` child of the same kind, built the same way (same seed), its refits interleaved with off's "
-             "and enforce's. A/A = off-b / off: how far two processes doing the same work differ in this run, the noise floor "
-             "of the enforce/off ratio (here over the same rounds as off-b).", "",
+             "off-b is a second `off` child of the same kind, built the same way (same seed), its refits interleaved with the "
+             "other live engines' (the memory plan says which). A/A = off-b / off over the rounds both ran: how far two "
+             "processes doing the same work differ in this run, the noise floor of the enforce/off ratio (enforce/off here "
+             "over its own rounds, as in the wall table).", "",
              "| path | off median | off p25–p75 | off-b median | off-b p25–p75 | A/A: off-b / off | A/A ms | enforce/off | n |",
              "|---|---|---|---|---|---|---|---|---|"]
     stopped = []
@@ -287,18 +349,25 @@ def _control_table(a, res, skipped, failed, ctl) -> list[str]:
         if p in skipped:
             lines.append(f"| {p} | skipped: {skipped[p]} ||||||||")
             continue
-        off, enf, b = ([x.wall_s for x in res.get(p, {}).get(m, [])] for m in (*MODES, CONTROL))
+        off_r, b_r, together = matched(res, phase_of, p, MODES[0], CONTROL)
+        off, b = [x.wall_s for x in off_r], [x.wall_s for x in b_r]
+        eo_off, eo_enf, _ = matched(res, phase_of, p, MODES[0], MODES[1])
+        eo = pct([x.wall_s for x in eo_enf], .5) / pct([x.wall_s for x in eo_off], .5) if eo_off and eo_enf else float("nan")
         if not b:
             lines.append(f"| {p} | no control: {(ctl.get(p) or failed.get(p) or 'no rounds')[:300]} ||||||||")
             continue
         n = len(b)
-        off, enf = off[:n], enf[:n]
+        off = off[:n] if together else off
         mo, mb = pct(off, .5), pct(b, .5)
         lines.append(f"| {p} | {ms(mo)} | {ms(pct(off, .25))}–{ms(pct(off, .75))} | {ms(mb)} | {ms(pct(b, .25))}–{ms(pct(b, .75))} "
-                     f"| {mb / mo:.3f} | {ms(mb - mo)} | {pct(enf, .5) / mo:.3f} | {n} |")
+                     f"| {mb / mo:.3f}{'' if together else ' (phases in turn)'} | {ms(mb - mo)} | {eo:.3f} | {n} |")
         if p in ctl:
             stopped.append(f"- {p}: off-b stopped after {n} counted rounds: {ctl[p][:600]}")
     return lines + (["", *stopped] if stopped else [])
+
+
+def _f2(x: float) -> str:
+    return "–" if x != x else f"{x:.2f}"
 
 
 def _dist_version(name: str) -> str | None:

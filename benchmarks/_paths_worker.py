@@ -1,10 +1,15 @@
 """Child process of ``benchmarks/bench_paths.py``: one vLLM engine in one ``REFIT_VERIFY`` mode.
 
-The parent starts one child per (mode, engine kind) (``--control``: one more ``off`` child per
+The parent starts one child per (mode, engine kind) (the A/A control: one more ``off`` child per
 kind, the same in every way) and drives it with one JSON line per command on stdin
 (:class:`Command`); the child answers one JSON line per command (:class:`Reply`) on the
 stdout it had at start-up. vLLM's own output goes to stderr (the parent sends it to a log file).
 msgspec only, no pickle.
+
+Start-up is two steps: the child imports torch and vLLM and answers ``imported`` (the parent starts
+many children at once, so their imports overlap), then on ``start`` builds the trainer's weights on the
+device and its engine and answers ``ready``. ``floor`` measures the device's read roofline and the host's
+cost of one launch (the report's floor column).
 
 Engine kinds:
 
@@ -33,7 +38,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +54,8 @@ KIND = {"transport": "mp", "boundary-per-param": "inproc", "boundary-bucketed": 
 
 
 class Command(msgspec.Struct, forbid_unknown_fields=True):
-    """Parent -> child. ``op``: ``"run"`` (one refit of ``path``; ``round`` < 0 is a warm-up) or ``"quit"``."""
+    """Parent -> child. ``op``: ``"start"`` (build the weights and the engine), ``"run"`` (one refit of ``path``;
+    ``round`` < 0 is a warm-up), ``"floor"`` (measure the floor's two figures) or ``"quit"``."""
 
     op: str
     path: str = ""
@@ -60,10 +66,11 @@ class Reply(msgspec.Struct, forbid_unknown_fields=True):
     """Child -> parent.
 
     Attributes:
-        op: ``"ready"`` (after start-up), ``"run"`` or ``"quit"``. ok: False with ``error`` on failure.
+        op: ``"imported"``, ``"ready"`` (after start-up), ``"run"``, ``"floor"`` or ``"quit"``. ok: False with ``error`` on failure.
         wall_s: seconds of the timed refit. phases: ``{phase key: seconds}`` (bench_paths.PHASES).
         counts: ``{key: int}`` (verified tensors, proven bytes, load calls, buffers, updates).
-        info: versions and device (``ready``). skips: ``{path: reason}`` of paths this child cannot run.
+        info: versions and device (``ready``); what vLLM accepts (``imported``); the floor's figures (``floor``).
+        skips: ``{path: reason}`` of paths this child cannot run.
     """
 
     op: str
@@ -103,7 +110,7 @@ class Bench:
         self.mode, self.kind, self.device = a.mode, a.kind, a.device
         self.cuda = self.device == "cuda"
         cfg = models.load_config(a.config_dir)
-        self.weights = models.random_state_dict(cfg, seed=a.seed, device=self.device)  # same seed in every child
+        self.weights = models.device_state_dict(cfg, seed=a.seed, device=self.device)  # same seed in every child
         self.items = list(self.weights.items())
         # the native trainer exports its parameters (model.named_parameters()) or, --native-tensors, a state_dict's tensors
         self.native_weights = self.weights if a.native_tensors else {
@@ -188,8 +195,10 @@ class Bench:
         from vllm import LLM
 
         kw: dict[str, Any] = dict(model=str(self.a.config_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-                                  max_model_len=128, dtype="bfloat16", seed=0,
+                                  max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512, dtype="bfloat16", seed=0,
                                   gpu_memory_utilization=self.a.gpu_memory_utilization if self.cuda else 0.1)
+        if self.cuda and self.a.kv_cache_bytes > 0:  # a fixed KV cache: no profiling of free memory (engines may start together)
+            kw["kv_cache_memory_bytes"] = self.a.kv_cache_bytes
         if (self.a.profile or self.a.timers or os.environ.get("REFIT_BENCH_LANDED_CPU") == "1") and self.kind == "mp":  # the worker process profiles itself (benchmarks/_paths_ext.py)
             kw["worker_extension_cls"] = "benchmarks._paths_ext.WorkerProfile"
         if backend is None:
@@ -345,15 +354,20 @@ class Bench:
         return wall, ph, counts
 
     def _staging_copy_s(self) -> float:
-        """One copy of every tensor into one byte buffer (timed apart from the refit: the floor of any staging)."""
+        """One copy of every tensor into a byte ring (timed apart from the refit: the floor of any staging). The
+        ring holds the largest tensor, at least 256 MiB, at most the set (``_paths_plan.staging_ring_bytes``);
+        a tensor that does not fit where the last ended starts at its beginning again."""
         t = self.torch
         buf = getattr(self, "_copy_buf", None)
         if buf is None:
-            buf = self._copy_buf = t.empty(self.nbytes, dtype=t.uint8, device=self.device)
+            largest = max(w.numel() * w.element_size() for _, w in self.items)
+            buf = self._copy_buf = t.empty(min(self.nbytes, max(largest, 256 << 20)), dtype=t.uint8, device=self.device)
         self._sync()
         a, off = pc(), 0
         for _, w in self.items:
             n = w.numel() * w.element_size()
+            if off + n > buf.numel():
+                off = 0
             buf[off:off + n].copy_(w.reshape(-1).view(t.uint8))
             off += n
         self._sync()
@@ -493,6 +507,36 @@ class Bench:
             counts["verified"] = reports[0].verified
         return wall, ph, counts
 
+    def floor(self) -> dict[str, str]:
+        """The floor's two figures, measured here: the read roofline (``torch.sum`` over a 1 GiB float32
+        buffer on the device, synchronised, fastest of 5 after one untimed) and one launch per tensor
+        (``x.add_(1)`` on a 1-element tensor of the device, once per trainer tensor in a Python loop,
+        synchronised at the end; fastest of 5 loops, per tensor)."""
+        t, n = self.torch, 1 << 30
+        buf = t.zeros(n // 4, dtype=t.float32, device=self.device)
+        best = float("inf")
+        for i in range(6):
+            self._sync()
+            a = pc()
+            t.sum(buf)
+            self._sync()
+            if i:
+                best = min(best, pc() - a)
+        del buf
+        if self.cuda:
+            t.cuda.empty_cache()
+        one = t.zeros(1, device=self.device)
+        loops = []
+        for _ in range(5):
+            self._sync()
+            a = pc()
+            for _w in self.items:
+                one.add_(1)
+            self._sync()
+            loops.append(pc() - a)
+        return {"read_gbps": f"{n / best / 1e9:.1f}", "read_bytes": str(n), "launch_us": f"{min(loops) / len(self.items) * 1e6:.3f}",
+                "launch_tensors": str(len(self.items))}
+
     def close(self) -> None:
         if hasattr(self, "sender"):
             self.sender.close()
@@ -541,6 +585,19 @@ def _buckets(items: list, nbytes: int) -> list[list]:
     return out
 
 
+def _wait_for_memory(torch: Any, need_gib: float, wait_s: float) -> None:
+    """Wait until the device has ``need_gib`` GiB free (an earlier phase's engines may still be exiting), at most
+    ``wait_s`` seconds; then go on either way (vLLM names a shortage itself)."""
+    end = time.monotonic() + wait_s
+    while True:
+        free, _total = torch.cuda.mem_get_info()
+        if free >= need_gib * 2**30 or time.monotonic() > end:
+            if free < need_gib * 2**30:
+                print(f"bench child: {free / 2**30:.1f} GiB free after {wait_s:g} s, planned {need_gib:.1f}", file=sys.stderr, flush=True)
+            return
+        time.sleep(0.5)
+
+
 def main() -> None:
     cpus = os.environ.get("REFIT_BENCH_CPUS")  # bench_paths --pin: this child and its engine processes on these cores
     if cpus:
@@ -566,6 +623,11 @@ def main() -> None:
     ap.add_argument("--trainer-copy", action="store_true", help="boundary paths: refit(copy=True), a copy per r.add")
     ap.add_argument("--native-tensors", action="store_true", help="native paths: export plain tensors (default: nn.Parameters)")
     ap.add_argument("--staging-bytes", type=int, default=None, help="transport: the sender's staging budget (default: RefitConfig's)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=0,
+                    help="CUDA: the engine's KV cache in bytes (vLLM's kv_cache_memory_bytes: no profiling of free memory); 0: profiled")
+    ap.add_argument("--need-gib", type=float, default=0.0,
+                    help="CUDA: before building anything, wait (at most --memory-wait-s) until the device has this much free")
+    ap.add_argument("--memory-wait-s", type=float, default=60.0)
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "wb", buffering=0)  # the protocol keeps the original stdout
     os.dup2(2, 1)  # everything else printed to stdout (vLLM, tqdm) goes to the log
@@ -588,7 +650,31 @@ def main() -> None:
                 self._digest_known(items)
 
         Packer.digest_first = _whole
+    try:  # imports first (the parent overlaps them across children), then the weights and the engine on "start"
+        import torch
+        from vllm.engine.arg_utils import EngineArgs
+
+        import refit_verify  # noqa: F401
+
+        kv_ok = "kv_cache_memory_bytes" in {f.name for f in fields(EngineArgs)}
+        send(Reply(op="imported", ok=True, info={"kv_cache_memory_bytes": "1" if kv_ok else ""}))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        traceback.print_exc()
+        send(Reply(op="imported", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
+        return
+    line = sys.stdin.buffer.readline()
     try:
+        cmd = CMD.decode(line)
+    except msgspec.DecodeError:
+        return  # the parent closed stdin (or broke the protocol): nothing was built
+    if cmd.op != "start":
+        send(Reply(op=cmd.op, ok=True))
+        return
+    if not kv_ok:
+        a.kv_cache_bytes = 0
+    try:
+        if a.device == "cuda" and a.need_gib > 0:
+            _wait_for_memory(torch, a.need_gib, a.memory_wait_s)
         bench = Bench(a)
         if a.timers:
             bench.start_timers()
@@ -610,6 +696,13 @@ def main() -> None:
             cmd = CMD.decode(line)
         except msgspec.DecodeError as e:
             send(Reply(op="?", ok=False, error=f"bad command: {e}"))
+            continue
+        if cmd.op == "floor":
+            try:
+                send(Reply(op="floor", ok=True, info=bench.floor()))
+            except Exception as e:  # noqa: BLE001 - the report says the floor is missing, and why
+                traceback.print_exc()
+                send(Reply(op="floor", ok=False, error=f"{type(e).__name__}: {e}"[:2000]))
             continue
         if cmd.op == "quit":
             if prof is not None:

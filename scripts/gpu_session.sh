@@ -19,6 +19,10 @@
 #           benchmarks/bench_inloop.py (per-call host cost inside a refit). Stage p alone takes about 330 s of a 600 s call (20 rounds):
 #           run it in a call of its own, not after tests.
 #   stage q (carry as stage t): bench_paths with --profile (cProfile of every child and mp worker process), 4 rounds.
+#   stage s (carry as stage t, or none on stage t's still-warm machine): bench_paths at several sizes in one call
+#           (S_SIZES, default qwen3-0.6b-like,qwen3-1.7b-like,qwen3-4b-like; S_PATHS, default transport,native-packed;
+#           ROUNDS, default 12; the A/A control on; --budget-s S_BUDGET, default 500, skips a size that would end past it).
+#           Each size's memory plan and the time estimate are printed first; each size's report is in $OUT as soon as it ends.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
@@ -89,6 +93,13 @@ elif [ "$stage" = p ]; then
   fi
   [ -n "${WITH_BOUNDARY:-}" ] && timeout 60 python3 benchmarks/bench_host_ops.py --rounds 5 --out "$OUT/bench_host_ops.md" \
     >"$OUT/bench_host_ops.log" 2>&1 && tail -12 "$OUT/bench_host_ops.md"
+elif [ "$stage" = s ]; then  # several sizes in one invocation (see the header): tables in $OUT/bench_paths_sizes.md
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_paths.py --sizes ${S_SIZES:-qwen3-0.6b-like,qwen3-1.7b-like,qwen3-4b-like} \
+    --paths ${S_PATHS:-transport,native-packed} --rounds ${ROUNDS:-12} --budget-s ${S_BUDGET:-500} --pin ${BENCH_ARGS:-} \
+    --out "$OUT/bench_paths_sizes.md" >"$OUT/bench_paths_sizes.log" 2>&1
+  echo "bench_paths sizes rc=$?"; grep -E "estimated|took|ready|did not start|floor:" "$OUT/bench_paths_sizes.log" | head -40
+  grep -E -A8 "^# Refit|^## Wall" "$OUT/bench_paths_sizes.md" 2>/dev/null | grep -E "^# |^\| |memory plan|level|run took" || tail -30 "$OUT/bench_paths_sizes.log"
 elif [ "$stage" = q ]; then  # profile (carry as stage t): where an enforce refit's host time goes, few rounds
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout 500 python3 benchmarks/bench_paths.py --rounds ${ROUNDS:-4} --paths ${PATHS_Q:-transport,boundary-per-param,boundary-bucketed,native-packed} \
