@@ -61,6 +61,7 @@ _EXPORTS = {
     "refit": "refit_verify.trainer.refit",
     "selftest": "refit_verify.trainer.selftest",
     "tensor_digest": "refit_verify.digest.batch",
+    "verify_state": "refit_verify.trainer.refit",
     "verify_adapter": "refit_verify.trainer.adapters",
 }
 
@@ -109,7 +110,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.trainer.adapters import audit_adapters, verify_adapter
     from refit_verify.trainer.audits import audit, certificate, compare_replicas
     from refit_verify.trainer.push import PushResult, push
-    from refit_verify.trainer.refit import RefitCheck, refit
+    from refit_verify.trainer.refit import RefitCheck, refit, verify_state
     from refit_verify.trainer.selftest import SelftestResult, selftest
     from refit_verify.transport.receiver import RefitReceiver
     from refit_verify.transport.sender import RefitSender

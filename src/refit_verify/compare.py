@@ -184,6 +184,20 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
             problems.append(f"{len(landed_bad)} tensors were digested where they landed in the engine (not on delivery) and the "
                             "engine holds other bytes there than the trainer sent: a corrupted delivery or a loader that put "
                             f"them elsewhere: {', '.join(landed_bad[:10])}")
+        by_state = [n for n in got.by_state if n in r.mismatched]
+        if by_state:
+            problems.append(f"{len(by_state)} tensors that no load_weights delivered were judged by the engine state (the layout "
+                            f"map), and {man.worker.label()} holds other bytes than the trainer's there: "
+                            + "; ".join(f"{tag(n)} at {got.by_state[n]}" for n in by_state[:10])
+                            + (f"; … (+{len(by_state) - 10})" if len(by_state) > 10 else ""))
+        if got.not_provable:
+            items = list(got.not_provable.items())
+            problems.append(f"{len(items)} tensors the trainer announced reached {man.worker.label()} through no load_weights and "
+                            "cannot be judged by its state (not provable): " + "; ".join(f"{tag(n)} ({why})" for n, why in items[:10])
+                            + (f"; … (+{len(items) - 10})" if len(items) > 10 else ""))
+        if got.state_padding:
+            unchecked.append("padding a loader fills (no trainer tensor's) in parameters judged by the engine state is excluded "
+                             "from the layout map and not compared: " + ", ".join(f"{tag(p)} {w}" for p, w in got.state_padding.items()))
         changed = [tag(n) for n in got.changed_after_delivery if tag(n) not in mismatched]
         if changed:
             mismatched += changed
@@ -206,6 +220,7 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
     if version is not None and man.version != version:
         problems.append(f"the worker recorded version {man.version}, the trainer pushed version {version}")
     problems += stale_problems(man.stale)
+    problems += [f"delta refit: {d}" for d in man.delta]
     if man.misrouted:
         problems.append(f"misrouted payload: {man.misrouted}")
     for u in man.unsessioned:

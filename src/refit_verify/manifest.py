@@ -105,6 +105,16 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
             them land.
         replay_left: why this session stopped replaying its plan (None: it replayed throughout, or
             had no plan); the call named and the later ones were watched by the loader tap.
+        by_state: ``{name: "parameter rows a:b; ..."}`` of names the trainer announced that no
+            ``load_weights`` delivered (direct writes, a restore), judged at the close by what the
+            engine holds where the layout map puts them (:mod:`refit_verify.boundary.layout`): their
+            digest in ``digests`` is the engine's, and read-back compares each region with the trainer's.
+        not_provable: ``{name: why}`` of such names that cannot be judged (no layout map entry, a
+            parameter replaced since it was mapped): not in ``digests``, never passed.
+        layout: what the close learned of the layout map (a dry learn, a re-learn and why), or None.
+        state_padding: ``{parameter: "rows a:b"}`` of padding a loader fills (vocab rows past the
+            vocabulary: no trainer tensor's) in parameters of names judged by the state: counted as
+            written, not compared.
     """
 
     digests: dict[str, str]
@@ -121,6 +131,10 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     coverage_unknown: dict[str, str] = {}
     replayed: int = 0
     replay_left: str | None = None
+    by_state: dict[str, str] = {}
+    not_provable: dict[str, str] = {}
+    layout: str | None = None
+    state_padding: dict[str, str] = {}
 
 
 # gc=False on the per-tensor records (ParamState, TensorState): a close builds, and the trainer decodes, one per
@@ -313,6 +327,12 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         misrouted: why the payload came from another producer than the one that must feed this
             worker (:meth:`WorkerBoundary.open <refit_verify.boundary.worker.WorkerBoundary.open>`,
             ``expect_producer``), or None.
+        base: the weight version a delta refit said it applies to (``refit(base=)``), or None.
+        base_session: the session closed last on this worker when the delta's session opened (the
+            state it patches; the trainer checks that it verified it), or None.
+        delta: why this worker cannot prove "the state the base session left + this patch = the
+            state the engine holds now" (another base version; a parameter written in part whose
+            other regions changed or were not read at the base's close), one sentence each.
     """
 
     session: str
@@ -335,6 +355,9 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     open_s: float = 0.0
     close_s: float = 0.0
     misrouted: str | None = None
+    base: int | None = None
+    base_session: str | None = None
+    delta: list[str] = []
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.boundary.layout import LayoutMap, Region, describe_region, dry_learn, judge, learn_session, read_regions
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import LoaderTap
 from refit_verify.boundary.plan import RefitPlan, learn, replay_call, spec_of
@@ -79,6 +80,8 @@ class ModelBoundary:
         self.plan: RefitPlan | None = None  # the last watched session's, replayed by the next (refit_plan)
         self.plan_why = "no session has closed yet"  # why there is none
         self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
+        self.layout: LayoutMap | None = None  # which trainer tensor each parameter region holds (boundary.layout)
+        self.region_table: dict[Region, str] = {}  # (parameter, dest) -> 32-hex of what it held at the last close
         self._bind()
 
     @property
@@ -230,6 +233,9 @@ class ModelBoundary:
         if not read_back:
             self.plan, self.plan_why = None, "the session's read-back failed"
             return
+        if s.by_state:
+            self.plan, self.plan_why = None, "names were judged by the engine state (written directly, not through load_weights)"
+            return
         bad = [n for n, h in s.prechecked.items() if s.derived_hex.get(n, h) != h]
         if bad:  # the bytes were right before loading and are not where the plan says they land: diagnose it watched
             self.plan = None
@@ -243,6 +249,87 @@ class ModelBoundary:
         except Exception as e:  # noqa: BLE001 - the plan only saves work: the next session is watched
             logger.exception("refit-verify: learning the refit plan of %s failed", self.role)
             self.plan, self.plan_why = None, f"learning the plan failed: {type(e).__name__}: {e}"[:300]
+
+    # -- the layout map (judging what load_weights did not deliver) ----------------------------
+
+    def learn_layout(self, s: ModuleSession, verified: Callable[[str], bool] | None, source: str) -> None:
+        """Merge what closed session ``s``'s loads placed into the layout map (names judged by the
+        state taught nothing; a session that replayed its whole plan adds nothing new)."""
+        idx = self._index
+        if not s.placed or (s.replayed_all and self.layout is not None and self.layout.index() is idx):
+            return
+        try:
+            self.layout = learn_session(self.layout, s, idx, source, verified, self.tap.loader_of, skip=s.by_state)
+        except Exception:  # noqa: BLE001 - the map only serves later judgements; a name it lacks is not provable
+            logger.exception("refit-verify: learning the layout map of %s failed", self.role)
+
+    def layout_for(self, specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[LayoutMap | None, list[str]]:
+        """The layout map for ``specs`` (``{name: (shape, dtype name)}``), learned dry where it lacks a
+        name or maps it with another shape or dtype; and what was (re-)learned, one sentence each."""
+        idx = self.index()
+        m = self.layout if self.layout is not None and self.layout.index() is idx else None
+        notes = []
+        if self.layout is not None and m is None:
+            notes.append("the layout map was learned again: the model's parameters changed since it was learned")
+        todo = {}
+        for n, sp in specs.items():
+            if m is not None and n in m.entries and m.spec.get(n) == sp:
+                continue
+            if m is not None and n in m.entries:
+                notes.append(f"{n} was mapped as {list(m.spec[n][0])} {m.spec[n][1]} and is announced as {list(sp[0])} {sp[1]}: "
+                             "learned again")
+            elif m is not None and n in m.sliced:
+                continue
+            todo[n] = sp
+        if todo:
+            dry, failed = dry_learn(self, todo, lambda: ModuleSession(self, sessioned=True))
+            m = learn_session(m, dry, idx, "dry learn", None, self.tap.loader_of) or m or LayoutMap(idx)
+            for n, why in failed.items():
+                if n not in m.entries or n in todo:
+                    m.entries.pop(n, None)
+                    m.unlearned[n] = why
+            got = sum(1 for n in todo if n in m.entries)
+            notes.append(f"dry learn of {len(todo)} names (the model's load_weights on placeholders, no write reaching the "
+                         f"engine): {got} mapped" + (f", {len(todo) - got} not" if got < len(todo) else ""))
+            self.layout = m
+        return m, notes
+
+    def judge_state(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]],
+                    since_last: bool = True) -> dict[Region, str]:
+        """Judge names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``) that no load of
+        session ``s`` delivered by what the engine holds where the layout map puts them
+        (:func:`refit_verify.boundary.layout.judge`); return the regions read, ``{region: 32-hex}``.
+        ``since_last``: a name whose regions hold what the last close read there counts as not
+        written (a refit); False: it differs (a check of the state, where nothing is written)."""
+        m, notes = self.layout_for({n: (tuple(sh), dt) for n, (_h, sh, dt) in announced.items()})
+        if notes:
+            s.layout = "; ".join(notes)
+        idx = self.index(refresh=False)
+        if m is None or idx is None:
+            s.not_provable.update({n: "the model has no layout map" for n in announced})
+            return {}
+        read, secs = judge(s, m, {n: h for n, (h, _sh, _dt) in announced.items()}, idx.params,
+                           self.region_table if since_last else {})
+        s.digest_s += secs
+        return read
+
+    def unchanged_rest(self, pname: str, written: Iterable[tuple]) -> tuple[int, list[str], list[str], dict[Region, str]]:
+        """For parameter ``pname`` written in part: the layout map's other regions in it read now and
+        compared with :attr:`region_table` (what the last close read there). Returns ``(elements
+        they cover, descriptions of those that changed, descriptions of those the last close did not
+        read, {region: 32-hex} read now)``."""
+        m, idx = self.layout, self.index(refresh=False)
+        if m is None or idx is None or m.index() is not idx or pname not in idx.params:
+            return 0, [], [], {}
+        done = set(written)
+        rest = list(dict.fromkeys(g for rs in m.entries.values() for p, g in rs if p == pname and g not in done))
+        read = read_regions(idx.params, [(pname, g) for g in rest])
+        shape = m.params.get(pname, (tuple(idx.params[pname].shape),))[0]
+        changed = [describe_region(g, shape) for g in rest if (pname, g) in read and self.region_table.get((pname, g)) not in
+                   (None, read[(pname, g)])]
+        unknown = [describe_region(g, shape) for g in rest if (pname, g) not in read or (pname, g) not in self.region_table]
+        n = sum(_numel(g[1]) for g in rest)
+        return n, changed, unknown, read
 
     def _digesting(self, weights: Any) -> Any:
         """Return what to hand the model's ``load_weights`` so that every pair is digested as pulled."""
@@ -367,6 +454,13 @@ class ModelBoundary:
         self.outside = ModuleSession(self, sessioned=False)
         self._bind()
         return rec
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 class _DigestingList(list):

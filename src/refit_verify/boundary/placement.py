@@ -309,6 +309,7 @@ class LoaderTap:
         self.default_loader = default_loader
         self.on_write, self.on_route, self.on_error = on_write, on_route, on_error
         self.placements: dict[tuple, Placement] = {}
+        self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
         self._tokens = itertools.count()  # one per wrapper: a placement is learned per wrapped loader
 
@@ -405,6 +406,8 @@ class LoaderTap:
                                       "than its own storage (__torch_function__): what read-back reads is not what the "
                                       "loader wrote", placement.opaque)
             self.placements[key] = placement
+            if not placement.exact:  # who wrote it other than by a plain copy (the layout map names it with a conversion)
+                self.loader_of[pname] = loader_names(original)[0]
         else:
             out = original(*args, **kwargs)
         self._safely(self.on_write, pname, param, loaded, placement)

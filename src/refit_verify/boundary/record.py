@@ -147,6 +147,15 @@ class ModuleSession:
         self.errors: list[str] = []
         self.refused: dict[str, tuple[str, str]] = {}  # name -> (digest of what arrived, why): checked first, never loaded
         self.withheld: dict[str, str] = {}  # delivered, but its layer was put back (a fused sibling was refused): never landed
+        # judged by the engine state through the layout map at the close (boundary.layout.judge): names load_weights did not deliver
+        self.by_state: dict[str, str] = {}  # name -> the trainer's digest (what its regions must hold; read-back compares)
+        self.state_hex: dict[str, str] = {}  # name -> what its regions hold (the first that differs from the trainer's)
+        self.state_where: dict[str, str] = {}  # name -> "parameter rows a:b" of its regions
+        self.state_unwritten: dict[str, str] = {}  # name -> why it counts as not written (its regions are as the last close left them)
+        self.not_provable: dict[str, str] = {}  # name -> why it cannot be judged by the state (no map entry, ...)
+        self.state_padding: dict[str, str] = {}  # parameter -> its padding regions, counted written for names judged by the state
+        self.layout: str | None = None  # what the close learned of the layout map (ModuleManifest.layout)
+        self.region_hex: dict[tuple, str] = {}  # (parameter, dest) -> 32-hex of each region the read-back read
 
     # -- delivery ---------------------------------------------------------------------------
 
@@ -451,6 +460,8 @@ class ModuleSession:
                 out[name] = h
         for name, (h, _why) in self.refused.items():
             out.setdefault(name, h)
+        for name, h in self.state_hex.items():  # judged by the state: what the engine holds where the layout map puts it
+            out.setdefault(name, h)
         return out
 
     def expand(self, whole: bool = False) -> None:
@@ -583,7 +594,9 @@ class ModuleSession:
             coverage_unknown={n: w for n, w in self.opaque.items() if n in params},
             calls=self.calls, bytes=self.bytes, digest_s=self.digest_s,
             in_place=[n for n in self.derived if n in digests],
-            replayed=len(self.replayed), replay_left=self.replay_left)
+            replayed=len(self.replayed), replay_left=self.replay_left,
+            by_state=dict(self.state_where), not_provable=dict(self.not_provable), layout=self.layout,
+            state_padding=dict(self.state_padding))
 
 
 def _each_readable(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -20,6 +20,7 @@ import torch
 from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
 from refit_verify.boundary.record import ModuleSession, match_any
+from refit_verify.boundary.regions import covered
 from refit_verify.errors import RefitProtocolError
 from refit_verify.manifest import CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
 
@@ -48,6 +49,9 @@ class _Open:
         self.expected: tuple[dict[str, str | None], bool] | None = None  # the sender's digests of the next load_weights call
         self.kept: dict[str, str] = {}  # engine parameter -> why it still holds the previous version
         self.attributed: set[str] = set()  # refused names whose parameters are named in kept
+        self.base: int | None = None  # a delta refit: the version it patches (SessionManifest.base)
+        self.state = False  # a check of the state (verify_state): nothing is pushed
+        self.base_session: tuple[str, int | None] | None = None  # (session, version) closed last on this worker at the open
 
 
 class WorkerBoundary:
@@ -108,7 +112,8 @@ class WorkerBoundary:
 
     def open(self, session_id: str | None = None, *, version: int | None = None, opened_by: str = "rpc",
              producer: Producer | None = None, partial: bool = False, allow: Iterable[str] = (), readback: bool = True,
-             explicit: bool = True, replay: bool = True, expect_producer: int | None = None) -> str:
+             explicit: bool = True, replay: bool = True, expect_producer: int | None = None, base: int | None = None,
+             state: bool = False) -> str:
         """Open a session (or join the one open, for an implicit open); return its id.
 
         ``replay``: a module may replay the plan its last session left (:mod:`refit_verify.boundary.plan`;
@@ -119,12 +124,22 @@ class WorkerBoundary:
         endpoint of its own rank expects that rank); a ``producer`` of another rank is recorded in
         the manifest's ``misrouted`` (a problem of the report). None: any producer.
 
+        ``base``: a delta refit (it patches some tensors in place, the rest must stay as they are):
+        the weight version it applies to. The close checks that the last session closed here holds
+        that version and that every parameter it writes in part kept its other regions
+        (``SessionManifest.delta``); a delta is partial. ``state``: a check of what the engine holds
+        (``refit_verify.verify_state``), nothing pushed: a name judged by the state whose regions hold
+        other bytes differs, even when they hold what the last close left.
+
         Raises:
             RefitProtocolError: an explicit open while another explicit session is open (close it first),
                 or a bad argument.
         """
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise RefitProtocolError(f"session version must be an int or None, got {version!r}")
+        if base is not None and (isinstance(base, bool) or not isinstance(base, int)):
+            raise RefitProtocolError(f"delta base must be an int or None, got {base!r}")
+        partial = partial or base is not None
         with self._lock:
             cur = self.open_session
             if cur is not None:
@@ -144,6 +159,8 @@ class WorkerBoundary:
                     if version is not None:
                         cur.version, cur.stale = version, self._stale(version)
                     cur.partial, cur.allow, cur.readback = partial, tuple(allow), readback
+                    cur.base, cur.state = base, state
+                    cur.base_session = (self.last.session, self.last.version) if self.last is not None else None
                     if not replay:
                         for b in self.modules.values():
                             b.end_replay("the session was opened with replay=False (after a failed refit)")
@@ -155,6 +172,8 @@ class WorkerBoundary:
             s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)
             s.stale = self._stale(version)
             s.misrouted = self._misrouted(producer, expect_producer)
+            s.base, s.state = base, state
+            s.base_session = (self.last.session, self.last.version) if self.last is not None else None
             derive = readback and self.readback is not None
             # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
             replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
@@ -189,8 +208,14 @@ class WorkerBoundary:
         return (f"worker rank {w.rank} (tp {w.tp}, pp {w.pp}) received the payload of producer rank {producer.rank} "
                 f"({producer.device}); it must be fed by producer rank {expect}")
 
-    def close(self, session_id: str | None = None, *, explicit: bool = True) -> SessionManifest | None:
+    def close(self, session_id: str | None = None, *, explicit: bool = True,
+              expected: dict[str, dict[str, tuple[str, tuple[int, ...], str]]] | None = None) -> SessionManifest | None:
         """Close the session (an implicit close only leaves a joined one); return its manifest.
+
+        ``expected``: ``{module: {name: (trainer's 32-hex, shape, dtype name)}}`` of every tensor the
+        trainer announced; each one no ``load_weights`` of the session delivered (a direct write, a
+        restore) is judged by what the engine holds where the module's layout map puts it
+        (:meth:`ModelBoundary.judge_state`).
 
         Returns None when an implicit close left the session open (it was joined) or none is open.
 
@@ -216,6 +241,16 @@ class WorkerBoundary:
                 if idx is not None and idx.aliases:
                     ms.fold_aliases(idx.aliases)
             errors = list(s.errors)
+            judged: dict[str, dict] = {}
+            for role, ms in sessions.items():  # announced, not delivered: judged by the engine state (layout map)
+                todo = {n: v for n, v in (expected or {}).get(role, {}).items()
+                        if n not in ms.delivered and n not in ms.replayed and n not in ms.refused and n not in ms.withheld}
+                if todo:
+                    try:
+                        judged[role] = self.modules[role].judge_state(ms, todo, since_last=not s.state)
+                    except Exception as e:  # noqa: BLE001 - reported, never silent: those names are not provable
+                        logger.exception("refit-verify: judging by the engine state failed on worker rank %s", self.identity.rank)
+                        errors.append(f"judging {len(todo)} names by the engine state failed: {type(e).__name__}: {e}"[:500])
             written: set[str] = set()
             for role, ms in sessions.items():
                 prefix = "" if role == "model" else f"{role}:"
@@ -251,7 +286,18 @@ class WorkerBoundary:
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
             for role, ms in sessions.items():
                 self.modules[role].learn(ms, read_back=engine is not None)
+                prefix = "" if role == "model" else f"{role}:"
+                states = engine.params if engine is not None else None
+                self.modules[role].learn_layout(
+                    ms, (lambda p, pre=prefix, st=states, w=ms.written: st is not None and p in w
+                         and getattr(st.get(pre + p), "status", None) == "verified"),
+                    f"session {s.id}")
+            delta, proven = self._delta(s, sessions, judged) if s.base is not None else ([], set())
+            self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
+            for role, mm in modules.items():  # parameters a delta wrote in part whose other regions it proved unchanged
+                prefix = "" if role == "model" else f"{role}:"
+                mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
             unchanged = self._audit_unwritten(previous, written)
             audits, self.pending_audits = self.pending_audits, []
@@ -262,7 +308,8 @@ class WorkerBoundary:
                                   state_digest=self.baseline.state_digest() if self.baseline is not None else None,
                                   closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
-                                  misrouted=s.misrouted)
+                                  misrouted=s.misrouted, base=s.base,
+                                  base_session=s.base_session[0] if s.base_session is not None else None, delta=delta)
             # the order moves only with a session that wrote something: one that loaded nothing (aborted
             # before its first load) left the engine as it was and orders nothing after it
             if s.version is not None and written and (self.max_version is None or s.version > self.max_version):
@@ -273,6 +320,57 @@ class WorkerBoundary:
             self.last = man
             man.close_s = time.perf_counter() - t0
             return man
+
+    def _delta(self, s: _Open, sessions: dict[str, ModuleSession], read: dict[str, dict]) -> tuple[list[str], set[str]]:
+        """What keeps delta session ``s`` from proving "the base's state + this patch = the engine's
+        state now", one sentence each; and the parameters it wrote in part whose other regions (the
+        layout map's) it proved unchanged since the last close. Parameters it did not write at all
+        are the close audit's (:meth:`_audit_unwritten`). The regions read go to ``read[role]``."""
+        out: list[str] = []
+        proven: set[str] = set()
+        base, last = s.base, s.base_session
+        if last is None:
+            out.append(f"a delta on version {base}, but no session has closed on this worker: there is no verified state to patch")
+        elif last[1] != base:
+            out.append(f"a delta on version {base}, but the last session closed on this worker ({last[0]!r}) holds version {last[1]}")
+        for role, ms in sessions.items():
+            b = self.modules[role]
+            prefix = "" if role == "model" else f"{role}:"
+            for pname, w in ms.written.items():
+                total = ms.param_numel.get(pname, 0)
+                got = covered(w)
+                if got >= total:
+                    continue
+                n, changed, unknown, now = b.unchanged_rest(pname, w)
+                read.setdefault(role, {}).update(now)
+                label = prefix + pname
+                if changed:
+                    out.append(f"{label}: {', '.join(changed)} changed since the last close, and this delta did not announce them")
+                if unknown:
+                    out.append(f"{label}: {', '.join(unknown)} were not read at the last close, so they are not proven unchanged")
+                if got + n < total and not changed and not unknown:
+                    out.append(f"{label}: {total - got - n} of its elements are in no region of the layout map (padding?), so "
+                               "they are not proven unchanged")
+                if not (changed or unknown) and got + n >= total:
+                    proven.add(label)
+        return out, proven
+
+    def _keep_regions(self, sessions: dict[str, ModuleSession], previous: Any, judged: dict[str, dict]) -> None:
+        """Keep what each layout-map region held at this close (:attr:`ModelBoundary.region_table`):
+        the regions read now (read-back, judgements), and the earlier entries of parameters whose
+        bytes the snapshot found unchanged since the last close."""
+        now = self.baseline
+        for role, b in self.modules.items():
+            prefix = "" if role == "model" else f"{role}:"
+            keep: dict = {}
+            if previous is not None and now is not None and b.region_table:
+                same = {n for n, st in now.params.items() if (p := previous.params.get(n)) is not None and p.digest == st.digest}
+                keep = {r: h for r, h in b.region_table.items() if prefix + r[0] in same}
+            ms = sessions.get(role)
+            if ms is not None:
+                keep.update(ms.region_hex)
+            keep.update(judged.get(role, {}))
+            b.region_table = keep
 
     def _audit_unwritten(self, previous: Any, written: set[str]) -> int:
         """Compare the parameters this session did not write with the state the last session left
@@ -483,6 +581,22 @@ class WorkerBoundary:
                                closed_at=last.closed_at or None if last else None, state_digest=last.state_digest if last else None,
                                current_digest=now.state_digest() if now is not None else None, current=not problems,
                                problems=problems, unseen=now.unseen if now is not None else [])
+
+    def layout_for(self, role: str, specs: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+        """Learn module ``role``'s layout map for ``specs`` (``{name: (shape, dtype name)}``) where it
+        lacks them (:meth:`ModelBoundary.layout_for`, dry); return what was learned, one sentence each.
+
+        Raises:
+            RefitProtocolError: no module ``role``, or a session is open (its loads would be recorded).
+        """
+        with self._lock:
+            b = self.modules.get(role)
+            if b is None:
+                raise RefitProtocolError(f"worker rank {self.identity.rank} has no module {role!r}")
+            if self.open_session is not None and specs:
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {self.open_session.id!r} is open; "
+                                         "learn the layout before or after a refit")
+            return b.layout_for(specs)[1]
 
     def current_id(self) -> str | None:
         s = self.open_session

@@ -94,7 +94,7 @@ class _Program:
     """
 
     __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "given", "key", "notes", "padding", "params",
-                 "plan", "pre", "region_set", "underived", "unproven")
+                 "plan", "pre", "region_of", "region_set", "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
@@ -103,6 +103,8 @@ class _Program:
         self.dest_regions: list[tuple[torch.Tensor, tuple]] = []  # the regions, in order: (live parameter, geometry);
         # no view is kept (a kept program would keep the storage of a parameter given other memory alive)
         self.given: dict[str, str] = {}  # digest key -> label whose whole-parameter digest (``known``) it takes
+        self.region_of: dict[str, tuple[str, tuple]] = {}  # digest key -> (parameter, dest) of a written region (the
+        # module session's region_hex: what the layout map's regions held at this close)
         self.derived_keys: dict[str, list[str]] = {}  # delivered name -> digest keys of the regions it landed in
         self.underived: dict[str, str] = {}  # delivered name -> why its landed region cannot be read
         self.fills: dict[str, Fills] = {}  # label -> its filled regions (padding), of parameters the loaders filled
@@ -211,6 +213,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 dkey = f"{label}@{len(plan)}.{len(entries)}"
                 _region(p, label, region, dkey, known, given, added)
                 region_key[(pname, region)] = dkey
+                prog.region_of[dkey] = (pname, region)
                 regions_here.append((pname, region))
                 for copy, key, src in ws:
                     if copy.fill:
@@ -226,7 +229,9 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
                 fentries.append((dkey, hexd, _describe(region), repr(value)))
         except (RuntimeError, ValueError) as e:
             for r in regions_here:  # none of its regions is read: a name that landed there is not derived from it
-                given.pop(region_key.pop(r), None)
+                k = region_key.pop(r)
+                given.pop(k, None)
+                prog.region_of.pop(k, None)
             for dkey, _h, _w, _v in fentries:
                 given.pop(dkey, None)
             params[label] = ParamState("not_coverable", f"the parameter was replaced or resized after loading "
@@ -315,6 +320,7 @@ def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | N
     for name in ms.underived:
         delivered.pop(name, None)
     delivered.update(ms.derived_hex)
+    delivered.update(getattr(ms, "by_state", ()))  # judged by the state (no load delivered them): the trainer's digests
     # fresh states: a kept program's are shared by every manifest it evaluates (a caller may edit its own)
     params = {k: ParamState(st.status, st.why, st.bytes, list(st.blocks)) for k, st in prog.params.items()}
     if flat is not None and list(map(got.get, flat.dkeys)) == list(map(delivered.get, flat.srcs)) \
@@ -352,7 +358,7 @@ def _replayed_whole(ms) -> bool:
     """True iff ``ms`` replayed its whole plan (``ms.replayed_all``) and nothing else was recorded:
     its records are the plan's, as in the last such session."""
     return (ms.replayed_all and not ms.inexact and not ms.underived and not ms.derived_hex and not len(ms.blocks)
-            and not len(ms.recheck))
+            and not len(ms.recheck) and not getattr(ms, "by_state", None))
 
 
 def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str, str] | None) -> _Program | None:
@@ -435,6 +441,8 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
                 dest.add(k, view, checked=checked)
             got = dest.hexdigests() if len(dest) else {}
         got_params, pr, un, pad = _evaluate(prog, ms, got, known)
+        if hasattr(ms, "region_hex"):
+            ms.region_hex = {r: got[k] for k, r in prog.region_of.items() if k in got}
         params.update(got_params)
         proven, unproven, padding = proven + pr, unproven + un, padding + pad
     return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,

@@ -35,7 +35,7 @@ from refit_verify import verdicts
 from refit_verify.compare import compare_session
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_version, mode_from_env
 from refit_verify.digest import backends as _backends
-from refit_verify.digest.tensors import PLAIN_TYPES
+from refit_verify.digest.tensors import PLAIN_TYPES, dtype_name
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
 from refit_verify.report import VerificationReport
@@ -47,7 +47,7 @@ logger = logging.getLogger("refit_verify")
 MODULES = ("model", "drafter")
 """The model modules a worker verifies: the main model and the draft / MTP model of speculative decoding."""
 
-__all__ = ["RefitCheck", "refit"]
+__all__ = ["RefitCheck", "refit", "verify_state"]
 
 OPEN_METHOD, CLOSE_METHOD = "refit_verify_session_open", "refit_verify_session_close"
 
@@ -79,9 +79,14 @@ class RefitCheck:
 
     def __init__(self, engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
                  allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
-                 copy: bool = True) -> None:
+                 copy: bool = True, base: int | None = None) -> None:
         self.mode = mode_from_env() if mode is None else VerifyMode.parse(mode)
         self.version = check_version(version)
+        self.base = check_version(base)
+        if self.base is not None:
+            if self.version is not None and self.base >= self.version:
+                raise RefitConfigError(f"a delta's base version must be older than its version, got base={base!r}, version={version!r}")
+            partial = True
         if not isinstance(partial, bool) or not isinstance(readback, bool) or not isinstance(copy, bool):
             raise RefitConfigError(f"partial, readback and copy must be True or False, got {partial!r}, {readback!r}, {copy!r}")
         self.copy = copy
@@ -96,6 +101,8 @@ class RefitCheck:
         self.reports: list[VerificationReport] = []
         self.manifests: list[SessionManifest] = []
         self._streams: dict[str, StreamDigests] = {}
+        self._specs: dict[str, dict[str, tuple[Any, Any]]] = {}
+        self._state_only = False  # verify_state: nothing is pushed (a region holding other bytes differs, whatever it held before)  # module -> {name: (shape, dtype)} of its adds (the close's announcement)
         # copy=False: the model's plain tensors as taken by add, (name, tensor, version, data_ptr, nbytes), handed to its stream in one
         # loop (_feed) at the close, before any other add to it, and whenever they hold the stream's held_flush_bytes
         self._taken: list[tuple[str, torch.Tensor, int, int, int]] | None = None
@@ -143,7 +150,7 @@ class RefitCheck:
             except RuntimeError:  # no storage (sparse), an inference tensor's version: every check, in the stream's add
                 item = None
             if item is not None:
-                taken.append(item)
+                taken.append(item)  # its shape and dtype are read at the feed
                 self._taken_bytes += item[4]
                 if self._taken_bytes >= self._taken_flush:
                     self._feed()  # a launch that raises here raises from this add, as the stream's own add would
@@ -168,12 +175,14 @@ class RefitCheck:
         if taken:  # taken adds first: a later add of a name replaces an earlier one
             self._feed()
         stream.add(name, tensor)
+        self._specs.setdefault(module, {})[name] = (tensor.shape, tensor.dtype)
 
     def _feed(self) -> None:
         """Hand the model's taken adds to its stream (:meth:`StreamDigests.add_taken`), in order."""
         taken = self._taken
         if taken:
             self._taken, self._taken_bytes = [], 0
+            self._specs.setdefault("model", {}).update({n: (t.shape, t.dtype) for n, t, *_ in taken})
             self._streams["model"].add_taken(taken)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
@@ -221,6 +230,10 @@ class RefitCheck:
             return
         opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
                 "deadline": time.time() + self.timeout_s, "replay": self._key not in _RELEARN}
+        if self.base is not None:  # (a worker of an older refit-verify refuses an option it does not know)
+            opts["base"] = self.base
+        if self._state_only:
+            opts["state"] = True
         try:
             results = self._channel.call(OPEN_METHOD, self.session, opts, timeout_s=self.timeout_s)
         except RefitConfigError as e:  # no plugin in the engine, or no worker answered: nothing can be checked
@@ -325,11 +338,15 @@ class RefitCheck:
         except BaseException:  # the trainer's digests are not known: close the workers' session, then raise
             self._close_quietly()
             raise
-        # an in-process engine's workers hand the manifest over as it is (no JSON both ways)
-        reply = (local_reply_token(),) if self._channel.local else ()
-        results = self._channel.call(CLOSE_METHOD, self.session, *reply, timeout_s=self.timeout_s)
-        self._opened = False
+        # every announced tensor with its digest, shape and dtype: a worker judges those no load_weights
+        # delivered (direct writes, a restore) by what its engine holds where its layout map puts them
         expected = self.expected()
+        announced = {m: {n: [h, list(self._specs[m][n][0]), dtype_name(self._specs[m][n][1])] for n, h in e.items()
+                         if n in self._specs.get(m, {})} for m, e in expected.items()}
+        # an in-process engine's workers hand the manifest over as it is (no JSON both ways)
+        reply = local_reply_token() if self._channel.local else None
+        results = self._channel.call(CLOSE_METHOD, self.session, reply, announced, timeout_s=self.timeout_s)
+        self._opened = False
         held, undigested = self._sender_problems()
         reports = []
         for r in results:
@@ -346,6 +363,12 @@ class RefitCheck:
             if why is not None:  # an empty partial refit vouches only for the state the last session left
                 rep = dataclasses.replace(rep, problems=(*rep.problems, f"this partial refit wrote nothing, and the state it "
                                                          f"found is what session {man.unchanged_since} left, which {why} in this trainer"))
+            if self.base is not None and man.base_session is not None and not verdicts.passed(man.base_session):
+                # a delta vouches for its patch over the state it applies to: that state must be one this trainer verified
+                failed = verdicts.failed(man.base_session)
+                why = f"failed in this trainer ({failed})" if failed else "this trainer process did not verify"
+                rep = dataclasses.replace(rep, problems=(*rep.problems, f"delta refit: it applies to the state session "
+                                                         f"{man.base_session!r} left, which {why}"))
             reports.append(rep)
         self.reports = reports
         ok = all(r.ok for r in reports)
@@ -359,7 +382,7 @@ class RefitCheck:
 
 def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
           allow: Iterable[str] = (), readback: bool = True, timeout_s: float = 120.0, session_id: str | None = None,
-          copy: bool = True) -> RefitCheck:
+          copy: bool = True, base: int | None = None) -> RefitCheck:
     """Return a context manager that verifies one refit of ``engine`` at its model boundary.
 
     Args:
@@ -382,6 +405,18 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
             parameters, no PEFT merge/unmerge or sharded gather in between); nothing is copied and
             the digests are taken at exit (:class:`~refit_verify.digest.incremental.HeldBatch`). A held tensor
             that changed anyway is reported, never passed.
+        base: a delta refit (verl ``delta_sharded``, TRL delta sync, ``sparse_nccl``: a subset patched
+            in place, whole tensors or sparse elements): the weight version it applies to. ``r.add``
+            each patched tensor whole, as it is after the patch. Each worker proves "the state it
+            closed at ``base`` + this patch = the state it holds now": the patched tensors compared
+            with the trainer's, every other parameter and every other region of a parameter written
+            in part unchanged since that close, that close at version ``base``, and (here) verified
+            by this trainer. A delta is partial. Must be older than ``version``.
+
+    Tensors ``r.add`` announced that no ``load_weights`` delivered (a worker extension writing
+    parameters directly, NCCL or NIXL into parameter storage) are judged by what each engine holds
+    where its layout map puts them (:mod:`refit_verify.boundary.layout`); a name the map lacks is
+    reported not provable (a failure).
 
     A steady-state refit replays the plan of the last watched one on each worker (the loader tap
     off, every landed region read back: :mod:`refit_verify.boundary.plan`); after a refit of
@@ -391,4 +426,42 @@ def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | N
         RefitConfigError: a bad argument, or ``engine`` reaches no workers (only checked when verifying).
     """
     return RefitCheck(engine, version=version, mode=mode, partial=partial, allow=allow, readback=readback,
-                      timeout_s=timeout_s, session_id=session_id, copy=copy)
+                      timeout_s=timeout_s, session_id=session_id, copy=copy, base=base)
+
+
+def verify_state(engine: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], *,
+                 version: int | None = None, mode: VerifyMode | str | None = None, module: str = "model",
+                 timeout_s: float = 120.0) -> list[VerificationReport]:
+    """Check that ``engine`` holds exactly ``named_tensors``, through each worker's layout map.
+
+    For a state reached out of band (a restore, a ModelExpress pull, weights written while no refit
+    was open): nothing is pushed; every tensor is judged by what the engine holds where the layout
+    map puts it (learned dry when the model never loaded it), every engine parameter no tensor covers
+    is named unwritten, and a tensor the map lacks is not provable. A session of its own on every
+    worker: it closes at ``version`` (order checked as for a refit), and its state is the base later
+    delta refits apply to.
+
+    Args:
+        engine: as :func:`refit`.
+        named_tensors: ``(HF name, tensor)`` pairs or a mapping of them: the full state expected.
+        version: the weight version the engine should hold (int >= 0), or None.
+        mode: ``off`` / ``log`` / ``enforce``; default ``REFIT_VERIFY``.
+        module: ``"model"`` or ``"drafter"``.
+        timeout_s: bound on each call to the workers (seconds).
+
+    Returns:
+        list[VerificationReport]: one per worker (empty when ``off``); differing regions in
+        ``mismatched`` / ``engine_mismatched`` and named with parameter, HF name, slice and rank in
+        ``problems``.
+
+    Raises:
+        RefitVerificationError: ``enforce`` and a worker's engine holds other bytes, or a name is not provable.
+        RefitConfigError, RefitTimeoutError: as :func:`refit`.
+    """
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    r = RefitCheck(engine, version=version, mode=mode, timeout_s=timeout_s, copy=True)
+    r._state_only = True
+    with r:
+        for name, t in items:
+            r.add(name, t, module)
+    return r.reports

@@ -32,7 +32,7 @@ from refit_verify.vllm_plugin import shims
 logger = logging.getLogger("refit_verify")
 
 METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest",
-           "refit_verify_engine_state", "refit_verify_audit", "refit_verify_certificate")
+           "refit_verify_engine_state", "refit_verify_audit", "refit_verify_certificate", "refit_verify_layout_map")
 _ATTR = "_refit_verify_boundary"
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> WorkerBoundary
 
@@ -167,7 +167,9 @@ _OPEN_KEYS = {"version": "an int >= 0 or None (the trainer's step)", "partial": 
               "allow": "a list of fnmatch patterns (str)", "readback": "True or False",
               "producer": "None or {'rank': int, 'device': str}",
               "deadline": "a finite time.time() in seconds (the trainer's wait ends then)",
-              "replay": "True or False (False: watch every load and learn the refit plan again)"}
+              "replay": "True or False (False: watch every load and learn the refit plan again)",
+              "base": "an int >= 0 (a delta refit: the weight version it applies to)",
+              "state": "True or False (True: a check of the state, nothing is pushed)"}
 DEADLINE_SKEW_S = 1.0
 """Seconds past its deadline an open is still taken (clock differences between hosts). Below the
 trainer's own grace (``engines.GRACE_S``), so on one host an open the trainer stopped waiting for is
@@ -185,7 +187,9 @@ def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
         if k not in _OPEN_KEYS:
             raise RefitConfigError(f"unknown session option {k!r}; accepted: {', '.join(_OPEN_KEYS)}")
         ok = {"version": v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+              "base": v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
               "partial": isinstance(v, bool), "readback": isinstance(v, bool), "replay": isinstance(v, bool),
+              "state": isinstance(v, bool),
               "allow": isinstance(v, (list, tuple)) and all(isinstance(p, str) for p in v),
               "producer": v is None or (isinstance(v, Mapping) and isinstance(v.get("rank"), int) and isinstance(v.get("device", "cpu"), str)),
               "deadline": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}[k]
@@ -238,7 +242,8 @@ def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | N
     return {"rank": wb.identity.rank, "verifying": True, "session": sid}
 
 
-def refit_verify_session_close(self, session_id: str, reply_to: str | None = None) -> dict[str, Any]:
+def refit_verify_session_close(self, session_id: str, reply_to: str | None = None,
+                               announced: dict[str, Any] | None = None) -> dict[str, Any]:
     """Close session ``session_id`` and return this worker's manifest.
 
     Args:
@@ -246,6 +251,9 @@ def refit_verify_session_close(self, session_id: str, reply_to: str | None = Non
         reply_to: the caller's :func:`~refit_verify.manifest.local_reply_token` (a trainer that calls
             an in-process engine): when it is this process's own, the manifest is returned as the
             record itself, not encoded.
+        announced: ``{module: {name: [32-hex, shape, dtype name]}}`` of every tensor the trainer
+            announced: those no ``load_weights`` of the session delivered are judged by the engine
+            state through the layout map (:meth:`WorkerBoundary.close`).
 
     Returns:
         dict: ``rank``, ``verifying`` and, when verifying, ``manifest``: a
@@ -255,16 +263,64 @@ def refit_verify_session_close(self, session_id: str, reply_to: str | None = Non
     Raises:
         RefitProtocolError: another session is open on this worker, or none was (``manifest`` None
             then only when ``session_id`` was never opened here).
+        RefitConfigError: ``announced`` is not of that form.
     """
     wb = getattr(self, _ATTR, None)
     if wb is None:
         return _not_verifying(self)
-    man = wb.close(session_id, explicit=True)
+    man = wb.close(session_id, explicit=True, expected=_announced(announced))
     if man is None:
         man = wb.manifests.get(session_id)
     if man is not None and not (reply_to is not None and reply_to == local_reply_token()):
         man = to_text(man)
     return {"rank": wb.identity.rank, "verifying": True, "manifest": man}
+
+
+_ANNOUNCED = dict[str, dict[str, tuple[str, list[int], str]]]
+
+
+def _announced(data: Any) -> dict[str, dict[str, tuple[str, tuple[int, ...], str]]] | None:
+    """``announced`` of :func:`refit_verify_session_close`, validated (msgspec), shapes as tuples."""
+    if data is None:
+        return None
+    import msgspec
+
+    try:
+        got = msgspec.convert(data, _ANNOUNCED, strict=True)
+    except msgspec.ValidationError as e:
+        raise RefitConfigError(f"refit_verify_session_close: announced must be {{module: {{name: [32-hex, shape, dtype]}}}}: {e}") from None
+    return {m: {n: (h, tuple(sh), dt) for n, (h, sh, dt) in names.items()} for m, names in got.items()}
+
+
+def refit_verify_layout_map(self, specs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Return this worker's layout maps (which trainer tensor each parameter region holds), learning
+    ``specs`` first where a map lacks them (a dry learn: the model's ``load_weights`` on placeholders,
+    no write reaching the engine; :mod:`refit_verify.boundary.layout`).
+
+    Args:
+        specs: ``{module: {name: [shape, dtype name]}}``, or None (return the maps as they are).
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``maps`` (``{module: LayoutMap.summary()}``; a module with no
+        map: None) and ``notes`` (``{module: [what was learned]}``).
+
+    Raises:
+        RefitConfigError: ``specs`` is not of that form.
+        RefitProtocolError: a session is open on this worker, or it has no such module.
+    """
+    import msgspec
+
+    wb = boundary_of(self)
+    if wb is None:
+        return _not_verifying(self)
+    try:
+        want = msgspec.convert(specs or {}, dict[str, dict[str, tuple[list[int], str]]], strict=True)
+    except msgspec.ValidationError as e:
+        raise RefitConfigError(f"refit_verify_layout_map: specs must be {{module: {{name: [shape, dtype]}}}}: {e}") from None
+    attach_models(self, wb, refresh=False)
+    notes = {role: wb.layout_for(role, {n: (tuple(sh), dt) for n, (sh, dt) in names.items()}) for role, names in want.items()}
+    maps = {role: (b.layout.summary() if b.layout is not None else None) for role, b in wb.modules.items()}
+    return {"rank": wb.identity.rank, "verifying": True, "maps": maps, "notes": notes}
 
 
 def refit_verify_session_manifest(self, session_id: str | None = None) -> dict[str, Any]:
