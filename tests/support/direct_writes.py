@@ -1,0 +1,64 @@
+"""A worker extension that writes parameters directly, never calling ``load_weights``.
+
+The shape of SkyRL's / NeMo-RL's / prime-rl's direct weight updates (and of NCCL or NIXL writes into
+parameter storage): the worker maps each HF name to its engine parameter and slice itself (q / k / v
+into the fused ``qkv_proj``, gate / up into ``gate_up_proj``) and copies with ``param.data[rows].copy_(t)``.
+Loaded by vLLM in its worker process (``worker_extension_cls="tests.support.direct_writes.DirectWriteExtension"``);
+driven by the trainer through ``collective_rpc``, the bytes travel through files in ``/dev/shm``
+(:func:`tests.support.extensions.map_file`). Nothing here calls refit-verify.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.support.extensions import FrameworkSyncExtension, map_file, map_tensor
+
+__all__ = ["DirectWriteExtension"]
+
+
+class DirectWriteExtension(FrameworkSyncExtension):
+    """Mixed into vLLM's worker class: direct parameter writes (``dw_`` methods) besides the framework syncs."""
+
+    def _dw_slice(self, name: str) -> torch.Tensor:
+        """The engine's memory for HF tensor ``name`` (a view of its parameter: a slice of a fused one)."""
+        hf = self.model_runner.model_config.hf_config
+        params = dict(self.model_runner.model.named_parameters())
+        head = hf.hidden_size // hf.num_attention_heads
+        q, kv = hf.num_attention_heads * head, hf.num_key_value_heads * head
+        for part, (lo, n) in {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}.items():
+            if name.endswith(f".self_attn.{part}.weight"):
+                return params[name.replace(f"{part}.weight", "qkv_proj.weight")].data[lo:lo + n]
+        for part, lo in {"gate_proj": 0, "up_proj": hf.intermediate_size}.items():
+            if name.endswith(f".mlp.{part}.weight"):
+                return params[name.replace(f"{part}.weight", "gate_up_proj.weight")].data[lo:lo + hf.intermediate_size]
+        p = params[name].data
+        return p[: hf.vocab_size] if name.endswith(("embed_tokens.weight", "lm_head.weight")) else p
+
+    def dw_write(self, path: str, entries: list[list[Any]], skip: list[str] | None = None, flip: str | None = None) -> int:
+        """Copy each tensor of the trainer's file into its engine slice (``param.data[rows].copy_``);
+        leave out ``skip``; ``flip``: then flip one bit of the middle byte of that tensor's slice (a
+        corrupted write). Returns the tensors written."""
+        buf = map_file(path)
+        n = 0
+        for name, dtype, shape, off in entries:
+            if name in (skip or ()):
+                continue
+            self._dw_slice(name).copy_(map_tensor(buf, dtype, shape, off))
+            n += 1
+        if flip is not None:
+            raw = self._dw_slice(flip).view(torch.uint8).view(-1)
+            raw[raw.numel() // 2] ^= 1
+        return n
+
+    def dw_sparse(self, patches: list[list[Any]]) -> int:
+        """A sparse delta: ``[[name, flat element indices, values], ...]`` written in place into each
+        tensor's engine slice (values as Python floats, exact for bf16). Returns the elements written."""
+        n = 0
+        for name, idx, values in patches:
+            flat = self._dw_slice(name).view(-1)
+            flat[torch.tensor(idx, dtype=torch.long)] = torch.tensor(values, dtype=flat.dtype)
+            n += len(idx)
+        return n
