@@ -198,3 +198,29 @@ def test_describe_region():
     assert describe_region((0, (4, 8), (8, 1)), (4, 8)) == "whole"
     assert describe_region((1, (2, 2), (8, 1)), (4, 8)) == "offset 1 shape [2, 2] stride [8, 1]"
     assert LayoutMap(None).why_not("x").startswith("no load placed it")
+
+
+def test_a_tied_name_the_model_skips_maps_to_the_tensor_it_shares():
+    """A tied lm_head (the embedding's parameter under a second name, skipped by load_weights as vLLM
+    skips one name of a tied pair): a direct write of the embedding proves lm_head.weight too, and a
+    trainer sending other bytes for lm_head is named."""
+    from tests.support.toy_model import ToyModel, default_weight_loader
+
+    class Tied(ToyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = self.embed  # one Parameter, two names
+
+        def load_weights(self, weights):
+            return super().load_weights((n, t) for n, t in weights if n != "lm_head")
+
+    worker, wb, model = toy_worker(Tied(), default_weight_loader)
+    e = ToyEngine(worker)
+    w = toy_weights(1)
+    w["lm_head"] = w["embed"]
+    rep, man = _refit(e, w, 1, model=model, push=lambda m, w: _write(m, {n: t for n, t in w.items() if n != "lm_head"}))
+    assert rep.ok and rep.verified == 6, rep.describe()
+    assert wb.modules["model"].layout.source["lm_head"] == "tied to embed (dry learn)"
+    other = {**w, "embed": toy_weights(2)["embed"], "lm_head": toy_weights(3)["embed"]}
+    rep, _ = _refit(e, other, 2, model=model, push=lambda m, w: _write(m, {n: t for n, t in w.items() if n != "lm_head"}))
+    assert rep.mismatched == ("lm_head",) and rep.engine_mismatched == ("embed",)

@@ -67,6 +67,8 @@ class LayoutMap:
         conversions: ``{parameter: why}`` of parameters a loader wrote with a conversion (its
             loader's name in ``why``): not a slice of any tensor.
         sliced: ``{name: why}`` of names copied in part (a shard, a block): not mapped yet.
+        (A tied parameter's other name, ``lm_head.weight`` beside ``model.embed_tokens.weight``, maps to
+        the regions of the name that filled it whole: the engine holds one tensor for both.)
         unlearned: ``{name: why}`` of names no load placed (skipped by the model, a dry learn that failed).
         source: ``{name: how it was learned}`` (``"session <id>"`` or ``"dry learn"``).
     """
@@ -188,6 +190,17 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
         m.source[name] = source
         m.sliced.pop(name, None)
         m.unlearned.pop(name, None)
+    # tied parameters: the engine holds one tensor under both names (vLLM loads one name of a tied pair and
+    # skips the other); a skipped name that is the other name of a parameter one name alone fills holds that tensor too
+    for alias, pname in (getattr(index, "aliases", None) or {}).items():
+        if alias in m.entries or alias in skip:
+            continue
+        into = [n for n, rs in m.entries.items() if any(p == pname for p, _g in rs)]  # the names mapped into it
+        whole_of = into[0] if len(into) == 1 and len(m.entries[into[0]]) == 1 else None
+        if whole_of is not None:
+            m.entries[alias], m.spec[alias] = m.entries[whole_of], m.spec[whole_of]
+            m.source[alias] = f"tied to {whole_of} ({m.source[whole_of]})"
+            m.unlearned.pop(alias, None)
     if not m.entries and not m.padding and not m.conversions and not m.sliced and not m.unlearned:
         return old
     return m
