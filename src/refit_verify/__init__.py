@@ -59,6 +59,7 @@ _EXPORTS = {
     "PushResult": "refit_verify.trainer.push",
     "push": "refit_verify.trainer.push",
     "refit": "refit_verify.trainer.refit",
+    "restart_versions": "refit_verify.trainer.audits",
     "selftest": "refit_verify.trainer.selftest",
     "tensor_digest": "refit_verify.digest.batch",
     "verify_state": "refit_verify.trainer.refit",
@@ -108,7 +109,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from refit_verify.manifest import Certificate, SessionManifest
     from refit_verify.report import VerificationReport
     from refit_verify.trainer.adapters import audit_adapters, verify_adapter
-    from refit_verify.trainer.audits import audit, certificate, compare_replicas
+    from refit_verify.trainer.audits import audit, certificate, compare_replicas, restart_versions
     from refit_verify.trainer.push import PushResult, push
     from refit_verify.trainer.refit import RefitCheck, refit, verify_state
     from refit_verify.trainer.selftest import SelftestResult, selftest

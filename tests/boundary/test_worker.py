@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from refit_verify.digest.batch import digest_tensors
+from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import Certificate, from_wire
 from refit_verify.vllm_plugin import worker_sessions as sessions
 from tests.support.toy_model import toy_weights, toy_worker
@@ -119,6 +121,23 @@ def test_a_version_older_than_one_closed_is_out_of_order_a_repeat_and_unversione
     assert late.stale == "version 4 is older than version 5 already closed on this worker"
     assert wb.max_version == 5  # a late session never lowers the order
     assert _full(wb, model, "v6", 1, 6).stale is None
+
+
+def test_restarting_the_version_order_puts_an_older_version_in_order_and_needs_a_reason_and_no_open_session():
+    _, wb, model = toy_worker()
+    assert wb.restart_versions("nothing closed yet") is None
+    assert _full(wb, model, "v5", 1, 5).stale is None
+    for bad in ("", "  ", None, 3):
+        with pytest.raises(RefitConfigError, match="needs a reason"):
+            wb.restart_versions(bad)
+    assert wb.max_version == 5  # a refused restart changes nothing
+    wb.open("open", version=7)
+    with pytest.raises(RefitProtocolError, match="session 'open' is open"):
+        wb.restart_versions("resumed from step 2")
+    wb.close("open")
+    assert wb.restart_versions("resumed from step 2") == 5
+    assert _full(wb, model, "v2", 2, 2).stale is None and wb.max_version == 2
+    assert _full(wb, model, "v1", 1, 1).stale == "version 1 is older than version 2 already closed on this worker"
 
 
 def test_a_session_that_loaded_nothing_orders_nothing():

@@ -9,29 +9,23 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
 from refit_verify import RefitConfig, RefitConfigError, RefitVerificationError  # noqa: E402
-from refit_verify.cli.demo import start_engine  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
-from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test")
-    d = tiny_model_dir(tmp_path_factory)
-    with engine_env():
-        llm = start_engine(d, "cpu")
-        yield llm, models.load_config(d)
-        del llm
+def engine(shared_engine):
+    llm, d = shared_engine
+    fresh(llm)
+    return llm, models.load_config(d)
 
 
 CFG = RefitConfig.build(mode="enforce", buffer_bytes=64 << 10, timeout_s=60.0)
@@ -67,6 +61,12 @@ def test_push_an_older_version_after_a_newer_one_fails_and_unversioned_pushes_pa
         _push(llm, cfg, 4, version="6")
     assert _push(llm, cfg, 4, version=6).ok
     assert _cert(llm).ok and _cert(llm).version == 6
+    # a trainer resumed from an earlier checkpoint says so; then its older versions are in order again
+    with pytest.raises(RefitConfigError, match="needs a reason"):
+        refit_verify.restart_versions(llm, "")
+    assert refit_verify.restart_versions(llm, "resumed from step 2") == [6]
+    again = _push(llm, cfg, 5, version=2)
+    assert again.ok and again.report.problems == () and _cert(llm).version == 2
 
 
 def test_refit_an_older_version_after_a_newer_one_fails_and_unversioned_refits_pass(engine):

@@ -21,7 +21,7 @@ from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
 from refit_verify.boundary.record import ModuleSession, match_any
 from refit_verify.boundary.regions import covered
-from refit_verify.errors import RefitProtocolError
+from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
 
 logger = logging.getLogger("refit_verify")
@@ -199,6 +199,28 @@ class WorkerBoundary:
         if version is None or self.max_version is None or version >= self.max_version:
             return None
         return f"version {version} is older than version {self.max_version} already closed on this worker"
+
+    def restart_versions(self, reason: str) -> int | None:
+        """Forget the newest closed version, so that the next versions may be older (a trainer
+        resumed from an earlier checkpoint into an engine that stayed up). Logged with ``reason``.
+
+        Returns:
+            int | None: the version forgotten (None: no versioned session had closed).
+
+        Raises:
+            RefitConfigError: ``reason`` is not a non-empty string.
+            RefitProtocolError: a session is open on this worker (restart between refits).
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise RefitConfigError(f"restart_versions needs a reason (a non-empty string), got {reason!r}")
+        with self._lock:
+            if self.open_session is not None:
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session {self.open_session.id!r} is open; "
+                                         "restart the version order between refits")
+            forgotten, self.max_version = self.max_version, None
+        logger.warning("refit-verify: worker rank %s: version order restarted (newest closed was %s): %s",
+                       self.identity.rank, forgotten, reason)
+        return forgotten
 
     def _misrouted(self, producer: Producer | None, expect: int | None) -> str | None:
         """Why ``producer``'s payload must not feed this worker (it expects trainer rank ``expect``), or None."""

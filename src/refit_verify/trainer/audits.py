@@ -9,6 +9,8 @@
 * :func:`certificate` — which weight version every worker holds, the digest of its engine state, the
   session that wrote it and when, this trainer's verdict on that session, and whether the engine
   still holds exactly what that session left.
+* :func:`restart_versions` — let versions start again (a trainer resumed from an earlier checkpoint
+  into an engine that stayed up).
 * The cold-load canary is :func:`refit_verify.canary` (it starts an engine, so it lives in the plugin).
 """
 
@@ -30,7 +32,7 @@ from refit_verify.trainer.channel import require_channel
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["audit", "certificate", "compare_replicas", "engine_states"]
+__all__ = ["audit", "certificate", "compare_replicas", "engine_states", "restart_versions"]
 
 
 def _mode(mode: VerifyMode | str | None) -> VerifyMode:
@@ -118,6 +120,34 @@ def certificate(engine: Any, *, timeout_s: float = 120.0) -> list[Certificate]:
         elif verdicts.passed(c.session):
             c = msgspec.structs.replace(c, verified=True)
         out.append(c)
+    return out
+
+
+def restart_versions(engine: Any, reason: str, *, timeout_s: float = 120.0) -> list[int | None]:
+    """Restart every worker's version order: after it, a session of any version is in order again.
+
+    Each worker rejects a session older than the newest it closed (a stale sync winning a race).
+    A trainer that resumes from an earlier checkpoint into an engine that stayed up says so here,
+    between refits; each worker logs ``reason`` with the version it forgot.
+
+    Args:
+        engine: what :func:`refit_verify.refit` accepts (LLM, Ray handle, HTTP URL, ...).
+        reason: why (logged by every worker), a non-empty string.
+        timeout_s: bound on the call to the workers, seconds.
+
+    Returns:
+        list[int | None]: per worker, in worker order, the newest closed version it forgot (None:
+        none had closed, or the worker does not verify).
+
+    Raises:
+        RefitConfigError: an empty ``reason``; the engine lacks refit-verify's plugin.
+        RefitProtocolError: a refit session is open on a worker. RefitTimeoutError: no answer within ``timeout_s``.
+    """
+    if not isinstance(reason, str) or not reason.strip():
+        raise RefitConfigError(f"restart_versions needs a reason (a non-empty string), got {reason!r}")
+    out: list[int | None] = []
+    for r in require_channel(engine).call("refit_verify_restart_versions", reason, timeout_s=timeout_s):
+        out.append(r.get("forgotten") if isinstance(r, Mapping) else None)
     return out
 
 

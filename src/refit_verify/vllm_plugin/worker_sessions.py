@@ -32,7 +32,8 @@ from refit_verify.vllm_plugin import shims
 logger = logging.getLogger("refit_verify")
 
 METHODS = ("refit_verify_session_open", "refit_verify_session_close", "refit_verify_session_manifest",
-           "refit_verify_engine_state", "refit_verify_audit", "refit_verify_certificate", "refit_verify_layout_map")
+           "refit_verify_engine_state", "refit_verify_audit", "refit_verify_certificate", "refit_verify_layout_map",
+           "refit_verify_restart_versions")
 _ATTR = "_refit_verify_boundary"
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> WorkerBoundary
 
@@ -377,3 +378,19 @@ def refit_verify_certificate(self) -> dict[str, Any]:
     if wb is None:
         return _not_verifying(self)
     return {"rank": wb.identity.rank, "verifying": True, "certificate": to_text(wb.certificate())}
+
+
+def refit_verify_restart_versions(self, reason: str) -> dict[str, Any]:
+    """Restart this worker's version order (:meth:`WorkerBoundary.restart_versions`).
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``forgotten`` (the newest closed version, or None), or
+        ``reason`` when not verifying.
+
+    Raises:
+        RefitConfigError: an empty ``reason``. RefitProtocolError: a session is open here.
+    """
+    wb = getattr(self, _ATTR, None)
+    if wb is None:
+        return _not_verifying(self)
+    return {"rank": wb.identity.rank, "verifying": True, "forgotten": wb.restart_versions(reason)}
