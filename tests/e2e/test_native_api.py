@@ -27,9 +27,9 @@ from refit_verify.cli.demo import readback_names  # noqa: E402
 from refit_verify.digest.batch import digest_tensors, tensor_digest  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.vllm_plugin import native_trainer as native  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 from tests.support import native_cpu_backend as nb  # noqa: E402
 from tests.support.engine_utils import emptied_after_load  # noqa: E402
-from tests.support.plugins import engine_plugin_env, entry_points_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.1.mlp.down_proj.weight"
@@ -47,22 +47,14 @@ def _no_native_state_left():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test; the CUDA ipc variant lives in tests/gpu/test_native_ipc_gpu.py")
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    (model_dir / "config.json").write_text((models.packaged_config_dir() / "config.json").read_text())
-    eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {nb.PLUGIN: "tests.support.native_cpu_backend:register_vllm_plugin"}, dist=nb.PLUGIN)
+def engine(tmp_path_factory, shared_engine):
+    """The shared engine (it carries the test weight-transfer backend ``nb.NAME``) and a directory
+    for the backend's files."""
+    llm, model_dir = shared_engine
+    fresh(llm)
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path_factory.mktemp("shm")
     files = Path(__import__("tempfile").mkdtemp(prefix="refit-verify-native-", dir=shm))
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
-    with engine_plugin_env(eps, env, registers=(nb.register_vllm_plugin,)):
-        from vllm import LLM
-
-        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                  dtype="bfloat16", seed=0, weight_transfer_config={"backend": nb.NAME})
-        yield llm, models.load_config(model_dir), files
-        del llm
+    yield llm, models.load_config(model_dir), files
     for p in files.glob("*.bin"):
         p.unlink()
     files.rmdir()

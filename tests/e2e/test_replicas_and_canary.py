@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 vllm = pytest.importorskip("vllm")
 
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError, ReplicaDisagreement  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
 from tests.support import plugins  # noqa: E402
 
@@ -32,9 +32,9 @@ SKIPPED = "model.layers.1.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test")
+def engines(tmp_path_factory, shared_engine):
+    """Replica ``a``, started here with a loader that swaps gate and up blocks on later loads, and
+    replica ``b``, the shared engine (the same tiny Llama)."""
     eps = plugins.entry_points_dir(tmp_path_factory.mktemp("entry-points"), {
         plugins.PLAIN_LINEAR: plugins.PLAIN_LINEAR_TARGET, plugins.SWAP_GATE_UP: plugins.SWAP_GATE_UP_TARGET})
     d = tiny_model_dir(tmp_path_factory)
@@ -45,8 +45,8 @@ def engines(tmp_path_factory):
     try:
         with engine_env(PYTHONPATH=path, **{plugins.SWAP_GATE_UP_ENV: "1"}):
             a = start_engine(d, "cpu")
-        with engine_env(PYTHONPATH=path):
-            b = start_engine(d, "cpu")
+        b = shared_engine[0]
+        fresh(b)
         yield a, b, models.load_config(d), d
     finally:
         sys.path.remove(str(eps))

@@ -17,7 +17,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify.errors import RefitConfigError, RefitVerificationError, SelftestError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.support.engine_utils import in_process_engine  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 from tests.support.soak_lanes import engine_layout  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -27,9 +27,9 @@ NOTHING = "nothing was checked: the trainer stated no tensor and the worker load
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    with in_process_engine(tmp_path_factory, DEVICE) as e:
-        yield e
+def engine(inproc_engine):
+    fresh(inproc_engine[0])
+    return inproc_engine
 
 
 def _weights(cfg, seed):

@@ -18,6 +18,7 @@ from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from refit_verify.manifest import digest_map  # noqa: E402
 from refit_verify.transport import RefitSender  # noqa: E402
 from tests.support.engine_utils import engine_env, tiny_model_dir  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.0.self_attn.o_proj.weight"
@@ -32,7 +33,12 @@ def device():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, device):
+def engine(request, tmp_path_factory, device):
+    if device == "cpu":
+        llm, d = request.getfixturevalue("shared_engine")
+        fresh(llm)
+        yield llm, models.load_config(d)
+        return
     d = tiny_model_dir(tmp_path_factory)
     with engine_env():
         llm = start_engine(d, device)
