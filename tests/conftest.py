@@ -35,11 +35,17 @@ def pytest_configure(config) -> None:
         pass
 
 
+FIRST_ON_SHARED = "/e2e/test_direct_writes.py"
+"""Runs first on the shared engine: it tests what a fresh engine (one that never loaded) learns dry."""
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Longest files first (engine tests, then the Triton-interpreter kernel tests, then the rest; each
-    file's own order kept), so that ``--dist loadfile`` packs the two workers evenly."""
+    file's own order kept), so that the two workers are packed evenly; :data:`FIRST_ON_SHARED` first."""
     def weight(item) -> int:
         path = str(item.fspath)
+        if path.endswith(FIRST_ON_SHARED):
+            return -1
         return 0 if "/e2e/" in path else 1 if "/digest/kernels/" in path or path.endswith("digest/test_batch.py") else 2
 
     items.sort(key=weight)  # stable: collection order within each class

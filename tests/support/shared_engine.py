@@ -6,7 +6,7 @@ worker that runs them (``tests/e2e/conftest.py`` puts them in one ``xdist_group`
 any of them needs: the tiny Llama with dummy weights, ``REFIT_VERIFY=enforce``, the plain-linear test
 plugin (spawned workers keep plain linear weights on every CPU), the test weight-transfer backend of
 ``tests/support/native_cpu_backend.py`` and the ``collective_rpc`` worker extension of
-``tests/support/extensions.py``.
+``tests/support/direct_writes.py`` (framework syncs and direct parameter writes).
 
 The modules in :data:`INPROC_MODULES` share one in-process engine the same way (on CUDA too).
 Each module's ``engine`` fixture calls :func:`fresh` first: the worker's version order is restarted
@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 
 GROUP = "shared-tiny-mp"
-MODULES = ("test_broadcast_path.py", "test_faults.py", "test_native_api.py", "test_order_and_identity.py",
-           "test_replicas_and_canary.py", "test_staged_path.py")
+MODULES = ("test_broadcast_path.py", "test_direct_writes.py", "test_faults.py", "test_native_api.py",
+           "test_order_and_identity.py", "test_replicas_and_canary.py", "test_staged_path.py")
 INPROC_GROUP = "shared-tiny-inproc"
 INPROC_MODULES = ("test_boundary.py", "test_selftest.py")
 """The modules sharing one in-process engine (``inproc_engine`` in ``tests/e2e/conftest.py``)."""
-EXTENSION = "tests.support.extensions.FrameworkSyncExtension"
+EXTENSION = "tests.support.direct_writes.DirectWriteExtension"  # the framework syncs and direct writes
 
 
 @contextlib.contextmanager
