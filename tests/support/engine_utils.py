@@ -79,10 +79,10 @@ def settle_device_memory(timeout_s: float = 60.0, still_s: float = 3.0) -> None:
 
 @contextlib.contextmanager
 def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str,
-                      model: str = models.TINY_LLAMA) -> Iterator[tuple[Any, Any, dict]]:
+                      model: str = models.TINY_LLAMA, **overrides: Any) -> Iterator[tuple[Any, Any, dict]]:
     """A real vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as TRL colocate runs
     it) on a packaged tiny model (``model``: default the tiny Llama) with dummy weights, refit-verify's
-    plugin registered, ``enforce``.
+    plugin registered, ``enforce``; ``overrides``: further ``vllm.LLM`` arguments (``quantization=``).
     On CPU it keeps plain linear and fused-MoE weights (tests/support/plugins.py), so every parameter
     can be read back and loaded again.
 
@@ -103,7 +103,12 @@ def in_process_engine(tmp_path_factory: pytest.TempPathFactory, device: str,
         from refit_verify.vllm_plugin import register
 
         register()
-        llm = start_engine(d, device)
+        if overrides:
+            from refit_verify.vllm_plugin.engine import start_dummy_engine
+
+            llm = start_dummy_engine(d, device, **overrides)
+        else:
+            llm = start_engine(d, device)
         worker = llm.llm_engine.model_executor.driver_worker.worker
         yield llm, worker.get_model(), models.load_config(d)
         del llm, worker

@@ -329,6 +329,7 @@ class LoaderTap:
                 if param.numel() == 0:
                     continue
                 loader = getattr(param, "weight_loader", None)
+                n += self._tap_deferred(pname, loader)
                 if getattr(loader, _TAP_MARK, None) is self:
                     continue
                 original = loader if callable(loader) else self.default_loader
@@ -339,6 +340,32 @@ class LoaderTap:
                 except (AttributeError, TypeError):  # a parameter type that refuses the attribute
                     continue
                 n += 1
+        return n
+
+    def _tap_deferred(self, pname: str, loader: Any) -> int:
+        """Tap the loader inside a deferring wrapper (:data:`DEFERRING_WRAPPERS`) of ``loader``, if
+        any; return 1 when one was wrapped now.
+
+        vLLM's layerwise reload (and its online quantization, which wraps at ``create_weights``)
+        buffers each load in ``online_process_loader`` and later calls the loader it finds by
+        following ``__wrapped__`` past every such wrapper, on the materialised parameter. A tap
+        around the wrapper sees only the buffering; the real write would go through the untapped
+        loader (its parameters then counted not written). So the innermost loader is tapped in
+        place: the last wrapper's ``__wrapped__``."""
+        w, n = loader, 0
+        for _ in range(8):
+            inner = getattr(w, "__wrapped__", None)
+            if getattr(w, "__name__", None) not in DEFERRING_WRAPPERS or not callable(inner):
+                return n
+            if getattr(inner, "__name__", None) not in DEFERRING_WRAPPERS:
+                if getattr(inner, _TAP_MARK, None) is not self:
+                    try:
+                        w.__wrapped__ = self._wrap(pname, inner)
+                        n = 1
+                    except (AttributeError, TypeError):
+                        pass
+                return n
+            w = inner
         return n
 
     def _wrap(self, pname: str, original: Callable) -> Callable:
@@ -426,6 +453,12 @@ class LoaderTap:
             if self.on_error is None:
                 raise
             self.on_error(f"refit-verify could not record the load of {pname}: {type(e).__name__}: {e}"[:500])
+
+
+DEFERRING_WRAPPERS = frozenset({"online_process_loader"})
+"""``__name__`` of loader wrappers that defer the write and are later unwrapped through ``__wrapped__``
+(vLLM's layerwise reload: ``make_online_process_loader``); :meth:`LoaderTap.install` taps the loader
+inside them."""
 
 
 WHOLE = "="

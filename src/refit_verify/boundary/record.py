@@ -155,6 +155,10 @@ class ModuleSession:
         self.state_padding: dict[str, str] = {}  # parameter -> its padding regions, counted written for names judged by the state
         self.layout: str | None = None  # what the close learned of the layout map (ModuleManifest.layout)
         self.region_hex: dict[tuple, str] = {}  # (parameter, dest) -> 32-hex of each region the read-back read
+        # quantized on load (engine.quantized.settle): parameter -> (block key of what the engine's quantization
+        # produced, source names, what quantized it); the close reads the engine's copy whole against it
+        self.quantized: dict[str, tuple[str, list[str], str]] = {}
+        self.read_early: set[str] = set()  # derived names read where they landed before their parameter was quantized
 
     # -- delivery ---------------------------------------------------------------------------
 

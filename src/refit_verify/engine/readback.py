@@ -40,13 +40,14 @@ import torch
 from refit_verify.boundary.loaders import kernel_layout
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import WHOLE, Copy
+from refit_verify.boundary.quantized import scale_problem
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.kept import DigestSet
 from refit_verify.digest.tensors import as_view, check_tensor, plain_tensor_ops
 from refit_verify.engine.fills import Fills, fill_plan
 from refit_verify.manifest import EngineState, ParamState
 
-__all__ = ["read_back"]
+__all__ = ["read_back", "read_now"]
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -168,6 +169,8 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
     prog = _Program()
     views: list[torch.Tensor] = []
     params, plan, given = prog.params, prog.plan, prog.given
+    quantized = getattr(ms, "quantized", None) or {}
+    early = getattr(ms, "read_early", None) or ()
     region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
     for pname in sorted(set(ms.written) | set(ms.inexact)):
         p = live.get(pname)
@@ -189,6 +192,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         if pname in ms.inexact:
             params[label] = ParamState("not_coverable", ms.inexact[pname], nbytes)
             prog.unproven += nbytes
+            continue
+        q = quantized.get(pname)
+        if q is not None:  # produced by the engine's quantization on load: the whole parameter holds what it produced
+            _quantized_entry(prog, views, p, label, q, known)
             continue
         why = _unreadable(ms, pname, p)
         if why is not None:
@@ -273,6 +280,8 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         if fills:
             prog.fills[label] = Fills(fentries, held, block_bytes + held + not_read)
     for name, regions in ms.derived.items():  # digested where they landed: each region, overwritten or not
+        if name in early:  # read where it landed before the engine converted that parameter (read_now)
+            continue
         keys = []
         for i, (pname, where) in enumerate(regions):
             k = region_key.get((pname, where))
@@ -296,6 +305,69 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         else:
             prog.derived_keys[name] = keys
     return prog, views
+
+
+def _quantized_entry(prog: _Program, views: list, p: torch.Tensor, label: str, q: tuple[str, list[str], str],
+                     known: dict[str, str] | None) -> None:
+    """Plan the read of parameter ``p`` produced by the engine's quantization on load: its whole
+    bytes must be the ones recorded when the engine quantized the delivered tensor (``q``: block key
+    of that record, its source names, what it is), and a scale must be finite and positive."""
+    key, sources, what = q
+    nbytes = p.numel() * p.element_size()
+    bad = scale_problem(label, p)
+    if bad is not None:
+        prog.params[label] = ParamState("mismatch", bad, nbytes)
+        prog.unproven += nbytes
+        return
+    region = (0, tuple(p.shape), tuple(p.stride()))
+    dkey = f"{label}@q"
+    added: list = []
+    _region(p, label, region, dkey, known, prog.given, added)
+    for k, r, view in added:
+        prog.dest_keys.append(k)
+        prog.dest_regions.append((p, r))
+        views.append(view)
+    where = f"{_describe(region)}: {what}"
+    prog.plan[label] = [(dkey, key, src, where) for src in sources] or [(dkey, key, "?", where)]
+    prog.params[label] = ParamState("verified", None, nbytes, [(src, where) for src in sources])
+    prog.notes[label] = (f"{what}; the engine's copy of it differs from what its quantization produced from the "
+                         "delivered bytes (stale, overwritten or not copied back)")
+
+
+class _Only:
+    """Module session ``ms`` seen through the records of parameters ``pnames`` only (:func:`read_now`);
+    what the read-back sets (``derived_hex``, ``underived``) goes to ``ms``."""
+
+    def __init__(self, ms, pnames: set[str]) -> None:
+        self._ms = ms
+        self.written = {p: r for p, r in ms.written.items() if p in pnames}
+        self.inexact = {p: r for p, r in ms.inexact.items() if p in pnames}
+        self.placed = {p: r for p, r in ms.placed.items() if p in pnames}
+        self.derived = {n: rs for n, rs in ms.derived.items()
+                        if rs and all(p in pnames for p, _ in rs) and n not in getattr(ms, "read_early", ())}
+        self.quantized = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._ms, name)
+
+
+@plain_tensor_ops
+def read_now(ms, live: dict[str, torch.Tensor], prefix: str = "") -> tuple[dict[str, ParamState], list[str]]:
+    """Read back now, from ``live`` (``{parameter: tensor}``), what module session ``ms`` recorded
+    for those parameters: the read at close, for tensors the engine is about to convert (vLLM's
+    online quantization reads a layer's freshly loaded bf16 weight, then replaces it).
+
+    Delivered names that landed only there get their digest now (``ms.derived_hex``, or
+    ``ms.underived``). Returns ``({label: ParamState}, names read)``; the caller takes the records
+    of these parameters out of ``ms`` (the close reads the engine's tensors that replace them)."""
+    sub = _Only(ms, set(live))
+    prog, views = _program(sub, live, prefix, None)
+    dest = DigestBatch(hold_cpu=True)
+    for k, view in zip(prog.dest_keys, views):
+        dest.add(k, view, checked=True)
+    got = dest.hexdigests() if len(dest) else {}
+    params, _proven, _unproven, _padding = _evaluate(prog, sub, got, None)
+    return params, list(sub.derived)
 
 
 def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int, int]:

