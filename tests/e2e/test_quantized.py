@@ -222,3 +222,48 @@ def test_scale_zeroed_after_a_refit_is_named_by_audit(engine):
     assert [a.changed for a in ei.value.failed] == [[f"{TARGET}.weight_scale"]]
     r, err = _refit(llm, model, models.random_state_dict(cfg, seed=13), version=13)  # the next refit quantizes it again
     assert err is None and r.reports[0].proven_bytes == ENGINE_BYTES
+
+
+def test_tensors_digested_where_they_landed_are_read_before_quantization(engine, monkeypatch):
+    """As on a CUDA worker (placement.DERIVE_DEVICE_TYPES): a tensor of a list copied whole into the
+    engine is digested where it landed, not when delivered. Here that is the bf16 tensor the engine
+    quantizes within the same load_weights call: it is read before the quantization replaces it, so
+    a clean push is proven and a tensor corrupted in transit is still named."""
+    from refit_verify.boundary import placement
+
+    llm, model, cfg = engine
+    monkeypatch.setattr(placement, "DERIVE_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    rep = refit_verify.push(llm, models.random_state_dict(cfg, seed=14), version=14).report
+    assert rep.ok and rep.proven_bytes == ENGINE_BYTES and rep.not_proven == {}
+    w = models.random_state_dict(cfg, seed=15)
+    bad = "model.layers.1.self_attn.o_proj.weight"
+    r, err = _refit_list(llm, model, w, version=15, corrupt=bad)
+    assert err is not None and err.report.mismatched == (bad,) and err.report.missing == ()
+    (man,) = r.manifests
+    assert bad in man.modules["model"].in_place  # digested where it landed, before the engine quantized that tensor
+
+
+def _refit_list(llm, model, weights, version, corrupt=None):
+    """:func:`_refit` with one ``load_weights`` call of the whole list (a worker extension's bucket)."""
+    from refit_verify.vllm_plugin import shims
+
+    start, finish = shims.layerwise_reload()
+    config = llm.llm_engine.model_executor.driver_worker.worker.model_config
+    r = refit_verify.refit(llm, version=version)
+    try:
+        with r:
+            items = []
+            for name, t in weights.items():
+                r.add(name, t)
+                if name == corrupt:
+                    t = t.clone()
+                    t.view(-1).view(torch.uint8)[3] ^= 0x01
+                items.append((name, t))
+            start(model)
+            try:
+                model.load_weights(items)
+            finally:
+                finish(model, config)
+    except RefitVerificationError as e:
+        return r, e
+    return r, None

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.boundary.layout import describe_region, describe_slice
 from refit_verify.boundary.placement import WHOLE, Copy, Placement
 from refit_verify.boundary.plan import RefitPlan, expand, spec_of
 from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered, unwritten_slices
@@ -30,7 +31,7 @@ from refit_verify.digest.incremental import CopyingBatch, digest_now
 from refit_verify.digest.kept import DigestSet
 from refit_verify.digest.tensors import as_view, check_tensor, plain_tensor_ops, version_of
 from refit_verify.errors import RefitProtocolError
-from refit_verify.manifest import ModuleManifest
+from refit_verify.manifest import ModuleManifest, StateSlice
 
 __all__ = ["ModuleSession", "match_any"]
 
@@ -155,6 +156,13 @@ class ModuleSession:
         self.state_padding: dict[str, str] = {}  # parameter -> its padding regions, counted written for names judged by the state
         self.layout: str | None = None  # what the close learned of the layout map (ModuleManifest.layout)
         self.region_hex: dict[tuple, str] = {}  # (parameter, dest) -> 32-hex of each region the read-back read
+        # block key -> (its source region as a view of the delivered tensor, that tensor's shape), for a contiguous
+        # delivered tensor: which slice of the trainer's tensor the block is (boundary.layout maps shards by it)
+        self.block_src: dict[str, tuple[tuple, tuple[int, ...]]] = {}
+        # judged by the state through slices (a shard): name -> [(parameter, dest, src geometry in the trainer's tensor, 32-hex
+        # read now, equal to what the last close read there)]; the trainer digests the slices and compares
+        self.state_slices: dict[str, list[tuple[str, tuple, tuple, str, bool]]] = {}
+        self.spec_of_state: dict[str, tuple[int, ...]] = {}  # name -> the trainer tensor's shape, of names in state_slices
         # quantized on load (engine.quantized.settle): parameter -> (block key of what the engine's quantization
         # produced, source names, what quantized it); the close reads the engine's copy whole against it
         self.quantized: dict[str, tuple[str, list[str], str]] = {}
@@ -188,6 +196,22 @@ class ModuleSession:
             if d is None or d.routed or d.call != call.id:
                 continue
             (self.unattributed if call.unattributed else self.unconsumed).append(name)
+
+    def land_pending(self, pnames: set[str]) -> None:
+        """Decide now, as :meth:`end_call` will, for the current call's tensors that landed whole and
+        only in parameters ``pnames``: they are digested where they landed (``derived``), and that
+        read happens before the engine replaces those parameters (quantized on load, inside this
+        call: :func:`refit_verify.engine.quantized.settle`)."""
+        cur = self.current
+        if cur is None or not cur.pending:
+            return
+        keep = []
+        for d, t in cur.pending:
+            if self.delivered.get(d.name) is d and d.regions and not d.other and all(p in pnames for p, _ in d.regions):
+                self.derived[d.name] = list(d.regions)
+            else:
+                keep.append((d, t))
+        cur.pending[:] = keep
 
     @plain_tensor_ops
     def deliver(self, name: str, t: torch.Tensor, call: _Call, hexd: str | None = None) -> None:
@@ -364,6 +388,10 @@ class ModuleSession:
                 self.n_blocks += 1
                 key = f"{pname}#{self.n_blocks}"
                 self.blocks.add(key, as_view(loaded, c.src))
+                base = d.ref()
+                if base is not None and base.is_contiguous():  # the block as a slice of the delivered tensor
+                    shift = loaded.storage_offset() - base.storage_offset()
+                    self.block_src[key] = ((c.src[0] + shift, c.src[1], c.src[2]), tuple(base.shape))
             placed.append((c, key, d.name))
         self.digest_s += time.perf_counter() - t0
 
@@ -592,7 +620,25 @@ class ModuleSession:
             in_place=[n for n in self.derived if n in digests],
             replayed=len(self.replayed), replay_left=self.replay_left,
             by_state=dict(self.state_where), not_provable=dict(self.not_provable), layout=self.layout,
-            state_padding=dict(self.state_padding))
+            state_padding=dict(self.state_padding), state_slices=self._state_slices())
+
+    def _state_slices(self) -> dict[str, list[StateSlice]]:
+        """:attr:`state_slices` as the manifest carries them (regions named as a report names them)."""
+        out = {}
+        for name, regions in self.state_slices.items():
+            shape = self.spec_of_state.get(name, ())
+            out[name] = [StateSlice(param=p, region=describe_region(g, self.param_geometry.get(p, (None,))[0]),
+                                    src=(src[0], list(src[1]), list(src[2])), slice=describe_slice(src, shape), hex=h,
+                                    bytes=_numel(g[1]) * self.param_dtype[p].itemsize, unchanged=same)
+                         for p, g, src, h, same in regions]
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 def _each_readable(items: list[tuple[str, torch.Tensor]]) -> dict[str, str]:

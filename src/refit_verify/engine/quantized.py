@@ -62,6 +62,7 @@ def settle(ms, prefix: str, before: dict[str, torch.Tensor], after: dict[str, to
                                      "not made from the delivered bytes")
         return []
     outputs = [p for p, t in after.items() if before.get(p) is not t]
+    ms.land_pending(set(inputs))
     states, early = read_now(ms, {p: before[p] for p in inputs}, prefix)
     ms.read_early.update(early)
     full = all(p in ms.written and covered(ms.written[p]) >= before[p].numel() for p in inputs)
