@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from refit_verify.boundary.quantized import differs, scale_problem
+from refit_verify.boundary.quantized import differs, is_scale, scale_problem
 from refit_verify.boundary.regions import covered
 from refit_verify.engine.readback import read_now
 
@@ -61,7 +61,10 @@ def settle(ms, prefix: str, before: dict[str, torch.Tensor], after: dict[str, to
                                      "quantized (the layer counted as processed already), so the engine's quantized copy is "
                                      "not made from the delivered bytes")
         return []
-    outputs = [p for p, t in after.items() if before.get(p) is not t]
+    # what the quantization produced: tensors it replaced or added, and scales no loader wrote (a vLLM that
+    # creates the scale with the layer and fills it in place)
+    outputs = [p for p, t in after.items()
+               if before.get(p) is not t or (is_scale(p) and p not in ms.written and p not in ms.inexact)]
     ms.land_pending(set(inputs))
     states, early = read_now(ms, {p: before[p] for p in inputs}, prefix)
     ms.read_early.update(early)

@@ -50,16 +50,18 @@ _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {id(
 
 def online_linear_methods(module: Any) -> list[type]:
     """The classes of ``module`` that quantize a linear layer online: subclasses of vLLM's
-    ``LinearMethodBase`` whose ``uses_meta_device`` is true (the bf16 weight is created on meta and
-    quantized in ``process_weights_after_loading``) and that define that method themselves."""
+    ``LinearMethodBase`` defined there that define ``process_weights_after_loading`` themselves and
+    either create the bf16 weight on the meta device (``uses_meta_device``) or are named online
+    (``Fp8OnlineLinearMethod``)."""
     try:
         from vllm.model_executor.layers.linear import LinearMethodBase
     except ImportError:  # pragma: no cover - a vLLM without it
         return []
     out = []
     for v in vars(module).values():
-        if (isinstance(v, type) and issubclass(v, LinearMethodBase) and getattr(v, "uses_meta_device", False) is True
-                and "process_weights_after_loading" in v.__dict__ and v.__module__ == module.__name__):
+        if (isinstance(v, type) and issubclass(v, LinearMethodBase) and v.__module__ == module.__name__
+                and "process_weights_after_loading" in v.__dict__
+                and (getattr(v, "uses_meta_device", False) is True or "Online" in v.__name__)):
             out.append(v)
     return out
 
