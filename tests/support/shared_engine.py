@@ -9,7 +9,10 @@ plugin (spawned workers keep plain linear weights on every CPU), the test weight
 ``tests/support/direct_writes.py`` (framework syncs and direct parameter writes).
 
 The modules in :data:`INPROC_MODULES` share one in-process engine the same way (on CUDA too).
-Each module's ``engine`` fixture calls :func:`fresh` first: the worker's version order is restarted
+A shared engine lives from the first test of its group to the last (:func:`release`, called by
+``tests/e2e/conftest.py`` after the group's last test): an in-process engine must be gone before any
+other in-process engine starts in the same process (vLLM's parallel state is global), and a
+multiprocess one holds memory and threads. Each module's ``engine`` fixture calls :func:`fresh` first: the worker's version order is restarted
 (:func:`refit_verify.restart_versions`), so a module's versions need not be newer than the last
 module's.
 """
@@ -18,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,3 +67,29 @@ def fresh(llm: object) -> None:
     import refit_verify
 
     refit_verify.restart_versions(llm, "next test module on the shared engine")
+
+
+_LIVE: dict[str, tuple[contextlib.AbstractContextManager, Any]] = {}
+
+
+def get(group: str, start_cm: Callable[[], contextlib.AbstractContextManager]) -> Any:
+    """The live shared engine of ``group``, started with ``start_cm()`` (a context manager) if none is."""
+    if group not in _LIVE:
+        cm = start_cm()
+        _LIVE[group] = (cm, cm.__enter__())
+    return _LIVE[group][1]
+
+
+def release(group: str) -> None:
+    """Shut ``group``'s shared engine down, if it is live."""
+    live = _LIVE.pop(group, None)
+    if live is not None:
+        live[0].__exit__(None, None, None)
+        gc.collect()
+
+
+def group_of(path: Path) -> str | None:
+    """The shared-engine group of the test file at ``path``, or None."""
+    if path.parent.name != "e2e":
+        return None
+    return GROUP if path.name in MODULES else INPROC_GROUP if path.name in INPROC_MODULES else None
