@@ -27,7 +27,7 @@ import msgspec
 
 from refit_verify.errors import RefitProtocolError
 
-__all__ = ["AuditResult", "Certificate", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
+__all__ = ["AuditResult", "Certificate", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "StateSlice", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
            "digest_map", "digest_map_text", "from_wire", "to_wire"]
 
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
@@ -77,6 +77,27 @@ class Unsessioned(msgspec.Struct, **_OPTS):
     where: str = "load_weights"
 
 
+class StateSlice(msgspec.Struct, gc=False, **_OPTS):
+    """One engine region holding a slice of a trainer tensor (a tensor-parallel shard), read at a close.
+
+    Attributes:
+        param: the engine parameter. region: where in it (``"rows 0:64"``, or offset, shape, strides).
+        src: ``[element offset, shape, strides]`` of the slice as a view of the trainer's tensor, taken
+            contiguous (row-major) in the announced shape.
+        slice: the slice as a report names it (``"dim 1 [64:128]"``).
+        hex: 32-hex digest of what the region holds now. bytes: its size in bytes.
+        unchanged: it holds what the last close read there (a region the refit did not write).
+    """
+
+    param: str
+    region: str
+    src: tuple[int, list[int], list[int]]
+    slice: str
+    hex: str
+    bytes: int = 0
+    unchanged: bool = False
+
+
 class ModuleManifest(msgspec.Struct, **_OPTS):
     """What one model module of a worker (the main model, a drafter) received in a session.
 
@@ -115,6 +136,9 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
         state_padding: ``{parameter: "rows a:b"}`` of padding a loader fills (vocab rows past the
             vocabulary: no trainer tensor's) in parameters of names judged by the state: counted as
             written, not compared.
+        state_slices: ``{name: [StateSlice]}`` of names judged by the state whose regions hold slices
+            of the trainer's tensor (tensor-parallel shards): not in ``digests``; the trainer digests
+            those slices of its own tensor and compares (:mod:`refit_verify.trainer.slices`).
     """
 
     digests: dict[str, str]
@@ -135,6 +159,7 @@ class ModuleManifest(msgspec.Struct, **_OPTS):
     not_provable: dict[str, str] = {}
     layout: str | None = None
     state_padding: dict[str, str] = {}
+    state_slices: dict[str, list[StateSlice]] = {}
 
 
 # gc=False on the per-tensor records (ParamState, TensorState): a close builds, and the trainer decodes, one per

@@ -224,3 +224,122 @@ def test_a_tied_name_the_model_skips_maps_to_the_tensor_it_shares():
     other = {**w, "embed": toy_weights(2)["embed"], "lm_head": toy_weights(3)["embed"]}
     rep, _ = _refit(e, other, 2, model=model, push=lambda m, w: _write(m, {n: t for n, t in w.items() if n != "lm_head"}))
     assert rep.mismatched == ("lm_head",) and rep.engine_mismatched == ("embed",)
+
+
+# --------------------------------------------------------------------------- tensor-parallel shards (slices)
+
+
+def _tp2():
+    """Two toy workers of one TP=2 engine (ShardedToyModel ranks 0 and 1) and their models."""
+    from tests.support.toy_model import ShardedToyModel
+
+    models_ = [ShardedToyModel(r) for r in range(2)]
+    workers = [toy_worker(m, rank=r) for r, m in enumerate(models_)]
+    return ToyEngine(*(w for w, _wb, _m in workers)), [wb for _w, wb, _m in workers], models_
+
+
+def _shard_write(models_, w, *, skip=(), flip=None):
+    """Each rank's direct writes of its shards; ``flip``: ``(rank, name)`` of one bit flipped there."""
+    for m in models_:
+        for n, t in w.items():
+            if n not in skip:
+                m.engine_slice(n).copy_(m.shard(n, t))
+    if flip is not None:
+        r, n = flip
+        models_[r].engine_slice(n).view(torch.uint8).view(-1)[5] ^= 1
+
+
+def _tp_refit(e, models_, w, version, push=None, **kw):
+    with refit_verify.refit(e, version=version, mode="log", **kw) as r:
+        for n, t in w.items():
+            r.add(n, t)
+        (push or _shard_write)(models_, w)
+    return r.reports, r.manifests
+
+
+def _shard_bytes(m, w):
+    return sum(m.shard(n, t)[: m.engine_slice(n).shape[0]].nbytes if n == "embed" else m.shard(n, t).nbytes for n, t in w.items())
+
+
+def test_dry_learn_maps_each_ranks_shards_as_slices_and_excludes_vocab_padding():
+    from tests.support.toy_model import sharded_weights
+
+    _e, wbs, _models = _tp2()
+    specs = {n: (tuple(t.shape), "bfloat16") for n, t in sharded_weights(0).items()}
+    m1, notes = wbs[1].modules["model"].layout_for(specs)
+    assert notes == ["dry learn of 6 names (the model's load_weights on placeholders, no write reaching the engine): 6 mapped"]
+    s = m1.summary()
+    assert s["entries"] == {"norm": ["norm whole"]}  # replicated: the whole tensor
+    assert s["slices"] == {"q_proj": ["qkv_proj rows 0:4 <- dim 0 [4:8]"], "k_proj": ["qkv_proj rows 4:6 <- dim 0 [2:4]"],
+                           "v_proj": ["qkv_proj rows 6:8 <- dim 0 [2:4]"], "o_proj": ["o_proj whole <- dim 1 [4:8]"],
+                           "embed": ["embed rows 0:5 <- dim 0 [8:13]"]}
+    assert s["padding"] == {"embed": ["rows 5:8"]} and s["sliced"] == {} and s["unlearned"] == {}
+    m0, _ = wbs[0].modules["model"].layout_for(specs)
+    assert m0.summary()["slices"]["o_proj"] == ["o_proj whole <- dim 1 [0:4]"] and m0.padding == {}
+
+
+def test_tp2_direct_writes_verified_then_one_byte_in_rank_1s_row_parallel_shard_named():
+    from tests.support.toy_model import sharded_weights
+
+    e, _wbs, models_ = _tp2()
+    w = sharded_weights(1)
+    reps, mans = _tp_refit(e, models_, w, 1)
+    for r, (rep, man) in enumerate(zip(reps, mans)):
+        assert rep.ok and rep.rank == r and rep.verified == 6, rep.describe()
+        assert (rep.proven_bytes, rep.unproven_bytes) == (_shard_bytes(models_[r], w), 0)
+        assert man.modules["model"].by_state["o_proj"] == f"o_proj whole <- dim 1 [{4 * r}:{4 * r + 4}]"
+    assert reps[1].unchecked == ("padding a loader fills (no trainer tensor's) in parameters judged by the engine state is "
+                                 "excluded from the layout map and not compared: embed rows 5:8",)
+
+    reps, _ = _tp_refit(e, models_, sharded_weights(2), 2, push=lambda ms, w: _shard_write(ms, w, flip=(1, "o_proj")))
+    assert reps[0].ok, reps[0].describe()
+    bad = reps[1]
+    assert (bad.mismatched, bad.engine_mismatched, bad.missing, bad.unwritten) == (("o_proj",), ("o_proj",), (), ())
+    assert bad.verified == 5 and len(bad.problems) == 1
+    assert "o_proj at o_proj whole (its slice dim 1 [4:8])" in bad.problems[0] and "worker rank 1" in bad.problems[0]
+    assert bad.proven_bytes == _shard_bytes(models_[1], w) - models_[1].o_proj.nbytes
+
+    reps, _ = _tp_refit(e, models_, sharded_weights(3), 3, push=lambda ms, w: _shard_write(ms, w, skip=("k_proj",)))
+    for rep in reps:  # every region of k as the last close left it: not written
+        assert (rep.missing, rep.unwritten, rep.mismatched) == (("k_proj",), ("qkv_proj",), ()), rep.describe()
+
+
+def test_tp2_slices_learned_from_a_watched_load_and_verify_state():
+    from tests.support.toy_model import sharded_weights
+
+    e, wbs, models_ = _tp2()
+    w = sharded_weights(4)
+    with refit_verify.refit(e, version=1, mode="enforce") as r:
+        for n, t in w.items():
+            r.add(n, t)
+        for m in models_:
+            m.load_weights(list(w.items()))
+    assert all(rep.ok for rep in r.reports)
+    assert wbs[1].modules["model"].layout.summary()["slices"]["o_proj"] == ["o_proj whole <- dim 1 [4:8]"]
+    assert set(wbs[1].modules["model"].layout.source.values()) == {f"session {r.session}"}
+    w2 = sharded_weights(5)
+    reps, mans = _tp_refit(e, models_, w2, 2)
+    assert all(rep.ok for rep in reps) and mans[1].modules["model"].layout is None  # no dry learn: the watched load taught it
+
+    reps = refit_verify.verify_state(e, w2, version=3, mode="enforce")
+    assert [(rep.ok, rep.verified) for rep in reps] == [(True, 6), (True, 6)]
+    other = {**w2, "embed": w2["embed"].clone()}
+    other["embed"][10, 0] += 1  # a row of rank 1's vocab shard
+    with pytest.raises(RefitVerificationError) as ei:
+        refit_verify.verify_state(e, other, version=4, mode="enforce")
+    rep = ei.value.report
+    assert rep.rank == 1 and (rep.mismatched, rep.engine_mismatched) == (("embed",), ("embed",))
+    assert "embed at embed rows 0:5 (its slice dim 0 [8:13])" in rep.problems[0]
+
+
+def test_a_shard_the_trainer_did_not_keep_is_not_provable():
+    """One worker only (the trainer keeps no tensors): a name its map holds as a slice fails, never passes."""
+    from tests.support.toy_model import ShardedToyModel, sharded_weights
+
+    m = ShardedToyModel(1)
+    worker, _wb, _m = toy_worker(m, rank=1)
+    e = ToyEngine(worker)
+    w = sharded_weights(6)
+    (rep,), _ = _tp_refit(e, [m], w, 1)
+    assert not rep.ok and rep.verified == 1 and set(rep.missing) == set(w) - {"norm"}
+    assert any("the trainer did not keep the tensor" in p for p in rep.problems)

@@ -64,6 +64,85 @@ class ToyModel(torch.nn.Module):
         return loaded
 
 
+class ShardedToyModel(torch.nn.Module):
+    """:class:`ToyModel`'s layout on tensor-parallel rank ``rank`` of ``tp``, loaded as vLLM's parallel
+    layers load (each loader narrows the full delivered tensor to this rank's shard, then copies):
+    ``qkv_proj`` column-parallel (this rank's rows of q, k and v, fused), ``o_proj`` row-parallel (its
+    columns), ``embed`` vocab-parallel (its rows of the vocabulary padded to 16, the rows past the
+    vocabulary filled with 0) and a replicated ``norm``."""
+
+    def __init__(self, rank: int, tp: int = 2) -> None:
+        super().__init__()
+        self.rank, self.tp = rank, tp
+        q, kv = Q // tp, KV // tp
+        self.sizes = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(q + 2 * kv, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.qkv_proj.weight_loader = self._qkv_loader
+        self.o_proj = torch.nn.Parameter(torch.zeros(HIDDEN, Q // tp, dtype=torch.bfloat16), requires_grad=False)
+        self.o_proj.weight_loader = self._row_loader
+        self.rows = (VOCAB + 7) // 8 * 8 // tp
+        self.embed = torch.nn.Parameter(torch.zeros(self.rows, HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+        self.embed.weight_loader = self._vocab_loader
+        self.norm = torch.nn.Parameter(torch.zeros(HIDDEN, dtype=torch.bfloat16), requires_grad=False)
+
+    def _qkv_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        off, size = self.sizes[shard_id]
+        param.data.narrow(0, off, size).copy_(loaded_weight.narrow(0, self.rank * size, size))
+
+    def _row_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        size = param.shape[1]
+        param.data.copy_(loaded_weight.narrow(1, self.rank * size, size))
+
+    def _vocab_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        lo = self.rank * self.rows
+        n = max(0, min(self.rows, loaded_weight.shape[0] - lo))
+        param.data[:n].copy_(loaded_weight.narrow(0, lo, n))
+        param.data[n:].fill_(0)
+
+    def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor ``t`` of HF name ``name`` (what a direct write sends it)."""
+        part = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(name)
+        if part is not None:
+            size = self.sizes[part][1]
+            return t.narrow(0, self.rank * size, size)
+        if name == "o_proj":
+            size = Q // self.tp
+            return t.narrow(1, self.rank * size, size)
+        if name == "embed":
+            lo = self.rank * self.rows
+            return t[lo:lo + self.rows]
+        return t
+
+    def engine_slice(self, name: str) -> torch.Tensor:
+        """The engine memory that holds this rank's shard of ``name`` (a view of its parameter)."""
+        part = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(name)
+        if part is not None:
+            off, size = self.sizes[part]
+            return self.qkv_proj.data[off:off + size]
+        if name == "embed":
+            return self.embed.data[: max(0, min(self.rows, VOCAB - self.rank * self.rows))]
+        return getattr(self, name).data
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            shard = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}.get(name)
+            p = params["qkv_proj" if shard else name]
+            if shard is not None:
+                p.weight_loader(p, w, shard)
+            else:
+                getattr(p, "weight_loader", default_weight_loader)(p, w)
+            loaded.add("qkv_proj" if shard else name)
+        return loaded
+
+
+def sharded_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Trainer-side weights of :class:`ShardedToyModel` (``toy_weights`` and ``o_proj``)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return {**toy_weights(seed), "o_proj": torch.randn(HIDDEN, Q, generator=g).to(torch.bfloat16)}
+
+
 def toy_weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Trainer-side weights of :class:`ToyModel` with HF-style names."""
     g = torch.Generator().manual_seed(seed)
@@ -71,9 +150,9 @@ def toy_weights(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str 
     return {n: torch.randn(s, generator=g).to(dtype=dtype, device=device) for n, s in shapes.items()}
 
 
-def toy_worker(model: torch.nn.Module | None = None, loader=default_weight_loader):
+def toy_worker(model: torch.nn.Module | None = None, loader=default_weight_loader, rank: int = 0):
     """A worker-like object holding a :class:`~refit_verify.boundary.worker.WorkerBoundary` around
-    ``model`` (default a fresh :class:`ToyModel`), with read-back, engine-state snapshots and audits
+    ``model`` (default a fresh :class:`ToyModel`) as worker ``rank`` (its tensor-parallel rank too), with read-back, engine-state snapshots and audits
     as the plugin wires them in a vLLM worker: the plugin's worker methods run on it.
 
     Returns:
@@ -85,7 +164,7 @@ def toy_worker(model: torch.nn.Module | None = None, loader=default_weight_loade
     from refit_verify.engine.state import audit, read_back, snapshot
     from refit_verify.vllm_plugin import worker_sessions
 
-    wb = WorkerBoundary(identity_of(0))
+    wb = WorkerBoundary(identity_of(rank, tp=rank))
     wb.readback, wb.snapshotter, wb.auditor = read_back, snapshot, audit
     model = ToyModel() if model is None else model
     wb.attach("model", model, loader)

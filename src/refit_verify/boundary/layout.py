@@ -17,8 +17,13 @@ Where a map comes from:
   padding: not any trainer tensor's, excluded from the map and said so. A parameter written by a
   conversion (another dtype, a loader known to transform) is recorded with why and its loader's
   name: its content is a function of the tensor, not a slice of it. A name copied in part (a
-  tensor-parallel shard, a block) is recorded as not mapped: a region holding a *slice* of a
-  trainer tensor needs the trainer to digest that slice (:attr:`LayoutMap.sliced`, not done yet).
+  tensor-parallel shard: rows of a column-parallel or vocab-parallel parameter, columns of a
+  row-parallel ``o_proj`` / ``down_proj``) is mapped as slices (:attr:`LayoutMap.slices`): each region
+  with the view of the trainer's tensor it holds (offset, shape, strides into the tensor taken
+  contiguous), read from the loader's own ``narrow`` of the delivered tensor (the tap's source
+  region). The worker cannot know a slice's digest; it reports what each region holds and the trainer
+  digests the same slices of its tensors and compares (:mod:`refit_verify.trainer.slices`). A part
+  whose source is not a view of a contiguous delivered tensor stays not mapped (:attr:`LayoutMap.sliced`).
 * a dry learn (:func:`dry_learn`), so a direct-write path needs no prior load: the model's own
   ``load_weights`` runs on placeholder tensors of the announced names, shapes and dtypes, with the
   loader tap recording placements and every write into the model's tensors blocked
@@ -47,10 +52,15 @@ from refit_verify.boundary.placement import WHOLE, Copy
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.tensors import PLAIN, Geometry, as_view, check_tensor, dtype_name
 
-__all__ = ["LayoutMap", "Region", "describe_region", "dry_learn", "judge", "learn_session", "read_regions"]
+__all__ = ["LayoutMap", "Region", "SliceRegion", "describe_region", "describe_slice", "dry_learn", "judge", "learn_session",
+           "read_regions"]
 
 Region = tuple[str, Geometry]
 """``(engine parameter, dest geometry)``: one region of one parameter."""
+
+SliceRegion = tuple[str, Geometry, Geometry]
+"""``(engine parameter, dest geometry, source geometry)``: a region holding a slice of a trainer tensor, the
+source as a view of that tensor taken contiguous (offset from its first element, shape, strides in elements)."""
 
 
 class LayoutMap:
@@ -66,14 +76,18 @@ class LayoutMap:
             trainer tensor's, excluded from the map.
         conversions: ``{parameter: why}`` of parameters a loader wrote with a conversion (its
             loader's name in ``why``): not a slice of any tensor.
-        sliced: ``{name: why}`` of names copied in part (a shard, a block): not mapped yet.
+        slices: ``{name: ((parameter, dest geometry, source geometry), ...)}``: the regions holding a
+            slice of ``name`` (a tensor-parallel shard; a region holding it whole is the trivial slice when
+            another holds a part), the source a view of the trainer's tensor taken contiguous.
+        sliced: ``{name: why}`` of names copied in part whose slice could not be told (a source that is
+            not a view of a contiguous delivered tensor): not mapped.
         (A tied parameter's other name, ``lm_head.weight`` beside ``model.embed_tokens.weight``, maps to
         the regions of the name that filled it whole: the engine holds one tensor for both.)
         unlearned: ``{name: why}`` of names no load placed (skipped by the model, a dry learn that failed).
         source: ``{name: how it was learned}`` (``"session <id>"`` or ``"dry learn"``).
     """
 
-    __slots__ = ("conversions", "entries", "index", "padding", "params", "sliced", "source", "spec", "unlearned")
+    __slots__ = ("conversions", "entries", "index", "padding", "params", "sliced", "slices", "source", "spec", "unlearned")
 
     def __init__(self, index: Any) -> None:
         self.index = weakref.ref(index) if index is not None else (lambda: None)
@@ -82,6 +96,7 @@ class LayoutMap:
         self.params: dict[str, tuple[tuple, tuple, int, str]] = {}
         self.padding: dict[str, list[Geometry]] = {}
         self.conversions: dict[str, str] = {}
+        self.slices: dict[str, tuple[SliceRegion, ...]] = {}
         self.sliced: dict[str, str] = {}
         self.unlearned: dict[str, str] = {}
         self.source: dict[str, str] = {}
@@ -94,10 +109,13 @@ class LayoutMap:
         return "no load placed it into the engine (a name the model does not know?)"
 
     def summary(self) -> dict[str, Any]:
-        """The map as builtins: ``entries`` ``{name: ["parameter slice", ...]}``, ``padding``,
-        ``conversions``, ``sliced``, ``unlearned`` (what ``refit_verify_layout`` returns)."""
+        """The map as builtins: ``entries`` ``{name: ["parameter slice", ...]}``, ``slices`` ``{name:
+        ["parameter region <- slice of the tensor", ...]}``, ``padding``, ``conversions``, ``sliced``,
+        ``unlearned`` (what ``refit_verify_layout`` returns)."""
         shapes = {p: v[0] for p, v in self.params.items()}
         return {"entries": {n: [f"{p} {describe_region(g, shapes.get(p))}" for p, g in rs] for n, rs in self.entries.items()},
+                "slices": {n: [f"{p} {describe_region(g, shapes.get(p))} <- {describe_slice(src, self.spec[n][0])}"
+                               for p, g, src in rs] for n, rs in self.slices.items()},
                 "padding": {p: [describe_region(g, shapes.get(p)) for g in gs] for p, gs in self.padding.items()},
                 "conversions": dict(self.conversions), "sliced": dict(self.sliced), "unlearned": dict(self.unlearned)}
 
@@ -119,6 +137,32 @@ def describe_region(g: Geometry, pshape: tuple | None = None) -> str:
             a = off // row
             return "whole" if (a, shape[0]) == (0, pshape[0]) else f"rows {a}:{a + shape[0]}"
     return f"offset {off} shape {list(shape)} stride {list(stride)}"
+
+
+def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def describe_slice(src: Geometry, shape: tuple | None) -> str:
+    """A slice of a trainer tensor of ``shape`` (taken contiguous) as a report names it: ``"whole"``,
+    ``"dim 1 [64:128]"`` for a block along one dim, else ``"offset .. shape .. stride .."``."""
+    off, sh, st = src[0], tuple(src[1]), tuple(src[2])
+    if shape is not None and len(sh) == len(shape):
+        shape = tuple(shape)
+        full = _contiguous_strides(shape)
+        dims = [d for d in range(len(sh)) if sh[d] != shape[d]]
+        if all(st[d] == full[d] for d in range(len(sh)) if sh[d] > 1):
+            if not dims and off == 0:
+                return "whole"
+            if len(dims) == 1 and off % full[dims[0]] == 0:
+                d = dims[0]
+                a = off // full[d]
+                return f"dim {d} [{a}:{a + sh[d]}]"
+    return f"offset {off} shape {list(sh)} stride {list(st)}"
 
 
 def _geometry_of(p: torch.Tensor) -> tuple[tuple, tuple, int, str]:
@@ -146,6 +190,9 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
     m = old if old is not None and old.index() is index and index is not None else LayoutMap(index)
     live = index.params if index is not None else {}
     whole: dict[str, list[Region]] = {}
+    part: dict[str, list[SliceRegion]] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}
+    block_src = getattr(ms, "block_src", None) or {}
     bad: dict[str, str] = {}
     for pname, entries in ms.placed.items():
         p = live.get(pname)
@@ -168,9 +215,14 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
                 rs = whole.setdefault(src, [])
                 if (pname, c.dest) not in rs:
                     rs.append((pname, c.dest))
+            elif key in block_src:  # a slice of the delivered tensor (a shard)
+                g_src, shape_of[src] = block_src[key]
+                ps = part.setdefault(src, [])
+                if (pname, c.dest, g_src) not in ps:
+                    ps.append((pname, c.dest, g_src))
             else:
-                bad[src] = (f"it is copied in part into {pname} (a shard or a block of it): a region holding a slice of "
-                            "a trainer tensor is not mapped yet")
+                bad[src] = (f"it is copied in part into {pname} from a source that is not a view of a contiguous delivered "
+                            "tensor: which slice of the trainer's tensor the region holds cannot be told")
         m.params[pname] = _geometry_of(p)
     for pname, why in ms.inexact.items():
         loader = (loaders or {}).get(pname)
@@ -178,16 +230,27 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
         m.padding.pop(pname, None)
     for name, why in bad.items():
         whole.pop(name, None)
-        if name not in m.entries:
+        part.pop(name, None)
+        if name not in m.entries and name not in m.slices:
             (m.sliced if "in part" in why else m.unlearned)[name] = why
     for name in getattr(ms, "unconsumed", ()):
-        if name not in whole and name not in m.entries:
+        if name not in whole and name not in part and name not in m.entries and name not in m.slices:
             m.unlearned[name] = "the model's load_weights skipped it (no parameter consumed it)"
+    for name, ps in part.items():  # a name copied in part: every region of it as a slice (a whole copy as the trivial one)
+        shape = shape_of[name]
+        full = (0, shape, _contiguous_strides(shape))
+        regions = [*ps, *((pn, g, full) for pn, g in whole.pop(name, ()))]
+        m.slices[name] = tuple(regions)
+        m.spec[name] = (shape, m.params[regions[0][0]][3])
+        m.source[name] = source
+        for table in (m.entries, m.sliced, m.unlearned):
+            table.pop(name, None)
     for name, regions in whole.items():
         pname, g = regions[0]
         m.entries[name] = tuple(regions)
         m.spec[name] = (tuple(g[1]), m.params[pname][3])
         m.source[name] = source
+        m.slices.pop(name, None)
         m.sliced.pop(name, None)
         m.unlearned.pop(name, None)
     # tied parameters: the engine holds one tensor under both names (vLLM loads one name of a tied pair and
@@ -197,11 +260,16 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
             continue
         into = [n for n, rs in m.entries.items() if any(p == pname for p, _g in rs)]  # the names mapped into it
         whole_of = into[0] if len(into) == 1 and len(m.entries[into[0]]) == 1 else None
+        sliced_into = [n for n, rs in m.slices.items() if any(p == pname for p, _g, _s in rs)]
         if whole_of is not None:
             m.entries[alias], m.spec[alias] = m.entries[whole_of], m.spec[whole_of]
             m.source[alias] = f"tied to {whole_of} ({m.source[whole_of]})"
             m.unlearned.pop(alias, None)
-    if not m.entries and not m.padding and not m.conversions and not m.sliced and not m.unlearned:
+        elif not into and len(sliced_into) == 1 and alias not in m.slices:  # a shard of a tied vocab-parallel embedding
+            m.slices[alias], m.spec[alias] = m.slices[sliced_into[0]], m.spec[sliced_into[0]]
+            m.source[alias] = f"tied to {sliced_into[0]} ({m.source[sliced_into[0]]})"
+            m.unlearned.pop(alias, None)
+    if not m.entries and not m.slices and not m.padding and not m.conversions and not m.sliced and not m.unlearned:
         return old
     return m
 
@@ -317,6 +385,11 @@ def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch
     """Judge the names of ``expected`` (``{name: trainer's 32-hex}``) by what the engine holds where
     ``m`` maps them, recording the result in module session ``ms``.
 
+    A name mapped as slices (:attr:`LayoutMap.slices`, a tensor-parallel shard) is read the same way, but
+    its regions cannot be compared here (the worker does not know a slice's digest): each is recorded
+    in ``ms.state_slices`` with what it holds and whether the last close read the same there, the name
+    counted written there (coverage), and the trainer compares (:mod:`refit_verify.trainer.slices`).
+
     For each name: its regions are read now (one batch). All equal to the trainer's digest, or some
     not: the name is recorded as written there (coverage, and the session's read-back compares the
     regions with the trainer's digest: a ``mismatch`` names the parameter and region), its digest is
@@ -332,8 +405,12 @@ def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch
     t0 = time.perf_counter()
     batch = DigestBatch(hold_cpu=True)
     keys: dict[str, list[tuple[str, Region]]] = {}
+    srcs: dict[str, list[Geometry]] = {}
     for name in expected:
         regions = m.entries.get(name)
+        if regions is None and name in m.slices:
+            srcs[name] = [src for _p, _g, src in m.slices[name]]
+            regions = tuple((p, g) for p, g, _src in m.slices[name])
         if regions is None:
             ms.not_provable[name] = m.why_not(name)
             continue
@@ -370,15 +447,24 @@ def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch
         read.update({r: h for (_, r), h in zip(ks, hexes)})
         regions = [r for _, r in ks]
         want = expected[name]
+        shapes = {pname: m.params[pname][0] for pname, _ in regions}
+        if name in srcs:  # slices: the trainer compares (it digests the same slices of its tensor)
+            ms.state_slices[name] = [(pname, g, src, h, table.get((pname, g)) == h, describe_region(g, shapes[pname]),
+                                      describe_slice(src, m.spec[name][0]))
+                                     for (pname, g), src, h in zip(regions, srcs[name], hexes)]
+            ms.state_where[name] = "; ".join(f"{pname} {describe_region(g, shapes[pname])} <- {describe_slice(src, m.spec[name][0])}"
+                                             for (pname, g), src in zip(regions, srcs[name]))
+            _record_write(ms, name, regions, live, m, place=False)
+            continue
         if any(h != want for h in hexes) and all(table.get(r) == h for r, h in zip(regions, hexes)):
             ms.state_unwritten[name] = "its regions hold what the last session's close read there: not written by this refit"
             continue
         ms.by_state[name] = want
         ms.state_hex[name] = next((h for h in hexes if h != want), want)
-        shapes = {pname: m.params[pname][0] for pname, _ in regions}
         ms.state_where[name] = "; ".join(f"{pname} {describe_region(g, shapes[pname])}" for pname, g in regions)
         _record_write(ms, name, regions, live, m)
-    for pname in {p for name in ms.by_state for p, _g in m.entries[name]}:  # padding: no trainer tensor's, counted, said
+    judged = [p for name in ms.by_state for p, _g in m.entries[name]] + [p for name in ms.state_slices for p, *_ in m.slices[name]]
+    for pname in dict.fromkeys(judged):  # padding: no trainer tensor's, counted, said
         pads = m.padding.get(pname)
         if pads:
             ms.written[pname] = {**ms.written.get(pname, {}), **{g: _numel(g[1]) for g in pads}}
@@ -415,15 +501,20 @@ def read_regions(live: dict[str, torch.Tensor], regions: Iterable[Region]) -> di
     return {r: got[k] for k, r in keys.items()}
 
 
-def _record_write(ms: Any, name: str, regions: Iterable[Region], live: dict[str, torch.Tensor], m: LayoutMap) -> None:
-    """Record ``name`` as written whole into ``regions`` (what a watched load's records would say)."""
+def _record_write(ms: Any, name: str, regions: Iterable[Region], live: dict[str, torch.Tensor], m: LayoutMap,
+                  place: bool = True) -> None:
+    """Record ``name`` as written whole into ``regions`` (what a watched load's records would say);
+    ``place=False`` (slices, which the trainer compares): coverage only, nothing for read-back to compare."""
     shape, _dt = m.spec[name]
     for pname, g in regions:
         p = live[pname]
         c = Copy(g, (0, tuple(g[1]), tuple(g[2])))
         # new containers: a session that replayed its whole plan shares the plan's (boundary.plan.expand)
         ms.written[pname] = {**ms.written.get(pname, {}), g: c.numel()}
-        ms.placed[pname] = [*ms.placed.get(pname, ()), (c, WHOLE + name, name)]
+        if place:
+            ms.placed[pname] = [*ms.placed.get(pname, ()), (c, WHOLE + name, name)]
+        else:
+            ms.slice_params.add(pname)
         if pname not in ms.param_numel:
             ms.param_numel[pname] = p.numel()
             ms.param_dtype[pname] = p.dtype

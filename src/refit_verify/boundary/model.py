@@ -273,9 +273,10 @@ class ModelBoundary:
             notes.append("the layout map was learned again: the model's parameters changed since it was learned")
         todo = {}
         for n, sp in specs.items():
-            if m is not None and n in m.entries and m.spec.get(n) == sp:
+            mapped = m is not None and (n in m.entries or n in m.slices)
+            if mapped and m.spec.get(n) == sp:
                 continue
-            if m is not None and n in m.entries:
+            if mapped:
                 notes.append(f"{n} was mapped as {list(m.spec[n][0])} {m.spec[n][1]} and is announced as {list(sp[0])} {sp[1]}: "
                              "learned again")
             elif m is not None and n in m.sliced:
@@ -287,8 +288,9 @@ class ModelBoundary:
             for n, why in failed.items():
                 if n not in m.entries or n in todo:
                     m.entries.pop(n, None)
+                    m.slices.pop(n, None)
                     m.unlearned[n] = why
-            got = sum(1 for n in todo if n in m.entries)
+            got = sum(1 for n in todo if n in m.entries or n in m.slices)
             notes.append(f"dry learn of {len(todo)} names (the model's load_weights on placeholders, no write reaching the "
                          f"engine): {got} mapped" + (f", {len(todo) - got} not" if got < len(todo) else ""))
             self.layout = m
@@ -322,7 +324,8 @@ class ModelBoundary:
         if m is None or idx is None or m.index() is not idx or pname not in idx.params:
             return 0, [], [], {}
         done = set(written)
-        rest = list(dict.fromkeys(g for rs in m.entries.values() for p, g in rs if p == pname and g not in done))
+        mapped = [*((p, g) for rs in m.entries.values() for p, g in rs), *((p, g) for rs in m.slices.values() for p, g, _s in rs)]
+        rest = list(dict.fromkeys(g for p, g in mapped if p == pname and g not in done))
         read = read_regions(idx.params, [(pname, g) for g in rest])
         shape = m.params.get(pname, (tuple(idx.params[pname].shape),))[0]
         changed = [describe_region(g, shape) for g in rest if (pname, g) in read and self.region_table.get((pname, g)) not in

