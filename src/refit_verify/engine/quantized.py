@@ -68,7 +68,8 @@ def settle(ms, prefix: str, before: dict[str, torch.Tensor], after: dict[str, to
     ms.land_pending(set(inputs))
     states, early = read_now(ms, {p: before[p] for p in inputs}, prefix)
     ms.read_early.update(early)
-    full = all(p in ms.written and covered(ms.written[p]) >= before[p].numel() for p in inputs)
+    got = {p: min(covered(ms.written[p]), before[p].numel()) if p in ms.written else 0 for p in inputs}
+    part = [p for p in inputs if got[p] < before[p].numel()]
     sources = sorted({src for p in inputs for c, _key, src in ms.placed.get(p, ()) if not c.fill})
     for p in inputs:
         for rec in _RECORDS:
@@ -78,11 +79,16 @@ def settle(ms, prefix: str, before: dict[str, torch.Tensor], after: dict[str, to
     for o in outputs:
         t = after[o]
         ms.param_numel[o], ms.param_dtype[o] = t.numel(), t.dtype
-        if full:
-            ms.written[o] = {(0, tuple(t.shape), tuple(t.stride())): t.numel()}
+        ms.written[o] = {} if part else {(0, tuple(t.shape), tuple(t.stride())): t.numel()}
         if wrong:
             p, why = wrong[0]
             ms.unexplained[o] = f"{what} from {p}, which held other bytes than were delivered: {why}"
+            continue
+        if part:  # vLLM's reload quantizes the layer anyway, from a freshly made (uninitialised) bf16 tensor
+            p = part[0]
+            ms.unexplained[o] = (f"{what} from {p}, which this refit wrote only in part ({got[p]} of {before[p].numel()} "
+                                 "elements): the rest of what was quantized is not the engine's previous weights but "
+                                 "memory the reload made for it")
             continue
         if unsure:
             p, why = unsure[0]
