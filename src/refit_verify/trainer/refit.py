@@ -261,9 +261,10 @@ class RefitCheck:
         if idle:  # (the channel never answers with no worker at all)
             r = idle[0]
             why = r.get("reason", "no reason given") if isinstance(r, Mapping) else repr(r)
+            hint = ("set REFIT_VERIFY in the vLLM engine's environment too" if str(why).startswith("REFIT_VERIFY=")
+                    else "this vLLM worker cannot be verified: see docs/versions.md")
             msg = (f"refit-verify: REFIT_VERIFY={self.mode.value} in the trainer but vLLM worker rank "
-                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify ({why}); "
-                   "set REFIT_VERIFY in the vLLM engine's environment too")
+                   f"{r.get('rank') if isinstance(r, Mapping) else '?'} does not verify ({why}); {hint}")
             self._close_quietly(results_known=True)  # the workers that verify opened the session
             self._not_checked(msg)
             return

@@ -5,8 +5,8 @@
   (label -> original) so tests can restore it (:func:`restore_all`); idempotent.
 * :func:`when_imported`: run a callback once a module is imported (post-import hook), for modules
   vLLM imports after the plugin ran.
-* :func:`layerwise_reload`, :func:`default_weight_loader`, :func:`worker_identity`,
-  :func:`draft_model`: small per-version accessors.
+* :func:`layerwise_reload`, :func:`default_weight_loader`, :func:`worker_identity`: small per-version
+  accessors (a worker's models, config and device: :mod:`refit_verify.vllm_plugin.runner`).
 * :func:`restore_unfinished_layers`: a layer of vLLM's layerwise reload that cannot land whole
   (a refused part, a failed refit) gets its previous kernel tensors back before finalize.
 
@@ -334,28 +334,15 @@ def _group_rank(getter: str) -> int:
         return 0
 
 
-def worker_identity(worker: Any):
-    """Return the :class:`~refit_verify.manifest.WorkerIdentity` of a vLLM worker object."""
+def worker_identity(worker: Any, device: Any = None):
+    """Return the :class:`~refit_verify.manifest.WorkerIdentity` of a vLLM worker object on ``device``
+    (:func:`refit_verify.vllm_plugin.runner.identity` finds it; None: ``"cpu"``)."""
     from refit_verify.manifest import WorkerIdentity
 
     pc = getattr(worker, "parallel_config", None)
     dp = getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0
-    device = getattr(worker, "device", None)
     return WorkerIdentity(rank=int(getattr(worker, "rank", 0) or 0), dp=int(dp), tp=_group_rank("get_tp_group"),
                           pp=_group_rank("get_pp_group"), device=str(device) if device is not None else "cpu", pid=os.getpid())
-
-
-def draft_model(worker: Any) -> Any:
-    """Return the worker's draft / MTP model (speculative decoding), or None."""
-    get = getattr(worker, "get_draft_model", None)  # vLLM >= 0.33
-    if callable(get):
-        try:
-            return get()
-        except Exception:  # noqa: BLE001 - no drafter configured
-            return None
-    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    model = getattr(drafter, "model", None)
-    return model if callable(getattr(model, "load_weights", None)) else None
 
 
 def hide_llvmlite_ffi(raw: Any) -> Any:

@@ -35,7 +35,7 @@ from refit_verify.engine.adapters import AdapterLedger, check_regions, outside, 
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import to_text
 from refit_verify.trainer.adapters import AUDIT_METHOD, LAYOUT_METHOD, VERIFY_METHOD, AdapterAudit, AdapterManifest
-from refit_verify.vllm_plugin import shims
+from refit_verify.vllm_plugin import runner
 
 logger = logging.getLogger("refit_verify")
 
@@ -51,20 +51,14 @@ def _arg(v: Any) -> Any:
 
 
 def _not_verifying(worker) -> dict[str, Any]:
-    return {"rank": getattr(worker, "rank", None), "verifying": False,
-            "reason": f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker"}
+    from refit_verify.vllm_plugin.worker_sessions import not_verifying_reason
+
+    return {"rank": getattr(worker, "rank", None), "verifying": False, "reason": not_verifying_reason(worker)}
 
 
 def _manager(worker) -> Any:
     """The worker's ``LoRAModelManager`` (vLLM's adapter slots), or None when LoRA is off."""
-    wm = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
-    am = getattr(wm, "_adapter_manager", None)
-    if am is None:
-        try:
-            am = getattr(worker.get_model(), "lora_manager", None)
-        except Exception:  # noqa: BLE001 - no model yet
-            am = None
-    return am
+    return runner.lora_manager(worker)
 
 
 def _ledger(worker) -> AdapterLedger:
@@ -220,7 +214,7 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     if isinstance(adapter_id, bool) or not isinstance(adapter_id, int):
         raise RefitConfigError(f"refit_verify_lora_verify: adapter_id must be an int, got {adapter_id!r}")
     want = _EXPECTED.decode(expected)
-    ident = shims.worker_identity(self)
+    ident = runner.identity(self)
     am = _manager(self)
     base = dict(worker=ident, adapter_id=adapter_id, version=version)
     if am is None:
@@ -345,7 +339,7 @@ def refit_verify_lora_audit(self) -> dict[str, Any]:
     """
     if not mode_from_env().verifies:
         return _not_verifying(self)
-    ident = shims.worker_identity(self)
+    ident = runner.identity(self)
     am = _manager(self)
     led = _ledger(self)
     if am is None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from refit_verify.manifest import digest_map_text
-from refit_verify.vllm_plugin import shims
+from refit_verify.vllm_plugin import runner, shims
 from refit_verify.vllm_plugin import worker_sessions as sessions
 from refit_verify.vllm_plugin.broadcast_trainer import DEFAULT_GROUP_TIMEOUT_S
 from refit_verify.vllm_plugin.worker_copies import owned_copies
@@ -69,7 +69,7 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     digests = SessionDigests(wb, "transport", expect_producer=expect) if wb is not None else None
     outcome: dict[str, Any] = {}
     try:
-        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=self.device) as receiver:
+        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=runner.device(self)) as receiver:
             with _reload_session(self, digests, outcome) as load:
                 try:
                     res = receiver.receive(load=load, digests=digests)
@@ -99,7 +99,7 @@ def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str
     """
     from refit_verify.digest.batch import digest_tensors
 
-    params = dict(self.get_model().named_parameters())
+    params = dict(runner.main_model(self).named_parameters())
     wanted = list(params) if names is None else list(names)
     missing = [n for n in wanted if n not in params]
     if missing:
@@ -153,7 +153,7 @@ def refit_verify_broadcast_init(self, host: str, port: int, world_size: int, ran
         raise RefitConfigError(f"refit_verify_broadcast_init: worker {worker_index} would join as rank {rank} "
                                f"(rank_offset {rank_offset}), not below world_size {world_size}: world_size must count "
                                "the trainer ranks plus every worker of every data-parallel replica")
-    device = getattr(self, "device", None) or torch.device("cpu")
+    device = runner.device(self) or torch.device("cpu")
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if str(backend).lower() != "nccl":
@@ -246,7 +246,7 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
     written with uninitialised rows. What was put back is recorded with the session and, when
     ``outcome`` is given, in ``outcome["kept"]`` (``{parameter: why}``).
     """
-    model = worker.get_model()
+    model = runner.main_model(worker)
     start, finish = shims.layerwise_reload()
     started = [False]
     finished = [not start]
@@ -272,7 +272,7 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
                     "refit-verify: %d parameters keep the previous version (%s): %s", len(kept),
                     "the refit failed" if failed and not refused else f"refused before loading: {', '.join(refused[:4])}",
                     ", ".join(list(kept)[:8]))
-        finish(model, worker.model_config)
+        finish(model, runner.model_config(worker))
 
     def load(batch):
         # Layerwise reload defers a layer's processing until all its weights arrived and keeps

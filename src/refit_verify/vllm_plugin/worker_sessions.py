@@ -27,7 +27,7 @@ from refit_verify.boundary.worker import WorkerBoundary
 from refit_verify.config import mode_from_env
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import Producer, local_reply_token, to_text
-from refit_verify.vllm_plugin import shims
+from refit_verify.vllm_plugin import runner, shims
 
 logger = logging.getLogger("refit_verify")
 
@@ -47,13 +47,15 @@ def _new_boundary(identity) -> WorkerBoundary:
 
 
 def boundary_of(worker: Any) -> WorkerBoundary | None:
-    """Return the worker's boundary (attaching its models if needed), or None when not verifying."""
+    """Return the worker's boundary (attaching its models if needed), or None when not verifying:
+    ``REFIT_VERIFY=off``, or the plugin cannot find the worker's model (:func:`runner.unverifiable`,
+    logged; the worker's methods then answer ``verifying: False`` with the reason)."""
     wb = getattr(worker, _ATTR, None)
     if wb is not None:
         return wb
-    if not mode_from_env().verifies:
+    if not mode_from_env().verifies or runner.unverifiable(worker) is not None:
         return None
-    wb = _new_boundary(shims.worker_identity(worker))
+    wb = _new_boundary(runner.identity(worker))
     setattr(worker, _ATTR, wb)
     attach_models(worker, wb)
     return wb
@@ -63,11 +65,8 @@ def attach_models(worker: Any, wb: WorkerBoundary, refresh: bool = True) -> None
     """Attach the main model and the drafter of ``worker`` to ``wb`` (idempotent; ``refresh``: see
     :meth:`WorkerBoundary.attach`)."""
     default = shims.default_weight_loader()
-    try:
-        model = worker.get_model()
-    except Exception:  # noqa: BLE001 - no model loaded yet
-        model = None
-    for role, m in (("model", model), ("drafter", shims.draft_model(worker))):
+    found = runner.models(worker)  # (None, None) before the model is loaded
+    for role, m in (("model", found.model), ("drafter", found.drafter)):
         if m is not None and wb.attach(role, m, default, shims.layerwise_restore_params, refresh=refresh) is not None:
             _BY_MODEL[m] = wb
 
@@ -203,8 +202,15 @@ def _open_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _not_verifying(self) -> dict[str, Any]:
-    return {"rank": getattr(self, "rank", None), "verifying": False,
-            "reason": f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker"}
+    return {"rank": getattr(self, "rank", None), "verifying": False, "reason": not_verifying_reason(self)}
+
+
+def not_verifying_reason(worker: Any) -> str:
+    """Why ``worker`` answers ``verifying: False``: its ``REFIT_VERIFY``, or ``"not verifying: <why>"``
+    where the plugin cannot find its model (:func:`runner.unverifiable`)."""
+    mode = mode_from_env()
+    why = runner.unverifiable(worker) if mode.verifies else None
+    return f"not verifying: {why}" if why else f"REFIT_VERIFY={mode.value} in this vLLM worker"
 
 
 def refit_verify_session_open(self, session_id: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -341,11 +347,11 @@ def refit_verify_engine_state(self) -> dict[str, Any]:
     if wb is None:  # an explicit request: digest the state even where REFIT_VERIFY is off (the canary's fresh engine)
         from refit_verify.engine import state as engine_state
 
-        modules = {"model": self.get_model()}
-        draft = shims.draft_model(self)
-        if draft is not None:
-            modules["drafter"] = draft
-        state = engine_state.snapshot(modules, shims.worker_identity(self))
+        found = runner.models(self)
+        modules = {"model": runner.main_model(self)}
+        if found.drafter is not None:
+            modules["drafter"] = found.drafter
+        state = engine_state.snapshot(modules, runner.identity(self))
         return {"rank": getattr(self, "rank", 0), "verifying": False, "state": to_text(state)}
     attach_models(self, wb)
     return {"rank": wb.identity.rank, "verifying": True, "state": to_text(wb.state())}

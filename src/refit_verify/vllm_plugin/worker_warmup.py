@@ -21,6 +21,7 @@ from typing import Any
 
 from refit_verify.config import mode_from_env
 from refit_verify.digest import backends
+from refit_verify.vllm_plugin import runner
 
 logger = logging.getLogger("refit_verify")
 
@@ -42,7 +43,7 @@ def start(worker: Any) -> backends.Warmup | None:
         off, or the worker has no device yet).
     """
     try:
-        device = getattr(worker, "device", None)
+        device = runner.device(worker)
         if device is None or not mode_from_env().verifies:
             return None
         return backends.start_warmup(device, then=_import_refit_modules)
@@ -64,7 +65,7 @@ def wrap_init_device(raw):
 def wrap_compile_or_warm_up_model(raw):
     @functools.wraps(raw)
     def compile_or_warm_up_model(self, *args, **kwargs):
-        device = getattr(self, "device", None)
+        device = runner.device(self)
         if device is not None:
             backends.wait_for_warmup(getattr(device, "type", str(device)))
         return raw(self, *args, **kwargs)
