@@ -16,7 +16,7 @@ import torch
 
 from tests.support.extensions import FrameworkSyncExtension, map_file, map_tensor
 
-__all__ = ["DirectWriteExtension"]
+__all__ = ["DirectWriteExtension", "TPDirectWriteExtension"]
 
 
 class DirectWriteExtension(FrameworkSyncExtension):
@@ -62,3 +62,68 @@ class DirectWriteExtension(FrameworkSyncExtension):
             flat[torch.tensor(idx, dtype=torch.long)] = torch.tensor(values, dtype=flat.dtype)
             n += len(idx)
         return n
+
+
+class TPDirectWriteExtension(DirectWriteExtension):
+    """:class:`DirectWriteExtension` on a tensor-parallel worker: each rank writes its own shard of every
+    HF tensor, as vLLM's parallel layers hold them (rows of q / k / v in ``qkv_proj`` and of gate / up in
+    ``gate_up_proj``, a replicated kv head whole; columns of the row-parallel ``o_proj`` / ``down_proj``;
+    its rows of the vocab-parallel embeddings; norms whole)."""
+
+    def _dwtp_shard(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(engine memory holding this rank's shard of name, that shard of the full tensor t)``."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        r, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        hf = self.model_runner.model_config.hf_config
+        params = dict(self.model_runner.model.named_parameters())
+        head = hf.hidden_size // hf.num_attention_heads
+        q = hf.num_attention_heads * head // tp
+        kv_heads = max(1, hf.num_key_value_heads // tp)
+        kv, kv_rank = kv_heads * head, r // max(1, tp // hf.num_key_value_heads)
+        for part, (lo, n, at) in {"q_proj": (0, q, r), "k_proj": (q, kv, kv_rank), "v_proj": (q + kv, kv, kv_rank)}.items():
+            if name.endswith(f".self_attn.{part}.weight"):
+                return params[name.replace(f"{part}.weight", "qkv_proj.weight")].data[lo:lo + n], t.narrow(0, at * n, n)
+        inter = hf.intermediate_size // tp
+        for part, lo in {"gate_proj": 0, "up_proj": inter}.items():
+            if name.endswith(f".mlp.{part}.weight"):
+                return params[name.replace(f"{part}.weight", "gate_up_proj.weight")].data[lo:lo + inter], t.narrow(0, r * inter, inter)
+        p = params[name].data
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return p, t.narrow(1, r * p.shape[1], p.shape[1])
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            lo = r * p.shape[0]
+            n = max(0, min(p.shape[0], hf.vocab_size - lo))
+            return p[:n], t.narrow(0, lo, n)
+        return p, t
+
+    def dwtp_write(self, path: str, entries: list[list[Any]], skip: list[str] | None = None, flip: str | None = None,
+                   flip_rank: int | None = None) -> int:
+        """Copy this rank's shard of each tensor of the trainer's file into its engine memory; leave out
+        ``skip``; ``flip``: then flip one bit of the middle byte of that tensor's shard here, on rank
+        ``flip_rank`` only. Returns the tensors written."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        buf = map_file(path)
+        n = 0
+        for name, dtype, shape, off in entries:
+            if name in (skip or ()):
+                continue
+            dest, src = self._dwtp_shard(name, map_tensor(buf, dtype, shape, off))
+            dest.copy_(src)
+            n += 1
+        if flip is not None and flip_rank == get_tensor_model_parallel_rank():
+            dest, _src = self._dwtp_shard(flip, _full_like(entries, buf, flip))
+            raw = dest.view(torch.uint8).view(-1)
+            raw[raw.numel() // 2] ^= 1
+        return n
+
+    def dwtp_param_bytes(self) -> int:
+        """Bytes of this worker's model parameters (what every byte proven must add up to)."""
+        return sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
+
+
+def _full_like(entries: list[list[Any]], buf: torch.Tensor, name: str) -> torch.Tensor:
+    """The trainer's tensor ``name`` in the file (a view)."""
+    (entry,) = [e for e in entries if e[0] == name]
+    return map_tensor(buf, entry[1], entry[2], entry[3])

@@ -33,7 +33,8 @@ def _report_dict(rank: int, out: Any, wall: float, stats: dict) -> dict:
         d["error"] = {"type": type(out).__name__, "message": str(out)}
     if report is not None and not isinstance(report, BaseException):
         d.update(ok=report.ok, verified=report.verified, report_rank=report.rank, mismatched=list(report.mismatched),
-                 missing=list(report.missing), unexpected=list(report.unexpected))
+                 missing=list(report.missing), unexpected=list(report.unexpected), problems=list(report.problems),
+                 version=report.version)
     return d
 
 
@@ -67,7 +68,8 @@ def _trainer_main(rank: int, world: int, port: int, backend: str, cfg: dict, see
                 break
             rc = RefitConfig.build(**cmd["config"])
             fault = cmd.get("fault")
-            ep = endpoint.format(rank=rank)
+            ep = endpoint.format(rank=cmd.get("bind", {}).get(rank, rank))  # another rank's endpoint: a wiring fault
+            version = cmd.get("versions", {}).get(rank)
             if fault and fault["rank"] == rank:
                 sender = OneByteFlipSender(config=rc, device=device, endpoint=ep, rank=rank, target=fault["target"],
                                            byte_index=fault["byte_index"])
@@ -76,7 +78,7 @@ def _trainer_main(rank: int, world: int, port: int, backend: str, cfg: dict, see
             results.put({"rank": rank, "bound": ep})  # the endpoint exists before the workers are asked to connect
             t0 = time.perf_counter()
             try:
-                out: Any = sender.send(weights.items())
+                out: Any = sender.send(weights.items(), version=version)
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 out = e
             finally:
@@ -135,12 +137,15 @@ class TrainerRanks:
             got[d["rank"]] = d
         return got
 
-    def start_send(self, config: dict, fault: dict | None = None) -> None:
+    def start_send(self, config: dict, fault: dict | None = None, bind: dict[int, int] | None = None,
+                   versions: dict[int, int] | None = None) -> None:
         """Make every rank send once with ``RefitConfig.build(**config)``; return once every rank's
         sender bound its endpoint. ``fault``: ``{"rank", "target", "byte_index"}`` makes that rank a
-        :class:`~refit_verify.cli.demo.OneByteFlipSender`."""
+        :class:`~refit_verify.cli.demo.OneByteFlipSender`; ``bind``: ``{rank: other rank}`` binds that
+        rank's sender to the other rank's endpoint (its worker gets this rank's payload); ``versions``:
+        ``{rank: weight version}`` that rank sends (default unversioned)."""
         for q in self._commands:
-            q.put({"config": config, "fault": fault})
+            q.put({"config": config, "fault": fault, "bind": dict(bind or {}), "versions": dict(versions or {})})
         self._collect(60.0)  # every rank bound its endpoint
 
     def results(self, timeout_s: float = 300.0) -> dict[int, dict]:
