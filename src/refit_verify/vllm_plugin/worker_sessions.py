@@ -57,6 +57,7 @@ def boundary_of(worker: Any) -> WorkerBoundary | None:
         return None
     wb = _new_boundary(runner.identity(worker))
     setattr(worker, _ATTR, wb)
+    logger.info("refit-verify: verifying worker rank %s: %s", wb.identity.rank, runner.describe(worker))
     attach_models(worker, wb)
     return wb
 
