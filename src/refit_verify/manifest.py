@@ -27,7 +27,7 @@ import msgspec
 
 from refit_verify.errors import RefitProtocolError
 
-__all__ = ["AuditResult", "Certificate", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "StateSlice", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
+__all__ = ["AuditResult", "Certificate", "EngineReads", "EngineSnapshot", "EngineState", "ExternalDigests", "TensorState", "ModuleManifest", "ParamState", "Producer", "SessionManifest", "StateSlice", "Unsessioned", "WorkerIdentity", "local_reply_token", "to_text",
            "digest_map", "digest_map_text", "from_wire", "to_wire"]
 
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
@@ -210,6 +210,27 @@ class EngineState(msgspec.Struct, **_OPTS):
     digest_s: float = 0.0
 
 
+class EngineReads(msgspec.Struct, **_OPTS):
+    """How one session's close read the engine's memory (``boundary.close_reads``).
+
+    Attributes:
+        passes: reads of engine memory: the engine-state snapshot (every module's parameters and
+            persistent buffers, with the regions of fused parameters the close needed read in the
+            same launch) is one; each later read of regions (read-back, judging by the state, a
+            delta's other regions) is another. 1 in the steady state; 0: nothing was read.
+        bytes: bytes read in all passes (a region inside a fused parameter is read beside its
+            parameter: its bytes count twice).
+        state_bytes: bytes of the state tensors the snapshot read (each once, unless the model's
+            parameters changed during the close and the state was read again).
+        why: for each pass after the state's, why its regions were not read with the state.
+    """
+
+    passes: int = 0
+    bytes: int = 0
+    state_bytes: int = 0
+    why: list[str] = []
+
+
 class TensorState(msgspec.Struct, gc=False, **_OPTS):
     """One engine tensor as it is now.
 
@@ -358,6 +379,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         delta: why this worker cannot prove "the state the base session left + this patch = the
             state the engine holds now" (another base version; a parameter written in part whose
             other regions changed or were not read at the base's close), one sentence each.
+        reads: how the close read the engine's memory (passes, bytes, why more than one), or None
+            (a manifest of an earlier release).
     """
 
     session: str
@@ -383,6 +406,7 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     base: int | None = None
     base_session: str | None = None
     delta: list[str] = []
+    reads: EngineReads | None = None
 
     def digests(self) -> dict[str, str]:
         """Return the delivered digests of every module merged (``{name: 32-hex}``)."""

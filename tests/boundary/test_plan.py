@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from refit_verify.boundary import record as delivery
+from refit_verify.boundary import close_reads
 
 from refit_verify.engine import state as engine_state
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
@@ -735,6 +736,7 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
 
     def run(ride: bool):
         monkeypatch.setattr(engine_state, "_riding", riding if ride else lambda *a: None)
+        monkeypatch.setattr(close_reads, "ONE_PASS", ride)  # (one-pass closes would read the regions it plans with the state)
         wb, model = _worker(device)
         mans = []
         for v in (1, 2, 3):

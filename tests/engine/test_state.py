@@ -63,8 +63,8 @@ def _scenario(ride: bool, monkeypatch, fail_at: int | None = None):
     monkeypatch.setattr(engine_state, "_riding", readback._riding if ride else (lambda *a: None))
     raw, drafter_calls = engine_state._snapshot_launch, []
 
-    def snapshot_launch(idx, ds, ms, prefix):
-        out = raw(idx, ds, ms, prefix)
+    def snapshot_launch(idx, ds, ms, prefix, *rest):
+        out = raw(idx, ds, ms, prefix, *rest)
         if prefix == "drafter:":
             drafter_calls.append(1)
             if len(drafter_calls) == fail_at:
@@ -108,8 +108,8 @@ def test_both_roles_take_their_regions_from_the_snapshots_launch(monkeypatch):
     raw_launch, raw_collect = DigestSet.launch, engine_state._snapshot_collect
     monkeypatch.setattr(DigestSet, "launch", lambda self, *a, **k: (launched.append(len(self)), raw_launch(self, *a, **k))[1])
 
-    def snapshot_collect(launch, prog, ms, n):
-        out = raw_collect(launch, prog, ms, n)
+    def snapshot_collect(launch, prog, extra, ms, n, *rest):
+        out = raw_collect(launch, prog, extra, ms, n, *rest)
         taken.append(prog is not None and prog.pre is not None and prog.pre[0] is ms)
         return out
 
@@ -285,7 +285,7 @@ def test_the_state_is_launched_before_the_closes_index_check(monkeypatch):
     events = []
     raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index
     monkeypatch.setattr(engine_state, "_snapshot_launch",
-                        lambda idx, ds, ms, prefix: (events.append(("launch", prefix)), raw_launch(idx, ds, ms, prefix))[1])
+                        lambda idx, ds, ms, prefix, *rest: (events.append(("launch", prefix)), raw_launch(idx, ds, ms, prefix, *rest))[1])
 
     def index(self, refresh=True, quick=False):
         if refresh and not quick:
@@ -328,7 +328,7 @@ def test_a_parameter_replaced_before_the_close_drops_the_early_launch(monkeypatc
     launches = []
     raw_launch = engine_state._snapshot_launch
     monkeypatch.setattr(engine_state, "_snapshot_launch",
-                        lambda idx, ds, ms, prefix: (launches.append(prefix), raw_launch(idx, ds, ms, prefix))[1])
+                        lambda idx, ds, ms, prefix, *rest: (launches.append(prefix), raw_launch(idx, ds, ms, prefix, *rest))[1])
     wb = WorkerBoundary(identity_of(rank=0))
     wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
     m, d = _Replacing(), _Replacing()
@@ -368,8 +368,8 @@ def test_a_model_that_replaces_its_parameters_at_every_load_is_read_once_per_clo
     events = []
     raw_launch, raw_index = engine_state._snapshot_launch, ModelBoundary.index
     monkeypatch.setattr(engine_state, "_snapshot_launch",
-                        lambda idx, ds, ms, prefix: (events.append("launch"), raw_launch(idx, ds, ms, prefix))[1] if prefix == ""
-                        else raw_launch(idx, ds, ms, prefix))
+                        lambda idx, ds, ms, prefix, *rest: (events.append("launch"), raw_launch(idx, ds, ms, prefix, *rest))[1] if prefix == ""
+                        else raw_launch(idx, ds, ms, prefix, *rest))
 
     def index(self, refresh=True, quick=False):
         if refresh and not quick and self.role == "model":

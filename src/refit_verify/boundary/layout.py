@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from refit_verify.boundary.close_reads import RegionBatch
 from refit_verify.boundary.placement import WHOLE, Copy
-from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.tensors import PLAIN, Geometry, as_view, check_tensor, dtype_name
 
 __all__ = ["LayoutMap", "Region", "SliceRegion", "describe_region", "describe_slice", "dry_learn", "judge", "learn_session",
@@ -381,7 +381,7 @@ def dry_learn(boundary: Any, specs: dict[str, tuple[tuple[int, ...], str]], reco
 
 
 def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch.Tensor],
-          table: dict[Region, str]) -> tuple[dict[Region, str], float]:
+          table: dict[Region, str], reads: Any = None) -> tuple[dict[Region, str], float]:
     """Judge the names of ``expected`` (``{name: trainer's 32-hex}``) by what the engine holds where
     ``m`` maps them, recording the result in module session ``ms``.
 
@@ -403,7 +403,7 @@ def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch
         ``({region: 32-hex} read now, host seconds)``.
     """
     t0 = time.perf_counter()
-    batch = DigestBatch(hold_cpu=True)
+    batch = RegionBatch(reads, "judging by the state")  # (a region the close's state pass read is taken from ``reads``)
     keys: dict[str, list[tuple[str, Region]]] = {}
     srcs: dict[str, list[Geometry]] = {}
     for name in expected:
@@ -434,7 +434,7 @@ def judge(ms: Any, m: LayoutMap, expected: dict[str, str], live: dict[str, torch
                     view = as_view(live[pname].detach(), g)
                     check_tensor(view)
                     k = f"{i}:{name}"
-                    batch.add(k, view, checked=True)
+                    batch.add(k, view, checked=True, of=(live[pname], g))
                     ks.append((k, (pname, g)))
         except (RuntimeError, ValueError) as e:
             ms.not_provable[name] = f"its region cannot be read: {e}"[:300]
@@ -479,10 +479,10 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def read_regions(live: dict[str, torch.Tensor], regions: Iterable[Region]) -> dict[Region, str]:
-    """``{region: 32-hex}`` of ``regions`` of the live parameters, read at once; a region that cannot
-    be read (its parameter gone or resized) is left out."""
-    batch = DigestBatch(hold_cpu=True)
+def read_regions(live: dict[str, torch.Tensor], regions: Iterable[Region], reads: Any = None) -> dict[Region, str]:
+    """``{region: 32-hex}`` of ``regions`` of the live parameters, read at once (or taken from the
+    close's state pass, ``reads``); a region that cannot be read (its parameter gone or resized) is left out."""
+    batch = RegionBatch(reads, "a delta's other regions")
     keys: dict[str, Region] = {}
     with PLAIN():
         for r in regions:
@@ -496,7 +496,7 @@ def read_regions(live: dict[str, torch.Tensor], regions: Iterable[Region]) -> di
                 continue
             k = str(len(keys))
             keys[k] = r
-            batch.add(k, view, checked=True)
+            batch.add(k, view, checked=True, of=(p, r[1]))
     got = batch.hexdigests() if len(batch) else {}
     return {r: got[k] for k, r in keys.items()}
 

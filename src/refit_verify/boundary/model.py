@@ -296,26 +296,35 @@ class ModelBoundary:
             self.layout = m
         return m, notes
 
+    def state_map(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]]) -> LayoutMap | None:
+        """The layout map for names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``),
+        learned dry where it lacks them (:meth:`layout_for`); what was learned is said in ``s.layout``."""
+        m, notes = self.layout_for({n: (tuple(sh), dt) for n, (_h, sh, dt) in announced.items()})
+        if notes:
+            s.layout = "; ".join(notes)
+        return m
+
     def judge_state(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]],
-                    since_last: bool = True) -> dict[Region, str]:
+                    since_last: bool = True, reads: Any = None, m: Any = None) -> dict[Region, str]:
         """Judge names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``) that no load of
         session ``s`` delivered by what the engine holds where the layout map puts them
         (:func:`refit_verify.boundary.layout.judge`); return the regions read, ``{region: 32-hex}``.
         ``since_last``: a name whose regions hold what the last close read there counts as not
-        written (a refit); False: it differs (a check of the state, where nothing is written)."""
-        m, notes = self.layout_for({n: (tuple(sh), dt) for n, (_h, sh, dt) in announced.items()})
-        if notes:
-            s.layout = "; ".join(notes)
+        written (a refit); False: it differs (a check of the state, where nothing is written).
+        ``reads``: the close's :class:`~refit_verify.boundary.close_reads.CloseReads` (regions its
+        state pass read are taken from it); ``m``: the map :meth:`state_map` gave at this close."""
+        if m is None:
+            m = self.state_map(s, announced)
         idx = self.index(refresh=False)
         if m is None or idx is None:
             s.not_provable.update({n: "the model has no layout map" for n in announced})
             return {}
         read, secs = judge(s, m, {n: h for n, (h, _sh, _dt) in announced.items()}, idx.params,
-                           self.region_table if since_last else {})
+                           self.region_table if since_last else {}, reads)
         s.digest_s += secs
         return read
 
-    def unchanged_rest(self, pname: str, written: Iterable[tuple]) -> tuple[int, list[str], list[str], dict[Region, str]]:
+    def unchanged_rest(self, pname: str, written: Iterable[tuple], reads: Any = None) -> tuple[int, list[str], list[str], dict[Region, str]]:
         """For parameter ``pname`` written in part: the layout map's other regions in it read now and
         compared with :attr:`region_table` (what the last close read there). Returns ``(elements
         they cover, descriptions of those that changed, descriptions of those the last close did not
@@ -326,7 +335,7 @@ class ModelBoundary:
         done = set(written)
         mapped = [*((p, g) for rs in m.entries.values() for p, g in rs), *((p, g) for rs in m.slices.values() for p, g, _s in rs)]
         rest = list(dict.fromkeys(g for p, g in mapped if p == pname and g not in done))
-        read = read_regions(idx.params, [(pname, g) for g in rest])
+        read = read_regions(idx.params, [(pname, g) for g in rest], reads)
         shape = m.params.get(pname, (tuple(idx.params[pname].shape),))[0]
         changed = [describe_region(g, shape) for g in rest if (pname, g) in read and self.region_table.get((pname, g)) not in
                    (None, read[(pname, g)])]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from refit_verify.boundary import close_reads
 from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
 from refit_verify.boundary.record import ModuleSession, match_any
@@ -263,46 +264,56 @@ class WorkerBoundary:
                 if idx is not None and idx.aliases:
                     ms.fold_aliases(idx.aliases)
             errors = list(s.errors)
-            judged: dict[str, dict] = {}
-            for role, ms in sessions.items():  # announced, not delivered: judged by the engine state (layout map)
-                todo = {n: v for n, v in (expected or {}).get(role, {}).items()
-                        if n not in ms.delivered and n not in ms.replayed and n not in ms.refused and n not in ms.withheld}
-                if todo:
-                    try:
-                        judged[role] = self.modules[role].judge_state(ms, todo, since_last=not s.state)
-                    except Exception as e:  # noqa: BLE001 - reported, never silent: those names are not provable
-                        logger.exception("refit-verify: judging by the engine state failed on worker rank %s", self.identity.rank)
-                        errors.append(f"judging {len(todo)} names by the engine state failed: {type(e).__name__}: {e}"[:500])
-            written: set[str] = set()
-            for role, ms in sessions.items():
-                prefix = "" if role == "model" else f"{role}:"
-                self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
-                self._written_version.update({prefix + k: s.version for k in ms.written})
-                written.update(prefix + k for k in ms.written)
+            reads = close_reads.CloseReads()
+            # announced, not delivered: judged by the engine state (layout map), after the snapshot read their regions
+            todos = {role: todo for role, ms in sessions.items()
+                     if (todo := {n: v for n, v in (expected or {}).get(role, {}).items()
+                                  if n not in ms.delivered and n not in ms.replayed and n not in ms.refused and n not in ms.withheld})}
+            maps = self._state_maps(sessions, todos, errors, reads)
+            if s.base is not None:
+                self._plan_delta(sessions, todos, reads)
+            written = self._note_written(s, sessions)
             previous = self.baseline
             # read back when asked, and always when a delivered tensor is proven only where it landed
             reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
-            # the engine state first: read-back takes a parameter written whole from its digest (one pass),
-            # and the regions of a kept read-back program are read in the snapshot's launch. The model
-            # indexes are checked once per close (snapshot, read-back and the manifests use them as they
-            # are): by the snapshot, while the device reads the state (refresh=True)
+            if reading:
+                for role, ms in sessions.items():
+                    idx = self.modules[role].index(refresh=False)
+                    if idx is not None:
+                        reads.plan_session(role, ms, idx.params)
+            # the engine state first, in one pass: read-back takes a parameter written whole from its digest, and
+            # the regions the close planned (fused blocks; a kept read-back program's) are read in the snapshot's
+            # launch. The model indexes are checked once per close (snapshot, read-back and the manifests use them
+            # as they are): by the snapshot, while the device reads the state (refresh=True)
             if self.snapshotter is None:
                 self._refresh_indexes()
             else:
                 try:
+                    riding = {role: ms for role, ms in sessions.items() if role not in todos} if reading else None
                     self.baseline = self.snapshotter(self.modules, self.identity, s.id, s.version, dict(self._replicated),
-                                                     dict(self._written_version), sessions=sessions if reading else None,
-                                                     refresh=True)
+                                                     dict(self._written_version), sessions=riding, refresh=True, reads=reads)
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: engine-state snapshot failed on worker rank %s", self.identity.rank)
                     errors.append(f"engine-state snapshot failed: {type(e).__name__}: {e}"[:500])
                     self.baseline = None
                     self._refresh_indexes()  # a snapshot that failed may have checked some of them, or none
+            judged: dict[str, dict] = {}
+            for role, todo in todos.items():
+                if role not in maps:
+                    continue
+                try:
+                    judged[role] = self.modules[role].judge_state(sessions[role], todo, since_last=not s.state, reads=reads,
+                                                                  m=maps[role])
+                except Exception as e:  # noqa: BLE001 - reported, never silent: those names are not provable
+                    logger.exception("refit-verify: judging by the engine state failed on worker rank %s", self.identity.rank)
+                    errors.append(f"judging {len(todo)} names by the engine state failed: {type(e).__name__}: {e}"[:500])
+            if todos:  # the parameters judging found written: recorded as a watched load's would have been
+                written = self._note_written(s, sessions, restamp=written)
             known = {k: v.digest for k, v in self.baseline.params.items()} if self.baseline is not None else None
             engine = None
             if reading:
                 try:
-                    engine = self.readback(sessions, self.modules, known=known)
+                    engine = self.readback(sessions, self.modules, known=known, reads=reads)
                 except Exception as e:  # noqa: BLE001 - reported, never silent
                     logger.exception("refit-verify: read-back failed on worker rank %s", self.identity.rank)
                     errors.append(f"read-back failed: {type(e).__name__}: {e}"[:500])
@@ -314,7 +325,7 @@ class WorkerBoundary:
                     ms, (lambda p, pre=prefix, st=states, w=ms.written: st is not None and p in w
                          and getattr(st.get(pre + p), "status", None) == "verified"),
                     f"session {s.id}")
-            delta, proven = self._delta(s, sessions, judged) if s.base is not None else ([], set())
+            delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
             self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             for role, mm in modules.items():  # parameters a delta wrote in part whose other regions it proved unchanged
@@ -331,7 +342,8 @@ class WorkerBoundary:
                                   closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
                                   misrouted=s.misrouted, base=s.base,
-                                  base_session=s.base_session[0] if s.base_session is not None else None, delta=delta)
+                                  base_session=s.base_session[0] if s.base_session is not None else None, delta=delta,
+                                  reads=reads.summary())
             # the order moves only with a session that wrote something: one that loaded nothing (aborted
             # before its first load) left the engine as it was and orders nothing after it
             if s.version is not None and written and (self.max_version is None or s.version > self.max_version):
@@ -343,7 +355,8 @@ class WorkerBoundary:
             man.close_s = time.perf_counter() - t0
             return man
 
-    def _delta(self, s: _Open, sessions: dict[str, ModuleSession], read: dict[str, dict]) -> tuple[list[str], set[str]]:
+    def _delta(self, s: _Open, sessions: dict[str, ModuleSession], read: dict[str, dict],
+               reads: close_reads.CloseReads | None = None) -> tuple[list[str], set[str]]:
         """What keeps delta session ``s`` from proving "the base's state + this patch = the engine's
         state now", one sentence each; and the parameters it wrote in part whose other regions (the
         layout map's) it proved unchanged since the last close. Parameters it did not write at all
@@ -363,7 +376,7 @@ class WorkerBoundary:
                 got = covered(w)
                 if got >= total:
                     continue
-                n, changed, unknown, now = b.unchanged_rest(pname, w)
+                n, changed, unknown, now = b.unchanged_rest(pname, w, reads)
                 read.setdefault(role, {}).update(now)
                 label = prefix + pname
                 if changed:
@@ -376,6 +389,56 @@ class WorkerBoundary:
                 if not (changed or unknown) and got + n >= total:
                     proven.add(label)
         return out, proven
+
+    def _state_maps(self, sessions: dict[str, ModuleSession], todos: dict[str, dict], errors: list[str],
+                    reads: close_reads.CloseReads) -> dict[str, Any]:
+        """The layout map of each module with names to judge by the state (``todos``), learned dry where
+        it lacks them; their regions (and, for a delta, the map's other regions in the parameters it
+        touches) planned for the close's state pass. A module whose map failed is left out (its
+        names are said in ``errors``)."""
+        maps: dict[str, Any] = {}
+        for role, todo in todos.items():
+            b = self.modules[role]
+            try:
+                m = maps[role] = b.state_map(sessions[role], todo)
+            except Exception as e:  # noqa: BLE001 - reported, never silent: those names are not provable
+                logger.exception("refit-verify: judging by the engine state failed on worker rank %s", self.identity.rank)
+                errors.append(f"judging {len(todo)} names by the engine state failed: {type(e).__name__}: {e}"[:500])
+                continue
+            idx = b.index(refresh=False)
+            if m is not None and idx is not None:
+                reads.plan(role, close_reads.map_regions(m, todo, idx.params))
+        return maps
+
+    def _plan_delta(self, sessions: dict[str, ModuleSession], todos: dict[str, dict], reads: close_reads.CloseReads) -> None:
+        """Plan, for a delta's close, the layout map's regions in every parameter it writes (loaded or
+        judged by the state): :meth:`_delta` reads the ones it did not write."""
+        for role, ms in sessions.items():
+            b = self.modules[role]
+            m, idx = b.layout, b.index(refresh=False)
+            if m is None or idx is None or m.index() is not idx:
+                continue
+            names = [n for n, rs in m.entries.items() if any(p in ms.written for p, _g in rs)]
+            touched = {p for n in todos.get(role, ()) for p, _g in m.entries.get(n, ())}
+            names += [n for n, rs in m.entries.items() if any(p in touched for p, _g in rs)]
+            reads.plan(role, close_reads.map_regions(m, dict.fromkeys(names), idx.params))
+
+    def _note_written(self, s: _Open, sessions: dict[str, ModuleSession], restamp: set[str] | None = None) -> set[str]:
+        """Record what the closing session ``s`` wrote (replicated, written version); return the labels
+        written. ``restamp``: the labels found written before the snapshot: the parameters written since
+        (judged by the state) get their records in the snapshot just taken updated."""
+        written: set[str] = set()
+        for role, ms in sessions.items():
+            prefix = "" if role == "model" else f"{role}:"
+            self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
+            self._written_version.update({prefix + k: s.version for k in ms.written})
+            written.update(prefix + k for k in ms.written)
+        if restamp is not None and self.baseline is not None:
+            for label in written - restamp:
+                st = self.baseline.params.get(label)
+                if st is not None:
+                    st.replicated, st.written_version = bool(self._replicated.get(label, False)), self._written_version.get(label)
+        return written
 
     def _keep_regions(self, sessions: dict[str, ModuleSession], previous: Any, judged: dict[str, dict]) -> None:
         """Keep what each layout-map region held at this close (:attr:`ModelBoundary.region_table`):

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from refit_verify.boundary.close_reads import CloseReads, RegionBatch
 from refit_verify.boundary.loaders import kernel_layout
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import WHOLE, Copy
@@ -470,7 +471,8 @@ def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str
 
 
 @plain_tensor_ops
-def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None) -> EngineState:
+def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str, str] | None = None,
+              reads: CloseReads | None = None) -> EngineState:
     """Digest every region written in the session and compare it with its source block or fill.
 
     Filled regions (padding) are read as the module docstring says: their bytes count in
@@ -491,6 +493,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         known: ``{label: 32-hex}`` of whole parameters digested just before, in the same state (the
             close's engine-state snapshot): a region that is the whole parameter takes that digest
             instead of being digested again.
+        reads: the close's :class:`~refit_verify.boundary.close_reads.CloseReads`: a region its
+            snapshot read beside the state is taken from there; what is read here is counted as
+            another pass, with why.
 
     Returns:
         EngineState: per parameter status, proven and unproven bytes (parameter bytes), padding
@@ -509,7 +514,7 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         prog = _kept_program(ms, idx, live, prefix, known)
         if prog is not None and prog.region_set is not None:
             pre, prog.pre = prog.pre, None
-            hexes = pre[1] if pre is not None and pre[0] is ms else prog.region_set.digest(check=False)
+            hexes = pre[1] if pre is not None and pre[0] is ms else _kept_regions(prog, reads)
             got = dict(zip(prog.dest_keys, hexes))
         else:
             checked = prog is None  # _program checks the views it makes
@@ -517,9 +522,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
                 prog, views = _program(ms, live, prefix, known)
             else:  # kept, but a region is not contiguous: no kept set reads it
                 views = [as_view(p.detach(), region) for p, region in prog.dest_regions]
-            dest = DigestBatch(hold_cpu=True)  # live parameters, read at once
-            for k, view in zip(prog.dest_keys, views):
-                dest.add(k, view, checked=checked)
+            dest = RegionBatch(reads, "read-back")  # live parameters, read at once (or in the close's state pass)
+            for k, view, region in zip(prog.dest_keys, views, prog.dest_regions):
+                dest.add(k, view, checked=checked, of=region)
             got = dest.hexdigests() if len(dest) else {}
         got_params, pr, un, pad = _evaluate(prog, ms, got, known)
         if hasattr(ms, "region_hex"):
@@ -528,6 +533,16 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
         proven, unproven, padding = proven + pr, unproven + un, padding + pad
     return EngineState(params=params, proven_bytes=proven, unproven_bytes=unproven, padding_bytes=padding,
                        digest_s=time.perf_counter() - t0)
+
+
+def _kept_regions(prog: _Program, reads: CloseReads | None) -> list[str]:
+    """The digests of a kept program's regions read now, in a pass of their own (counted in ``reads``)."""
+    hexes = prog.region_set.digest(check=False)
+    if reads is not None:
+        nbytes = sum(view.numel() * view.element_size() for view in (as_view(p.detach(), g) for p, g in prog.dest_regions))
+        reads.other_pass(nbytes, f"read-back: {len(hexes)} regions ({nbytes} bytes) of the replayed plan were not read with "
+                                 "the engine state (no snapshot, or it could not read them in its launch)")
+    return hexes
 
 
 def _riding(ms, idx: ModelIndex, prefix: str) -> _Program | None:

