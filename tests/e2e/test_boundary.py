@@ -415,3 +415,38 @@ def test_untied_embedding_and_lm_head_are_two_parameters(engine, sent):
         _sync(llm, model, w, version=1001)
     rep = ei.value.report
     assert rep.unwritten == ("model.embed_tokens.weight",) and rep.receiver_error is None and rep.unconsumed == ()
+
+
+def test_a_steady_close_reads_the_engine_once(engine):
+    """Issue #53 item 3: a close reads engine memory in one pass. The state (every parameter and
+    persistent buffer) and the regions inside fused parameters (q/k/v rows of ``qkv_proj``, gate/up
+    of ``gate_up_proj``) are read in one launch; regions that are whole parameters take the state's
+    digests. The manifest says so (``reads``). A parameter object replaced during a refit makes the
+    close read the state of the new index again (the launch it started on the old one is dropped):
+    two passes, with why."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 2000)
+    fused = sum(t.numel() * t.element_size() for n, t in w.items()
+                if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    persistent = [b for m in model.modules() for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
+    state = sum(t.numel() * t.element_size() for t in (*model.parameters(), *persistent))
+    for v in (2000, 2001, 2002):
+        (man,) = _sync(llm, model, w, version=v).manifests
+        assert man.reads.passes == 1 and man.reads.why == [], (v, man.reads)
+        assert man.reads.state_bytes == state and man.reads.bytes == state + fused, (v, man.reads)
+    norm = model.model.norm
+    old = norm.weight
+
+    def replace(m):
+        norm.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
+
+    try:
+        r = _sync(llm, model, w, version=2003, after=replace)
+        (man,) = r.manifests
+        assert r.reports[0].ok and man.reads.passes == 2 and man.reads.bytes == 2 * (state + fused), man.reads
+        assert man.reads.why == ["the model's parameters changed since the last close: the state was read again, from the new "
+                                 "index"]
+    finally:
+        norm.weight = old
+    (man,) = _sync(llm, model, w, version=2004).manifests  # the original back between refits: the open re-indexes
+    assert man.reads.passes == 1 and man.reads.bytes == state + fused, man.reads
