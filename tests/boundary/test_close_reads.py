@@ -72,6 +72,9 @@ def test_names_judged_by_the_state_take_their_regions_from_the_one_pass():
         assert man.reads.passes == 1 and man.reads.why == [] and man.reads.state_bytes == state, man.reads
         # the q, k, v rows and the embedding's rows beside the state; the norm is the whole parameter: its state digest
         assert man.reads.bytes == state + _nbytes(model.qkv_proj) + _nbytes(w["embed"]), man.reads
+        # judged after the snapshot: its records of the parameters judging found written say this version
+        assert {n: st.written_version for n, st in wb.baseline.params.items()} == {"qkv_proj": v, "embed": v, "norm": v}
+        assert wb.baseline.params["norm"].replicated and not wb.baseline.params["qkv_proj"].replicated
         r = compare_session({"model": {n: h for n, (h, _s, _d) in expected["model"].items()}}, man, version=v)
         assert r.ok == (not flip) and list(r.mismatched) == (["k_proj"] if flip else []), r.describe()
 
