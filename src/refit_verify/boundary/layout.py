@@ -147,6 +147,11 @@ def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _as_geometry(g) -> tuple:
+    """``(offset, shape, strides)`` with tuples, so that two geometries compare equal by value."""
+    return (int(g[0]), tuple(g[1]), tuple(g[2]))
+
+
 def describe_slice(src: Geometry, shape: tuple | None) -> str:
     """A slice of a trainer tensor of ``shape`` (taken contiguous) as a report names it: ``"whole"``,
     ``"dim 1 [64:128]"`` for a block along one dim, else ``"offset .. shape .. stride .."``."""
@@ -236,6 +241,13 @@ def learn_session(old: LayoutMap | None, ms: Any, index: Any, source: str, verif
     for name in getattr(ms, "unconsumed", ()):
         if name not in whole and name not in part and name not in m.entries and name not in m.slices:
             m.unlearned[name] = "the model's load_weights skipped it (no parameter consumed it)"
+    for name, ps in list(part.items()):  # a "slice" that is all of the tensor, in its shape (a TP=1 narrow): a whole copy
+        shape = tuple(shape_of[name])
+        full = (0, shape, _contiguous_strides(shape))
+        if all(_as_geometry(g_src) == _as_geometry(full) and tuple(g[1]) == shape for _, g, g_src in ps):
+            rs = whole.setdefault(name, [])
+            rs.extend((pn, g) for pn, g, _ in ps if (pn, g) not in rs)
+            del part[name]
     for name, ps in part.items():  # a name copied in part: every region of it as a slice (a whole copy as the trivial one)
         shape = shape_of[name]
         full = (0, shape, _contiguous_strides(shape))
