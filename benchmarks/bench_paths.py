@@ -73,6 +73,7 @@ otherwise empty them after the first load, and a second per-parameter ``load_wei
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil

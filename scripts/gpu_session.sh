@@ -23,6 +23,7 @@
 #           (S_SIZES, default qwen3-0.6b-like,qwen3-1.7b-like,qwen3-4b-like; S_PATHS, default transport,native-packed;
 #           ROUNDS, default 12; the A/A control on; --budget-s S_BUDGET, default 500, skips a size that would end past it).
 #           Each size's memory plan and the time estimate are printed first; each size's report is in $OUT as soon as it ends.
+#   stage v (carry as stage t): stage t's suite plus the layout-map, FP8 and selftest modules, printing their figures.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
@@ -68,6 +69,19 @@ elif [ "$stage" = t ]; then
     tests/boundary/test_model.py tests/boundary/test_plan.py tests/digest/test_kept.py tests/e2e/test_replicas_and_canary.py tests/digest/test_batch.py tests/digest/test_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
     -p no:cacheprovider >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = v ]; then  # stage t's suite plus the layout map, FP8 and selftest modules, with their printed figures (carry as stage t)
+  timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error" "$OUT/demo-cuda.log" | head -12
+  # in-process engines keep their GPU memory in the pytest process: the layout-map and FP8 modules run in one of their own
+  timeout ${V_TIMEOUT:-420} python3 -m pytest -n 0 -q -s -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py tests/e2e/test_boundary.py \
+    tests/e2e/test_selftest.py tests/boundary/test_model.py tests/boundary/test_plan.py tests/digest/test_kept.py tests/digest/test_batch.py \
+    tests/digest/test_backends.py --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py \
+    --ignore tests/gpu/test_fp8_gpu.py --ignore tests/gpu/test_layout_map_gpu.py \
+    -p no:cacheprovider --durations=12 >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
+  timeout 200 python3 -m pytest -n 0 -q -s -m "gpu or not gpu" tests/gpu/test_fp8_gpu.py tests/gpu/test_layout_map_gpu.py \
+    -p no:cacheprovider >"$OUT/gpu-tests-2.log" 2>&1; echo "gpu tests (fp8, layout map) rc=$?"
+  cat "$OUT/gpu-tests-2.log" >>"$OUT/gpu-tests.log"
+  grep -E "passed|failed|^E |^FAILED|^ERROR|^\[layout map|fp8|FP8|model runner|s call|s setup" "$OUT/gpu-tests.log" | grep -v " INFO " | head -60
+  echo "gpu tests: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = u ]; then  # selected GPU tests only (carry as stage t): U_TESTS (files / -k), U_TIMEOUT seconds
   timeout ${U_TIMEOUT:-240} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR|s call|s setup" "$OUT/gpu-tests.log" | head -30; echo "gpu tests: $(( $(date +%s) - t0 )) s"

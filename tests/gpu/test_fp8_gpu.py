@@ -58,7 +58,7 @@ def engine(tmp_path_factory):
         from refit_verify.vllm_plugin.engine import start_dummy_engine
 
         register()
-        llm = start_dummy_engine(d, "cuda", quantization=_quantization(), gpu_memory_utilization=0.3)
+        llm = start_dummy_engine(d, "cuda", quantization=_quantization(), gpu_memory_utilization=0.15)
         worker = llm.llm_engine.model_executor.driver_worker.worker
         yield llm, worker.get_model(), worker
         del llm, worker
