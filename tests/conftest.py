@@ -9,6 +9,7 @@ first; setting it here, before any test module is imported, makes the test order
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -52,16 +53,20 @@ def pytest_collection_modifyitems(config, items) -> None:
         return (weight, group is None, group or "", not path.endswith(FIRST_ON_SHARED))
 
     items.sort(key=key)  # stable: collection order within each class
-    _group_by_engine(items)
 
 
-def _group_by_engine(items) -> None:
-    """``--dist loadgroup``: each file is one group (as ``loadfile`` would make it), except the modules
-    sharing one engine (``tests/support/shared_engine.py``), which form one group so that they run on
-    one worker, after each other, with one engine start."""
-    import pytest
+def pytest_xdist_make_scheduler(config, log):
+    """Schedule whole files, as ``--dist loadfile`` does, except that the modules sharing one engine
+    (``tests/support/shared_engine.py``) are one unit: they run on one worker, after each other, with one
+    engine start. (xdist's ``loadgroup`` cannot do this under pytest 9: the group suffix it writes to
+    ``item._nodeid`` never reaches ``item.nodeid``, so every test became a unit of its own.)"""
+    from xdist.scheduler import LoadScopeScheduling
 
     from tests.support.shared_engine import group_of
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of(item.path) or str(item.path)))
+    class EngineGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of(Path(path)) or path
+
+    return EngineGroupScheduling(config, log)

@@ -9,7 +9,7 @@ import torch
 from refit_verify.boundary import close_reads
 from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors, tensor_digest
-from tests.support.toy_model import toy_weights, toy_worker
+from tests.support.toy_model import toy_weights, toy_worker, untimed
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -22,15 +22,6 @@ def _loaded(wb, model, w, v):
     return wb.close(sid)
 
 
-def _untimed(man) -> dict:
-    from refit_verify.manifest import to_wire
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-
-    return strip({"modules": to_wire(man)["modules"], "engine": to_wire(man)["engine"]})
 
 
 def test_a_watched_close_reads_the_state_and_the_fused_regions_in_one_pass(monkeypatch):
@@ -45,7 +36,7 @@ def test_a_watched_close_reads_the_state_and_the_fused_regions_in_one_pass(monke
     _, wb2, model2 = toy_worker()
     two = [_loaded(wb2, model2, toy_weights(v), v) for v in (1, 2)]
     for a, b in zip(one, two):
-        assert _untimed(a) == _untimed(b) and a.errors == b.errors == []
+        assert untimed(a) == untimed(b) and a.errors == b.errors == []
         assert b.reads.passes == 2 and b.reads.bytes == state + regions
         assert b.reads.why == [f"read-back: 5 regions ({regions} bytes) read after the state's pass: one-pass closes are off"]
     r = compare_session({"model": digest_tensors(toy_weights(2).items())}, one[1], version=2)

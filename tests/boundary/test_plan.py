@@ -18,7 +18,7 @@ from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitConfigError
 from refit_verify.boundary.plan import replay_call, replay_from_env
-from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights
+from tests.support.toy_model import HIDDEN, KV, Q, ToyModel, default_weight_loader, toy_weights, untimed
 
 QKV_BYTES = (Q + 2 * KV) * HIDDEN * 2
 EMBED_BYTES = 13 * HIDDEN * 2
@@ -708,16 +708,6 @@ def test_after_a_replayed_pre_checked_session_that_failed_the_next_is_watched(wr
     assert not r4.ok and list(r4.unconsumed) == ["norm"]
 
 
-def _untimed(man) -> dict:
-    """A manifest's modules and engine state as plain data, without their seconds (``*_s``)."""
-    from refit_verify.manifest import to_wire
-
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-
-    return strip({"modules": to_wire(man)["modules"], "engine": to_wire(man)["engine"]})
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -752,7 +742,7 @@ def test_a_kept_read_back_program_is_read_in_the_snapshots_launch(device, monkey
     # the state, then the regions written in part: q, k, v in qkv_proj, the embedding's 13 rows and its 3 padding rows
     assert ridden == [n_state + 5] and two == [n_state, 5]  # one launch, not two
     for a, b in zip(mans, plain):
-        assert _untimed(a) == _untimed(b) and a.errors == b.errors == []
+        assert untimed(a) == untimed(b) and a.errors == b.errors == []
     assert _ok(toy_weights(3, device=device), mans[2], 3).proven_bytes == ALL
     monkeypatch.setattr(engine_state, "_riding", riding)
     model.swap_halves_after = model.qkv_loads

@@ -19,6 +19,7 @@ from refit_verify.boundary import placement  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.digest.batch import digest_tensors  # noqa: E402
+from tests.support.engine_utils import add_and_load  # noqa: E402
 from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -49,12 +50,7 @@ def _sync(llm, model, weights, version, corrupt=None, after=None, **kw):
     """TRL-style: one load_weights call per parameter inside the trainer API."""
     kw.pop("replay", None)
     with refit_verify.refit(llm, version=version, **kw) as r:
-        for name, t in weights.items():
-            r.add(name, t)
-            if name == corrupt:
-                t = t.clone()
-                t.view(-1).view(torch.uint8)[3] ^= 0x01
-            model.load_weights([(name, t)])
+        add_and_load(r, model, weights, corrupt)
         if after is not None:
             after(model)
     return r
@@ -207,9 +203,7 @@ def test_reload_weights_after_a_refit_is_audited_and_reported(engine):
     assert sorted(a.changed) == sorted(n for n, _ in model.named_parameters())
     r = refit_verify.refit(llm, version=31, mode="log")
     with r:
-        for name, t in w.items():
-            r.add(name, t)
-            model.load_weights([(name, t)])
+        add_and_load(r, model, w)
     (rep,) = r.reports
     assert not rep.ok and rep.verified == 21
     assert any("changed outside any refit" in p and "audit (reload_weights)" in p for p in rep.problems)

@@ -20,7 +20,6 @@ import itertools
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.e2e.test_framework_paths import engine_layout, sha256, write_tensors  # noqa: E402
+from tests.e2e.test_framework_paths import Engine, engine_layout, sha256, step, write_tensors  # noqa: E402
 from tests.support.shared_engine import fresh  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -41,19 +40,6 @@ K1 = "model.layers.1.self_attn.k_proj.weight"
 QKV1 = "model.layers.1.self_attn.qkv_proj.weight"
 K0 = "model.layers.0.self_attn.k_proj.weight"
 DOWN1 = "model.layers.1.mlp.down_proj.weight"
-_STEPS = itertools.count(1)
-
-
-def step() -> int:
-    return next(_STEPS)
-
-
-@dataclass
-class Engine:
-    llm: object
-    cfg: dict
-    shm: Path
-    files: itertools.count
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +50,7 @@ def engine(shared_engine):
     fresh(llm)
     shm = Path(tempfile.mkdtemp(prefix="refit-verify-dw-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
     try:
-        yield Engine(llm, models.load_config(d), shm, itertools.count())
+        yield Engine(llm, models.load_config(d), None, shm, itertools.count())  # no drafter
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

@@ -25,7 +25,7 @@ import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.boundary import placement  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.support.engine_utils import in_process_engine  # noqa: E402
+from tests.support.engine_utils import add_and_load, in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,14 +57,7 @@ def _sync(llm, model, weights, version, *, drop=(), corrupt=None, after=None):
     r = refit_verify.refit(llm, version=version)
     try:
         with r:
-            for name, t in weights.items():
-                r.add(name, t)
-                if name in drop:
-                    continue
-                if name == corrupt:
-                    t = t.clone()
-                    t.view(-1).view(torch.uint8)[3] ^= 0x01
-                model.load_weights([(name, t)])
+            add_and_load(r, model, weights, corrupt, drop)
             if after is not None:
                 after(model)
     except RefitVerificationError as e:

@@ -34,6 +34,7 @@ from tests.support.plugins import (  # noqa: E402
     register_plain_linear,
     register_plain_moe,
 )
+from tests.support.extensions import write_file  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TENSORS = 45
@@ -64,20 +65,8 @@ def tp2(tmp_path_factory):
 def _push(llm, shm: Path, weights: dict[str, torch.Tensor], version: int, drop=()):
     """verl style: the trainer states every tensor; the bytes travel in one file the workers map, and
     each worker's ``load_weights`` gets them all but ``drop``. Returns ``(RefitCheck, error or None)``."""
-    entries, chunks, off = [], [], 0
-    for n, t in weights.items():
-        if n in drop:
-            continue
-        off = (off + 63) // 64 * 64
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        entries.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), off])
-        chunks.append((off, raw))
-        off += raw.numel()
-    buf = torch.zeros(off, dtype=torch.uint8)
-    for o, raw in chunks:
-        buf[o:o + raw.numel()] = raw
     path = shm / f"v{version}.bin"
-    path.write_bytes(buf.numpy().tobytes())
+    entries = write_file(path, ((n, t) for n, t in weights.items() if n not in drop))
     r = refit_verify.refit(llm, version=version)
     try:
         with r:

@@ -40,6 +40,7 @@ from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.manifest import Unsessioned  # noqa: E402
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402
+from tests.support.extensions import write_file  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,19 +106,8 @@ def rpc(e: Engine, method: str, *args):
 def write_tensors(e: Engine, pairs, align: int = 64) -> tuple[str, list]:
     """Write ``pairs`` into a new file under ``/dev/shm``; return its path and the entries
     ``[name, dtype, shape, byte offset]`` the worker maps them by."""
-    entries, chunks, off = [], [], 0
-    for n, t in pairs:
-        off = (off + align - 1) // align * align
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        entries.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), off])
-        chunks.append((off, raw))
-        off += raw.numel()
-    buf = torch.zeros(off, dtype=torch.uint8)
-    for o, raw in chunks:
-        buf[o:o + raw.numel()] = raw
     path = e.shm / f"t{next(e.files)}.bin"
-    path.write_bytes(buf.numpy().tobytes())
-    return str(path), entries
+    return str(path), write_file(path, pairs, align)
 
 
 def flip_byte(path: str, entries: list, name: str, byte: int = 1001) -> None:

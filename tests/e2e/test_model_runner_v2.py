@@ -19,7 +19,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.support.engine_utils import engine_env, in_process_engine  # noqa: E402
+from tests.support.engine_utils import add_and_load, engine_env, in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
@@ -75,12 +75,7 @@ def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):
     w = models.random_state_dict(cfg, seed=2)
     with pytest.raises(RefitVerificationError) as ei:
         with refit_verify.refit(llm, version=2) as r:
-            for name, t in w.items():
-                r.add(name, t)
-                if name == target:
-                    t = t.clone()
-                    t.view(-1).view(torch.uint8)[3] ^= 0x01
-                model.load_weights([(name, t)])
+            add_and_load(r, model, w, target)
     assert ei.value.report.mismatched == (target,), str(ei.value)
 
 
@@ -122,9 +117,7 @@ def test_reload_weights_through_model_runner_v2_is_audited_and_reported(engine):
     assert sorted(a.changed) == sorted(n for n, _ in model.named_parameters())
     r = refit_verify.refit(llm, version=8, mode="log")
     with r:
-        for name, t in w.items():
-            r.add(name, t)
-            model.load_weights([(name, t)])
+        add_and_load(r, model, w)
     (rep,) = r.reports
     assert not rep.ok and rep.verified == 21
     assert any("21 tensors were loaded into model outside any session (1 reload_weights calls" in p for p in rep.problems)

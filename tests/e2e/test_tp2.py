@@ -38,6 +38,7 @@ from refit_verify.digest.batch import digest_tensors  # noqa: E402
 from tests.support.engine_utils import ENGINE_ENV, forget_vllm_env_cache, tiny_model_dir  # noqa: E402
 from tests.support.plugins import PLAIN_LINEAR, PLAIN_LINEAR_TARGET, engine_plugin_env, entry_points_dir, register_plain_linear  # noqa: E402
 from tests.support.tp_trainers import TrainerRanks  # noqa: E402
+from tests.support.extensions import write_file  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TARGET = "model.layers.0.mlp.down_proj.weight"
@@ -114,18 +115,8 @@ def test_fault_named_by_rank_other_rank_clean(tp2):
 
 def _write(llm, shm: Path, w: dict[str, torch.Tensor], **kw) -> None:
     """Each worker's direct writes of its shards of ``w`` (``skip=[names]``, ``flip=name`` on ``flip_rank``)."""
-    entries, chunks, off = [], [], 0
-    for n, t in w.items():
-        off = (off + 63) // 64 * 64
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        entries.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), off])
-        chunks.append((off, raw))
-        off += raw.numel()
-    buf = torch.zeros(off, dtype=torch.uint8)
-    for o, raw in chunks:
-        buf[o:o + raw.numel()] = raw
     path = shm / f"t{next(_FILES)}.bin"
-    path.write_bytes(buf.numpy().tobytes())
+    entries = write_file(path, w.items())
     got = llm.collective_rpc("dwtp_write", timeout=120.0, args=(str(path), entries, kw.get("skip"), kw.get("flip"), kw.get("flip_rank")))
     assert got == [len(w) - len(kw.get("skip") or ())] * 2
 

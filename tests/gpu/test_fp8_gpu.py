@@ -28,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
-from tests.support.engine_utils import engine_env, settle_device_memory  # noqa: E402
+from tests.support.engine_utils import add_and_load, engine_env, settle_device_memory  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
@@ -97,9 +97,7 @@ def _refit(llm, model, worker, weights, version):
         with r:
             start(model)
             try:
-                for name, t in weights.items():
-                    r.add(name, t)
-                    model.load_weights([(name, t)])
+                add_and_load(r, model, weights)
             finally:
                 finish(model, worker.model_config)
     except RefitVerificationError as e:

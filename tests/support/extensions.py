@@ -53,6 +53,25 @@ def _numel(shape: list[int]) -> int:
     return n
 
 
+def write_file(path, pairs, align: int = 64) -> list[list]:
+    """Write the tensors of ``pairs`` (``(name, tensor)``) into the file ``path``, each at a byte offset
+    aligned to ``align``; return the entries ``[name, dtype, shape, byte offset]`` the worker maps them by
+    (:func:`map_file`, :func:`map_tensor`)."""
+    entries, chunks, off = [], [], 0
+    for n, t in pairs:
+        off = (off + align - 1) // align * align
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        entries.append([n, str(t.dtype).removeprefix("torch."), list(t.shape), off])
+        chunks.append((off, raw))
+        off += raw.numel()
+    buf = torch.zeros(off, dtype=torch.uint8)
+    for o, raw in chunks:
+        buf[o:o + raw.numel()] = raw
+    with open(path, "wb") as f:
+        f.write(buf.numpy().tobytes())
+    return entries
+
+
 def map_file(path: str) -> torch.Tensor:
     """Map the whole file at ``path`` as a shared ``uint8`` tensor (writes by others are visible)."""
     import os

@@ -2,7 +2,7 @@
 
 An engine start costs about 40 CPU-seconds on the CI machine (three processes import torch and
 vLLM); the modules in :data:`MODULES` ran one each. They now share this one, started once per pytest
-worker that runs them (``tests/e2e/conftest.py`` puts them in one ``xdist_group``), with everything
+worker that runs them (``tests/conftest.py`` schedules them as one unit), with everything
 any of them needs: the tiny Llama with dummy weights, ``REFIT_VERIFY=enforce``, the plain-linear test
 plugin (spawned workers keep plain linear weights on every CPU), the test weight-transfer backend of
 ``tests/support/native_cpu_backend.py`` and the ``collective_rpc`` worker extension of

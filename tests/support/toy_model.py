@@ -192,3 +192,15 @@ class ToyEngine:
                 raise got
             return got(*args) if callable(got) else got
         return [getattr(worker_sessions, method)(w, *args) for w in self.workers]
+
+
+def untimed(man) -> dict:
+    """A manifest's modules and engine state as plain data, without their seconds (``*_s``)."""
+    from refit_verify.manifest import to_wire
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("_s")}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+
+    return strip({"modules": to_wire(man)["modules"], "engine": to_wire(man)["engine"]})

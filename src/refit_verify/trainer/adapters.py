@@ -32,9 +32,10 @@ import torch
 from refit_verify.compare import compare_manifests
 from refit_verify.config import VerifyMode, check_version, mode_from_env
 from refit_verify.digest.batch import digest_tensors
-from refit_verify.errors import AuditError, RefitConfigError, RefitInputError, RefitProtocolError, RefitVerificationError
+from refit_verify.errors import RefitConfigError, RefitInputError, RefitProtocolError, RefitVerificationError
 from refit_verify.manifest import WorkerIdentity, from_wire
 from refit_verify.report import VerificationReport
+from refit_verify.trainer.audits import settle, verifying_answers
 from refit_verify.trainer.channel import DEFAULT_TIMEOUT_S, require_channel
 
 logger = logging.getLogger("refit_verify")
@@ -315,18 +316,6 @@ def audit_adapters(engine: Any, *, mode: VerifyMode | str | None = None, timeout
     if not m.verifies:
         return []
     out: list[AdapterAudit] = []
-    for r in require_channel(engine).call(AUDIT_METHOD, timeout_s=timeout_s):
-        if not (isinstance(r, Mapping) and r.get("verifying")):
-            msg = f"refit-verify: vLLM worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} does not verify; cannot audit its adapters"
-            if m is VerifyMode.ENFORCE:
-                raise RefitConfigError(msg)
-            logger.warning("%s", msg)
-            continue
+    for r in verifying_answers(engine, AUDIT_METHOD, "cannot audit its adapters", m, timeout_s):
         out.append(from_wire(r["audit"], AdapterAudit))
-    failed = [a for a in out if not a.ok]
-    if failed:
-        if m is VerifyMode.ENFORCE:
-            raise AuditError(out)
-        for a in failed:
-            logger.warning("refit-verify: %s", a.describe())
-    return out
+    return settle(out, m)

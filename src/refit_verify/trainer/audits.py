@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -59,13 +59,7 @@ def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float
     if not m.verifies:
         return []
     out: list[AuditResult] = []
-    for r in require_channel(engine).call("refit_verify_audit", timeout_s=timeout_s):
-        if not (isinstance(r, Mapping) and r.get("verifying")):
-            msg = f"refit-verify: vLLM worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} does not verify; cannot audit"
-            if m is VerifyMode.ENFORCE:
-                raise RefitConfigError(msg)
-            logger.warning("%s", msg)
-            continue
+    for r in verifying_answers(engine, "refit_verify_audit", "cannot audit", m, timeout_s):
         if r.get("audit") is None:
             logger.warning("refit-verify: worker rank %s has no verified refit yet; nothing to audit against", r.get("rank"))
             continue
@@ -75,13 +69,32 @@ def audit(engine: Any, *, mode: VerifyMode | str | None = None, timeout_s: float
             a = msgspec.structs.replace(a, problems=[*a.problems, f"its baseline is the state left by session {a.since_session}, "
                                                    f"and {why} in this trainer: the engine does not hold verified weights"])
         out.append(a)
-    failed = [a for a in out if not a.ok]
+    return settle(out, m)
+
+
+def verifying_answers(engine: Any, method: str, what: str, mode: VerifyMode, timeout_s: float) -> Iterator[Mapping]:
+    """The answers of the workers that verify to ``method``; a worker that does not verify raises
+    :class:`RefitConfigError` in ``enforce`` ("... does not verify; ``what``"), else is logged and left out."""
+    for r in require_channel(engine).call(method, timeout_s=timeout_s):
+        if isinstance(r, Mapping) and r.get("verifying"):
+            yield r
+            continue
+        msg = f"refit-verify: vLLM worker rank {r.get('rank') if isinstance(r, Mapping) else '?'} does not verify; {what}"
+        if mode is VerifyMode.ENFORCE:
+            raise RefitConfigError(msg)
+        logger.warning("%s", msg)
+
+
+def settle(results: list, mode: VerifyMode) -> list:
+    """Act on audit ``results`` (each with ``ok`` and ``describe()``): in ``enforce`` any that failed raise
+    :class:`AuditError` holding all of them; else each failed one is logged. Returns ``results``."""
+    failed = [a for a in results if not a.ok]
     if failed:
-        if m is VerifyMode.ENFORCE:
-            raise AuditError(out)
+        if mode is VerifyMode.ENFORCE:
+            raise AuditError(results)
         for a in failed:
             logger.warning("refit-verify: %s", a.describe())
-    return out
+    return results
 
 
 def certificate(engine: Any, *, timeout_s: float = 120.0) -> list[Certificate]:
