@@ -18,7 +18,8 @@ from refit_verify.compare import compare_session
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.digest.kept import DigestSet
 from tests.support.toy_model import Q, default_weight_loader, toy_weights
-from tests.boundary.test_plan import _Faulty, _untimed
+from tests.boundary.test_plan import _Faulty
+from tests.support.toy_model import untimed
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +91,7 @@ def test_one_launch_gives_the_two_launches_manifests_with_two_roles(monkeypatch,
     with_ride = _scenario(True, monkeypatch, fail_at)
     without = _scenario(False, monkeypatch, fail_at)
     for v, ((ma, ra), (mb, rb)) in enumerate(zip(with_ride, without), start=1):
-        assert _untimed(ma) == _untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
+        assert untimed(ma) == untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
         if v == 7:
             assert not ra.ok and "k_proj" in ra.mismatched, (v, ra)
         elif v == 8:
@@ -136,7 +137,7 @@ def test_the_flat_compare_gives_the_loops_manifests(monkeypatch):
     monkeypatch.setattr(readback, "_flat", lambda prog: None)
     loop = _scenario(True, monkeypatch, 4)
     for v, ((ma, ra), (mb, rb)) in enumerate(zip(flat, loop), start=1):
-        assert _untimed(ma) == _untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
+        assert untimed(ma) == untimed(mb) and ma.errors == mb.errors and ra.ok == rb.ok, v
         assert ra.mismatched == rb.mismatched and ra.engine_mismatched == rb.engine_mismatched, v
     r7, r8 = flat[6][1], flat[7][1]
     assert r7.mismatched == ("k_proj",) and "qkv_proj" in r7.engine_mismatched, r7
