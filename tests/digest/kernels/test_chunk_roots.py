@@ -60,7 +60,7 @@ def test_two_chunks_roots_and_sharded_combine(monkeypatch) -> None:
     assert len(got) == 2 and got == td.chunk_roots_u8(full.cpu())
     monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))  # route sharded's roots to the kernels
     # shard 0 is exactly chunk 0, whose kernel root is got[0]; shard 1 goes through sharded's kernel route at its offset
-    # (shard 0 through sharded: tests/collective/test_sharded.py; a second 8 MiB pass here costs ~30 s of interpreter)
+    # (shard 0 through sharded: tests/collective/test_sharded.py; a second 8 MiB interpreter pass here adds nothing)
     roots = got[:1] + sharded.shard_chunk_roots(full[CHUNK:], byte_offset=CHUNK)
     assert roots == got
     n = full.numel()
