@@ -82,3 +82,41 @@ def test_a_failed_snapshot_leaves_the_read_back_its_own_pass_and_says_why():
     assert man.reads.passes == 1 and man.reads.state_bytes == 0 and man.reads.bytes == regions + _nbytes(model.norm)
     assert man.reads.why == [f"read-back: 6 regions ({regions + _nbytes(model.norm)} bytes) read after the state's pass: "
                              "the engine-state snapshot did not run or failed"]
+
+
+def test_a_replayed_close_with_no_kept_program_to_ride_takes_its_regions_from_the_one_pass(monkeypatch):
+    """Plan replay (landing digests, as on CUDA workers; forced on the CPU here): the first replayed
+    close of a plan, and the first after a parameter was given new memory (the state set rebuilt),
+    have no kept read-back program for the snapshot to ride (``_riding`` None); their regions are
+    read beside the state as the close planned them, and the read-back program built at that close
+    takes them from there: one pass, not a second read of the same regions. A k row changed after
+    such a replayed load is still named."""
+    from refit_verify.engine import state as engine_state
+
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+    rode = []
+    raw = engine_state._riding
+    monkeypatch.setattr(engine_state, "_riding", lambda *a: (lambda p: (rode.append(p is not None), p)[1])(raw(*a)))
+    _, wb, model = toy_worker()
+    state = _nbytes(model.qkv_proj, model.embed, model.norm)
+    regions = _nbytes(model.qkv_proj, model.embed)  # q, k, v rows; the embedding's rows and its padding rows
+    for v in range(1, 7):
+        if v == 4:  # new memory, the same bytes, between closes: the state set and its kept programs are built again
+            model.qkv_proj.data = model.qkv_proj.data.clone()
+        rode.clear()
+        w = toy_weights(v)
+        sid = wb.open(f"s{v}", version=v)
+        model.load_weights(list(w.items()))
+        if v == 5:
+            model.qkv_proj.data[w["q_proj"].shape[0], 0] += 1  # k's first row, after the replayed load
+        man = wb.close(sid)
+        assert man.modules["model"].replayed == (0 if v == 1 else 5), (v, man.modules["model"])
+        assert rode == [v not in (1, 2, 4)], (v, rode)  # 2 and 4 (replayed): the case that took two passes
+        assert man.reads.passes == 1 and man.reads.why == [], (v, man.reads)
+        assert man.reads.state_bytes == state and man.reads.bytes == state + regions, (v, man.reads)
+        r = compare_session({"model": digest_tensors(w.items())}, man, version=v)
+        if v == 5:
+            assert not r.ok and list(r.mismatched) == ["k_proj"] and "qkv_proj" in r.engine_mismatched, r.describe()
+        else:
+            assert r.ok and r.proven_bytes == _nbytes(*w.values()), (v, r.describe())

@@ -411,28 +411,33 @@ def test_untied_embedding_and_lm_head_are_two_parameters(engine, sent):
     assert rep.unwritten == ("model.embed_tokens.weight",) and rep.receiver_error is None and rep.unconsumed == ()
 
 
-def test_a_steady_close_reads_the_engine_once(engine):
+@pytest.mark.parametrize("landed", [False, True], ids=["device-default", "landed-and-replayed"])
+def test_a_steady_close_reads_the_engine_once(engine, monkeypatch, landed):
     """Issue #53 item 3: a close reads engine memory in one pass. The state (every parameter and
     persistent buffer) and the regions inside fused parameters (q/k/v rows of ``qkv_proj``, gate/up
     of ``gate_up_proj``) are read in one launch; regions that are whole parameters take the state's
     digests. The manifest says so (``reads``). A parameter object replaced during a refit makes the
     close read the state of the new index again (the launch it started on the old one is dropped):
-    two passes, with why."""
+    two passes, with why. ``landed``: tensors digested where they land and the plan replayed, as on
+    CUDA workers (forced on the CPU): a replayed close with no kept read-back program to ride (the
+    first of a plan, the one whose index changed) takes its regions from the state's pass too."""
+    if landed:
+        monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+        monkeypatch.delenv("REFIT_VERIFY_REPLAY", raising=False)
+    replays = landed or DEVICE == "cuda"
     llm, model, cfg = engine
+    base = 2100 if landed else 2000  # the two runs share the engine: versions only go up
     w = _weights(cfg, 2000)
     fused = sum(t.numel() * t.element_size() for n, t in w.items()
                 if n.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
     persistent = [b for m in model.modules() for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
     state = sum(t.numel() * t.element_size() for t in (*model.parameters(), *persistent))
-    for v in (2000, 2001, 2002):
+    for v in (base, base + 1, base + 2):
         (man,) = _sync(llm, model, w, version=v).manifests
-        if DEVICE == "cuda" and man.reads.passes == 2:  # not always one pass yet: a replayed plan's fused regions read on their own
-            assert "of the replayed plan were not read with the engine state" in man.reads.why[0], man.reads
-            continue
+        if replays and v > base:
+            assert man.modules["model"].replayed == len(w), (v, man.modules["model"])
         assert man.reads.passes == 1 and man.reads.why == [], (v, man.reads)
         assert man.reads.state_bytes == state and man.reads.bytes == state + fused, (v, man.reads)
-    if DEVICE == "cuda":
-        return
     norm = model.model.norm
     old = norm.weight
 
@@ -440,12 +445,19 @@ def test_a_steady_close_reads_the_engine_once(engine):
         norm.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
 
     try:
-        r = _sync(llm, model, w, version=2003, after=replace)
+        r = _sync(llm, model, w, version=base + 3, after=replace)
         (man,) = r.manifests
         assert r.reports[0].ok and man.reads.passes == 2 and man.reads.bytes == 2 * (state + fused), man.reads
         assert man.reads.why == ["the model's parameters changed since the last close: the state was read again, from the new "
                                  "index"]
     finally:
         norm.weight = old
-    (man,) = _sync(llm, model, w, version=2004).manifests  # the original back between refits: the open re-indexes
-    assert man.reads.passes == 1 and man.reads.bytes == state + fused, man.reads
+    # the original back between refits: the open re-indexes and drops the plan (watched, a new plan); the next close
+    # is that plan's first replay, with no kept read-back program to ride the snapshot for
+    for v in (base + 4, base + 5):
+        r = _sync(llm, model, w, version=v)
+        (man,) = r.manifests
+        if replays:
+            assert man.modules["model"].replayed == (0 if v == base + 4 else len(w)), (v, man.modules["model"])
+        assert r.reports[0].ok and man.reads.passes == 1 and man.reads.why == [], (v, man.reads)
+        assert man.reads.bytes == state + fused, (v, man.reads)

@@ -485,7 +485,9 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
     A session that replayed its whole plan reads the same regions as the last one: what to read and
     compare is kept on the model index (:func:`_kept_program`) and only the bytes are read again;
     when the close's snapshot just read those bytes in its own launch (``prog.pre``, tagged with this
-    module session: :func:`refit_verify.engine.state._snapshot_launch`), they are taken from it.
+    module session: :func:`refit_verify.engine.state._snapshot_launch`), they are taken from it; when
+    it had no kept program to read them for (the plan's first replay), from the regions the close
+    planned beside the state (``reads``, :func:`_kept_regions`).
 
     Args:
         sessions: ``{role: module session}`` of the closing session (:mod:`refit_verify.boundary.record`).
@@ -536,7 +538,16 @@ def read_back(sessions: dict[str, Any], modules: dict[str, Any], known: dict[str
 
 
 def _kept_regions(prog: _Program, reads: CloseReads | None) -> list[str]:
-    """The digests of a kept program's regions read now, in a pass of their own (counted in ``reads``)."""
+    """The digests of a kept program's regions (32-hex, in :attr:`_Program.dest_regions` order) when
+    its snapshot did not read them for it (``prog.pre``): taken from the close's state pass when it
+    read every one (``reads``: the regions the close planned, :meth:`CloseReads.take`; the first
+    replayed close of a plan, or the first after the state set was rebuilt, whose snapshot had no
+    kept program to ride for), else read now through the kept set, in a pass of their own (counted
+    in ``reads``)."""
+    if reads is not None:
+        taken = [reads.take(p, g) for p, g in prog.dest_regions]
+        if None not in taken:
+            return taken  # type: ignore[return-value]
     hexes = prog.region_set.digest(check=False)
     if reads is not None:
         nbytes = sum(view.numel() * view.element_size() for view in (as_view(p.detach(), g) for p, g in prog.dest_regions))
