@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from refit_verify.digest.batch import tensor_digest
-from refit_verify.engine.adapters import AdapterLedger, check_regions, nonzero, outside, slot_fingerprint
+from refit_verify.engine.adapters import AdapterLedger, check_regions, index_map, nonzero, outside, selection, slot_fingerprint
 
 
 def test_nonzero_sees_any_byte_and_negative_zero():
@@ -23,6 +23,24 @@ def test_outside_is_everything_but_the_block():
     below, right = outside(m, 2, 5)
     assert below.shape == (2, 6) and right.shape == (2, 1)
     assert below.numel() + right.numel() + 2 * 5 == m.numel()
+
+
+def test_selection_reads_rows_columns_and_concatenations_from_an_index_map():
+    m = index_map([6, 4])
+    assert m.dtype == torch.int64 and m[2, 3].item() == 2 * 4 + 3
+    assert selection(m, [6, 4]) is None
+    assert selection(m[2:4], [6, 4]) == (0, [(2, 4)])
+    assert selection(m[:, 1:3], [6, 4]) == (1, [(1, 3)])
+    assert selection(torch.cat([m[0:2], m[4:6]]), [6, 4]) == (0, [(0, 2), (4, 6)])
+    assert selection(torch.cat([m[1:2], m[1:2]]), [6, 4]) == (0, [(1, 2), (1, 2)])  # a row taken twice (replicated)
+
+
+def test_selection_names_what_it_cannot_say():
+    m = index_map([6, 4])
+    assert "empty" in selection(m[6:], [6, 4])
+    assert "both rows and columns" in selection(m[1:3, 0:2], [6, 4])
+    assert "not a selection of rows and columns" in selection(m.t().contiguous()[:4, :4], [6, 4])
+    assert "no 2-D index tensor" in selection(m.float(), [6, 4])
 
 
 def test_check_regions_digests_regions_and_names_padding_and_uncovered_areas():

@@ -13,7 +13,8 @@ import refit_verify
 from refit_verify.digest.batch import tensor_digest
 from refit_verify.errors import RefitConfigError, RefitInputError, RefitVerificationError
 from refit_verify.manifest import WorkerIdentity, to_text
-from refit_verify.trainer.adapters import AdapterManifest, expected_digests, peft_config
+from refit_verify.trainer.adapters import (AdapterManifest, describe_slice, expected_digests, expected_slices, peft_config, take_slice,
+                                           unheld)
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -59,7 +60,7 @@ class _Engine:
 
 
 def _layout(method, args):
-    cfg, names = args
+    cfg, names, _shapes = args
     return {"rank": 0, "verifying": True, "enabled": True, "lora_dtype": "bfloat16",
             "scalings": {n: 1.0 if "lora_A" in n else 2.0 for n in names}}
 
@@ -124,3 +125,72 @@ def test_a_report_speaks_of_the_adapter():
     text = rep.describe()
     assert text.startswith("adapter 4 version 2 verification failed on worker rank 0") and "refit" not in text
     assert "the worker holds none of the adapter's tensors" in text and "adapter 4 was never loaded" in text
+
+
+# --------------------------------------------------------------------------- tensor parallelism: each rank's slice
+
+
+def test_slices_of_the_expected_bytes_digested_in_one_batch_with_the_whole_ones():
+    a, b = torch.randn(4, 16), torch.randn(16, 4)
+    specs = {0: {B: (0, [(0, 8)]), A: (1, [(0, 8)])}, 1: {B: (0, [(8, 12), (14, 16)])}}
+    whole, by_rank = expected_slices({A: a, B: b}, torch.bfloat16, {B: 2.0}, specs)
+    assert whole == expected_digests({A: a, B: b}, torch.bfloat16, {B: 2.0})
+    vb = b.to(torch.bfloat16) * 2
+    assert by_rank[0][B] == (tensor_digest(vb[:8]), [8, 4], (0, [(0, 8)]))
+    assert by_rank[0][A] == (tensor_digest(a.to(torch.bfloat16)[:, :8].contiguous()), [4, 8], (1, [(0, 8)]))
+    assert by_rank[1] == {B: (tensor_digest(torch.cat([vb[8:12], vb[14:16]])), [6, 4], (0, [(8, 12), (14, 16)]))}
+    assert describe_slice((0, [(8, 12), (14, 16)])) == "dim 0 [8:12]+[14:16]"
+    with pytest.raises(RefitInputError, match="does not fit"):
+        take_slice(b, (0, [(12, 20)]))
+
+
+def test_parts_no_rank_holds_are_named():
+    shapes = {A: [4, 16], B: [16, 4]}
+    assert unheld({0: {B: (0, [(0, 8)])}, 1: {B: (0, [(8, 16)])}}, shapes) == {}
+    assert unheld({0: {B: (0, [(0, 8)])}, 1: {B: (0, [(0, 8)])}}, shapes) == {B: "dim 0 [8:16]"}  # both ranks took rank 0's rows
+    assert unheld({0: {A: (1, [(0, 4)])}, 1: {A: (1, [(8, 12)])}}, shapes) == {A: "dim 1 [4:8]+[12:16]"}
+
+
+class _TwoWorkers:
+    """A fake TP=2 engine: each worker's answer from ``answer(rank, method, args)``."""
+
+    def __init__(self, answer):
+        self.answer, self.args = answer, {}
+
+    def collective_rpc(self, method, args=(), timeout=None):
+        self.args[method] = args
+        return [self.answer(r, method, args) for r in range(2)]
+
+
+def test_each_rank_compared_with_the_trainers_digest_of_its_slice():
+    a, b = torch.randn(4, 16), torch.randn(16, 4)
+    rows = {0: (0, [(0, 8)]), 1: (0, [(8, 16)])}
+    whole, by_rank = expected_slices({A: a, B: b}, torch.bfloat16, {B: 2.0}, {r: {B: s} for r, s in rows.items()})
+    held = {r: {A: whole[A][0], B: by_rank[r][B][0]} for r in range(2)}
+
+    def answer(rank, method, args):
+        if method == "refit_verify_lora_layout":
+            assert args[2] == [[4, 16], [16, 4]]
+            lay = _layout(method, args)
+            return {**lay, "rank": rank, "slices": {B: [rows[rank][0], [list(x) for x in rows[rank][1]]]}}
+        sent = json.loads(args[3])
+        assert sent[str(rank)][B][1:] == [[8, 4], [rows[rank][0], [list(x) for x in rows[rank][1]]]]
+        man = AdapterManifest(worker=WorkerIdentity(rank=rank), adapter_id=args[0], version=args[1], loaded=True, slot=0,
+                              digests=dict(held[rank]), where={B: f"qkv[q].lora_b, slot 0, worker rank {rank}'s slice dim 0"},
+                              proven_bytes=64, ok=True)
+        return {"rank": rank, "verifying": True, "adapter": to_text(man)}
+
+    eng = _TwoWorkers(answer)
+    reps = refit_verify.verify_adapter(eng, 3, {A: a, B: b}, version=1, config={"r": 4, "lora_alpha": 8}, mode="enforce")
+    assert [(r.rank, r.ok, r.verified) for r in reps] == [(0, True, 2), (1, True, 2)]
+    held[1][B] = "0" * 32
+    with pytest.raises(RefitVerificationError) as ei:
+        refit_verify.verify_adapter(eng, 3, {A: a, B: b}, version=2, config={"r": 4, "lora_alpha": 8}, mode="enforce")
+    rep = ei.value.report
+    assert rep.rank == 1 and rep.mismatched == (B,) and f"{B}: qkv[q].lora_b, slot 0, worker rank 1's slice dim 0" in rep.problems
+    held[1][B] = by_rank[0][B][0]
+    rows[1] = rows[0]  # both ranks hold rows 0:8 (and compare equal): rows 8:16 are served by no rank
+    reps = refit_verify.verify_adapter(eng, 3, {A: a, B: b}, version=3, config={"r": 4, "lora_alpha": 8}, mode="log")
+    for rep in reps:
+        assert not rep.ok and rep.mismatched == () and rep.problems == (f"{B}: dim 0 [8:16] is held by no worker's LoRA slot "
+                                                                         "(the ranks' slices leave it out)",)

@@ -8,20 +8,24 @@ of a fused ``qkv_proj``) the plugin hands over two 2-D matrices in PEFT's orient
 ``A`` of shape ``(max_lora_rank, in_features)`` and ``B`` of shape ``(out_features, max_lora_rank)``.
 A PEFT tensor of shape ``(r, in)`` lands in ``A[:r, :in]``, one of ``(out, r)`` in ``B[:out, :r]``;
 everything else in the matrix is padding and must hold zeros.
+
+At tensor parallelism a rank's slot holds a slice of the PEFT tensor (its output rows of a
+column-parallel layer's ``lora_B``, its input columns of a row-parallel layer's ``lora_A``).
+:func:`selection` turns what vLLM's own slicing function picks out of an index map into that slice.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from refit_verify.digest.batch import digest_tensors
 
-__all__ = ["AdapterLedger", "RegionCheck", "check_regions", "nonzero", "outside", "slot_fingerprint"]
+__all__ = ["AdapterLedger", "RegionCheck", "check_regions", "index_map", "nonzero", "outside", "selection", "slot_fingerprint"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -43,6 +47,52 @@ def nonzero(t: torch.Tensor) -> bool:
 def outside(m: torch.Tensor, rows: int, cols: int) -> list[torch.Tensor]:
     """The parts of 2-D ``m`` outside its top-left ``[:rows, :cols]`` block (views, possibly empty)."""
     return [m[rows:, :], m[:rows, cols:]]
+
+
+def index_map(shape: Sequence[int]) -> torch.Tensor:
+    """An int64 tensor of 2-D ``shape`` (rows, cols) whose element ``[i, j]`` is ``i * cols + j``: handed
+    to a slicing function in place of a PEFT tensor, what it returns says which elements it takes."""
+    rows, cols = (int(x) for x in shape)
+    return torch.arange(rows * cols, dtype=torch.int64).view(rows, cols)
+
+
+def _runs(ids: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of the runs of consecutive increasing ints in 1-D ``ids``."""
+    out: list[tuple[int, int]] = []
+    for i in ids.tolist():
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def selection(picked: torch.Tensor, shape: Sequence[int]) -> tuple[int, list[tuple[int, int]]] | str | None:
+    """Which part of a 2-D tensor of ``shape`` a slicing function took, from what it returned for
+    :func:`index_map` (``picked``: flat indices ``row * cols + col``).
+
+    Returns:
+        None when ``picked`` is the whole tensor in order; ``(dim, [(start, stop), ...])`` when it is
+        the concatenation along ``dim`` (0: rows, 1: columns) of those ranges, the other dim whole;
+        else a sentence saying why it is neither (empty, another shape, elements of both dims picked).
+    """
+    rows, cols = (int(x) for x in shape)
+    if not isinstance(picked, torch.Tensor) or picked.dim() != 2 or picked.dtype != torch.int64:
+        return "the slicing function returned no 2-D index tensor"
+    if picked.numel() == 0:
+        return f"this rank's slice of it is empty ({list(picked.shape)})"
+    row_ids, col_ids = picked[:, 0] // cols, picked[0, :] % cols
+    if not torch.equal(picked, row_ids[:, None] * cols + col_ids[None, :]):
+        return "the slice is not a selection of rows and columns"
+    whole_rows = torch.equal(row_ids, torch.arange(rows))
+    whole_cols = torch.equal(col_ids, torch.arange(cols))
+    if whole_rows and whole_cols:
+        return None
+    if whole_cols:
+        return 0, _runs(row_ids)
+    if whole_rows:
+        return 1, _runs(col_ids)
+    return "the slice takes part of both rows and columns"
 
 
 @dataclass

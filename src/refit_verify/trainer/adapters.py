@@ -13,6 +13,12 @@ boundary never sees them. :func:`verify_adapter` checks them after the push:
    ``max_lora_rank``), checks that the padding and every slot area the trainer sent nothing for
    hold zeros, and compares; it remembers the version and slot fingerprint it verified per id.
 
+At tensor parallelism a rank's slot holds a slice of a tensor (its rows of a column-parallel
+``lora_B``, its columns of a row-parallel ``lora_A``). Step 1's answer then names, per rank, the
+slice vLLM's own ``slice_lora_a`` / ``slice_lora_b`` take (:data:`SliceSpec`); the trainer digests
+every rank's slices of its built tensors in the same batch as the whole ones, checks that the ranks'
+slices together hold every element, and each worker compares its own.
+
 :func:`audit_adapters` lists adapters active in slots that the trainer never verified, and adapters
 whose bytes changed since they verified (replaced under the same id).
 """
@@ -40,13 +46,70 @@ from refit_verify.trainer.channel import DEFAULT_TIMEOUT_S, require_channel
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["AdapterAudit", "AdapterManifest", "AdapterReport", "audit_adapters", "expected_digests", "peft_config", "verify_adapter"]
+__all__ = ["AdapterAudit", "AdapterManifest", "AdapterReport", "SliceSpec", "audit_adapters", "describe_slice", "expected_digests",
+           "expected_slices", "peft_config", "take_slice", "unheld", "verify_adapter"]
 
 LAYOUT_METHOD = "refit_verify_lora_layout"
 VERIFY_METHOD = "refit_verify_lora_verify"
 AUDIT_METHOD = "refit_verify_lora_audit"
 _CONFIG_KEYS = ("r", "lora_alpha", "target_modules", "use_rslora", "rank_pattern", "alpha_pattern")
 _OPTS = dict(forbid_unknown_fields=True, omit_defaults=False)
+
+SliceSpec = tuple[int, list[tuple[int, int]]]
+"""``(dim, [(start, stop), ...])``: a 2-D tensor's ranges along ``dim`` (0: rows, 1: columns),
+concatenated in that order, the other dim whole: what one tensor-parallel rank holds of a PEFT tensor."""
+RankSlices = dict[int, dict[str, tuple[str, list[int], SliceSpec]]]
+"""``{worker rank: {PEFT name: (32-hex, slice shape, spec)}}``: the trainer's digest of each rank's slice."""
+
+
+def describe_slice(spec: SliceSpec) -> str:
+    """``"dim 0 [64:128]"`` (ranges joined by ``+``)."""
+    dim, ranges = spec
+    return f"dim {dim} " + "+".join(f"[{a}:{b}]" for a, b in ranges)
+
+
+def take_slice(t: torch.Tensor, spec: SliceSpec) -> torch.Tensor:
+    """The part of 2-D ``t`` that ``spec`` names: a view for one range, a concatenation (a copy) for several.
+
+    Raises:
+        RefitInputError: ``t`` is not 2-D, or a range lies outside it.
+    """
+    dim, ranges = spec
+    if t.dim() != 2 or dim not in (0, 1) or not ranges or any(not 0 <= a < b <= t.shape[dim] for a, b in ranges):
+        raise RefitInputError(f"refit-verify: slice {describe_slice(spec)} does not fit a tensor of shape {list(t.shape)}")
+    parts = [t.narrow(dim, a, b - a) for a, b in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def unheld(specs: Mapping[int, Mapping[str, SliceSpec]], shapes: Mapping[str, list[int]]) -> dict[str, str]:
+    """``{PEFT name: which part}`` of each sliced tensor that no rank's slice holds.
+
+    Args:
+        specs: ``{worker rank: {PEFT name: spec}}`` of the ranks that hold the name sliced.
+        shapes: ``{PEFT name: [rows, cols]}`` of the trainer's tensors.
+    """
+    held: dict[str, tuple[int, set[int]]] = {}
+    for per_rank in specs.values():
+        for n, (dim, ranges) in per_rank.items():
+            d, ids = held.setdefault(n, (dim, set()))
+            if d != dim:  # ranks slicing along different dims: say what the first dim leaves out
+                continue
+            for a, b in ranges:
+                ids.update(range(a, b))
+    out = {}
+    for n, (dim, ids) in held.items():
+        if n not in shapes:
+            continue
+        gaps = [i for i in range(shapes[n][dim]) if i not in ids]
+        if gaps:
+            runs: list[list[int]] = []
+            for i in gaps:
+                if runs and runs[-1][1] == i:
+                    runs[-1][1] = i + 1
+                else:
+                    runs.append([i, i + 1])
+            out[n] = describe_slice((dim, [(a, b) for a, b in runs]))
+    return out
 
 
 class AdapterManifest(msgspec.Struct, tag="adapter_manifest", **_OPTS):
@@ -178,6 +241,17 @@ def peft_config(lora: Any, config: Any = None) -> dict[str, Any]:
     return out
 
 
+def _built(tensors: Mapping[str, torch.Tensor], lora_dtype: torch.dtype, scalings: Mapping[str, float]) -> dict[str, torch.Tensor]:
+    built = {}
+    for n, t in tensors.items():
+        e = t.detach().to(device="cpu", dtype=lora_dtype, copy=True)
+        s = scalings.get(n, 1.0)
+        if s != 1:
+            e *= s
+        built[n] = e
+    return built
+
+
 def expected_digests(tensors: Mapping[str, torch.Tensor], lora_dtype: torch.dtype,
                      scalings: Mapping[str, float]) -> dict[str, tuple[str, list[int]]]:
     """``{PEFT name: (32-hex, shape)}`` of the bytes vLLM holds for each tensor.
@@ -186,15 +260,32 @@ def expected_digests(tensors: Mapping[str, torch.Tensor], lora_dtype: torch.dtyp
     (``LoRAModel.from_lora_tensors``), then ``*= scaling`` when the scaling is not 1
     (``LoRALayerWeights.optimize``). The trainer's tensors are never changed (a copy is scaled).
     """
-    built = {}
-    for n, t in tensors.items():
-        e = t.detach().to(device="cpu", dtype=lora_dtype, copy=True)
-        s = scalings.get(n, 1.0)
-        if s != 1:
-            e *= s
-        built[n] = e
-    digests = digest_tensors(built.items())
-    return {n: (digests[n], list(built[n].shape)) for n in built}
+    return expected_slices(tensors, lora_dtype, scalings, {})[0]
+
+
+def expected_slices(tensors: Mapping[str, torch.Tensor], lora_dtype: torch.dtype, scalings: Mapping[str, float],
+                    specs: Mapping[int, Mapping[str, SliceSpec]]) -> tuple[dict[str, tuple[str, list[int]]], RankSlices]:
+    """:func:`expected_digests`, and the digest of each rank's slice of the same bytes, in one batch.
+
+    Args:
+        specs: ``{worker rank: {PEFT name: spec}}`` of the tensors each rank holds sliced (names the
+            trainer has no tensor for are left out).
+
+    Returns:
+        ``(whole, by_rank)``: ``{PEFT name: (32-hex, shape)}`` and ``{rank: {PEFT name: (32-hex, slice
+        shape, spec)}}``.
+
+    Raises:
+        RefitInputError: a spec that does not fit its tensor.
+    """
+    built = _built(tensors, lora_dtype, scalings)
+    parts = {f"{n}\x00rank {r}": (r, n, spec, take_slice(built[n], spec))
+             for r, per_rank in specs.items() for n, spec in per_rank.items() if n in built}
+    digests = digest_tensors([*built.items(), *((k, p[3]) for k, p in parts.items())])
+    by_rank: RankSlices = {}
+    for k, (r, n, spec, t) in parts.items():
+        by_rank.setdefault(r, {})[n] = (digests[k], list(t.shape), (spec[0], [tuple(x) for x in spec[1]]))
+    return {n: (digests[n], list(built[n].shape)) for n in built}, by_rank
 
 
 def _check_tensors(tensors: Any) -> dict[str, torch.Tensor]:
@@ -206,10 +297,10 @@ def _check_tensors(tensors: Any) -> dict[str, torch.Tensor]:
     return dict(tensors)
 
 
-def _report(man: AdapterManifest, sender: Mapping[str, str]) -> AdapterReport:
+def _report(man: AdapterManifest, sender: Mapping[str, str], extra: list[str] | None = None) -> AdapterReport:
     provable = {n: d for n, d in sender.items() if n not in man.not_proven}
     rep = compare_manifests(provable, man.digests, rank=man.worker.rank)
-    problems = list(man.problems)
+    problems = [*man.problems, *(extra or ())]
     for n in (*rep.mismatched, *rep.missing):
         if n in man.where:
             problems.append(f"{n}: {man.where[n]}")
@@ -255,7 +346,7 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
     tensors = _check_tensors(tensors)
     cfg = peft_config(lora, config)
     ch = require_channel(engine)
-    layouts = ch.call(LAYOUT_METHOD, cfg, list(tensors), timeout_s=timeout_s)
+    layouts = ch.call(LAYOUT_METHOD, cfg, list(tensors), [list(t.shape) for t in tensors.values()], timeout_s=timeout_s)
     seen = {(r.get("lora_dtype"), json.dumps(r.get("scalings"), sort_keys=True)) for r in layouts
             if isinstance(r, Mapping) and r.get("verifying") and r.get("enabled")}
     if len(seen) > 1:
@@ -266,14 +357,21 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
         dtype = getattr(torch, str(dtype_name), None)
         if not isinstance(dtype, torch.dtype):
             raise RefitProtocolError(f"refit-verify: a worker named no torch dtype for LoRA: {dtype_name!r}")
-        expected = expected_digests(tensors, dtype, json.loads(scalings_text))
+        specs = _specs(layouts)
+        expected, by_rank = expected_slices(tensors, dtype, json.loads(scalings_text), specs)
         sender = {n: d for n, (d, _) in expected.items()}
+        gaps = unheld(specs, {n: s for n, (_, s) in expected.items()})
         text = msgspec.json.encode({n: [d, s] for n, (d, s) in expected.items()}).decode()
-        for r in ch.call(VERIFY_METHOD, aid, version, text, timeout_s=timeout_s):
+        args = (aid, version, text) + ((msgspec.json.encode(by_rank).decode(),) if by_rank else ())
+        for r in ch.call(VERIFY_METHOD, *args, timeout_s=timeout_s):
             if not (isinstance(r, Mapping) and r.get("verifying")):
                 reports.append(_not_verifying(r, aid, version))
                 continue
-            reports.append(_report(from_wire(r["adapter"], AdapterManifest), sender))
+            man = from_wire(r["adapter"], AdapterManifest)
+            mine = by_rank.get(man.worker.rank, {})
+            extra = [f"{n}: {part} is held by no worker's LoRA slot (the ranks' slices leave it out)"
+                     for n, part in sorted(gaps.items()) if n in mine]
+            reports.append(_report(man, {**sender, **{n: d for n, (d, _, _) in mine.items()}}, extra))
     else:  # no worker has LoRA on (or none verifies): say why, once per worker
         for r in layouts:
             if isinstance(r, Mapping) and r.get("verifying"):
@@ -289,6 +387,19 @@ def verify_adapter(engine: Any, lora: Any, tensors: Mapping[str, torch.Tensor], 
         if m is VerifyMode.ENFORCE:
             raise RefitVerificationError(failed[0])
     return reports
+
+
+def _specs(layouts: Any) -> dict[int, dict[str, SliceSpec]]:
+    """``{worker rank: {PEFT name: spec}}`` from the layout answers (``slices``: JSON lists)."""
+    out: dict[int, dict[str, SliceSpec]] = {}
+    for r in layouts:
+        if not (isinstance(r, Mapping) and r.get("verifying") and r.get("enabled") and r.get("slices")):
+            continue
+        try:
+            out[int(r["rank"])] = {str(n): (int(d), [(int(a), int(b)) for a, b in rs]) for n, (d, rs) in r["slices"].items()}
+        except (TypeError, ValueError, KeyError) as e:
+            raise RefitProtocolError(f"refit-verify: a worker's LoRA slices are malformed: {r.get('slices')!r:.200}") from e
+    return out
 
 
 def _not_verifying(r: Any, aid: int, version: int | None) -> AdapterReport:

@@ -2,12 +2,13 @@
 
 Worker methods (added to ``WorkerBase`` by ``register()``, reached through ``collective_rpc``):
 
-* ``refit_verify_lora_layout(config, names)``: the dtype vLLM casts adapters to (``lora_dtype``) and
-  the scale it folds into each ``lora_B`` (vLLM's own ``PEFTHelper.get_rank_and_scaling``), so the
+* ``refit_verify_lora_layout(config, names, shapes)``: the dtype vLLM casts adapters to (``lora_dtype``)
+  and the scale it folds into each ``lora_B`` (vLLM's own ``PEFTHelper.get_rank_and_scaling``), so the
   trainer can build the bytes the engine must hold with the same ops (``lora.lora_model``:
   ``tensor.to(device="cpu", dtype=lora_dtype)``; ``lora.lora_weights.LoRALayerWeights.optimize``:
-  ``lora_b *= scaling`` unless the scaling is 1).
-* ``refit_verify_lora_verify(adapter_id, version, expected)``: digest the regions of adapter
+  ``lora_b *= scaling`` unless the scaling is 1); at TP > 1 the slice of each tensor this rank's
+  slots hold.
+* ``refit_verify_lora_verify(adapter_id, version, expected, slices)``: digest the regions of adapter
   ``adapter_id`` (its slot when active, else the copy its manager registered) and compare.
 * ``refit_verify_lora_audit()``: the adapters active in slots now, against what was verified.
 
@@ -16,8 +17,17 @@ v of ``qkv_proj``; gate, up of ``gate_up_proj``; one slice otherwise),
 ``lora_a_stacked[s][i, 0, :r, :in]`` = ``lora_A`` and ``lora_b_stacked[s][i, 0, :out, :r]`` =
 ``lora_B * scaling``; padding up to ``max_lora_rank`` is zero (``reset_lora`` before ``set_lora``).
 The logits layer keeps one tensor instead of a tuple; the embedding keeps ``lora_A`` transposed
-(``lora_a_stacked[i, :vocab, :r]``). Layers sharded across tensor-parallel ranks, fully sharded
-LoRA, and layer classes other than these are named not provable.
+(``lora_a_stacked[i, :vocab, :r]``).
+
+At TP > 1 vLLM's ``set_lora`` hands each linear layer's ``slice_lora_a`` / ``slice_lora_b`` the
+tensors before copying them in: column-parallel layers keep their output rows of ``lora_B`` (per
+slice of ``qkv_proj`` / ``gate_up_proj``; K / V rows of the KV heads this rank serves, whole when KV
+heads are replicated), row-parallel layers their input columns of ``lora_A``. Which part a rank
+holds is learned by handing those same functions an index map (``engine.adapters.index_map``), so the
+slicing is vLLM's own; the slot then holds that slice at ``[:rows, :cols]``, padded as above. The
+embedding and logits layers keep the whole tensors on every rank. Fully sharded LoRA
+(``fully_sharded_loras=True``: ``lora_A`` split by ``max_lora_rank / tp`` too) and layer classes other
+than these are named not provable.
 """
 
 from __future__ import annotations
@@ -31,10 +41,11 @@ import msgspec
 import torch
 
 from refit_verify.config import check_version, mode_from_env
-from refit_verify.engine.adapters import AdapterLedger, check_regions, outside, slot_fingerprint
+from refit_verify.engine.adapters import AdapterLedger, check_regions, index_map, outside, selection, slot_fingerprint
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import to_text
-from refit_verify.trainer.adapters import AUDIT_METHOD, LAYOUT_METHOD, VERIFY_METHOD, AdapterAudit, AdapterManifest
+from refit_verify.trainer.adapters import (AUDIT_METHOD, LAYOUT_METHOD, VERIFY_METHOD, AdapterAudit, AdapterManifest, RankSlices,
+                                           SliceSpec, describe_slice)
 from refit_verify.vllm_plugin import runner
 
 logger = logging.getLogger("refit_verify")
@@ -42,6 +53,7 @@ logger = logging.getLogger("refit_verify")
 METHODS = (LAYOUT_METHOD, VERIFY_METHOD, AUDIT_METHOD)  # the functions below, by name
 _LEDGER = "_refit_verify_lora_ledger"
 _EXPECTED = msgspec.json.Decoder(dict[str, tuple[str, list[int]]])
+_SLICES = msgspec.json.Decoder(RankSlices)
 
 
 def _arg(v: Any) -> Any:
@@ -90,13 +102,37 @@ def _why_not_provable(am, layer: Any) -> str | None:
     from vllm.lora.layers import VocabParallelEmbeddingWithLoRA
 
     if getattr(am.lora_config, "fully_sharded_loras", False):
-        return "fully sharded LoRA (fully_sharded_loras=True): each rank holds a shard, not mapped"
-    if (getattr(layer, "tp_size", 1) or 1) > 1:
-        return f"sharded across {layer.tp_size} tensor-parallel ranks: per-rank shards are not mapped"
+        return ("fully sharded LoRA (fully_sharded_loras=True): each rank holds a shard of lora_a too (split by "
+                "max_lora_rank / tp); not mapped")
     a = getattr(layer, "lora_a_stacked", None)
     if isinstance(layer, VocabParallelEmbeddingWithLoRA) or isinstance(a, tuple) or (isinstance(a, torch.Tensor) and a.dim() == 4):
         return None
     return f"layout of {type(layer).__name__} not mapped"
+
+
+def _rank_slice(layer: Any, s: int, is_a: bool, shape: list[int]) -> SliceSpec | str | None:
+    """The part of a PEFT tensor of ``shape`` (slice ``s`` of ``layer``, ``lora_A`` when ``is_a``) that
+    this rank's slot holds: None when whole, a :data:`SliceSpec`, or why it cannot be said.
+
+    Asked of vLLM's own ``slice_lora_a`` / ``slice_lora_b`` (``set_lora`` calls them when the layer's
+    ``tp_size`` > 1) with an index map in place of the tensor.
+    """
+    from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
+
+    tp = getattr(layer, "tp_size", 1) or 1
+    if tp <= 1 or isinstance(layer, (VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA)):
+        return None  # set_lora copies the whole tensors
+    fn = getattr(layer, "slice_lora_a" if is_a else "slice_lora_b", None)
+    if fn is None:
+        return f"sharded across {tp} tensor-parallel ranks, and {type(layer).__name__} has no {'slice_lora_a' if is_a else 'slice_lora_b'}: not mapped"
+    probe = index_map(shape)
+    stacked = layer.lora_a_stacked
+    many = isinstance(stacked, tuple) and len(stacked) > 1  # merged layers slice a list, one tensor per slice
+    try:
+        got = fn([probe if i == s else None for i in range(len(stacked))])[s] if many else fn(probe)
+    except Exception as e:  # noqa: BLE001 - vLLM's own slicing refused this shape: say so, never guess
+        return f"vLLM's {type(layer).__name__}.{fn.__name__} fails on a tensor of shape {shape} ({type(e).__name__}: {e})"
+    return selection(got, shape)
 
 
 def _slot_matrices(layer: Any, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -153,19 +189,22 @@ def _parse(name: str, mapper) -> tuple[str, bool] | None:
         return None
 
 
-def refit_verify_lora_layout(self, config: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
-    """The dtype vLLM gives adapters and the scale it folds into each ``lora_B`` of ``names``.
+def refit_verify_lora_layout(self, config: Mapping[str, Any], names: list[str], shapes: list[list[int]] | None = None) -> dict[str, Any]:
+    """The dtype vLLM gives adapters, the scale it folds into each ``lora_B`` of ``names``, and the
+    slice of each this rank holds.
 
     Args:
         config: the adapter's PEFT config (``r``, ``lora_alpha``, ``target_modules``, and
             ``use_rslora`` / ``rank_pattern`` / ``alpha_pattern`` when set), as vLLM's
             ``PEFTHelper.from_dict`` reads it.
         names: the PEFT tensor names the trainer pushed.
+        shapes: their shapes, in the same order (None: no slices asked for).
 
     Returns:
         dict: ``rank``, ``verifying``, ``enabled`` (LoRA on in this engine), ``lora_dtype`` (e.g.
         ``"bfloat16"``), ``scalings`` (``{name: float}``: 1.0 for ``lora_A`` and names vLLM does not
-        parse), or ``reason``.
+        parse), ``slices`` (``{name: [dim, [[start, stop], ...]]}`` of the 2-D tensors this rank's
+        slots hold a slice of; empty at TP=1), or ``reason``.
 
     Raises:
         RefitConfigError: ``config`` is not a PEFT LoRA config vLLM reads.
@@ -192,10 +231,31 @@ def refit_verify_lora_layout(self, config: Mapping[str, Any], names: list[str]) 
             continue
         scalings[n] = 1.0 if is_a else float(helper.get_rank_and_scaling(module)[1])
     dtype = str(am.lora_config.lora_dtype).removeprefix("torch.")
-    return {"rank": self.rank, "verifying": True, "enabled": True, "lora_dtype": dtype, "scalings": scalings}
+    slices = _layout_slices(am, names, _arg(shapes)) if shapes is not None else {}
+    return {"rank": self.rank, "verifying": True, "enabled": True, "lora_dtype": dtype, "scalings": scalings, "slices": slices}
 
 
-def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expected: str) -> dict[str, Any]:
+def _layout_slices(am, names: list[str], shapes: list[list[int]]) -> dict[str, list[Any]]:
+    """``{name: [dim, [[start, stop], ...]]}`` of the names whose slot region on this rank is a slice."""
+    if len(shapes) != len(names):
+        raise RefitConfigError(f"refit_verify_lora_layout: {len(names)} names but {len(shapes)} shapes")
+    mapper = _mapper(am)
+    out: dict[str, list[Any]] = {}
+    for n, shape in zip(names, shapes):
+        parsed = _parse(n, mapper) if len(shape) == 2 else None
+        placed = _place(am, parsed[0]) if parsed is not None else None
+        if placed is None:
+            continue
+        layer = am.modules[placed[0]]
+        if _why_not_provable(am, layer) is not None:
+            continue
+        spec = _rank_slice(layer, placed[1], parsed[1], list(shape))
+        if isinstance(spec, tuple):
+            out[n] = [spec[0], [list(r) for r in spec[1]]]
+    return out
+
+
+def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expected: str, slices: str = "{}") -> dict[str, Any]:
     """Digest what this worker holds of adapter ``adapter_id`` and compare it with ``expected``.
 
     Args:
@@ -203,6 +263,8 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
         version: the trainer's version of the adapter (its step), or None.
         expected: JSON text ``{PEFT name: [32-hex, shape]}``: the digest and shape of the bytes the
             engine must hold for each name (cast and scaled as vLLM does).
+        slices: JSON text ``{worker rank: {PEFT name: [32-hex, slice shape, [dim, [[start, stop], ...]]]}}``:
+            the same for the slice each rank's slot holds at TP > 1 (:data:`~refit_verify.trainer.adapters.RankSlices`).
 
     Returns:
         dict: ``rank``, ``verifying``, ``adapter`` (an :class:`~refit_verify.trainer.adapters.AdapterManifest`
@@ -215,6 +277,8 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
         raise RefitConfigError(f"refit_verify_lora_verify: adapter_id must be an int, got {adapter_id!r}")
     want = _EXPECTED.decode(expected)
     ident = runner.identity(self)
+    mine = _SLICES.decode(slices).get(ident.rank, {})
+    expect = {n: d for n, (d, _) in want.items()}
     am = _manager(self)
     base = dict(worker=ident, adapter_id=adapter_id, version=version)
     if am is None:
@@ -273,12 +337,25 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
                 continue
             m = mats[s][0 if is_a else 1]
             rows, cols = shape
+            spec = _rank_slice(layer, s, is_a, list(shape))
+            if isinstance(spec, str):
+                not_proven[n] = f"{label}: {spec}"
+                continue
+            held = ""
+            if spec is not None:
+                got = mine.get(n)
+                if got is None or (got[2][0], [tuple(r) for r in got[2][1]]) != (spec[0], [tuple(r) for r in spec[1]]):
+                    where[n] = (f"{label}, slot {slot}: worker rank {ident.rank} holds its slice {describe_slice(spec)}, "
+                                "for which the trainer sent no digest (the layout changed between the calls?)")
+                    continue
+                expect[n], (rows, cols) = got[0], got[1]
+                held = f", worker rank {ident.rank}'s slice {describe_slice(spec)}"
             if rows > m.shape[0] or cols > m.shape[1]:
-                where[n] = f"{label}, slot {slot}: the trainer's shape {shape} does not fit the slot's {list(m.shape)}"
+                where[n] = f"{label}, slot {slot}{held}: the shape {[rows, cols]} does not fit the slot's {list(m.shape)}"
                 continue
             regions[n] = m[:rows, :cols]
-            pads[f"{label} (slot {slot}, padding beyond {list(shape)})"] = outside(m, rows, cols)
-            where[n] = f"{label}, slot {slot}"
+            pads[f"{label} (slot {slot}{held}, padding beyond {[rows, cols]})"] = outside(m, rows, cols)
+            where[n] = f"{label}, slot {slot}{held}"
         else:
             a, b = _registered_pair(lora_model, layer_name, s)
             t = a if is_a else b
@@ -315,7 +392,7 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     if unmapped:
         unchecked.append("LoRA layers of types not mapped, not read: " + ", ".join(unmapped))
     chk = check_regions(regions, pads, uncovered)
-    provable = {n: d for n, (d, _) in want.items() if n not in not_proven}
+    provable = {n: d for n, d in expect.items() if n not in not_proven}
     mismatched = [n for n, d in provable.items() if n in chk.digests and chk.digests[n] != d]
     missing = [n for n in provable if n not in chk.digests]
     ok = bool(chk.digests) and not (mismatched or missing or chk.padding or chk.unexpected)
