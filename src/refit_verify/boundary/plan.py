@@ -129,6 +129,7 @@ def _unlearnable(ms: Any) -> str | None:
         (bool(ms.refused or ms.withheld), "a tensor was refused or withheld"),
         (bool(ms.inexact or ms.opaque), "a parameter was written by a conversion, a shard or an op that is not a copy"),
         (bool(getattr(ms, "quantized", None) or getattr(ms, "read_early", None)), "a layer was quantized on load"),
+        (bool(getattr(ms, "forward", None)), "a linear weight was handed to its GEMM kernel after loading"),
         (bool(ms.unconsumed or ms.unattributed), "a delivered tensor was skipped or transformed by the model"),
         (ms.n_blocks > 0, "a delivered tensor was copied in part (a shard or a block)"),
         (ms.lazy_calls > 0, "a load_weights call was handed an iterator"),

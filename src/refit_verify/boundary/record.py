@@ -167,6 +167,9 @@ class ModuleSession:
         # produced, source names, what quantized it); the close reads the engine's copy whole against it
         self.quantized: dict[str, tuple[str, list[str], str]] = {}
         self.read_early: set[str] = set()  # derived names read where they landed before their parameter was quantized
+        # linear weights the engine handed to its GEMM kernel after loading (an empty parameter left): parameter ->
+        # engine.forward.Probe; the close proves them through the layer's own forward
+        self.forward: dict[str, Any] = {}
 
     # -- delivery ---------------------------------------------------------------------------
 

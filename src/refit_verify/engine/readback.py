@@ -96,8 +96,8 @@ class _Program:
     and only the digests are taken again (one :class:`~refit_verify.digest.kept.DigestSet` launch).
     """
 
-    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "given", "key", "notes", "padding", "params",
-                 "plan", "pre", "region_of", "region_set", "underived", "unproven")
+    __slots__ = ("dest_keys", "dest_regions", "derived_keys", "fills", "flat", "forward", "given", "key", "notes", "padding",
+                 "params", "plan", "pre", "region_of", "region_set", "underived", "unproven")
 
     def __init__(self) -> None:
         self.params: dict[str, ParamState] = {}  # label -> state before the compare (verified or not coverable)
@@ -121,6 +121,9 @@ class _Program:
         self.pre: tuple[Any, list[str]] | None = None
         # the compare as flat lists (:func:`_flat`), made at the first evaluation; False: not made yet
         self.flat: _Flat | None | bool = False
+        # label -> the probe of a linear weight the engine handed to its kernel (engine.forward.Probe): proven at
+        # each evaluation through the layer's own forward
+        self.forward: dict[str, Any] = {}
 
 
 class _Flat:
@@ -171,6 +174,7 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
     views: list[torch.Tensor] = []
     params, plan, given = prog.params, prog.plan, prog.given
     quantized = getattr(ms, "quantized", None) or {}
+    forwards = getattr(ms, "forward", None) or {}
     early = getattr(ms, "read_early", None) or ()
     region_key: dict[tuple[str, tuple], str] = {}  # (parameter, dest) -> its digest key
     sliced = getattr(ms, "slice_params", None) or ()
@@ -200,6 +204,10 @@ def _program(ms, live: dict[str, torch.Tensor], prefix: str, known: dict[str, st
         q = quantized.get(pname)
         if q is not None:  # produced by the engine's quantization on load: the whole parameter holds what it produced
             _quantized_entry(prog, views, p, label, q, known)
+            continue
+        fw = forwards.get(pname)
+        if fw is not None:  # the engine's kernel holds it (an empty parameter left): proven through the layer's forward
+            prog.forward[label] = fw
             continue
         why = _unreadable(ms, pname, p)
         if why is not None:
@@ -350,6 +358,7 @@ class _Only:
         self.derived = {n: rs for n, rs in ms.derived.items()
                         if rs and all(p in pnames for p, _ in rs) and n not in getattr(ms, "read_early", ())}
         self.quantized = {}
+        self.forward = {}
 
     def __getattr__(self, name: str):
         return getattr(self._ms, name)
@@ -375,6 +384,19 @@ def read_now(ms, live: dict[str, torch.Tensor], prefix: str = "") -> tuple[dict[
 
 
 def _evaluate(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int, int]:
+    """:func:`_evaluate_regions`, then each weight the engine handed to its kernel proven through its
+    layer's forward (:attr:`_Program.forward`, run now: never kept from an earlier close)."""
+    params, proven, unproven, padding = _evaluate_regions(prog, ms, got, known)
+    for label, fw in prog.forward.items():
+        st = params[label] = fw.prove()
+        if st.status == "verified":
+            proven += st.bytes
+        else:
+            unproven += st.bytes
+    return params, proven, unproven, padding
+
+
+def _evaluate_regions(prog: _Program, ms, got: dict[str, str], known: dict[str, str] | None) -> tuple[dict[str, ParamState], int, int, int]:
     """Compare the regions' digests ``got`` (``{digest key: 32-hex}``) with what was placed there
     (delivered blocks, and the loaders' fills: :attr:`_Program.fills`): set ``ms.derived_hex`` /
     ``ms.underived``; return ``(params, proven bytes, unproven bytes, padding bytes proven to hold
@@ -440,7 +462,7 @@ def _replayed_whole(ms) -> bool:
     """True iff ``ms`` replayed its whole plan (``ms.replayed_all``) and nothing else was recorded:
     its records are the plan's, as in the last such session."""
     return (ms.replayed_all and not ms.inexact and not ms.underived and not ms.derived_hex and not len(ms.blocks)
-            and not len(ms.recheck) and not getattr(ms, "by_state", None))
+            and not len(ms.recheck) and not getattr(ms, "by_state", None) and not getattr(ms, "forward", None))
 
 
 def _kept_program(ms, idx: ModelIndex | None, live, prefix: str, known: dict[str, str] | None) -> _Program | None:

