@@ -216,3 +216,31 @@ def test_a_change_the_opens_check_misses_never_passes_bytes_the_model_does_not_u
     assert man.modules["model"].replayed == 5 and man.modules["model"].digests["norm"] == wb.baseline.params["norm"].digest
     r = compare_session({"model": digest_tensors(w.items())}, man, session="s3", version=3)
     assert not r.ok and r.mismatched == ("norm",) and r.engine_mismatched == ("norm",) and r.verified == 4
+
+
+def test_keys_re_registered_in_another_order_with_the_same_objects_keep_the_index():
+    """vLLM's first layerwise reload deletes a linear layer's ``weight`` and registers it again after
+    its ``bias``: the same objects under the same names, so the index (and the kept sets on it) holds."""
+    lin = torch.nn.Linear(4, 3)
+    idx = ModelIndex(lin)
+    w = lin._parameters.pop("weight")
+    lin._parameters["weight"] = w
+    assert list(lin._parameters) == ["bias", "weight"]
+    assert idx.unchanged(lin) and idx.fresh(lin)
+    assert idx._structure.keys == ["bias", "weight"]  # the order found is recorded: the next check takes the fast path
+    assert idx.fresh(lin)
+
+
+def test_names_swapped_between_objects_make_the_index_stale():
+    lin = torch.nn.Linear(4, 4, bias=False)
+    lin.register_parameter("other", torch.nn.Parameter(torch.zeros(4, 4)))
+    idx = ModelIndex(lin)
+    d = lin._parameters
+    w, o = d.pop("weight"), d.pop("other")
+    d["other"], d["weight"] = w, o  # another order, and each name now holds the other object
+    assert not idx.unchanged(lin) and not idx.fresh(lin)
+    lin2 = torch.nn.Linear(4, 3)
+    idx2 = ModelIndex(lin2)
+    b = lin2._parameters.pop("bias")
+    lin2._parameters["bias"] = torch.nn.Parameter(b.detach().clone())  # same key, same order, a new object
+    assert not idx2.fresh(lin2)

@@ -208,3 +208,32 @@ def test_a_payload_of_another_producer_than_the_one_that_must_feed_the_worker_is
     model.load_weights(list(toy_weights(1).items()))
     d.finish()
     assert wb.close("outer").misrouted.startswith("worker rank 0 (tp 0, pp 0) received the payload of producer rank 2")
+
+
+def test_prepare_builds_what_the_first_close_keeps_and_changes_no_verdict():
+    """``WorkerBoundary.prepare`` (the plugin runs it once the model is loaded): the model index and the
+    engine-state kept set exist before any session, the first close uses them as they are, and its
+    manifest is the one an unprepared worker's first close gives."""
+    _, wb, model = toy_worker()
+    b = wb.modules["model"]
+    assert b._index is None or b._index.kept.get("set") is None
+    assert wb.prepare() is True
+    idx = b._index
+    ds = idx.kept["set"][0]
+    assert ds is not None and ds.valid()
+    assert wb.baseline is None and wb.last is None and wb.manifests == {}  # no audit baseline, no session
+    man = _full(wb, model, "s1", 1, 1)
+    assert b._index is idx and idx.kept["set"][0] is ds  # built before the refit, not again in it
+    _, plain_wb, plain_model = toy_worker()
+    plain = _full(plain_wb, plain_model, "s1", 1, 1)
+    assert man.state_digest == plain.state_digest and man.engine.params == plain.engine.params
+    assert man.modules["model"].digests == plain.modules["model"].digests
+    assert wb.prepare() is False  # a session closed: its close built them
+
+
+def test_prepare_does_nothing_while_a_session_is_open():
+    _, wb, model = toy_worker()
+    wb.open("s1", version=1)
+    assert wb.prepare() is False
+    model.load_weights(list(toy_weights(1).items()))
+    assert wb.close("s1").engine is not None

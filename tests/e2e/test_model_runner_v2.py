@@ -61,6 +61,25 @@ def test_the_worker_runs_model_runner_v2_and_its_model_has_the_boundary(engine):
     assert set(wb.modules) == {"model"} and wb.modules["model"].model is model
 
 
+def test_the_first_sessions_index_and_state_set_exist_after_engine_start_before_any_refit(engine):
+    """What the first close would build and keep (the model index, the engine-state kept set) was built
+    once the model loaded (``worker_warmup.after_load``, a background thread), not by the first refit."""
+    import threading
+
+    from refit_verify.vllm_plugin import worker_sessions
+
+    llm, model, cfg = engine
+    for th in threading.enumerate():
+        if th.name == "refit-verify-prepare":
+            th.join(60)
+    wb = worker_sessions.boundary_of(_worker(llm))
+    assert wb.last is None and wb.open_session is None and wb.baseline is None  # no refit yet, no audit baseline
+    idx = wb.modules["model"]._index
+    assert idx is not None and idx.fresh(model)
+    ds = idx.kept["set"][0]
+    assert ds is not None and ds.valid() and len(ds.tensors) == len(idx.state)
+
+
 def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):
     llm, model, cfg = engine
     w = models.random_state_dict(cfg, seed=1)
@@ -82,12 +101,22 @@ def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):
 def test_our_transport_loads_through_vllms_layerwise_reload_and_is_proven(engine):
     """``refit_verify_receive`` in the worker: the runner's model, device and model config (for vLLM's
     layerwise reload) come from the accessor; every tensor is checked before loading."""
+    from refit_verify.vllm_plugin import worker_sessions
+
     llm, model, cfg = engine
+    b = worker_sessions.boundary_of(_worker(llm)).modules["model"]
+    idx, ds = b._index, b._index.kept["set"][0]
     w = models.random_state_dict(cfg, seed=3)
     res = refit_verify.push(llm, w, version=3)
     assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
     got = dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(got, w["model.layers.1.mlp.down_proj.weight"])
+    # vLLM's reload re-registers each linear's weight after its bias: the same objects, so the index and
+    # its engine-state set hold (a rebuilt set would be one-off work inside this refit's close)
+    assert b._index is idx and idx.kept["set"][0] is ds
+    (sec,) = [x["seconds"] for x in res.workers]
+    assert sec["own_s"] == pytest.approx(sec["open_s"] + sec["boundary_s"] + sec["close_s"])
+    assert min(sec.values()) >= 0 and sec["boundary_s"] > 0 and sec["close_s"] > 0 and sec["reload_s"] > 0
 
 
 def test_the_state_is_judged_through_the_layout_map(engine):

@@ -90,3 +90,49 @@ def test_the_graph_capture_waits_for_the_warmup(monkeypatch):
     held.done.set()
     th.join(30)
     assert out == ["captured"]
+
+
+def test_after_the_model_loads_a_cpu_worker_prepares_its_first_session_in_the_background(monkeypatch):
+    from tests.support.toy_model import toy_worker
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    worker, wb, _ = toy_worker()
+    worker.device = torch.device("cpu")
+    th = worker_warmup.after_load(worker, wb)
+    assert th is not None
+    th.join(120)
+    assert not th.is_alive()
+    idx = wb.modules["model"]._index
+    assert idx is not None and idx.kept["set"][0] is not None and idx.kept["set"][0].valid()
+    assert wb.last is None and wb.baseline is None
+    assert set(worker_warmup.REFIT_MODULES) <= sys.modules.keys()
+
+
+def test_a_cuda_worker_prepares_in_compile_or_warm_up_model_before_vllms_capture(monkeypatch):
+    from tests.support.toy_model import toy_worker
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    worker, wb, _ = toy_worker()  # its tensors stay on the CPU: only the worker's device is named cuda here
+    worker.device = torch.device("cuda", 0)
+    assert worker_warmup.after_load(worker, wb) is None  # not in the background: vLLM profiles memory next
+    assert wb.modules["model"]._index is None or wb.modules["model"]._index.kept.get("set") is None
+    seen = []
+
+    def compile_or_warm_up_model(self):
+        seen.append(wb.modules["model"]._index.kept["set"][0])
+        return "captured"
+
+    assert worker_warmup.wrap_compile_or_warm_up_model(compile_or_warm_up_model)(worker) == "captured"
+    assert len(seen) == 1 and seen[0] is not None  # prepared before the capture ran
+    assert not hasattr(worker, worker_warmup._PENDING)
+
+
+def test_no_preparing_with_the_warmup_off(monkeypatch):
+    from tests.support.toy_model import toy_worker
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.setenv("REFIT_VERIFY_WARMUP", "0")
+    worker, wb, _ = toy_worker()
+    worker.device = torch.device("cpu")
+    assert worker_warmup.after_load(worker, wb) is None
+    assert wb.modules["model"]._index is None or wb.modules["model"]._index.kept.get("set") is None

@@ -82,6 +82,8 @@ class ModelBoundary:
         self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
         self.layout: LayoutMap | None = None  # which trainer tensor each parameter region holds (boundary.layout)
         self.region_table: dict[Region, str] = {}  # (parameter, dest) -> 32-hex of what it held at the last close
+        self.own_s = 0.0  # host seconds in the load_weights wrapper outside the model's own (own_seconds)
+        self.inner_s = 0.0  # host seconds in the model's own load_weights under the wrapper
         self._bind()
 
     @property
@@ -132,9 +134,16 @@ class ModelBoundary:
         boundary = self
 
         def load_weights(*args, **kwargs):
-            owner = boundary.owner
-            if not owner.verifying:
+            if not boundary.owner.verifying:
                 return original(*args, **kwargs)
+            t0, inner0 = time.perf_counter(), boundary.inner_s
+            try:
+                return watched(*args, **kwargs)
+            finally:  # this call's time outside the model's own load_weights: ours
+                boundary.own_s += time.perf_counter() - t0 - (boundary.inner_s - inner0)
+
+        def watched(*args, **kwargs):
+            owner = boundary.owner
             s = boundary.session
             if s is not None and s.plan is not None and len(args) == 1 and not kwargs:  # a replayed session, one pair a
                 weights = args[0]  # call (TRL, OpenRLHF): replay_call's checks inline, no other Python in between
@@ -148,7 +157,7 @@ class ModelBoundary:
                             s.unexpanded.append(name)
                             return boundary._replayed(s, original, args, kwargs)
             if "weights" not in kwargs and not args:
-                return original(*args, **kwargs)
+                return boundary._original(original, args, kwargs)
             target = boundary._target()
             weights = kwargs["weights"] if "weights" in kwargs else args[0]
             if target.plan is not None and isinstance(weights, (list, tuple)):  # a replayed session: the common case first
@@ -196,7 +205,7 @@ class ModelBoundary:
                 target.where = boundary.owner.loading_context
             call = target.begin_call(lazy=not isinstance(weights, (list, tuple)))
             try:
-                return original(*args, **kwargs)
+                return boundary._original(original, args, kwargs)
             except Exception as e:
                 target.errors.append(f"{boundary.role}.load_weights raised {type(e).__name__}: {e}"[:500])
                 raise
@@ -208,11 +217,25 @@ class ModelBoundary:
         load_weights.__refit_verify_original__ = original
         return load_weights
 
+    def _original(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run the model's own ``load_weights``, its seconds counted in :attr:`inner_s`."""
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.inner_s += time.perf_counter() - t0
+
+    def own_seconds(self) -> float:
+        """Host seconds this boundary spent in its own code during loads, so far (monotonic): the wrapper
+        of ``load_weights`` outside the model's own (digests checked first, bookkeeping) and the loader
+        tap's (:attr:`LoaderTap.own_s <refit_verify.boundary.placement.LoaderTap.own_s>`)."""
+        return self.own_s + self.tap.own_s
+
     def _replayed(self, target: ModuleSession, original: Callable, args: tuple, kwargs: dict) -> Any:
         """Run one ``load_weights`` call the plan described (recorded already): no tap, no digests."""
         target.calls += 1
         try:
-            return original(*args, **kwargs)
+            return self._original(original, args, kwargs)
         except Exception as e:
             target.errors.append(f"{self.role}.load_weights raised {type(e).__name__}: {e}"[:500])
             raise

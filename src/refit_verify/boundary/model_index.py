@@ -26,6 +26,7 @@ __all__ = ["ModelIndex"]
 
 _PARAMS, _BUFFERS, _CHILDREN = attrgetter("_parameters"), attrgetter("_buffers"), attrgetter("_modules")
 _NON_PERSISTENT = attrgetter("_non_persistent_buffers_set")
+_MISSING = object()
 
 
 def _dicts(modules: list[torch.nn.Module]) -> list[dict]:
@@ -59,15 +60,33 @@ class _Structure:
 
     def quick(self) -> bool:
         """The recorded dictionaries as they are now, not re-read from the modules: True iff none
-        changed size and the non-empty ones hold the same keys and objects in the same order. Not
-        seen: a module given another dictionary object, a buffer made (non-)persistent."""
+        changed size and the non-empty ones hold the same keys with the same objects. Not seen: a
+        module given another dictionary object, a buffer made (non-)persistent.
+
+        Keys in another order, each with its recorded object (vLLM's first layerwise reload deletes
+        and re-registers a linear layer's ``weight`` after its ``bias``), are the same structure: the
+        new order is recorded (:meth:`_reordered`) and the index stays valid."""
         if list(map(len, self.dicts)) != self.sizes:
             return False
         full = self.full  # every other dictionary is still empty (its size is): its keys and values are those of these
         if list(chain.from_iterable(full)) != self.keys:
-            return False
+            return self._reordered()
         values = list(chain.from_iterable(map(dict.values, full)))
-        return len(values) == len(self.values) and all(map(is_, values, self.values))
+        return (len(values) == len(self.values) and all(map(is_, values, self.values))) or self._reordered()
+
+    def _reordered(self) -> bool:
+        """True iff every non-empty dictionary holds the recorded keys, each with its recorded object,
+        in any order; the order found is then recorded (the fast check of :meth:`quick` holds again)."""
+        at = 0
+        for d in self.full:
+            n = len(d)
+            recorded = dict(zip(self.keys[at:at + n], self.values[at:at + n]))
+            at += n
+            if len(recorded) != n or any(recorded.get(k, _MISSING) is not v for k, v in d.items()):
+                return False
+        self.keys = list(chain.from_iterable(self.full))
+        self.values = list(chain.from_iterable(map(dict.values, self.full)))
+        return True
 
 
 class ModelIndex:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import time
 import types
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -311,6 +312,7 @@ class LoaderTap:
         self.placements: dict[tuple, Placement] = {}
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
+        self.own_s = 0.0  # host seconds of ours in tapped calls, so far (a placement learned: the whole call)
         self._tokens = itertools.count()  # one per wrapper: a placement is learned per wrapped loader
 
     def install(self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
@@ -405,6 +407,7 @@ class LoaderTap:
         parameter classes make every attribute read a Python call); the loader itself runs as it is."""
         if not self.enabled:
             return original(*args, **kwargs)
+        t0 = time.perf_counter()
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
         with PLAIN():
@@ -418,9 +421,11 @@ class LoaderTap:
                 kw = {k: v for k, v in kwargs.items() if k not in ("param", "loaded_weight")} if kwargs else {}
                 key = (token, tuple(param.shape), param.stride(), *_key(loaded, rest, kw))  # a wrapper has one pname
         if meta:
+            self.own_s += time.perf_counter() - t0
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
         placement = self.placements.get(key)
-        if placement is None:
+        inner = 0.0
+        if placement is None:  # learning it: the whole call counts as ours (the loader runs under the recorder)
             rec = _CopyRecorder(param, loaded)
             with rec:
                 out = original(*args, **kwargs)
@@ -436,8 +441,11 @@ class LoaderTap:
             if not placement.exact:  # who wrote it other than by a plain copy (the layout map names it with a conversion)
                 self.loader_of[pname] = loader_names(original)[0]
         else:
+            t1 = time.perf_counter()
             out = original(*args, **kwargs)
+            inner = time.perf_counter() - t1
         self._safely(self.on_write, pname, param, loaded, placement)
+        self.own_s += time.perf_counter() - t0 - inner
         return out
 
     def _safely(self, callback: Callable, pname: str, *args) -> None:

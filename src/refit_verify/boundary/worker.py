@@ -596,6 +596,34 @@ class WorkerBoundary:
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
 
+    def prepare(self, timeout_s: float = 5.0) -> bool:
+        """Build now, before any refit, what a session's close would otherwise build at the first
+        refit and keep after it: each model's index (:meth:`ModelBoundary.index`) and the engine-state
+        kept set, read once (the snapshot's :class:`~refit_verify.digest.kept.DigestSet`, planned and
+        checked once per index: :func:`refit_verify.engine.state.snapshot`). Nothing of the
+        verification's state changes: the snapshot read here is dropped (it is no audit baseline).
+
+        Returns False (nothing done) when a session is open or has closed (its close built them),
+        or the worker's lock was not free within ``timeout_s``. Raises what the snapshot raises.
+        """
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self.open_session is not None or self.last is not None or not self.modules:
+                return False
+            if self.snapshotter is None:
+                self._refresh_indexes()
+            else:  # as the close calls it (indexes checked inside, the state read through the kept set)
+                self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=close_reads.CloseReads())
+            return True
+        finally:
+            self._lock.release()
+
+    def own_seconds(self) -> float:
+        """Host seconds this worker's boundaries spent in their own code during loads, so far (monotonic;
+        :meth:`ModelBoundary.own_seconds <refit_verify.boundary.model.ModelBoundary.own_seconds>`)."""
+        return sum(b.own_seconds() for b in list(self.modules.values()))
+
     def _refresh_indexes(self) -> None:
         for b in self.modules.values():
             b.index()
@@ -704,6 +732,9 @@ class SessionDigests(ExternalDigests):
             layerwise reload, putting back layers that cannot land whole).
         rejected, landed, kept: the session's outcome (:meth:`WorkerBoundary.outcome`), set by
             :meth:`finish` / :meth:`fail`.
+        open_s, settle_s, close_s: wall seconds of :meth:`begin` (the session's open), of
+            ``before_close`` (vLLM's finalize: not refit-verify's work) and of the close (read-back,
+            engine-state snapshot, manifest), set by :meth:`begin` and :meth:`finish`.
     """
 
     def __init__(self, wb: WorkerBoundary, opened_by: str, expect_producer: int | None = None) -> None:
@@ -713,32 +744,41 @@ class SessionDigests(ExternalDigests):
         self.rejected: dict[str, str] = {}
         self.landed: list[str] = []
         self.kept: dict[str, str] = {}
+        self.open_s = self.settle_s = self.close_s = 0.0
 
     def begin(self, refit_id: str, producer: Producer | None, version: int | None = None) -> None:
         """Open (or join) the session of refit ``refit_id``; ``version``: the sender's weight version
         (None: unversioned), checked for order by :meth:`WorkerBoundary.open`."""
+        t0 = time.perf_counter()
         self.sid = self.wb.open(refit_id, version=version, opened_by=self.opened_by, producer=producer, explicit=False,
                                 expect_producer=self.expect_producer)
+        self.open_s = time.perf_counter() - t0
 
     def expect(self, digests: dict[str, str | None], enforce: bool) -> None:
         """The sender's digests of the tensors the next ``load_weights`` call gets (checked first)."""
         self.wb.expect(digests, enforce)
 
     def _settle(self, failed: bool) -> None:
+        t0 = time.perf_counter()
         if self.before_close is not None:
             try:
                 self.before_close(failed=failed)
             except Exception as e:  # recorded in the session; the refit's Done still goes out
                 logger.exception("refit-verify: finalizing the load failed")
                 self.wb.note_error(f"finalizing the load failed: {type(e).__name__}: {e}")
+        t1 = time.perf_counter()
+        self.settle_s = t1 - t0
         if self.wb.current_id() == self.sid:
             self.rejected, self.landed, self.kept = self.wb.outcome(closing=True)
+        self.close_s = time.perf_counter() - t1  # the outcome is the close's first step
 
     def finish(self) -> tuple[dict[str, str], SessionManifest | None]:
         if self.sid is None:
             return {}, None
         self._settle(failed=False)
+        t0 = time.perf_counter()
         man = self.wb.close(self.sid, explicit=False)
+        self.close_s += time.perf_counter() - t0
         if man is None:
             return self.wb.snapshot()[0], None
         return man.digests(), man

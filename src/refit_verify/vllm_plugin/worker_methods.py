@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +41,8 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
         ``tensors``, ``bytes``, ``digest_s`` (receiver digest seconds), ``mode`` (agreed at the
         handshake), ``rejected`` (``{name: reason}`` of refused entries), ``error`` (or None),
         ``landed`` (engine parameters this refit wrote) and ``kept`` (``{engine parameter: why}``
-        of those that still hold the previous version), when verifying.
+        of those that still hold the previous version), when verifying; ``seconds``: wall seconds of
+        this worker's phases (:func:`_phase_seconds`).
 
     Verify before load: every tensor is checked against the digest the sender sent with it, at
     the model boundary, before ``load_weights`` (one synchronisation per call on CUDA); in
@@ -67,7 +69,8 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     # a worker that dials the endpoint of its own rank must be fed by the sender of that rank
     expect = self.rank if "{rank}" in endpoint else None
     digests = SessionDigests(wb, "transport", expect_producer=expect) if wb is not None else None
-    outcome: dict[str, Any] = {}
+    outcome: dict[str, Any] = {"load_s": 0.0}
+    own0 = wb.own_seconds() if wb is not None else 0.0
     try:
         with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=runner.device(self)) as receiver:
             with _reload_session(self, digests, outcome) as load:
@@ -81,8 +84,27 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
             e.args = (f"{e.args[0]}; engine: {len(kept)} parameters keep the previous version (layers the refit did not "
                       f"complete were put back whole): {', '.join(list(kept)[:12])}" + (" …" if len(kept) > 12 else ""), *e.args[1:])
         raise
+    seconds = _phase_seconds(digests, outcome["load_s"], wb.own_seconds() - own0 if wb is not None else 0.0)
     return {"rank": self.rank, "manifest": digest_map_text(res.manifest), "tensors": res.tensors, "bytes": res.bytes, "digest_s": res.digest_s,
-            "mode": res.mode.value, "rejected": res.rejected, "error": res.error, "landed": res.landed, "kept": res.kept}
+            "mode": res.mode.value, "rejected": res.rejected, "error": res.error, "landed": res.landed, "kept": res.kept,
+            "seconds": seconds}
+
+
+def _phase_seconds(digests: Any, load_s: float, boundary_s: float) -> dict[str, float]:
+    """Wall seconds of one received refit on this worker, split into refit-verify's work and vLLM's.
+
+    ``open_s``: the session's open; ``boundary_s``: the model boundary's own code during the loads and
+    vLLM's finalize (digests checked before loading, the loader tap, a placement learned: the whole
+    loader call); ``close_s``: the close (coverage, read-back, engine-state snapshot, manifest) —
+    together ``own_s``. ``reload_s``: the rest of ``model.load_weights`` and of vLLM's layerwise
+    reload (start, per-layer processing, finalize), with the copies it keeps (:func:`owned_copies`):
+    what the same refit costs with ``REFIT_VERIFY=off``. Zero where the worker does not verify.
+    """
+    open_s = getattr(digests, "open_s", 0.0)
+    close_s = getattr(digests, "close_s", 0.0)
+    settle_s = getattr(digests, "settle_s", 0.0)
+    return {"open_s": open_s, "boundary_s": boundary_s, "close_s": close_s, "own_s": open_s + boundary_s + close_s,
+            "reload_s": max(0.0, load_s + settle_s - boundary_s)}
 
 
 def refit_verify_param_digests(self, names: list[str] | None = None) -> dict[str, str]:
@@ -281,10 +303,15 @@ def _reload_session(worker, digests=None, outcome: dict | None = None) -> Iterat
         # bucket that is freed and reused after the bucket. A clone per tensor: one block shared by
         # a buffer's tensors (tried, 797ed20) let one kept view pin the whole block and shared one
         # version counter, so a watched session's write check blamed untouched tensors.
+        t0 = time.perf_counter()
         if start and not started[0]:
             start(model)  # at the first batch: the session (opened at the handshake) indexed the model outside the reload
             started[0] = True
-        model.load_weights(owned_copies(batch) if start else batch)
+        try:
+            model.load_weights(owned_copies(batch) if start else batch)
+        finally:
+            if outcome is not None:
+                outcome["load_s"] = outcome.get("load_s", 0.0) + time.perf_counter() - t0
 
     if digests is not None:
         digests.before_close = finalize

@@ -27,7 +27,7 @@ from refit_verify.boundary.worker import WorkerBoundary
 from refit_verify.config import mode_from_env
 from refit_verify.errors import RefitConfigError
 from refit_verify.manifest import Producer, local_reply_token, to_text
-from refit_verify.vllm_plugin import runner, shims
+from refit_verify.vllm_plugin import runner, shims, worker_warmup
 
 logger = logging.getLogger("refit_verify")
 
@@ -95,6 +95,7 @@ def wrap_load_model(raw):
             wb = boundary_of(self)
             if wb is not None:
                 attach_models(self, wb)
+                worker_warmup.after_load(self, wb)  # the first session's index and kept set, before any refit
         return out
 
     return load_model

@@ -8,6 +8,14 @@ once in a background thread from the moment the device is set, so the first refi
 * ``Worker.compile_or_warm_up_model`` is wrapped (:func:`wrap_compile_or_warm_up_model`): vLLM
   captures its CUDA graphs there, and a launch or allocation of the warm-up thread during a capture
   would break it, so it first waits for the warm-up (same bound).
+* Once the model is loaded and its boundary attached (:func:`after_load`, from the plugin's
+  ``load_model`` hook), what the first session's close would build and keep is built before any
+  refit (:meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>`: the
+  model index, the engine-state kept set read once) and the refit modules imported: in a
+  background thread on the CPU; on CUDA in ``compile_or_warm_up_model`` before vLLM's capture (after
+  its memory profiling, which a background allocation would disturb). What depends on the trainer's
+  tensors (where each loader puts them, the refit plan, the layout map) is learned at the first
+  verified refit, or dry on request (``refit_verify_layout_map``).
 
 Nothing starts with ``REFIT_VERIFY=off`` or ``REFIT_VERIFY_WARMUP=0``.
 """
@@ -17,9 +25,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import threading
+import time
 from typing import Any
 
-from refit_verify.config import mode_from_env
+from refit_verify.config import mode_from_env, warmup_enabled
 from refit_verify.digest import backends
 from refit_verify.vllm_plugin import runner
 
@@ -33,6 +43,51 @@ path): tens of milliseconds on a CPU host, imported by the warm-up instead."""
 def _import_refit_modules() -> None:
     for name in REFIT_MODULES:
         importlib.import_module(name)
+
+
+_PENDING = "_refit_verify_prepare"  # a CUDA worker's attribute: its boundary, prepared in compile_or_warm_up_model
+
+
+def after_load(worker: Any, wb: Any) -> threading.Thread | None:
+    """Prepare ``wb`` (the worker's :class:`~refit_verify.boundary.worker.WorkerBoundary`, its models
+    attached) before the first refit: :func:`prepare` in a daemon thread, or, on a CUDA worker, in
+    ``compile_or_warm_up_model`` (:func:`wrap_compile_or_warm_up_model`). Nothing with the warm-up off
+    (``REFIT_VERIFY_WARMUP=0``); never raises.
+
+    Returns:
+        the thread started, or None (deferred to ``compile_or_warm_up_model``, or nothing to do).
+    """
+    try:
+        if not warmup_enabled() or wb is None:
+            return None
+        device = runner.device(worker)
+        if device is not None and getattr(device, "type", None) == "cuda":
+            setattr(worker, _PENDING, wb)
+            return None
+        th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu")), name="refit-verify-prepare", daemon=True)
+        th.start()
+        return th
+    except Exception:  # noqa: BLE001 - the worker starts regardless; the first close builds them
+        logger.warning("refit-verify: preparing the first session could not start", exc_info=True)
+        return None
+
+
+def prepare(wb: Any, device_type: str = "cpu") -> bool:
+    """Wait for the digest warm-up of ``device_type`` (bounded: ``backends.WARMUP_WAIT_S``), then
+    :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` and import the
+    refit modules (a process whose device warm-up another caller started, a colocated trainer, did
+    not import them in it). Logs what it did; never raises. Returns whether ``wb`` was prepared."""
+    t0 = time.perf_counter()
+    try:
+        backends.wait_for_warmup(device_type)
+        done = wb.prepare()
+        _import_refit_modules()
+    except Exception:  # noqa: BLE001 - the first close builds them instead
+        logger.warning("refit-verify: preparing the first session failed; its close builds what it needs", exc_info=True)
+        return False
+    if done:
+        logger.info("refit-verify: first session prepared in %.3f s (model index, engine-state kept set)", time.perf_counter() - t0)
+    return done
 
 
 def start(worker: Any) -> backends.Warmup | None:
@@ -68,6 +123,10 @@ def wrap_compile_or_warm_up_model(raw):
         device = runner.device(self)
         if device is not None:
             backends.wait_for_warmup(getattr(device, "type", str(device)))
+        wb = getattr(self, _PENDING, None)
+        if wb is not None:
+            delattr(self, _PENDING)  # before the capture: none of its launches or allocations lands inside one
+            prepare(wb, getattr(device, "type", "cuda"))
         return raw(self, *args, **kwargs)
 
     return compile_or_warm_up_model
