@@ -168,7 +168,9 @@ def _kernel_roots(u8: torch.Tensor) -> list[Words]:
 
 def warmup_cpu() -> None:
     """Compile (or load from numba's cache) every specialisation the CPU digests use: ``digest_u8``
-    at a lane tail, a serial and a parallel length, and the batched small-string path.
+    at a lane tail, a serial and a parallel length, and the batched small-string path, planned (its
+    arrays read-only) and run again where the strings moved (a kept set's relocated run: the
+    addresses a writable array).
 
     Raises:
         ImportError: numba is not installed.
@@ -180,6 +182,7 @@ def warmup_cpu() -> None:
         nd.digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
     z = torch.zeros(16, dtype=torch.uint8)
     nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
+    nm.run_many(nm.plan_many([(z.data_ptr(), 13, (0, 0))]), [z.data_ptr()])
 
 
 WARMUP_WAIT_S = 120.0
