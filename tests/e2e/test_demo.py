@@ -59,8 +59,20 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     rows = {c[0]: c for c in ([x.strip() for x in line.strip("│").split("│")] for line in p.stdout.splitlines() if line.startswith("│"))}
     assert rows["clean"][1] == "21" and rows["clean"][-1] == "verified"
     assert rows["clean, again"][1] == "21" and rows["clean, again"][-1] == "verified"
-    assert re.search(r"first verified refit \d+\.\d{3} s, second \d+\.\d{3} s \(the worker compiled its digest kernels in the "
-                     r"background as the engine started\)", out)
+    walls = re.search(r"first verified refit (\d+\.\d{3}) s, second (\d+\.\d{3}) s \(the worker compiled its digest kernels in "
+                      r"the background as the engine started\)", out)
+    assert walls, out
+    # each refit's wall split: refit-verify's own work (sender digest + the worker's open, model boundary and
+    # close) apart from vLLM's own reload
+    split = re.search(r"refit-verify's own work (\d+\.\d) ms, then (\d+\.\d) ms \(sender digest (\d+\.\d), (\d+\.\d); worker "
+                      r"(\d+\.\d), (\d+\.\d): session open, model boundary, close\); vLLM's reload (\d+\.\d) ms, then "
+                      r"(\d+\.\d) ms; the rest is staging, transport and vLLM's RPC", out)
+    assert split, out
+    own, own2, send, send2, work, work2, reload, reload2 = map(float, split.groups())
+    assert own == pytest.approx(send + work, abs=0.15) and own2 == pytest.approx(send2 + work2, abs=0.15)
+    assert min(send, send2, work, work2, reload, reload2) > 0
+    for part, wall in ((own + reload, walls.group(1)), (own2 + reload2, walls.group(2))):
+        assert part < float(wall) * 1e3
     assert rows["byte flip"][1] == "21" and rows["byte flip"][-1] == "caught"
     assert "clean refit: 21 of 21 tensors verified at the model boundary, bytes identical, on worker rank 0 (dp 0, tp 0, pp 0," in out
     assert "engine parameters read directly: 7 of 7 unfused parameters (embeddings, norms, lm_head) hold the new weights" in out
@@ -96,6 +108,9 @@ def test_log_file_named_and_holds_every_process_log(demo):
     # the worker warmed its digests as the engine started (its thread, not the first refit, compiled them)
     assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: digest warm-up on "
                      r"(cpu \(numba\)|cuda:\d+ \(triton\)) done in ", text, re.M)
+    # and built what the first session's close keeps (model index, engine-state kept set) before the first refit
+    assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: first session prepared in "
+                     r"\d+\.\d{3} s \(model index, engine-state kept set\)", text, re.M)
     summary = next(line for line in p.stdout.splitlines() if line.startswith("vLLM log (not shown above): "))
     n_info = len(re.findall(r"^\S+ \S+ INFO ", text, re.M))
     assert summary.startswith(f"vLLM log (not shown above): {n_info} info, ")

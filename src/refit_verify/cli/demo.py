@@ -3,9 +3,9 @@
 Starts vLLM on a small config with dummy weights, builds trainer-side weights with the same HF
 names and fresh random values, pushes them twice with :func:`refit_verify.push` in ``enforce`` mode
 (the first refit's time next to the second's: the worker compiled its digests in the background as
-the engine started), shows what the engine holds (the read-back at the worker's model boundary,
-which travels back in the transport's ``Done``, and a direct read of the parameters vLLM keeps
-unfused), then repeats with one byte of one staged slot flipped after the sender digested it and
+the engine started; each split into refit-verify's own work and vLLM's reload), shows what the
+engine holds (the read-back at the worker's model boundary, which travels back in the transport's
+``Done``, and a direct read of the parameters vLLM keeps unfused), then repeats with one byte of one staged slot flipped after the sender digested it and
 shows the error naming that parameter.
 
 vLLM's log, from this process and the engine-core and worker processes it spawns, goes to a file
@@ -107,6 +107,23 @@ def push(llm, sender: RefitSender, weights: Mapping[str, torch.Tensor], options:
     except Exception as e:  # noqa: BLE001 - handed back to the caller, as the former helper did
         return e, [], time.perf_counter() - t0
     return res.report, res.workers, res.seconds
+
+
+def refit_split(stats: Mapping[str, Any], workers: list[dict]) -> tuple[float, float, float, float] | None:
+    """One verified push's wall split: ``(refit-verify's own seconds, the sender's digest seconds, the
+    slowest worker's own seconds, the slowest worker's vLLM reload seconds)``; own = sender + worker.
+
+    ``stats``: the sender's ``last_stats`` (``digest_s``); ``workers``: the push's worker results, each
+    with ``seconds`` (``open_s`` + ``boundary_s`` + ``close_s`` = ``own_s``, and ``reload_s``: vLLM's
+    ``load_weights`` and layerwise reload without ours). None when a worker did not say (an older
+    plugin, a failed push).
+    """
+    secs = [w.get("seconds") for w in workers]
+    if not secs or any(not isinstance(x, Mapping) for x in secs) or "digest_s" not in stats:
+        return None
+    work = max(float(x["own_s"]) for x in secs)
+    send = float(stats["digest_s"])
+    return send + work, send, work, max(float(x["reload_s"]) for x in secs)
 
 
 # ------------------------------------------------------------------------------ engine output
@@ -366,9 +383,9 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
 
         with RefitSender(config=rcfg, device=device) as sender:
-            clean, _, wall = push(llm, sender, weights, options)
+            clean, workers, wall = push(llm, sender, weights, options)
             stats = dict(sender.last_stats or {})
-            again, _, wall2 = push(llm, sender, weights, options)
+            again, workers2, wall2 = push(llm, sender, weights, options)
             stats2 = dict(sender.last_stats or {})
         kernel = through_forward(llm)
         crep = _report_of(clean)
@@ -404,6 +421,13 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
         how = ("the worker compiled its digest kernels in the background as the engine started" if warmup_enabled()
                else f"{WARMUP_ENV_VAR}=0: the first refit compiled the worker's digest kernels")
         console.print(f"first verified refit {wall:.3f} s, second {wall2:.3f} s ({how})")
+        split = refit_split(stats, workers), refit_split(stats2, workers2)
+        if None not in split:
+            (own, send, work, reload), (own2, send2, work2, reload2) = split
+            console.print(f"  refit-verify's own work {own * 1e3:.1f} ms, then {own2 * 1e3:.1f} ms (sender digest {send * 1e3:.1f}, "
+                          f"{send2 * 1e3:.1f}; worker {work * 1e3:.1f}, {work2 * 1e3:.1f}: session open, model boundary, close); "
+                          f"vLLM's reload {reload * 1e3:.1f} ms, then {reload2 * 1e3:.1f} ms; the rest is staging, transport and "
+                          "vLLM's RPC", soft_wrap=True)
         if clean_ok:
             console.print(f"[green]clean refit[/]: {crep.verified} of {len(weights)} tensors verified at the model boundary, bytes identical, "
                           f"on {crep.worker or 'the worker'}")
