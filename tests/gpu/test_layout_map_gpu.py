@@ -28,7 +28,8 @@ from refit_verify.testing import models  # noqa: E402
 from tests.support.direct_writes import DirectWriteExtension  # noqa: E402
 from tests.support.engine_utils import engine_env, settle_device_memory  # noqa: E402
 
-LAYOUTS = {"tiny": None, "qwen3-1.7b-like": models.BENCH_LAYOUTS["qwen3-1.7b-like"]}
+LAYOUTS = {"tiny": None, "qwen3-0.6b-like": models.BENCH_LAYOUTS["qwen3-0.6b-like"],
+           "qwen3-1.7b-like": models.BENCH_LAYOUTS["qwen3-1.7b-like"]}
 _VERSIONS = itertools.count(1)
 
 
