@@ -23,7 +23,9 @@ Settings (``--settings``: their numbers, default all):
 
 Prints the median over rounds of the engine's start (s), the first, second and last refit (ms),
 the first refit over the second, and the first refit's excess over the median of the later ones
-(ms). numba's and Triton's on-disk caches are as the machine has them (warm after any earlier
+(ms); and, where it verifies, refit-verify's own work in the first and second refit (ms: the
+sender's digest and the worker's session open, model boundary and close,
+:func:`refit_verify.cli.demo.refit_split`) and its ratio, the figure #53 item 4 holds to 10 %. numba's and Triton's on-disk caches are as the machine has them (warm after any earlier
 run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
 fresh machine, where whichever process compiles first writes the cache the others read).
 """
@@ -52,10 +54,11 @@ def _child(device: str, model: str, refits: int) -> None:
     """One fresh engine: print ``{"start_s": s, "walls": [s, ...]}`` as the last line."""
     import torch
 
-    from refit_verify.cli.demo import _env_defaults, start_engine
+    from refit_verify.cli.demo import _env_defaults, refit_split, start_engine
     from refit_verify.digest import backends
     from refit_verify.testing import models
     from refit_verify.trainer.push import push
+    from refit_verify.transport.sender import RefitSender
 
     _env_defaults(device)
     cfg = models.QWEN3_0_6B_LIKE if model == "qwen3-0.6b-like" else models.load_config(models.packaged_config_dir())
@@ -67,12 +70,16 @@ def _child(device: str, model: str, refits: int) -> None:
     t0 = time.perf_counter()
     llm = start_engine(d, device)
     start_s = time.perf_counter() - t0
-    walls = []
+    walls, own = [], []
     for _ in range(refits):
-        walls.append(push(llm, weights, device=device, options={"timeout_s": 300.0}).seconds)
+        with RefitSender(device=device) as sender:  # a sender per push, as push() makes when handed none
+            res = push(llm, weights, sender=sender, options={"timeout_s": 300.0})
+            split = refit_split(sender.last_stats or {}, res.workers) if os.environ["REFIT_VERIFY"] != "off" else None
+        walls.append(res.seconds)
+        own.append(None if split is None else split[0])
     if device == "cuda":
         torch.cuda.synchronize()
-    print(json.dumps({"start_s": start_s, "walls": walls}), flush=True)
+    print(json.dumps({"start_s": start_s, "walls": walls, "own": own}), flush=True)
 
 
 def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool) -> dict:
@@ -110,21 +117,30 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[: r % len(names)]:
             got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches))
-            w = got[n][-1]["walls"]
-            print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms", flush=True)
+            w, o = got[n][-1]["walls"], got[n][-1]["own"]
+            own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
+            print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",
+                  flush=True)
     med = statistics.median
     lines = [f"First vs second verified refit, fresh engine per run: {a.model}, {device} "
              f"({torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores), torch {torch.__version__}, {a.rounds} rounds, {a.refits} refits each (medians)"
              f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
-             "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) |",
-             "|---|---|---|---|---|---|---|"]
+             "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) "
+             "| own work 1st / 2nd (ms) | own 1st / 2nd |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         runs = got[n]
         first, second, last = (med([x["walls"][i] for x in runs]) for i in (0, 1, -1))
         excess = med([x["walls"][0] - med(x["walls"][1:]) for x in runs])
-        lines.append(f"| {n} | {med([x['start_s'] for x in runs]):.1f} | {first * 1e3:.1f} | {second * 1e3:.1f} | {last * 1e3:.1f} | "
-                     f"{first / second:.2f} | {excess * 1e3:+.1f} |")
+        row = (f"| {n} | {med([x['start_s'] for x in runs]):.1f} | {first * 1e3:.1f} | {second * 1e3:.1f} | {last * 1e3:.1f} | "
+               f"{first / second:.2f} | {excess * 1e3:+.1f} |")
+        if all(None not in x["own"] for x in runs):
+            o1, o2 = (med([x["own"][i] for x in runs]) for i in (0, 1))
+            row += f" {o1 * 1e3:.1f} / {o2 * 1e3:.1f} | {med([x['own'][0] / x['own'][1] for x in runs]):.2f} |"
+        else:
+            row += " - | - |"
+        lines.append(row)
     emit(lines, a.out)
 
 
