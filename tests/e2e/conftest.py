@@ -15,6 +15,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def preloaded_engine_processes():
+    """Every multiprocess vLLM engine this pytest process starts forks its EngineCore and workers from one
+    server that imported torch and vLLM once (``tests/support/preload.py``), started here so that it
+    imports while the first module sets up; on CUDA, or with ``REFIT_VERIFY_TEST_SPAWN=1``, vLLM spawns them."""
+    from tests.support import preload
+
+    try:
+        preload.install()
+    except ImportError:  # no vLLM: no engine starts here
+        yield
+        return
+    if preload.applies():
+        preload.ensure_server()
+    yield
+    preload.stop_server(timeout_s=0)  # it exits by itself once the engine processes still alive are gone
+
+
 @pytest.fixture(scope="module")
 def shared_engine(tmp_path_factory):
     """The multiprocess engine of ``tests/support/shared_engine.py``: ``(llm, model_dir)``; CPU only."""

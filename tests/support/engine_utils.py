@@ -14,6 +14,9 @@ from refit_verify.testing import models
 
 ENGINE_ENV = {"REFIT_VERIFY": "enforce", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CPU_KVCACHE_SPACE": "1",
               "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+"""The environment of the suite's engines. ``spawn``: a GPU trainer may have touched CUDA; on a CPU
+machine the engines started from a pytest process fork from a preloaded server instead, each a fresh
+process with its starter's environment (``tests/support/preload.py``, installed by ``tests/e2e/conftest.py``)."""
 
 
 def forget_vllm_env_cache() -> None:
