@@ -1,10 +1,13 @@
-"""Triton digest kernels vs the pure-Python reference (and the torch path for huge inputs).
+"""Triton digest kernels (``digest_views``, ``chunk_roots``) vs the pure-Python reference, the CPU
+roots and the torch path for huge inputs.
 
 Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before
 triton is imported) on CPU tensors; with CUDA every test runs the compiled kernels on the GPU, and
-the ``gpu`` test adds a > 2**31-lane tensor.
+the ``gpu`` test adds a > 2**31-lane tensor. The one input over a chunk (8 MiB) is digested by the
+interpreter once per module (``two_chunks``). Chunk roots feed sharded digests (spec §7.1): roots
+of dim-0 shards cut on 8 MiB boundaries, combined, equal the full tensor's digest.
 
-Source: docs/digest-spec.md
+Source: docs/digest-spec.md §6, §7.1
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ pytest.importorskip("triton")
 
 from refit_verify.digest import _torch as td  # noqa: E402
 from refit_verify.digest import reference as ref  # noqa: E402
+from refit_verify.collective import sharded  # noqa: E402
 from refit_verify.digest.kernels import _mix as mx  # noqa: E402
 from refit_verify.digest.kernels import launch as kd  # noqa: E402
 
@@ -32,6 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 L = 8  # bytes per lane
+CHUNK = ref.CHUNK_LANES * L  # 8 MiB
 # Byte lengths around every structural boundary: lane, block (16*W lanes), W_0 = 256 (4096
 # lanes), the level-1 fusion threshold (61440/61441 lanes), one leaf program (65536 lanes).
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 127, 255, 256, 257, 2047, 2048, 2049]
@@ -47,6 +52,10 @@ def _rand(n: int, seed: int, device: str = DEV) -> torch.Tensor:
 def _expect(u: torch.Tensor) -> str:
     n = u.numel()
     return ref.digest_bytes(u.cpu().numpy().tobytes(), "uint8", (n,))
+
+
+def _pairs(words: torch.Tensor) -> list[tuple[int, int]]:
+    return [(a & ref.MASK64, b & ref.MASK64) for a, b in words.cpu().tolist()]
 
 
 def _run(views: list[torch.Tensor]) -> list[str]:
@@ -83,12 +92,57 @@ def test_many_views_one_call() -> None:
     assert _run(views) == [_expect(v) for v in views]
 
 
-def test_two_chunks() -> None:
+@pytest.fixture(scope="module")
+def two_chunks() -> tuple[torch.Tensor, list[str], list[tuple[int, int]], str]:
+    """A 2-chunk byte string with a tail (the last chunk takes the small-chunk path), through
+    ``digest_views`` once: ``(u, hex digest, chunk roots, reference digest)``. The roots are those its
+    leaf and upper kernels left in the work buffer, which ``chunk_roots`` returns (the same plan
+    and launches, less the chain)."""
+    u = _rand(CHUNK + 4097 * L + 3, 5)
+    works = []
+    real_run = kd._run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kd, "_run", lambda p, work, out, fast: (works.append((p.C, work)), real_run(p, work, out, fast))[1])
+        words = kd.digest_views([u], [ref.seed("uint8", (u.numel(),), u.numel())])
+    C, work = works[-1]
+    roots = work[2 * C * (mx.MID_N + mx.SCR_N) : 2 * C * (mx.MID_N + mx.SCR_N + 1)].view(2, C).t()  # as run_plan(chain=False)
+    return u, kd.to_hex(words), _pairs(roots), _expect(u)
+
+
+def test_two_chunks(two_chunks) -> None:
     """Chain over two chunks; last chunk takes the small-chunk path and has a byte tail."""
-    u = _rand((ref.CHUNK_LANES + 4097) * L + 3, 5)
-    got = _run([u])
-    assert got == [_expect(u)]
+    u, got, _, want = two_chunks
+    assert got == [want]
     assert got == [td.digest_u8(u, "uint8", (u.numel(),))]
+
+
+def test_roots_match_cpu_roots_batched() -> None:
+    """Small views of every leaf path (one lane, a block, a leaf program, a byte tail, odd
+    offsets), batched in one call: rows in view order, empty views give none."""
+    buf = _rand(65537 * L + 64, 3)
+    views = [buf[:1], buf[:0], buf[5 : 5 + 4097 * L + 5], buf[:65537 * L], _rand(300, 4), buf[3:4]]
+    got = kd.chunk_roots(views)
+    assert got.dtype == torch.int64 and tuple(got.shape) == (5, 2) and got.device == views[0].device
+    want = [r for v in views for r in td.chunk_roots_u8(v.cpu())]
+    assert _pairs(got) == want
+    assert tuple(kd.chunk_roots([]).shape) == (0, 2)
+    with pytest.raises(TypeError):
+        kd.chunk_roots([buf[::2]])
+
+
+def test_two_chunks_roots_and_sharded_combine(two_chunks, monkeypatch) -> None:
+    """A 2-chunk byte string with a tail: the kernel's roots equal the CPU roots; cut at 8 MiB, the
+    second shard's kernel root (``sharded``'s route on CUDA, at its byte offset) and the first chunk's
+    combine into the full tensor's digest."""
+    full, _, got, want = two_chunks
+    assert len(got) == 2 and got == td.chunk_roots_u8(full.cpu())
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))  # route sharded's roots to the kernels
+    # shard 0 is exactly chunk 0, whose kernel root is got[0]; shard 1 goes through sharded's kernel route at its offset
+    # (shard 0 through sharded: tests/collective/test_sharded.py; a second 8 MiB interpreter pass here adds nothing)
+    roots = got[:1] + sharded.shard_chunk_roots(full[CHUNK:], byte_offset=CHUNK)
+    assert roots == got
+    n = full.numel()
+    assert sharded.combine_chunk_roots(roots, torch.uint8, (n,), n) == want
 
 
 @pytest.mark.slow
