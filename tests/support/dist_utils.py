@@ -1,4 +1,4 @@
-"""Shared helpers of the multi-process (torch.distributed) tests: ports, numba warm-up, spawn."""
+"""Shared helpers of the multi-process (torch.distributed) tests: ports, numba warm-up, starting the ranks."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import contextlib
 import os
 import pickle
 import socket
+import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from collections.abc import Callable, Iterator
 
 
@@ -56,13 +58,61 @@ def init_rank(rank: int, world: int, port: int, backend: str = "gloo", timeout_s
     return device
 
 
-def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object) -> list[dict]:
-    """Run ``worker(rank, port, out_dir, *extra)`` on ``world`` spawned processes; return each
-    rank's pickled result dict (``out_dir/rank{r}.pkl``), failing on a recorded crash."""
-    import torch.multiprocessing as mp
+def _run_rank(worker: Callable, rank: int, port: int, out_dir: str, *extra: object) -> None:
+    """In a forked rank: run the worker; an exception's traceback goes to ``out_dir/rank{rank}.error``."""
+    try:
+        worker(rank, port, out_dir, *extra)
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _join(procs: list, out_dir: str, timeout_s: float) -> None:
+    """Wait for every rank, at most ``timeout_s``; the first that fails (or the deadline) ends the others."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.exitcode is None for p in procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"ranks still running after {timeout_s:.0f} s")
+            wait([p.sentinel for p in procs if p.exitcode is None], timeout=left)
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0):
+                    err = Path(out_dir) / f"rank{r}.error"
+                    why = err.read_text() if err.exists() else ""
+                    raise AssertionError(f"rank {r} exited with code {p.exitcode}\n{why}")
+    finally:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(5.0)
+
+
+def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object, timeout_s: float = 300.0) -> list[dict]:
+    """Run ``worker(rank, port, out_dir, *extra)`` on ``world`` processes; return each rank's pickled
+    result dict (``out_dir/rank{r}.pkl``), failing on a recorded crash, a failed rank or ``timeout_s``.
+
+    Where the engine tests' preloaded server runs in this pytest process (``tests/support/preload.py``:
+    torch and vLLM imported once; the e2e tests, which run first on each worker, start it) the ranks are
+    its forks, not fresh Pythons that each import torch (about 5 s on 2 cores) and tear it down again;
+    else (no server, CUDA, ``REFIT_VERIFY_TEST_SPAWN=1``) they are spawned (``torch.multiprocessing.spawn``)."""
+    from tests.support import preload
 
     warm_numba_cache()
-    mp.spawn(worker, args=(free_port(), out_dir, *extra), nprocs=world, join=True)
+    port = free_port()
+    if preload.applies() and preload.server_pid() is not None:
+        ctx = preload.context()
+        procs = [ctx.Process(target=_run_rank, args=(worker, r, port, out_dir, *extra)) for r in range(world)]
+        for p in procs:
+            p.start()
+        _join(procs, out_dir, timeout_s)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(worker, args=(port, out_dir, *extra), nprocs=world, join=True)
     out = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
