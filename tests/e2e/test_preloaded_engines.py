@@ -48,7 +48,8 @@ def reports(tmp_path_factory):
 
     from refit_verify.vllm_plugin import register
 
-    assert preload.applies(), "the suite starts CPU engines preloaded unless REFIT_VERIFY_TEST_SPAWN=1"
+    if not preload.applies():
+        pytest.skip("REFIT_VERIFY_TEST_SPAWN=1: the engines spawn")
     d = tiny_model_dir(tmp_path_factory)
     with engine_env(REFIT_VERIFY="off"):
         vllm.plugins.load_general_plugins()
