@@ -26,7 +26,7 @@ class DirectWriteExtension(FrameworkSyncExtension):
         """The engine's memory for HF tensor ``name`` (a view of its parameter: a slice of a fused one)."""
         hf = self.model_runner.model_config.hf_config
         params = dict(self.model_runner.model.named_parameters())
-        head = hf.hidden_size // hf.num_attention_heads
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads  # Qwen3 sets head_dim
         q, kv = hf.num_attention_heads * head, hf.num_key_value_heads * head
         for part, (lo, n) in {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}.items():
             if name.endswith(f".self_attn.{part}.weight"):
@@ -77,7 +77,7 @@ class TPDirectWriteExtension(DirectWriteExtension):
         r, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         hf = self.model_runner.model_config.hf_config
         params = dict(self.model_runner.model.named_parameters())
-        head = hf.hidden_size // hf.num_attention_heads
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         q = hf.num_attention_heads * head // tp
         kv_heads = max(1, hf.num_key_value_heads // tp)
         kv, kv_rank = kv_heads * head, r // max(1, tp // hf.num_key_value_heads)
