@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 import weakref
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("refit_verify")
+from refit_verify.vllm_plugin.shims import record_into
 
 __all__ = ["ONLINE_MODULES", "online_linear_methods", "patch_module", "wrap_process"]
 
@@ -148,15 +147,13 @@ def wrap_process(raw):
             why_not = f"running it again on a copy of the layer raised {type(e).__name__}: {e}"[:300]
         out = raw(self, layer, *args, **kwargs)
         after = {f"{mname}.{n}": p for n, p in layer._parameters.items() if p is not None}
-        try:
-            from refit_verify.digest.tensors import PLAIN
+
+        def record() -> None:
             from refit_verify.engine.quantized import settle
 
-            with PLAIN():
-                settle(ms, prefix, before, after, reference, what, why_not)
-        except Exception as e:  # noqa: BLE001 - never raised into vLLM's load: the session reports it
-            logger.exception("refit-verify: recording the quantization of %s failed", mname)
-            ms.errors.append(f"refit-verify could not record the quantization of {mname}: {type(e).__name__}: {e}"[:500])
+            settle(ms, prefix, before, after, reference, what, why_not)
+
+        record_into(ms, "quantization", mname, record)
         return out
 
     return process_weights_after_loading

@@ -17,13 +17,12 @@ identity): its weight stays ``not_proven`` with the reason.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("refit_verify")
+from refit_verify.vllm_plugin.shims import record_into
 
 __all__ = ["linear_apply", "patch_module", "wrap_process"]
 
@@ -71,15 +70,13 @@ def wrap_process(raw, session_of: Callable[[torch.nn.Module], Any], cls: type | 
             ms.inexact[pname] = f"{what}; {type(self).__name__} has its own apply, not known to be exact on the identity"
             ms.placed.pop(pname, None)
             return out
-        try:
-            from refit_verify.digest.tensors import PLAIN
+
+        def record() -> None:
             from refit_verify.engine.forward import settle
 
-            with PLAIN():
-                settle(ms, prefix, pname, held, layer, linear_apply, what)
-        except Exception as e:  # noqa: BLE001 - never raised into vLLM's load: the session reports it
-            logger.exception("refit-verify: recording the repack of %s failed", mname)
-            ms.errors.append(f"refit-verify could not record the repack of {mname}: {type(e).__name__}: {e}"[:500])
+            settle(ms, prefix, pname, held, layer, linear_apply, what)
+
+        record_into(ms, "repack", mname, record)
         return out
 
     return process_weights_after_loading

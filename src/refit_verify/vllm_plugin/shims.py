@@ -360,3 +360,17 @@ def hide_llvmlite_ffi(raw: Any) -> Any:
                 sys.modules["llvmlite.binding.ffi"] = ffi
 
     return classmethod(register_triton_kernel_overrides)
+
+
+def record_into(ms: Any, what: str, mname: str, record: Callable[[], None]) -> None:
+    """Run ``record`` (what a wrapped ``process_weights_after_loading`` did to layer ``mname``, into
+    module session ``ms``) with plain tensor ops. It never raises into vLLM's load: an error is logged
+    and kept in ``ms.errors`` ("could not record the <what> of <mname>"), which fails the session."""
+    try:
+        from refit_verify.digest.tensors import PLAIN
+
+        with PLAIN():
+            record()
+    except Exception as e:  # noqa: BLE001 - the session reports it
+        logger.exception("refit-verify: recording the %s of %s failed", what, mname)
+        ms.errors.append(f"refit-verify could not record the {what} of {mname}: {type(e).__name__}: {e}"[:500])
