@@ -28,13 +28,12 @@ call passes through; such parameters stay ``not_proven`` with the reason.
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
 from typing import Any
 
 import torch
 
-from refit_verify.vllm_plugin.shims import record_into
+from refit_verify.vllm_plugin.shims import in_session, record_into
 
 __all__ = ["ONLINE_MODULES", "online_linear_methods", "patch_module", "wrap_process"]
 
@@ -129,11 +128,7 @@ def rerun(raw, method: Any, layer: torch.nn.Module, args: tuple, kwargs: dict) -
 def wrap_process(raw):
     """The wrapper of an online linear method's ``process_weights_after_loading`` (see the module docstring)."""
 
-    @functools.wraps(raw)
-    def process_weights_after_loading(self, layer, *args, **kwargs):
-        ctx = session_of(layer) if isinstance(layer, torch.nn.Module) else None
-        if ctx is None:
-            return raw(self, layer, *args, **kwargs)
+    def body(raw, self, layer, ctx, args, kwargs):
         ms, prefix, mname = ctx
         before = {f"{mname}.{n}": p for n, p in layer._parameters.items() if p is not None}
         if not any(k in ms.written or k in ms.inexact for k in before):
@@ -156,4 +151,4 @@ def wrap_process(raw):
         record_into(ms, "quantization", mname, record)
         return out
 
-    return process_weights_after_loading
+    return in_session(raw, session_of, body)

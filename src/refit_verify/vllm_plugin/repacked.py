@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from refit_verify.vllm_plugin.shims import record_into
+from refit_verify.vllm_plugin.shims import in_session, record_into
 
 __all__ = ["linear_apply", "patch_module", "wrap_process"]
 
@@ -49,11 +49,7 @@ def patch_module(module: Any, session_of: Callable[[torch.nn.Module], Any]) -> N
 def wrap_process(raw, session_of: Callable[[torch.nn.Module], Any], cls: type | None = None):
     """The wrapper of ``UnquantizedLinearMethod.process_weights_after_loading`` (see the module docstring)."""
 
-    @functools.wraps(raw)
-    def process_weights_after_loading(self, layer, *args, **kwargs):
-        ctx = session_of(layer) if isinstance(layer, torch.nn.Module) else None
-        if ctx is None:
-            return raw(self, layer, *args, **kwargs)
+    def body(raw, self, layer, ctx, args, kwargs):
         ms, prefix, mname = ctx
         pname = f"{mname}.weight"
         before = layer._parameters.get("weight")
@@ -79,4 +75,4 @@ def wrap_process(raw, session_of: Callable[[torch.nn.Module], Any], cls: type | 
         record_into(ms, "repack", mname, record)
         return out
 
-    return process_weights_after_loading
+    return in_session(raw, session_of, body)

@@ -16,6 +16,7 @@ of 0.24 - 0.33.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import logging
 import os
@@ -374,3 +375,19 @@ def record_into(ms: Any, what: str, mname: str, record: Callable[[], None]) -> N
     except Exception as e:  # noqa: BLE001 - the session reports it
         logger.exception("refit-verify: recording the %s of %s failed", what, mname)
         ms.errors.append(f"refit-verify could not record the {what} of {mname}: {type(e).__name__}: {e}"[:500])
+
+
+def in_session(raw: Callable, session_of: Callable[[Any], Any], body: Callable) -> Callable:
+    """Wrap ``raw`` (a quant method's ``process_weights_after_loading(self, layer, ...)``): outside a
+    verifying session (``session_of(layer)`` is None) it runs as it is; inside one,
+    ``body(raw, self, layer, (module session, label prefix, layer name), args, kwargs)`` runs instead
+    and returns what the call returns."""
+
+    @functools.wraps(raw)
+    def process_weights_after_loading(self, layer, *args, **kwargs):
+        ctx = session_of(layer) if hasattr(layer, "_parameters") else None
+        if ctx is None:
+            return raw(self, layer, *args, **kwargs)
+        return body(raw, self, layer, ctx, args, kwargs)
+
+    return process_weights_after_loading
