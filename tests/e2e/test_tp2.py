@@ -5,7 +5,7 @@ group — NCCL on two GPUs, gloo on CPUs) streams the full state dict through it
 vLLM worker of rank ``r`` (endpoint ``{rank}``; CUDA IPC on GPU ``r``, shared memory on CPUs),
 which loads its shard. A fault injected towards rank 1 is reported with that rank and the
 parameter, while rank 0 is reported clean. The plugin is found through its installed entry point
-in every spawned process.
+in every engine process.
 
 The same engine (its worker extension writes each rank's shards directly, never calling
 ``load_weights``: tests/support/direct_writes.py) proves direct writes by the engine state at TP=2:

@@ -4,7 +4,7 @@ Engine starts are the suite's largest cost (three processes import torch and vLL
 :data:`MODULES` ran one each. They now share this one, started once per pytest
 worker that runs them (``tests/conftest.py`` schedules them as one unit), with everything
 any of them needs: the tiny Llama with dummy weights, ``REFIT_VERIFY=enforce``, the plain-linear test
-plugin (spawned workers keep plain linear weights on every CPU), the test weight-transfer backend of
+plugin (workers keep plain linear weights on every CPU), the test weight-transfer backend of
 ``tests/support/native_cpu_backend.py`` and the ``collective_rpc`` worker extension of
 ``tests/support/direct_writes.py`` (framework syncs and direct parameter writes).
 
