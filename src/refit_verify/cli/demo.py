@@ -56,13 +56,14 @@ def readback_names(weights: Mapping[str, torch.Tensor]) -> list[str]:
 def through_forward(llm) -> list[str]:
     """The parameters the last session on worker rank 0 proved through their layer's forward
     (:mod:`refit_verify.engine.forward`: linear weights the engine handed to its GEMM kernel)."""
+    from refit_verify.engine.forward import THROUGH_FORWARD
     from refit_verify.manifest import from_wire
 
     for answer in llm.collective_rpc("refit_verify_session_manifest"):
         man = from_wire(answer["manifest"]) if answer.get("manifest") is not None else None
         if man is not None and man.worker.rank == 0 and man.engine is not None:
             return sorted(p for p, st in man.engine.params.items()
-                          if st.status == "verified" and st.blocks and all("through the layer's forward" in w for _, w in st.blocks))
+                          if st.status == "verified" and st.blocks and all(w.endswith(THROUGH_FORWARD) for _, w in st.blocks))
     return []
 
 

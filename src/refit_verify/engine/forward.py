@@ -35,10 +35,13 @@ from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.tensors import Geometry, as_view
 from refit_verify.manifest import ParamState
 
-__all__ = ["BLOCK_BYTES", "Probe", "canonical", "prove", "rebuild", "settle"]
+__all__ = ["BLOCK_BYTES", "THROUGH_FORWARD", "Probe", "canonical", "prove", "rebuild", "settle"]
 
 BLOCK_BYTES = 16 << 20
 """At most this many bytes of identity rows plus their outputs per call of the layer's GEMM."""
+
+THROUGH_FORWARD = "(through the layer's forward)"
+"""The tail of each block's place in a :class:`~refit_verify.manifest.ParamState` proven by :func:`prove`."""
 
 UP_TO_ZERO_SIGN = "compared up to the sign of zero: the GEMM's sum makes -0.0 +0.0"
 
@@ -162,7 +165,7 @@ def prove(probe: Probe, device: torch.device | str = "cpu") -> ParamState:
     (zeros made ``+0.0``) with the loaded weight's digests kept in ``probe``: ``verified`` (bytes:
     the weight's), ``mismatch`` naming the delivered regions that differ, or ``not_coverable`` when
     the forward cannot run (the layer is gone, it raised)."""
-    blocks = [(s, f"{_where(g)} (through the layer's forward)") for s, g, _h in probe.regions]
+    blocks = [(s, f"{_where(g)} {THROUGH_FORWARD}") for s, g, _h in probe.regions]
     layer = probe.layer()
     if layer is None:
         return ParamState("not_coverable", f"{probe.what}; the layer no longer exists at the close", probe.nbytes, blocks)
