@@ -3,6 +3,7 @@
 * **upper** (``_digest_upper_kernel``, one program per chunk): the remaining <= 3 fold levels of a
   chunk on the <= 4096 values the leaf stage left (a single block per level), through a small
   scratch with CTA barriers; writes the chunk's root per channel.
+* **gather** (``_digest_gather_kernel``): derived views' full superblocks, from their parents' leaf outputs.
 * **chain** (``_digest_chain_kernel``, one program per view): the chunk chain from the metadata
   seed and the two finalisation mixes (the compiled ``reference.chain_and_finalise``).
 
@@ -87,6 +88,22 @@ def _digest_upper_kernel(tab_ptr, work_ptr, V, C, CV):
     roots = wk + 2 * C * (_MID + _SCR)
     tl.store(roots + gc, tl.load(src0))
     tl.store(roots + C + gc, tl.load(src1))
+
+
+@triton.jit(do_not_specialize=["C", "GO", "G"])
+def _digest_gather_kernel(tab_ptr, work_ptr, C, GO, G):
+    """Derived views (``launch._plan``), one program per gather entry g: copy the 256 leaf outputs
+    (levels 0+1 of one full superblock, both channels) of source row plan[GO + G + g] to destination
+    row plan[GO + g] of the work buffer (row r = mid values [256r, 256r + 256) of channel 0; channel
+    1 at + C*4096). Runs after the leaf launches, before the upper one (stream order)."""
+    g = tl.program_id(0).to(tl.int64)
+    d = tl.load(tab_ptr + GO + g) * _SW
+    s = tl.load(tab_ptr + GO + G + g) * _SW
+    t = tl.arange(0, _SW)
+    wk = work_ptr.to(tl.pointer_type(tl.uint64), bitcast=True)
+    w1 = wk + C * _MID
+    tl.store(wk + d + t, tl.load(wk + s + t))
+    tl.store(w1 + d + t, tl.load(w1 + s + t))
 
 
 # ---------------------------------------------------------------------------------------------

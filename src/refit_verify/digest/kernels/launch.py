@@ -7,6 +7,9 @@ the arithmetic in ``_mix.py``):
   and channel. Launched twice: the FAST launch (``_leaf_fast_kernel``, ``FAST_LEAF``) for aligned,
   tail-free programs of big chunks (the bulk), the general launch (``_digest_leaf_kernel``,
   ``LEAF_WARPS``) for the rest (funnel-shift loader, small chunks, one-lane chunks).
+* **gather** (only with derived views, ``plan_views(derive=True)``): a view inside another view
+  of the launch at a 512 KiB multiple (a region of a fused parameter read beside the parameter)
+  takes its full superblocks' leaf outputs from that view's, so those bytes are read once (``_plan``).
 * **upper** (one program per chunk): the remaining <= 3 fold levels, down to the chunk root.
 * **chain** (one program per view): chunk chain from the metadata seed and the two finalisation mixes.
 
@@ -14,7 +17,7 @@ The FAST launch can be replaced for measurements (``_launch(..., fast=...)``): t
 chosen from live in ``benchmarks/digest_variants.py`` (timed by ``benchmarks/bench_variants.py``).
 
 Host work per call: one pass over the views (address, length), a numpy plan and one pinned
-host-to-device copy of it (memoised per view set), <= 4 launches.
+host-to-device copy of it (memoised per view set), <= 4 launches (a gather launch more with derived views).
 
 Lanes are loaded as 64-bit words. Views that start off an 8-byte boundary, and the program that
 holds a view's partial last lane, use a funnel-shift loader: it reads the 8-byte-aligned words
@@ -37,7 +40,7 @@ import refit_verify.digest.kernels.direct as _direct
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.digest.kernels._mix import KM, MID_N, SCR_N
-from refit_verify.digest.kernels._upper import _digest_chain_kernel, _digest_upper_kernel
+from refit_verify.digest.kernels._upper import _digest_chain_kernel, _digest_gather_kernel, _digest_upper_kernel
 from refit_verify.digest.kernels.replay import replay as _graph_replay
 
 __all__ = ["Planned", "chunk_roots", "digest_views", "plan_views", "run_plan", "to_hex"]
@@ -53,7 +56,7 @@ FastLaunch = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], list]
 # Host side.
 # ---------------------------------------------------------------------------------------------
 def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
-          align: int = 8) -> tuple[np.ndarray, int, int, int]:
+          align: int = 8, parents: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
     """Build the int64 plan read by all kernels (one host-to-device copy).
 
     Layout (V views, P leaf programs of which F fast, C chunks): ``[r*V:(r+1)*V]`` for r =
@@ -64,6 +67,18 @@ def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
     program q of a view belongs to chunk q // 16. Fast: big chunk, 8-aligned view, and the
     program's 65536 lanes hold no partial lane; ``align`` (8, or 16 for ``vec`` variants): the
     view address alignment a fast program needs.
+
+    ``parents`` (per view: another view's index, or -1): **derived views** (:func:`_parents`). View
+    v with parent p is derived when it lies in p's bytes at a byte offset ``o * 512 KiB`` and holds
+    at least one full 65536-lane superblock (``nbytes >= 512 KiB``), and p is not derived itself; else
+    it is planned as any view. A full superblock's leaf output (levels 0+1, both channels) depends
+    only on its 65536 lanes (tweaks by height and channel, never by position; padding only in a
+    partial superblock: spec §4.2, §6.1), so superblock s of v *is* superblock ``o + s`` of p: v has
+    no leaf program for its ``nbytes // 512 KiB`` full superblocks (only for a partial last one), and
+    G gather entries ``[8V+P+C : 8V+P+C+G]`` (destination rows) and ``[8V+P+C+G : 8V+P+C+2G]``
+    (source rows), in units of 256 ``mid`` values (row ``gc*16 + j`` = chunk gc's slot j), copy p's
+    leaf outputs into v's ``mid`` slots before the upper stage (:func:`_digest_gather_kernel`).
+    ``G = (len(plan) - 8V - P - C) // 2``. A derived view is only read, never copied elsewhere.
 
     Returns:
         (plan, P, F, C): plan is a 1-D int64 numpy array.
@@ -87,18 +102,76 @@ def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
     sb0 = lo + q % 16 * 65536
     fast = (end - lo > 15 * MID_N) & (ad[pv] % align == 0) & (np.minimum(end, sb0 + 65536) <= nb[pv] // 8)
     codes = (q << 24) | pv
-    plan = np.zeros(8 * V + P + C, dtype=np.int64)
+    first = np.cumsum(nch) - nch  # first global chunk of each view
+    gather = _gather_rows(addrs, nb, first, parents) if parents is not None else None
+    if gather is not None:  # derived views: no leaf program for their full superblocks (program q = superblock q)
+        keep = q >= gather[2][pv]
+        codes, fast, P = codes[keep], fast[keep], int(keep.sum())
+    G = 0 if gather is None else len(gather[0])
+    plan = np.zeros(8 * V + P + C + 2 * G, dtype=np.int64)
     plan[0:V] = ad
     plan[V : 2 * V] = nb
-    plan[3 * V : 4 * V] = np.cumsum(nch) - nch
+    plan[3 * V : 4 * V] = first
     sd = np.asarray(seeds, dtype=np.uint64).reshape(V, 2).view(np.int64)
     plan[4 * V : 5 * V] = sd[:, 0]
     plan[5 * V : 6 * V] = sd[:, 1]
     F = int(fast.sum())
     plan[8 * V : 8 * V + F] = codes[fast]
     plan[8 * V + F : 8 * V + P] = codes[~fast]
-    plan[8 * V + P :] = np.repeat(np.arange(V, dtype=np.int64), nch)
+    plan[8 * V + P : 8 * V + P + C] = np.repeat(np.arange(V, dtype=np.int64), nch)
+    if G:
+        plan[8 * V + P + C : 8 * V + P + C + G] = gather[0]
+        plan[8 * V + P + C + G :] = gather[1]
     return plan, P, F, C
+
+
+SB_BYTES = 8 * MID_N * _ref.GROUP  # 512 KiB: one leaf superblock (65536 lanes)
+
+
+def _gather_rows(addrs: list[int], nb: np.ndarray, first: np.ndarray,
+                 parents: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The gather of derived views (see :func:`_plan`): ``(destination rows, source rows, full
+    superblocks taken per view)``, rows in units of 256 ``mid`` values; None when no view is derived.
+    The geometry is checked here from the addresses: a parent that does not hold the view at a
+    superblock offset, or is derived itself, leaves the view planned as any view."""
+    V = len(addrs)
+    if len(parents) != V:
+        raise ValueError(f"{V} views but {len(parents)} parents")
+    nfull = np.zeros(V, dtype=np.int64)
+    sb_off = np.zeros(V, dtype=np.int64)
+    par = np.full(V, -1, dtype=np.int64)
+    for v, p in enumerate(parents):
+        if p is None or not 0 <= p < V or p == v or (parents[p] is not None and parents[p] >= 0):  # none, or derived itself
+            continue
+        off = int(addrs[v]) - int(addrs[p])
+        n = int(nb[v])
+        if off >= 0 and off % SB_BYTES == 0 and n >= SB_BYTES and off + n <= int(nb[p]):
+            nfull[v], sb_off[v], par[v] = n // SB_BYTES, off // SB_BYTES, p
+    G = int(nfull.sum())
+    if not G:
+        return None
+    gv = np.repeat(np.arange(V, dtype=np.int64), nfull)
+    s = np.arange(G, dtype=np.int64) - np.repeat(np.cumsum(nfull) - nfull, nfull)  # superblock of the view
+    return first[gv] * 16 + s, first[par[gv]] * 16 + sb_off[gv] + s, nfull
+
+
+def _parents(addrs: list[int], sizes: list[int]) -> list[int]:
+    """For each view, a view of the same list whose bytes hold it at a byte offset that is a
+    multiple of 512 KiB (a region of a parameter read beside the parameter), or -1: the parents
+    :func:`_plan` derives views from. A parent is never derived itself (the outermost view is
+    taken); a view holding no full superblock (< 512 KiB) gets -1."""
+    out = [-1] * len(addrs)
+    root, rend = -1, -1
+    for i in sorted(range(len(addrs)), key=lambda i: (addrs[i], -sizes[i], i)):
+        a, n = addrs[i], sizes[i]
+        if n <= 0:
+            continue
+        if root >= 0 and a + n <= rend:
+            if n >= SB_BYTES and (a - addrs[root]) % SB_BYTES == 0:
+                out[i] = root
+        else:
+            root, rend = i, a + n
+    return out
 
 
 _PLANS: OrderedDict[tuple, tuple[torch.Tensor, int, int, int]] = OrderedDict()
@@ -106,14 +179,14 @@ _PLANS_MAX = 16  # device plans kept for repeated calls on the same views (e.g. 
 
 
 def _device_plan(dev: torch.device, addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
-                 align: int = 8):
-    """``_plan`` on ``dev`` (pinned, non-blocking copy), memoised on (device, addresses, sizes, seeds, align)."""
-    key = (dev, tuple(addrs), tuple(sizes), tuple(seeds), align)
+                 align: int = 8, parents: list[int] | None = None):
+    """``_plan`` on ``dev`` (pinned, non-blocking copy), memoised on (device, addresses, sizes, seeds, align, parents)."""
+    key = (dev, tuple(addrs), tuple(sizes), tuple(seeds), align, None if parents is None else tuple(parents))
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
         return hit
-    plan_np, P, F, C = _plan(addrs, sizes, seeds, align)
+    plan_np, P, F, C = _plan(addrs, sizes, seeds, align, parents)
     plan = torch.from_numpy(plan_np)
     if dev.type != "cpu":
         plan = plan.pin_memory().to(dev, non_blocking=True)
@@ -188,6 +261,8 @@ class Planned:
     Attributes:
         plan: int64 plan on the views' device (see :func:`_plan`).
         P, F, C, V: leaf programs, fast leaf programs, chunks, views.
+        G: gather entries of derived views (256 leaf outputs per channel each; see :func:`_plan`).
+        saved: bytes of derived views taken from their parents' leaf pass, not read again (``G * 512 KiB``).
         device: the views' device.
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.digest.kernels.replay`),
@@ -196,14 +271,15 @@ class Planned:
             checked (:mod:`~refit_verify.digest.kernels.direct`), False when it stays on JIT launches, else None.
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "device", "runs", "graph", "direct", "__weakref__")
+    __slots__ = ("plan", "P", "F", "C", "V", "G", "saved", "device", "runs", "graph", "direct", "__weakref__")
 
-    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device) -> None:
+    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device, G: int = 0) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
+        self.G, self.saved = G, G * SB_BYTES
         self.runs, self.graph, self.direct = 0, None, None
 
 
-def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8) -> Planned:
+def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8, derive: bool = False) -> Planned:
     """Check ``views`` and build (or take from the memo) their launch plan, for :func:`run_plan`.
 
     The plan holds the views' addresses, not the views: running it later digests whatever that
@@ -213,6 +289,10 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
         views: non-empty list of 1-D contiguous uint8 tensors on one device (as :func:`digest_views`).
         seeds: per view, the two 64-bit chain seeds (ints in [0, 2**64)).
         align: view address alignment in bytes a FAST leaf program needs (8; 16 for ``vec`` variants).
+        derive: a view lying inside another view of the list at a 512 KiB multiple (a region of a
+            fused parameter beside the parameter, :func:`_parents`) takes the leaf outputs of its full
+            superblocks from that view's (one read of those bytes, not two; :func:`_plan`). Digests
+            are unchanged. Only for views that are read, never for a launch that copies them.
 
     Returns:
         Planned: the int64 plan on the views' device and its program / chunk counts.
@@ -236,12 +316,16 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
         raise ValueError("all views of one digest_views call must be on one device")
     if dev.type == "cpu" and not _INTERPRETED:
         raise ValueError("CPU views need TRITON_INTERPRET=1 (use refit_verify.digest._torch for CPU tensors)")
-    plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align)
-    return Planned(plan, P, F, C, len(views), dev)
+    parents = _parents(addrs, sizes) if derive else None
+    if parents is not None and max(parents, default=-1) < 0:
+        parents = None
+    plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align, parents)
+    V = len(views)
+    return Planned(plan, P, F, C, V, dev, (plan.numel() - 8 * V - P - C) // 2)
 
 
 def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = None) -> torch.Tensor:
-    """Launch the kernels of plan ``p`` (<= 4 launches, no synchronisation).
+    """Launch the kernels of plan ``p`` (<= 4 launches, 5 with derived views; no synchronisation).
 
     On CUDA, a chained run of a plan run before is one replay of its captured graph
     (:func:`refit_verify.digest.kernels.replay.replay`: the same kernels and arguments, one launch).
@@ -289,6 +373,8 @@ def _launches(p: Planned, work: torch.Tensor, out: torch.Tensor | None) -> list[
     out_l = [_fast(plan, work, V, C, 8 * V, F)] if F else []
     if P > F:
         out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False),), {"num_warps": LEAF_WARPS}))
+    if p.G:  # derived views' full superblocks: the parents' leaf outputs (after both leaf launches)
+        out_l.append(L(_digest_gather_kernel, (p.G,), (plan, work, C, 8 * V + P + C, p.G), (), {"num_warps": 2}))
     if C:
         out_l.append(L(_digest_upper_kernel, (C,), (plan, work, V, C, 8 * V + P), (), {"num_warps": 4}))
     if out is not None:
