@@ -65,8 +65,18 @@ def _lanes(pw, i, end, s, nbytes, SLOW: tl.constexpr):
 
 
 @triton.jit
-def _leaf_block(pw, row0, W, end, s, nbytes, SLOW: tl.constexpr):
-    """Fold level 0 of one block: 16 rows ``row0 + r*W`` ([256] lane indices each) → (ch0, ch1) [256]."""
+def _put(dw, i, x, end, COPY: tl.constexpr):
+    """COPY: store lanes ``x`` to ``dw[i]`` (uint64 lanes of the destination), for ``i < end`` only."""
+    if COPY:
+        tl.store(dw + i, x, mask=i < end)
+
+
+@triton.jit
+def _leaf_block(pw, row0, W, end, s, nbytes, SLOW: tl.constexpr, dw, COPY: tl.constexpr):
+    """Fold level 0 of one block: 16 rows ``row0 + r*W`` ([256] lane indices each) → (ch0, ch1) [256].
+
+    COPY: each row's lanes (< ``end``) are also stored to ``dw`` at the same lane indices, from the
+    same loads (a partial last lane as its zero-padded uint64)."""
     x0 = _lanes(pw, row0, end, s, nbytes, SLOW)
     x1 = _lanes(pw, row0 + W, end, s, nbytes, SLOW)
     x2 = _lanes(pw, row0 + 2 * W, end, s, nbytes, SLOW)
@@ -83,6 +93,22 @@ def _leaf_block(pw, row0, W, end, s, nbytes, SLOW: tl.constexpr):
     x13 = _lanes(pw, row0 + 13 * W, end, s, nbytes, SLOW)
     x14 = _lanes(pw, row0 + 14 * W, end, s, nbytes, SLOW)
     x15 = _lanes(pw, row0 + 15 * W, end, s, nbytes, SLOW)
+    _put(dw, row0, x0, end, COPY)
+    _put(dw, row0 + W, x1, end, COPY)
+    _put(dw, row0 + 2 * W, x2, end, COPY)
+    _put(dw, row0 + 3 * W, x3, end, COPY)
+    _put(dw, row0 + 4 * W, x4, end, COPY)
+    _put(dw, row0 + 5 * W, x5, end, COPY)
+    _put(dw, row0 + 6 * W, x6, end, COPY)
+    _put(dw, row0 + 7 * W, x7, end, COPY)
+    _put(dw, row0 + 8 * W, x8, end, COPY)
+    _put(dw, row0 + 9 * W, x9, end, COPY)
+    _put(dw, row0 + 10 * W, x10, end, COPY)
+    _put(dw, row0 + 11 * W, x11, end, COPY)
+    _put(dw, row0 + 12 * W, x12, end, COPY)
+    _put(dw, row0 + 13 * W, x13, end, COPY)
+    _put(dw, row0 + 14 * W, x14, end, COPY)
+    _put(dw, row0 + 15 * W, x15, end, COPY)
     y0 = _tree16c(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 0, 0)
     y1 = _tree16c(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 1, 0)
     return y0, y1
@@ -167,25 +193,32 @@ def _l1_carry(i, y0, y1, c, H: tl.constexpr, D: tl.constexpr, dst0, dst1, t, STO
 
 
 @triton.jit
-def _leaf_super(pw, sb0, t, end, s, nbytes, dst0, dst1, SLOW: tl.constexpr):
+def _leaf_super(pw, sb0, t, end, s, nbytes, dst0, dst1, SLOW: tl.constexpr, dw, COPY: tl.constexpr):
     """Fold levels 0 and 1 of the 16 level-0 blocks of 65536 lanes from lane ``sb0`` → dst0/dst1 [256].
 
     One block per loop iteration (16 row loads in flight, low register use); its level-0 column
     results enter the level-1 tree (heights 4..7) through ``_l1_carry``. A block that starts at or
-    past ``end`` is a zero *value* (§6.1 padding), not a fold of zeros.
+    past ``end`` is a zero *value* (§6.1 padding), not a fold of zeros. COPY: as :func:`_leaf_block`.
     """
     z = tl.zeros([_SW], tl.uint64)
     c = (z, z, z, z, z, z, z, z)
     for b in range(16):
         b0 = sb0 + b * _BLK
-        y0, y1 = _leaf_block(pw, b0 + t, _SW, end, s, nbytes, SLOW)
+        y0, y1 = _leaf_block(pw, b0 + t, _SW, end, s, nbytes, SLOW, dw, COPY)
         y0 = tl.where(b0 < end, y0, 0)
         y1 = tl.where(b0 < end, y1, 0)
         y0, y1, c = _l1_carry(b, y0, y1, c, 4, 4, dst0, dst1, t, True, False, 0, 0, 0)
 
 
+@triton.jit
+def _copy_dst(tab_ptr, V, LO, p):
+    """The uint64 lane pointer of leaf program ``p``'s view's copy destination (plan row 2)."""
+    code = tl.load(tab_ptr + LO + p)
+    return tl.load(tab_ptr + 2 * V + (code & 0xFFFFFF)).to(tl.pointer_type(tl.uint64))
+
+
 @triton.jit(do_not_specialize=["V", "C", "LO"])
-def _digest_leaf_kernel(tab_ptr, work_ptr, V, C, LO, FAST: tl.constexpr):
+def _digest_leaf_kernel(tab_ptr, work_ptr, V, C, LO, FAST: tl.constexpr, COPY: tl.constexpr = False):
     """Leaf stage. Program p reads code = plan[LO + p] = (q << 24) | view; q = the view's leaf
     program index → chunk k = q // 16, slot j = q % 16 (see ``_plan``).
 
@@ -194,6 +227,8 @@ def _digest_leaf_kernel(tab_ptr, work_ptr, V, C, LO, FAST: tl.constexpr):
     (W0 = min(256, ceil(n/16))) → mid[gc*4096 + j*W0 + t]; a 1-lane chunk copies its lane.
     FAST=True: only aligned, tail-free programs of big chunks (plain 64-bit loads; compiled
     alone so its register budget stays small); FAST=False: every other program.
+    COPY: every lane read is also stored, once, to the same lane of the view's destination (plan
+    row 2, 8-byte aligned, room for every lane: a partial last lane is stored zero-padded).
     """
     k, j, addr, nbytes, gc = _program(tab_ptr, V, LO, tl.program_id(0).to(tl.int64))
     lo = k * _CHUNK
@@ -205,18 +240,23 @@ def _digest_leaf_kernel(tab_ptr, work_ptr, V, C, LO, FAST: tl.constexpr):
     dst0 = wk + gc * _MID
     dst1 = dst0 + C * _MID
     t = tl.arange(0, _SW)
+    if COPY:
+        dw = _copy_dst(tab_ptr, V, LO, tl.program_id(0).to(tl.int64))
+    else:
+        dw = pw  # unused
     if FAST:
-        _leaf_super(pw, lo + j * _SBLK, t, end, s, nbytes, dst0 + j * _SW, dst1 + j * _SW, False)
+        _leaf_super(pw, lo + j * _SBLK, t, end, s, nbytes, dst0 + j * _SW, dst1 + j * _SW, False, dw, COPY)
     elif n > 15 * _BLK:  # W_1 = 256: levels 0+1 in registers
-        _leaf_super(pw, lo + j * _SBLK, t, end, s, nbytes, dst0 + j * _SW, dst1 + j * _SW, True)
+        _leaf_super(pw, lo + j * _SBLK, t, end, s, nbytes, dst0 + j * _SW, dst1 + j * _SW, True, dw, COPY)
     elif n == 1:  # §6: a one-lane chunk is its own root
         x = _lanes(pw, lo + t, lo + 1, s, nbytes, True)
+        _put(dw, lo + t, x, lo + 1, COPY)
         tl.store(dst0 + t, x, mask=t == 0)
         tl.store(dst1 + t, x, mask=t == 0)
     else:  # one level-0 block of width W0 <= 256
         W = tl.minimum((n + 15) // 16, _SW)
         cols = t < W
-        y0, y1 = _leaf_block(pw, lo + j * 16 * W + t, W, tl.where(cols, end, lo), s, nbytes, True)
+        y0, y1 = _leaf_block(pw, lo + j * 16 * W + t, W, tl.where(cols, end, lo), s, nbytes, True, dw, COPY)
         tl.store(dst0 + j * W + t, y0, mask=cols)
         tl.store(dst1 + j * W + t, y1, mask=cols)
 
@@ -280,15 +320,58 @@ def _fast_prologue(tab_ptr, work_ptr, V, C, LO, p, c0, VEC: tl.constexpr):
 
 
 @triton.jit
-def _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr):
+def _store16(d, o, bound, FULL: tl.constexpr, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+    """Store 16 rows to ``d[o + r*256]``, r = 0..15, masked as :func:`_row` loads them (FULL: no mask)."""
+    if FULL:
+        tl.store(d + o, x0)
+        tl.store(d + (o + 256), x1)
+        tl.store(d + (o + 512), x2)
+        tl.store(d + (o + 768), x3)
+        tl.store(d + (o + 1024), x4)
+        tl.store(d + (o + 1280), x5)
+        tl.store(d + (o + 1536), x6)
+        tl.store(d + (o + 1792), x7)
+        tl.store(d + (o + 2048), x8)
+        tl.store(d + (o + 2304), x9)
+        tl.store(d + (o + 2560), x10)
+        tl.store(d + (o + 2816), x11)
+        tl.store(d + (o + 3072), x12)
+        tl.store(d + (o + 3328), x13)
+        tl.store(d + (o + 3584), x14)
+        tl.store(d + (o + 3840), x15)
+    else:
+        tl.store(d + o, x0, mask=o < bound)
+        tl.store(d + (o + 256), x1, mask=o + 256 < bound)
+        tl.store(d + (o + 512), x2, mask=o + 512 < bound)
+        tl.store(d + (o + 768), x3, mask=o + 768 < bound)
+        tl.store(d + (o + 1024), x4, mask=o + 1024 < bound)
+        tl.store(d + (o + 1280), x5, mask=o + 1280 < bound)
+        tl.store(d + (o + 1536), x6, mask=o + 1536 < bound)
+        tl.store(d + (o + 1792), x7, mask=o + 1792 < bound)
+        tl.store(d + (o + 2048), x8, mask=o + 2048 < bound)
+        tl.store(d + (o + 2304), x9, mask=o + 2304 < bound)
+        tl.store(d + (o + 2560), x10, mask=o + 2560 < bound)
+        tl.store(d + (o + 2816), x11, mask=o + 2816 < bound)
+        tl.store(d + (o + 3072), x12, mask=o + 3072 < bound)
+        tl.store(d + (o + 3328), x13, mask=o + 3328 < bound)
+        tl.store(d + (o + 3584), x14, mask=o + 3584 < bound)
+        tl.store(d + (o + 3840), x15, mask=o + 3840 < bound)
+
+
+@triton.jit
+def _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
+                dbase, COPY: tl.constexpr):
     """Levels 0 and 1 of one superblock's column slice: a run-time loop over its 16 level-0
     blocks, each folded (both channels) and entered into the level-1 tree (heights 4..7). Not FULL:
     lanes at offsets >= ``bound`` are 0, and a block starting at or past ``rb`` is a zero value (§6.1).
+    COPY: the rows loaded are also stored to ``dbase`` at the same offsets and masks (:func:`_store16`).
     """
     z = tl.zeros([COLS], tl.uint64)
     c = (z, z, z, z, z, z, z, z)
     for b in range(16):
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rows16(base, b * _BLK + t, bound, None, FULL)
+        if COPY:
+            _store16(dbase, b * _BLK + t, bound, FULL, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
         y0 = _tree16k(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 0, 0, ASM, KM0)
         y1 = _tree16k(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, 1, 0, ASM, KM1)
         if not FULL:  # (rb on the left: under the interpreter b * _BLK is a constexpr)
@@ -298,20 +381,29 @@ def _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS: tl.constexpr, FU
 
 
 @triton.jit(do_not_specialize=["V", "C", "LO", "KM0", "KM1"])
-def _leaf_fast_kernel(tab_ptr, work_ptr, V, C, LO, KM0, KM1, COLS: tl.constexpr, ASM: tl.constexpr):
+def _leaf_fast_kernel(tab_ptr, work_ptr, V, C, LO, KM0, KM1, COLS: tl.constexpr, ASM: tl.constexpr,
+                      COPY: tl.constexpr = False):
     """FAST launch: program pid folds levels 0 and 1 of columns [c0, c0+COLS) of one superblock
     (16 level-0 blocks of 4096 lanes) → dst[c0 .. c0+COLS) per channel.
 
     A program whose 65536 lanes all lie in the view (a uniform run-time test) runs a copy of the
     loop without any masks; a partial superblock (at most one per view) the masked copy.
-    KM0/KM1: ``_mix.KM`` (run-time multipliers of the ASM & 1 add-rotate).
+    KM0/KM1: ``_mix.KM`` (run-time multipliers of the ASM & 1 add-rotate). COPY: the lanes loaded
+    are also stored to the same lanes of the view's destination (plan row 2), same masks.
     """
     S: tl.constexpr = _SW // COLS
     pid = tl.program_id(0)
     base, dst0, dst1, rb = _fast_prologue(tab_ptr, work_ptr, V, C, LO, (pid // S).to(tl.int64), (pid % S) * COLS, False)
     t = tl.arange(0, COLS)
     bound = rb - (pid % S) * COLS  # lane offsets from base below this are in the chunk
-    if rb == _SBLK:
-        _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS, True, ASM)
+    if COPY:  # the destination lane of base's lane: same view lane index (sb0 + c0) from the dst address
+        code = tl.load(tab_ptr + LO + (pid // S).to(tl.int64))
+        q = code >> 24
+        daddr = tl.load(tab_ptr + 2 * V + (code & 0xFFFFFF))
+        dbase = daddr.to(tl.pointer_type(tl.uint64)) + ((q // 16) * _CHUNK + (q % 16) * _SBLK + (pid % S) * COLS)
     else:
-        _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS, False, ASM)
+        dbase = base  # unused
+    if rb == _SBLK:
+        _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS, True, ASM, dbase, COPY)
+    else:
+        _fast_super(base, dst0, dst1, t, bound, rb, KM0, KM1, COLS, False, ASM, dbase, COPY)

@@ -29,7 +29,9 @@ Source: docs/digest-spec.md
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -56,11 +58,11 @@ FastLaunch = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], list]
 # Host side.
 # ---------------------------------------------------------------------------------------------
 def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
-          align: int = 8, parents: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
+          align: int = 8, parents: list[int] | None = None, dsts: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
     """Build the int64 plan read by all kernels (one host-to-device copy).
 
     Layout (V views, P leaf programs of which F fast, C chunks): ``[r*V:(r+1)*V]`` for r =
-    0 address, 1 nbytes, 2 unused, 3 first global chunk, 4 seed0, 5 seed1 (int64 bits), 6-7 unused;
+    0 address, 1 nbytes, 2 copy destination address (``dsts``; 0: none), 3 first global chunk, 4 seed0, 5 seed1 (int64 bits), 6-7 unused;
     then ``[8V : 8V+P]`` leaf program codes ``(q << 24) | view`` — the F fast ones first — and
     ``[8V+P : 8V+P+C]`` the view of each chunk (chunks numbered view-major). A chunk of n lanes has
     ceil(n/65536) leaf programs when n > 61440 (16 for a full chunk), else ceil(n/4096), so leaf
@@ -111,6 +113,8 @@ def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
     plan = np.zeros(8 * V + P + C + 2 * G, dtype=np.int64)
     plan[0:V] = ad
     plan[V : 2 * V] = nb
+    if dsts is not None:
+        plan[2 * V : 3 * V] = np.asarray(dsts, dtype=np.uint64).view(np.int64)
     plan[3 * V : 4 * V] = first
     sd = np.asarray(seeds, dtype=np.uint64).reshape(V, 2).view(np.int64)
     plan[4 * V : 5 * V] = sd[:, 0]
@@ -179,14 +183,15 @@ _PLANS_MAX = 16  # device plans kept for repeated calls on the same views (e.g. 
 
 
 def _device_plan(dev: torch.device, addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
-                 align: int = 8, parents: list[int] | None = None):
-    """``_plan`` on ``dev`` (pinned, non-blocking copy), memoised on (device, addresses, sizes, seeds, align, parents)."""
-    key = (dev, tuple(addrs), tuple(sizes), tuple(seeds), align, None if parents is None else tuple(parents))
+                 align: int = 8, parents: list[int] | None = None, dsts: list[int] | None = None):
+    """``_plan`` on ``dev`` (pinned, non-blocking copy), memoised on (device, addresses, sizes, seeds, align, parents, dsts)."""
+    key = (dev, tuple(addrs), tuple(sizes), tuple(seeds), align, None if parents is None else tuple(parents),
+           None if dsts is None else tuple(dsts))
     hit = _PLANS.get(key)
     if hit is not None:
         _PLANS.move_to_end(key)
         return hit
-    plan_np, P, F, C = _plan(addrs, sizes, seeds, align, parents)
+    plan_np, P, F, C = _plan(addrs, sizes, seeds, align, parents, dsts)
     plan = torch.from_numpy(plan_np)
     if dev.type != "cpu":
         plan = plan.pin_memory().to(dev, non_blocking=True)
@@ -196,7 +201,8 @@ def _device_plan(dev: torch.device, addrs: list[int], sizes: list[int], seeds: l
     return hit
 
 
-def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> torch.Tensor:
+def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]],
+                 dsts: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Digest v1 channel values of many byte views: <= 4 kernel launches, no host synchronisation.
 
     Launches (each skipped when empty): fast leaf, general leaf, upper, chain — for all views.
@@ -209,6 +215,8 @@ def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> tor
             included) and any length (0 included). They must stay alive and unmodified until
             the result is consumed (the kernels run asynchronously).
         seeds: per view, the two 64-bit chain seeds ``reference.seed(...)`` (ints in [0, 2**64)).
+        dsts: None, or per view a copy destination (see :func:`plan_views`): the leaf kernels
+            store every lane they read there, so each view is read once for its digest and its copy.
 
     Returns:
         torch.Tensor: int64 ``[len(views), 2]`` on the views' device; row i holds the finalised
@@ -225,6 +233,8 @@ def digest_views(views: list[torch.Tensor], seeds: list[tuple[int, int]]) -> tor
         raise ValueError(f"{len(views)} views but {len(seeds)} seeds")
     if not views:
         return torch.empty((0, 2), dtype=torch.int64)
+    if dsts is not None:
+        return run_plan(plan_views(views, seeds, dsts=dsts))
     return _launch(views, seeds, chain=True)
 
 
@@ -269,17 +279,21 @@ class Planned:
             False when its capture could not be set up or its first replay differed from plain launches, else None.
         direct: on CUDA, ``(compiled kernels, launch shape)`` its launches go to once it ran twice and they were
             checked (:mod:`~refit_verify.digest.kernels.direct`), False when it stays on JIT launches, else None.
+        copy: every run also copies each view's bytes to its destination (:func:`plan_views` ``dsts``).
     """
 
-    __slots__ = ("plan", "P", "F", "C", "V", "G", "saved", "device", "runs", "graph", "direct", "__weakref__")
+    __slots__ = ("plan", "P", "F", "C", "V", "G", "saved", "device", "runs", "graph", "direct", "copy", "__weakref__")
 
-    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device, G: int = 0) -> None:
+    def __init__(self, plan: torch.Tensor, P: int, F: int, C: int, V: int, device: torch.device, G: int = 0,
+                 copy: bool = False) -> None:
         self.plan, self.P, self.F, self.C, self.V, self.device = plan, P, F, C, V, device
         self.G, self.saved = G, G * SB_BYTES
         self.runs, self.graph, self.direct = 0, None, None
+        self.copy = copy
 
 
-def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8, derive: bool = False) -> Planned:
+def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: int = 8, derive: bool = False,
+               dsts: list[torch.Tensor] | None = None) -> Planned:
     """Check ``views`` and build (or take from the memo) their launch plan, for :func:`run_plan`.
 
     The plan holds the views' addresses, not the views: running it later digests whatever that
@@ -293,6 +307,12 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
             fused parameter beside the parameter, :func:`_parents`) takes the leaf outputs of its full
             superblocks from that view's (one read of those bytes, not two; :func:`_plan`). Digests
             are unchanged. Only for views that are read, never for a launch that copies them.
+        dsts: None, or one copy destination per view: a 1-D contiguous uint8 tensor on the views'
+            device, address 8-byte aligned, at least ``round_up(nbytes, 8)`` long, overlapping no
+            view and no other destination. Every run of the plan stores view i's bytes to
+            ``dsts[i][:nbytes]`` from the loads its digest folds (each byte read once), and zeros to
+            ``dsts[i][nbytes : round_up(nbytes, 8)]`` (the partial last lane, zero-padded as §2);
+            bytes past that are untouched. Like the views, they must stay alive until the run ends.
 
     Returns:
         Planned: the int64 plan on the views' device and its program / chunk counts.
@@ -316,12 +336,49 @@ def plan_views(views: list[torch.Tensor], seeds: list[tuple[int, int]], align: i
         raise ValueError("all views of one digest_views call must be on one device")
     if dev.type == "cpu" and not _INTERPRETED:
         raise ValueError("CPU views need TRITON_INTERPRET=1 (use refit_verify.digest._torch for CPU tensors)")
+    if dsts is not None and derive:
+        raise ValueError("a plan that copies its views (dsts) reads every view itself: derive must be False")
+    daddrs = None if dsts is None else _check_dsts(views, dsts, addrs, sizes)
     parents = _parents(addrs, sizes) if derive else None
     if parents is not None and max(parents, default=-1) < 0:
         parents = None
-    plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align, parents)
+    plan, P, F, C = _device_plan(dev, addrs, sizes, seeds, align, parents, daddrs)
     V = len(views)
-    return Planned(plan, P, F, C, V, dev, (plan.numel() - 8 * V - P - C) // 2)
+    return Planned(plan, P, F, C, V, dev, (plan.numel() - 8 * V - P - C) // 2, copy=dsts is not None)
+
+
+def _check_dsts(views: list[torch.Tensor], dsts: list[torch.Tensor], addrs: list[int], sizes: list[int]) -> list[int]:
+    """Check :func:`plan_views`' ``dsts`` against the views (addresses ``addrs``, byte lengths ``sizes``);
+    return their addresses. Raises ValueError / TypeError as :func:`plan_views` says."""
+    if len(dsts) != len(views):
+        raise ValueError(f"{len(views)} views but {len(dsts)} destinations")
+    out, spans = [], []
+    for i, (d, n) in enumerate(zip(dsts, sizes)):
+        if not isinstance(d, torch.Tensor) or d.dtype is not torch.uint8 or d.dim() != 1 or not d.is_contiguous():
+            raise TypeError(f"destination {i}: expected a 1-D contiguous uint8 tensor, got {getattr(d, 'dtype', type(d))} "
+                            f"shape {tuple(getattr(d, 'shape', ()))}")
+        if d.device != views[i].device:
+            raise ValueError(f"destination {i} is on {d.device}, its view on {views[i].device}")
+        a, r = d.data_ptr(), (n + 7) // 8 * 8
+        if a % 8:
+            raise ValueError(f"destination {i}: address {a:#x} is not 8-byte aligned")
+        if d.numel() < r:
+            raise ValueError(f"destination {i}: {d.numel()} bytes, needs {r} (a {n}-byte view in whole 8-byte lanes)")
+        out.append(a)
+        if r:
+            spans.append((a, a + r, "destination", i))
+    views_spans = sorted((a, a + n, i) for i, (a, n) in enumerate(zip(addrs, sizes)) if n)
+    spans.sort()
+    for (a0, e0, _, i0), (a1, _e1, _, i1) in zip(spans, spans[1:]):
+        if a1 < e0:
+            raise ValueError(f"destination {i0} overlaps destination {i1}")
+    starts = [a for a, _, _ in views_spans]
+    reach = list(itertools.accumulate((e for _, e, _ in views_spans), max))  # furthest view end up to each start
+    for a, e, _, i in spans:
+        k = bisect.bisect_left(starts, e)  # views starting before this destination's end
+        if k and reach[k - 1] > a:
+            raise ValueError(f"destination {i} overlaps a view: a copy destination may overlap no view")
+    return out
 
 
 def run_plan(p: Planned, chain: bool = True, launch_fast: FastLaunch | None = None) -> torch.Tensor:
@@ -370,9 +427,10 @@ def _launches(p: Planned, work: torch.Tensor, out: torch.Tensor | None) -> list[
     """The launches :func:`_run` makes for ``p`` (the production FAST launch first), as data."""
     V, P, F, C, plan = p.V, p.P, p.F, p.C, p.plan
     L = _direct.Launch
-    out_l = [_fast(plan, work, V, C, 8 * V, F)] if F else []
+    out_l = [_fast(plan, work, V, C, 8 * V, F, p.copy)] if F else []
     if P > F:
-        out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False),), {"num_warps": LEAF_WARPS}))
+        out_l.append(L(_digest_leaf_kernel, (P - F,), (plan, work, V, C, 8 * V + F), (("FAST", False), ("COPY", p.copy)),
+                       {"num_warps": LEAF_WARPS}))
     if p.G:  # derived views' full superblocks: the parents' leaf outputs (after both leaf launches)
         out_l.append(L(_digest_gather_kernel, (p.G,), (plan, work, C, 8 * V + P + C, p.G), (), {"num_warps": 2}))
     if C:
@@ -393,14 +451,15 @@ def _launch(views: list[torch.Tensor], seeds: list[tuple[int, int]], chain: bool
     return run_plan(plan_views(views, seeds, align), chain, launch_fast)
 
 
-def _fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> _direct.Launch:
+def _fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int, copy: bool = False) -> _direct.Launch:
     """The production FAST leaf launch (``FAST_LEAF``) over plan entries [LO, LO+F), as data (inline
-    PTX and the register cap are GPU-only: the interpreter runs ``ASM=0`` without a cap)."""
+    PTX and the register cap are GPU-only: the interpreter runs ``ASM=0`` without a cap); ``copy``:
+    its COPY variant (stores every lane it reads to the view's destination)."""
     lf = FAST_LEAF
     opts = {"num_warps": lf["warps"]} if _INTERPRETED else {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}
     S = _ref.STRIDE // lf["cols"]  # column slices per superblock
     return _direct.Launch(_leaf_fast_kernel, (F * S,), (plan, work, V, C, LO, *KM),
-                          (("COLS", lf["cols"]), ("ASM", 0 if _INTERPRETED else lf["asm"])), opts)
+                          (("COLS", lf["cols"]), ("ASM", 0 if _INTERPRETED else lf["asm"]), ("COPY", copy)), opts)
 
 
 def _launch_fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: int) -> list:
