@@ -295,3 +295,75 @@ def test_held_sets_are_bounded_by_tensors_not_flushes(monkeypatch):
     monkeypatch.setattr(hs, "KEPT_HELD_TENSORS", 10)
     refit(params[:3] + [torch.nn.Parameter(torch.randn(32), requires_grad=False)])  # a new flush (another layout): the bound applies
     assert len(hs._HELD_SETS) == hs._HELD_TENSORS == 10 and ("p3",) in hs._HELD_SETS and ("p0",) in hs._HELD_SETS
+
+
+# ---------------------------------------------------------------- add_copy: copy and digest, one read
+
+
+def _copy_cases() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (4096 * 16 + 40,), dtype=torch.uint8, generator=g)
+    f = torch.randn(40, 30, generator=g)
+    out = [(f"u8.{n}", raw[:n].clone()) for n in (0, 1, 7, 8, 9, 4095, 4096 * 16 + 3)]
+    out += [(f"offset.{o}", raw[o : o + 1000]) for o in (1, 3, 7)]  # sources off an 8-byte boundary
+    out += [("transposed", f.t()), ("bf16", f.to(torch.bfloat16)[3:, 1:]), ("scalar", torch.tensor(2.5))]
+    return out
+
+
+def _lanes(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "cpu-path"])
+def test_add_copy_digests_and_copies_the_logical_bytes(monkeypatch, fused):
+    """Every case into slots of one buffer in one launch: each digest is the tensor's (CPU oracle) and
+    each slot holds its logical bytes (a non-contiguous tensor's in row-major order), zeros in the last
+    lane's padding, and the bytes past it untouched. ``kernels``: the fused Triton op (interpreted on CPU)."""
+    if fused:
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    cases = [(n, t.to(DEV)) for n, t in _copy_cases()]
+    offs, used = [], 0
+    for _, t in cases:
+        offs.append(used)
+        used += (t.numel() * t.element_size() + 15) // 16 * 16
+    buf = torch.full((used + 16,), 0xA5, dtype=torch.uint8, device=DEV)
+    b = dg.DigestBatch()
+    for (name, t), o in zip(cases, offs):
+        b.add_copy(name, t, buf[o : o + _lanes(t.numel() * t.element_size())])
+    assert dg.fuses(cases[0][1]) is fused
+    got = b.hexdigests()
+    assert got == {name: _cpu_digest(t) for name, t in cases}
+    for (name, t), o in zip(cases, offs):
+        n = t.numel() * t.element_size()
+        assert torch.equal(buf[o : o + n].cpu(), tensors.logical_bytes(t).cpu()), name
+        assert bool((buf[o + n : o + _lanes(n)] == 0).all()), name
+        assert bool((buf[o + _lanes(n) : o + (n + 15) // 16 * 16] == 0xA5).all()), name
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "cpu-path"])
+def test_add_copy_refuses_bad_destinations_and_keeps_no_digest(monkeypatch, fused):
+    if fused:
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    t = torch.arange(100, dtype=torch.uint8, device=DEV)
+    buf = torch.zeros(512, dtype=torch.uint8, device=DEV)
+    src = buf[200:300]
+    bad = [
+        ("needs 104", t, buf[:100]),  # no room for the last lane
+        ("not 8-byte aligned", t, buf[4:120]),
+        ("uint8", t, buf.view(torch.int64)),
+        ("is on meta", t, torch.empty(128, dtype=torch.uint8, device="meta")),
+        ("overlaps the tensor", src, buf[256:360]),
+    ]
+    b = dg.DigestBatch()
+    for why, x, dst in bad:
+        b.add("x", t)
+        with pytest.raises(dg.RefitInputError, match=why):
+            b.add_copy("x", x, dst)
+        assert len(b) == 0 and b.hexdigests() == {}, why  # the earlier digest of the name is dropped too
+    assert bool((buf == 0).all())  # nothing was copied
+    if fused:  # two queued destinations that overlap: refused at the launch, those names dropped
+        b.add_copy("a", t, buf[0:104])
+        b.add_copy("b", t.clone(), buf[96:200])
+        with pytest.raises(dg.RefitInputError, match="overlaps destination"):
+            b.launch()
+        assert b.hexdigests() == {}

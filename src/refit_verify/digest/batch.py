@@ -23,7 +23,7 @@ from refit_verify.digest import reference as _ref
 from refit_verify.digest.tensors import check_storage, check_tensor, fits_many, logical_bytes, plain_tensor_ops, tensor_seed
 from refit_verify.errors import RefitInputError
 
-__all__ = ["tensor_digest", "digest_tensors", "DigestBatch"]
+__all__ = ["tensor_digest", "digest_tensors", "DigestBatch", "fuses"]
 
 
 
@@ -73,6 +73,8 @@ class DigestBatch:
         # contiguous tensor read at launch; else its logical bytes (a copy) and the seeds of the tensor they came from
         self._queued: dict[Any, list[tuple[str, torch.Tensor, tuple[int, int] | None, int]]] = {}
         self._launched: list[tuple[list[tuple[str, int]], torch.Tensor]] = []  # ((name, add number)s, device words)
+        # (device index, backend) -> queued copies (name, logical bytes, seeds, destination, add number, own memory)
+        self._copies: dict[Any, list[tuple[str, torch.Tensor, tuple[int, int], torch.Tensor, int, bool]]] = {}
 
     @plain_tensor_ops
     def add(self, name: str, t: torch.Tensor, checked: bool = False) -> None:
@@ -109,6 +111,82 @@ class DigestBatch:
         except BaseException:
             self.drop(name)
             raise
+
+    @plain_tensor_ops
+    def add_copy(self, name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy ``t``'s logical bytes into ``dst`` and digest them under ``name``, from one read of ``t``
+        where the fused kernels run (:func:`fuses`: the Triton backend, CUDA).
+
+        Fused: queued like :meth:`add` and run at :meth:`launch` / :meth:`hexdigests` (the copy too:
+        ``dst`` holds the bytes only once the launch ran, in stream order): the leaf kernels store
+        every lane they load into ``dst`` (``kernels.launch.plan_views`` ``dsts``), so the digest is of
+        exactly the bytes written. ``t`` and ``dst`` must stay alive and unchanged until the launch.
+        A non-contiguous ``t`` is copied to its logical bytes here (that copy is what the launch reads).
+        Elsewhere (CPU, the torch fallback) the bytes are copied now and ``t`` is digested as
+        :meth:`add` does: two reads of ``t``.
+
+        Args:
+            name: as :meth:`add` (a later add of the same name replaces it).
+            t: a tensor :meth:`add` accepts.
+            dst: 1-D contiguous uint8 tensor on ``t``'s device, 8-byte aligned address, at least
+                ``round_up(nbytes, 8)`` bytes (``nbytes = t.numel() * t.element_size()``), not
+                overlapping ``t``'s memory nor any other queued destination. Receives the bytes in
+                ``[0, nbytes)`` and zeros in ``[nbytes, round_up(nbytes, 8))`` (the last lane's
+                padding); bytes past that are untouched.
+
+        Raises:
+            RefitInputError: ``t`` cannot be digested, or ``dst`` is not such a tensor (other dtype,
+                shape or device, misaligned, too short, overlapping ``t``); at the launch, two
+                queued destinations (or a destination and another queued tensor) overlap. Nothing is
+                queued or copied for a call that raises, and no digest stays under ``name``.
+        """
+        try:
+            check_tensor(t)
+            n = t.numel() * t.element_size()
+            _check_dst(t, dst, n)
+            kind = "cuda" if t.is_cuda else t.device.type
+            backend = _backends.backend_for(kind)
+            if kind in _backends.KERNEL_DEVICE_TYPES and backend.plan_views is not None:
+                u8 = logical_bytes(t)
+                self._adds += 1
+                self._order[name] = self._adds
+                self._copies.setdefault((t.get_device(), backend), []).append(
+                    (name, u8, tensor_seed(t.dtype, t.shape, n), dst, self._adds, u8.data_ptr() == t.data_ptr()))
+                return
+            r = (n + 7) // 8 * 8
+            if n:
+                dst[:n].copy_(logical_bytes(t), non_blocking=dst.is_cuda)
+                dst[n:r].zero_()
+            self.add(name, t, checked=True)
+        except BaseException:
+            self.drop(name)
+            raise
+
+    def _launch_copies(self) -> None:
+        """Launch every queued :meth:`add_copy` (one fused plan per device, kept in :data:`_PLANNED` for the
+        same sources and destinations while every source is its tensor's own memory)."""
+        while self._copies:
+            (dev, backend), items = self._copies.popitem()  # taken off the queue: a launch that raises is not retried
+            keys = [(n, k) for n, _, _, _, k, _ in items]
+            sig = ("copy", dev, backend.name, *[(u.data_ptr(), u.numel(), s, d.data_ptr()) for _, u, s, d, _, _ in items])
+            with _PLANNED_LOCK:
+                planned = _PLANNED.get(sig)
+                if planned is not None:
+                    _PLANNED.move_to_end(sig)
+            if planned is None:
+                try:
+                    planned = backend.plan_views([u for _, u, _, _, _, _ in items], [s for _, _, s, _, _, _ in items],
+                                                 dsts=[d for _, _, _, d, _, _ in items])
+                except (TypeError, ValueError) as e:
+                    for n, _ in keys:
+                        self.drop(n)
+                    raise RefitInputError(f"add_copy: {e}") from None
+                if all(own for *_, own in items):
+                    with _PLANNED_LOCK:
+                        _PLANNED[sig] = planned
+                        if len(_PLANNED) > _PLANNED_MAX:
+                            _PLANNED.popitem(last=False)
+            self._launched.append((keys, backend.run_plan(planned)))
 
     def _hold_cpu(self, name: str, t: torch.Tensor, backend: _backends.Backend) -> None:
         """Queue CPU tensor ``t`` (checked, unchanged until the launch: held with ``hold_cpu``, or a
@@ -149,7 +227,13 @@ class DigestBatch:
 
         Afterwards the batch holds no reference to the queued tensors: the kernels read them in
         stream order, so a caller that reuses the memory synchronises (or orders its streams) first.
+
+        Raises:
+            RefitInputError: queued :meth:`add_copy` destinations overlap each other or a source
+                (those names are dropped; nothing of their launch ran).
         """
+        if self._copies:
+            self._launch_copies()
         for (dev, backend), items in self._queued.items():
             if backend.digest_many is not None:
                 self._launch_cpu(backend, items)
@@ -230,6 +314,34 @@ class DigestBatch:
 
 MANY_MIN = 4
 """Queued CPU tensors from which one ``digest_many`` call is cheaper than one call per tensor."""
+
+
+def fuses(t: torch.Tensor) -> bool:
+    """True iff :meth:`DigestBatch.add_copy` of ``t`` reads ``t`` once (the Triton backend of its device
+    type: CUDA); elsewhere it copies, then digests (two reads)."""
+    kind = "cuda" if t.is_cuda else t.device.type
+    return kind in _backends.KERNEL_DEVICE_TYPES and _backends.backend_for(kind).plan_views is not None
+
+
+def _check_dst(t: torch.Tensor, dst: torch.Tensor, n: int) -> None:
+    """Raise :class:`RefitInputError` unless ``dst`` can take :meth:`DigestBatch.add_copy`'s copy of the
+    ``n`` logical bytes of ``t`` (see there)."""
+    if not isinstance(dst, torch.Tensor) or dst.dtype is not torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
+        raise RefitInputError(f"add_copy: dst must be a 1-D contiguous uint8 tensor, got {type(dst).__name__} "
+                              f"{getattr(dst, 'dtype', '')} shape {tuple(getattr(dst, 'shape', ()))}")
+    if dst.device != t.device:
+        raise RefitInputError(f"add_copy: dst is on {dst.device}, the tensor on {t.device}")
+    r = (n + 7) // 8 * 8
+    if dst.numel() < r:
+        raise RefitInputError(f"add_copy: dst holds {dst.numel()} bytes; a {n}-byte tensor needs {r} (whole 8-byte lanes)")
+    a = dst.data_ptr()
+    if a % 8:
+        raise RefitInputError(f"add_copy: dst address {a:#x} is not 8-byte aligned")
+    if n:
+        lo = t.data_ptr()
+        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # elements t's memory spans
+        if a < lo + span * t.element_size() and lo < a + r:
+            raise RefitInputError("add_copy: dst overlaps the tensor's own memory")
 
 
 

@@ -369,7 +369,7 @@ def _check_dsts(views: list[torch.Tensor], dsts: list[torch.Tensor], addrs: list
             spans.append((a, a + r, "destination", i))
     views_spans = sorted((a, a + n, i) for i, (a, n) in enumerate(zip(addrs, sizes)) if n)
     spans.sort()
-    for (a0, e0, _, i0), (a1, _e1, _, i1) in zip(spans, spans[1:]):
+    for (_a0, e0, _, i0), (a1, _e1, _, i1) in zip(spans, spans[1:]):
         if a1 < e0:
             raise ValueError(f"destination {i0} overlaps destination {i1}")
     starts = [a for a, _, _ in views_spans]
