@@ -218,8 +218,11 @@ class EngineReads(msgspec.Struct, **_OPTS):
             persistent buffers, with the regions of fused parameters the close needed read in the
             same launch) is one; each later read of regions (read-back, judging by the state, a
             delta's other regions) is another. 1 in the steady state; 0: nothing was read.
-        bytes: bytes read in all passes (a region inside a fused parameter is read beside its
-            parameter: its bytes count twice).
+        bytes: bytes read in all passes. A region inside a fused parameter read beside it counts
+            the bytes read for it: on CUDA (kept sets) a region at a 512 KiB multiple of its
+            parameter takes its whole 512 KiB superblocks from the parameter's read and reads only
+            a partial last one; other regions, and every region on the CPU, are read again (their
+            bytes count twice).
         state_bytes: bytes of the state tensors the snapshot read (each once, unless the model's
             parameters changed during the close and the state was read again).
         why: for each pass after the state's, why its regions were not read with the state.

@@ -73,6 +73,34 @@ def test_the_kernel_path_on_the_interpreter_equals_the_reference(monkeypatch):
     assert ds.digest() == want
 
 
+def test_regions_beside_their_fused_parameter_are_not_read_twice_on_the_kernel_path(monkeypatch):
+    """A set over a fused parameter and its q / k / v rows (regions at 512 KiB multiples, as an
+    engine's close reads them) on the Triton kernels (interpreter): the regions' whole superblocks
+    come from the parameter's read (``saved``), a region off a superblock boundary is read itself,
+    and every digest is the reference's, again after the parameter's bytes changed. The CPU's
+    compiled batch reads everything (``saved`` 0)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is not on in this process")
+    p = torch.nn.Parameter(torch.randn(768 + 2, 1024).to(torch.bfloat16), requires_grad=False)  # 3 superblocks + 4 KiB
+    rows = [(0, 256), (256, 512), (512, 770), (1, 256)]  # q, k, v (+ the tail), and rows off a superblock boundary
+    regions = [(0, (770, 1024), (1024, 1))] + [(a * 1024, (b - a, 1024), (1024, 1)) for a, b in rows]
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset())
+    want = [tensor_digest(p[a:b]) for a, b in [(0, 770), *rows]]
+    cpu = DigestSet([p] * 5, regions)
+    assert cpu.saved == 0 and cpu.digest() == want
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    ds = DigestSet([p] * 5, regions)
+    assert ds._groups[0][2].name == "triton"
+    assert ds.saved == 3 * 512 * 1024  # q, k, v: one superblock each; v's 4 KiB tail and the off rows are read
+    assert ds.digest() == want
+    p.data[300, 7] += 1  # a k row
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset())
+    want2 = [tensor_digest(p[a:b]) for a, b in [(0, 770), *rows]]
+    assert [a == b for a, b in zip(want, want2)] == [False, True, False, True, True]
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    assert ds.digest() == want2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change", ["data", "reshape", "resize", "dtype-view", "neg", "strides"])
 def test_memory_that_moved_is_never_read(change, device):

@@ -8,7 +8,12 @@ regions too). A region that is a whole parameter takes the snapshot's digest. A 
 parameter (``q_proj`` rows of a fused ``qkv_proj``) has another digest than its parameter (digest
 v1 binds shape and byte length, ``docs/digest-spec.md`` §3), so it must be read itself: the close
 plans those regions before anything is read (:class:`CloseReads`), the snapshot reads them in its
-own launch, beside the state, and the later steps take their digests from it. Every byte is read
+own launch, beside the state, and the later steps take their digests from it. On a kernel device
+(CUDA) a region at a 512 KiB multiple of its parameter (the rows of a fused parameter in typical
+shapes) reads no byte twice: its whole 512 KiB superblocks take the parameter's leaf outputs
+(``digest.kernels.launch.plan_views(derive=True)``) and only a partial last one is read again; the
+CPU's compiled batch (small engines) reads each region again. :attr:`CloseReads.nbytes` counts the
+bytes read. Every byte is read
 after the session ended (the close holds the worker's lock; nothing is written in between), so no
 digest precedes the bytes it covers.
 

@@ -64,7 +64,8 @@ class Backend:
             byte string (for ``refit_verify.collective.sharded``), Python ints.
         fallback_reason: why this is not the fast backend of its device type (``None`` if it is).
         plan_views, run_plan: batched backends that can keep a launch plan for the same memory
-            (``kernels.digest.plan_views`` / ``run_plan``); ``None`` otherwise.
+            (``kernels.launch.plan_views(views, seeds, align=8, derive=False)`` / ``run_plan``);
+            ``None`` otherwise.
         digest_many: immediate backends that digest many small strings in one call:
             ``[(address, nbytes, seeds)] -> (h0s, h1s)``, two ``uint64 [N]`` numpy arrays
             (``_numba_many.digest_arrays_many``: 8-byte aligned host addresses,
@@ -80,7 +81,7 @@ class Backend:
     digest_views: Callable[[list[torch.Tensor], list[Words]], torch.Tensor] | None
     chunk_roots_u8: Callable[[torch.Tensor], list[Words]]
     fallback_reason: str | None = None
-    plan_views: Callable[[list[torch.Tensor], list[Words]], Any] | None = None
+    plan_views: Callable[..., Any] | None = None
     run_plan: Callable[[Any], torch.Tensor] | None = None
     digest_many: Callable[[list[tuple[int, int, Words]]], tuple[Any, Any]] | None = None
     many_max_bytes: int = 0

@@ -117,6 +117,11 @@ class DigestSet:
         tensors: the tensors given, in order (None with ``hold=False``).
         signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
             storage's data pointer, what an engine-state snapshot records).
+        saved: bytes a call does not read twice: with ``regions``, an entry lying inside another
+            entry at a 512 KiB multiple (a region of a fused parameter beside the parameter) takes
+            its full 512 KiB superblocks from that entry's read in the same launch (kernel plans
+            only, ``kernels.launch.plan_views(derive=True)``; the CPU's compiled batch reads every
+            entry, as do sets without regions). A call reads ``sum(entry bytes) - saved`` bytes.
         relocatable: the set can read tensors of its layout at other addresses (:meth:`moved`):
             every tensor is a whole CPU tensor digested by the compiled batch (no kernel plan, no
             region), so its plan is one pointer per tensor, made again from the tensors given.
@@ -147,6 +152,7 @@ class DigestSet:
         self._columns = _signature_columns(self.tensors)  # what valid() compares
         self.signatures = list(zip(*self._columns))
         self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
+        self.saved = 0
         # per group: (positions in the output, kept kernel plan or the CPU's kept plan_many (its list without one), backend,
         # large CPU items (position, seeds))
         self._groups: list[tuple[list[int], object, object, list[tuple[int, tuple[int, int]]]]] = []
@@ -171,7 +177,9 @@ class DigestSet:
             if kernel:
                 u8 = [logical_bytes(views[i]) for i in pos]
                 seeds = [tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
-                self._groups.append((pos, backend.plan_views(u8, seeds), backend, []))
+                planned = backend.plan_views(u8, seeds, derive=self.regions is not None)
+                self.saved += getattr(planned, "saved", 0)
+                self._groups.append((pos, planned, backend, []))
                 continue
             most = backend.many_max_bytes
             many, mpos, large = [], [], []

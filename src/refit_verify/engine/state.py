@@ -89,7 +89,10 @@ def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str, reads: Clo
     instead of two) and left on the program for that read-back (``prog.pre``, tagged with ``ms``).
     The two read the same bytes as two launches would: nothing runs between the snapshot and the
     read-back of a close. Otherwise the regions ``reads`` planned for module ``role`` ride the same
-    way (:func:`_extra_launch`). Returns the launch, the program it rides for (None: none) and the
+    way (:func:`_extra_launch`). On a kernel device a region at a 512 KiB multiple of its parameter
+    takes its full superblocks from the parameter's read in that launch (:attr:`DigestSet.saved`;
+    the CPU's compiled batch reads every region again): the pass counts the bytes it reads.
+    Returns the launch, the program it rides for (None: none) and the
     planned regions read beside the state (``[(parameter, region)]``; None: none)."""
     prog = _riding(ms, idx, prefix)
     if prog is None or ds.tensors is None:  # (a kept state set holds its tensors: the second is never true)
@@ -103,7 +106,7 @@ def _snapshot_launch(idx: ModelIndex, ds: DigestSet, ms, prefix: str, reads: Clo
             both = DigestSet(state + [p for p, _ in prog.dest_regions], regions)
         except (RuntimeError, ValueError):  # not readable as one set: two launches, as without a ride
             both = None
-        nbytes = sum(_numel(g[1]) * p.element_size() for p, g in prog.dest_regions)
+        nbytes = sum(_numel(g[1]) * p.element_size() for p, g in prog.dest_regions) - (both.saved if both is not None else 0)
         entry = idx.kept["close_set"] = (ds, prog, both, nbytes)
     if entry[2] is None:
         if reads is not None:
@@ -171,7 +174,7 @@ def _extra_launch(idx: ModelIndex, ds: DigestSet, reads: CloseReads | None, role
                                  [(0, tuple(t.shape), tuple(t.stride())) for t in state] + [g for _, g in keep])
             except (RuntimeError, ValueError):  # not readable as one set: the steps read their regions themselves
                 both = None
-        entry = idx.kept["close_extra"] = (ds, key, both, keep, nbytes)
+        entry = idx.kept["close_extra"] = (ds, key, both, keep, nbytes - (both.saved if both is not None else 0))
     if entry[2] is None:
         reads.state_pass(_set_bytes(idx, ds), 0)
         return ds.launch(check=False), None, None

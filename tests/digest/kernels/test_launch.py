@@ -92,21 +92,46 @@ def test_many_views_one_call() -> None:
     assert _run(views) == [_expect(v) for v in views]
 
 
+SB = kd.SB_BYTES  # 512 KiB: one leaf superblock (65536 lanes)
+
+
+def _derived_of(u: torch.Tensor) -> list[torch.Tensor]:
+    """Views read with ``u`` in one launch (``plan_views(derive=True)``): regions of ``u`` derived
+    or not, and an unrelated view."""
+    return [u[: CHUNK + 5],  # two chunks of its own: 16 superblocks from u, a 1-lane second chunk read
+            u[SB : 3 * SB],  # at superblock 1, full superblocks only
+            u[SB : 3 * SB + 1003],  # a partial last superblock (and a partial last lane)
+            u[15 * SB : 16 * SB],  # u's last full superblock
+            u[8 : 8 + SB],  # unaligned: read as any view
+            u[3 * SB : 3 * SB + 5000],  # smaller than a superblock: read as any view
+            _rand(70_000, 22)]  # unrelated
+
+
 @pytest.fixture(scope="module")
-def two_chunks() -> tuple[torch.Tensor, list[str], list[tuple[int, int]], str]:
-    """A 2-chunk byte string with a tail (the last chunk takes the small-chunk path), through
-    ``digest_views`` once: ``(u, hex digest, chunk roots, reference digest)``. The roots are those its
-    leaf and upper kernels left in the work buffer, which ``chunk_roots`` returns (the same plan
-    and launches, less the chain)."""
+def two_chunks_launch() -> tuple[torch.Tensor, list[str], list[tuple[int, int]], kd.Planned]:
+    """A 2-chunk byte string with a tail (the last chunk takes the small-chunk path) and the views
+    of ``_derived_of`` it, through one kept plan with derived views, once per module (the interpreter
+    reads its 8 MiB once): ``(u, hex digests of u and its views, u's chunk roots, plan)``. The roots
+    are those the leaf and upper kernels left in the work buffer, which ``chunk_roots`` returns (the
+    same plan and launches, less the chain)."""
     u = _rand(CHUNK + 4097 * L + 3, 5)
+    views = [u, *_derived_of(u)]
     works = []
     real_run = kd._run
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kd, "_run", lambda p, work, out, fast: (works.append((p.C, work)), real_run(p, work, out, fast))[1])
-        words = kd.digest_views([u], [ref.seed("uint8", (u.numel(),), u.numel())])
+        p = kd.plan_views(views, [ref.seed("uint8", (v.numel(),), v.numel()) for v in views], derive=True)
+        words = kd.run_plan(p)
     C, work = works[-1]
     roots = work[2 * C * (mx.MID_N + mx.SCR_N) : 2 * C * (mx.MID_N + mx.SCR_N + 1)].view(2, C).t()  # as run_plan(chain=False)
-    return u, kd.to_hex(words), _pairs(roots), _expect(u)
+    return u, kd.to_hex(words), _pairs(roots[:2]), p  # u's chunks come first (view-major)
+
+
+@pytest.fixture(scope="module")
+def two_chunks(two_chunks_launch) -> tuple[torch.Tensor, list[str], list[tuple[int, int]], str]:
+    """``(u, [hex digest], chunk roots, reference digest)`` of ``two_chunks_launch``'s string."""
+    u, got, roots, _ = two_chunks_launch
+    return u, got[:1], roots, _expect(u)
 
 
 def test_two_chunks(two_chunks) -> None:
@@ -282,3 +307,73 @@ def test_ptx_sequences_match_reference() -> None:
     for m, r in zip(vals, reversed(vals)):
         assert _ptx_eval(mx._PTX_ADDROR0.value, [m, r, mx.KM[0]]) == (m + ref.ror(r, ref.ROT[0])) & ref.MASK64
         assert _ptx_eval(mx._PTX_ADDROR1.value, [m, r, mx.KM[1]]) == (m + ref.ror(r, ref.ROT[1])) & ref.MASK64
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived views (plan_views(derive=True)): a region of a view at a 512 KiB multiple takes its full
+# superblocks' leaf outputs from that view's.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_derived_plan_rows_and_fallbacks() -> None:
+    """The plan of derived views (host only, no kernel): which views are derived, the leaf programs
+    they keep (only a partial last superblock) and each gather row (destination = the view's chunk
+    and slot, source = the parent's superblock ``o + s``, across the parent's chunk boundary)."""
+    base = 1 << 40
+    # 0: parent, 34 superblocks + 3 bytes (chunks 0, 1: 16 full each; chunk 2: 2 full + a 1-lane tail)
+    sizes = [34 * SB + 3, 2 * SB, 2 * SB + 1003, 17 * SB + 5, SB, SB - 8, 3 * SB, 4 * SB, 100]
+    offs = [0, 0, SB, 15 * SB, 8, 4 * SB, 33 * SB, SB, 0]
+    addrs = [base + o for o in offs]
+    addrs[-1] = 7 << 40  # an unrelated view
+    seeds = [(1, 2)] * len(sizes)
+    # 1: aligned, full superblocks only; 2: partial last superblock with a partial lane; 3: spans two
+    # chunks of its own, its superblocks cross the parent's chunk boundary; 4: unaligned offset; 5: less
+    # than a superblock; 6: runs past the parent's end; 7: names a derived view as its parent; 8: unrelated
+    parents = [-1, 0, 0, 0, 0, 0, 0, 1, -1]
+    plain, P0, F0, C0 = kd._plan(addrs, sizes, seeds)
+    plan, P, F, C = kd._plan(addrs, sizes, seeds, parents=parents)
+    V = len(sizes)
+    G = (len(plan) - 8 * V - P - C) // 2
+    assert C == C0 and G == 2 + 2 + 17
+    assert P == P0 - G  # each derived full superblock's leaf program is gone, nothing else
+    assert (plan[: 8 * V] == plain[: 8 * V]).all()  # rows: addresses, lengths, chunks, seeds unchanged
+    first = plan[3 * V : 4 * V]
+    dst, src = plan[8 * V + P + C : 8 * V + P + C + G], plan[8 * V + P + C + G :]
+    want = [(first[1] * 16 + s, first[0] * 16 + s) for s in range(2)]
+    want += [(first[2] * 16 + s, first[0] * 16 + 1 + s) for s in range(2)]
+    want += [(first[3] * 16 + s, first[0] * 16 + 15 + s) for s in range(17)]  # s=1: parent chunk 1 slot 0
+    assert list(zip(dst.tolist(), src.tolist())) == want
+    codes = plan[8 * V : 8 * V + P]
+    kept = sorted((int(c) & 0xFFFFFF, int(c) >> 24) for c in codes)
+    assert [q for v, q in kept if v == 2] == [2]  # view 2: only its partial third superblock
+    assert [q for v, q in kept if v == 3] == [17]  # view 3: only its 5-byte tail (chunk 1, program 1)
+    assert [q for v, q in kept if v == 1] == []
+    before = sorted((int(c) & 0xFFFFFF, int(c) >> 24) for c in plain[8 * V : 8 * V + P0])
+    for v in (0, 4, 5, 6, 7, 8):  # not derived: every leaf program, as without parents
+        assert [q for w, q in kept if w == v] == [q for w, q in before if w == v]
+    assert kd._parents(addrs, sizes) == [-1, 0, 0, 0, -1, -1, -1, 0, -1]  # by address: 7 lies in 0 too
+    assert kd._parents([base, base], [SB, SB]) == [-1, 0]  # the same bytes twice: the second from the first
+
+
+def test_derived_views_equal_the_reference(two_chunks_launch) -> None:
+    """Regions of a 2-chunk string read in its launch: derived ones (full superblocks only, a
+    partial last one, one spanning two chunks of its own, u's last superblock) and ones read as any
+    view (unaligned, small), beside an unrelated view: every digest is the reference's."""
+    u, got, _, p = two_chunks_launch
+    views = _derived_of(u)
+    assert p.G == 16 + 2 + 2 + 1 and p.saved == p.G * SB
+    assert got[1:] == [_expect(v) for v in views]
+
+
+def test_derived_views_read_what_the_memory_holds_now() -> None:
+    """A kept plan with derived views, run again after a byte of the parent changed inside a derived
+    region's superblock: the region's digest follows (the gather takes this run's leaf outputs)."""
+    buf = _rand(2 * SB + 5, 23)
+    views = [buf, buf[SB : 2 * SB], buf[: SB]]
+    p = kd.plan_views(views, [ref.seed("uint8", (u.numel(),), u.numel()) for u in views], derive=True)
+    assert p.G == 2
+    got = kd.to_hex(kd.run_plan(p))
+    assert got == [_expect(u) for u in views]
+    buf[SB + 5] += 1
+    again = kd.to_hex(kd.run_plan(p))
+    assert again[1] == _expect(views[1]) != got[1] and again[2] == got[2] and again[0] != got[0]
