@@ -4,6 +4,7 @@ model (a fused ``qkv_proj`` written in q / k / v rows, an ``embed`` with padding
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from refit_verify.boundary import close_reads
@@ -120,3 +121,38 @@ def test_a_replayed_close_with_no_kept_program_to_ride_takes_its_regions_from_th
             assert not r.ok and list(r.mismatched) == ["k_proj"] and "qkv_proj" in r.engine_mismatched, r.describe()
         else:
             assert r.ok and r.proven_bytes == _nbytes(*w.values()), (v, r.describe())
+
+
+def test_a_close_on_the_kernel_path_reads_a_fused_parameter_once(monkeypatch):
+    """q / k / v rows of 512 KiB each in a 1.5 MiB ``qkv_proj``: on the Triton kernels (the
+    interpreter here, CUDA in an engine) the regions read beside the state take their superblocks
+    from the parameter's read, so the close reads about the state's bytes once (only the small
+    embedding rows again); on the CPU's compiled batch it reads the fused rows twice. Same manifests."""
+    import os
+
+    from tests.support import toy_model, triton_interp
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is not on in this process")
+    triton_interp.install()
+    monkeypatch.setattr(toy_model, "HIDDEN", 1024)
+    monkeypatch.setattr(toy_model, "Q", 256)
+    monkeypatch.setattr(toy_model, "KV", 256)
+    w = toy_weights(1)
+    want = digest_tensors(w.items())
+    mans = {}
+    for path, types in (("batch", frozenset()), ("kernels", frozenset({"cpu"}))):
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", types)
+        _, wb, model = toy_worker()
+        assert model.qkv_proj.numel() * 2 == 3 * 512 * 1024
+        mans[path] = _loaded(wb, model, w, 1)
+    state = _nbytes(model.qkv_proj, model.embed, model.norm)
+    small = _nbytes(model.embed)  # the embedding's rows and padding rows: regions of 32 KiB, read again
+    for path, regions in (("batch", _nbytes(model.qkv_proj) + small), ("kernels", small)):
+        man = mans[path]
+        assert man.reads.passes == 1 and man.reads.why == [] and man.reads.state_bytes == state, (path, man.reads)
+        assert man.reads.bytes == state + regions, (path, man.reads)
+        r = compare_session({"model": want}, man, version=1)
+        assert r.ok and r.proven_bytes == _nbytes(*w.values()), (path, r.describe())
+    assert mans["kernels"].reads.bytes / state < 1.03 < 1.9 < mans["batch"].reads.bytes / state
+    assert untimed(mans["kernels"]) == untimed(mans["batch"])
