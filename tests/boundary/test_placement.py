@@ -57,3 +57,56 @@ def test_nested_deferring_wrappers_tap_the_innermost_loader_once():
     real = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     _unwrap(p.weight_loader)(real, torch.ones(2))
     assert writes == ["w"]
+
+
+class _Fused(torch.nn.Module):
+    """A fused parameter whose loader (a bound method, as vLLM's) writes block ``shard`` of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.swap = False
+
+    def loader(self, param, loaded_weight, shard):
+        row = {"a": 0, "b": 2}[shard]
+        if self.swap:  # a loader whose writes changed after the placement was learned
+            row = 2 - row
+        param.data.narrow(0, row, 2).copy_(loaded_weight)
+
+
+def test_a_placement_learned_ahead_serves_another_wrapper_of_the_same_loader():
+    """Learned ahead on the live parameter's wrapper, it is taken by the meta copy's wrapper (vLLM's
+    layerwise reload materialises that one) for the same geometry and shard: nothing recorded again.
+    Another geometry or shard still learns its own."""
+    layer = _Fused()
+    writes = []
+    tap = LoaderTap(None, on_write=lambda pname, param, loaded, placement: writes.append(placement))
+    live = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    live.weight_loader = layer.loader
+    meta = torch.nn.Parameter(torch.empty(4, 3, device="meta"), requires_grad=False)
+    meta.weight_loader = layer.loader
+    tap.install([("fused", live)], [("fused", meta)])
+    assert live.weight_loader is not meta.weight_loader
+    with tap.learning_ahead():
+        live.weight_loader(live, torch.ones(2, 3), "b")
+    assert len(tap.ahead) == 1 and tap.ahead_used == 0
+    real = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    meta.weight_loader(real, torch.full((2, 3), 5.0), "b")
+    assert tap.ahead_used == 1 and writes[1] is writes[0]  # the same Placement object: not learned again
+    assert writes[1].copies[0].dest == (6, (2, 3), (3, 1))  # rows 2..3 of the parameter
+    meta.weight_loader(real, torch.full((2, 3), 5.0), "a")  # another shard: learned now
+    assert tap.ahead_used == 1 and writes[2].copies[0].dest == (0, (2, 3), (3, 1))
+    other = _Fused()  # the same function bound to another object: not the same loader
+    meta.weight_loader = other.loader
+    tap.install([("fused", meta)])
+    meta.weight_loader(real, torch.ones(2, 3), "b")
+    assert tap.ahead_used == 1
+
+
+def test_no_placement_is_learned_ahead_outside_learning_ahead():
+    layer = _Fused()
+    tap = LoaderTap(None, on_write=lambda *a: None)
+    live = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    live.weight_loader = layer.loader
+    tap.install([("fused", live)])
+    live.weight_loader(live, torch.ones(2, 3), "a")
+    assert tap.ahead == {} and len(tap.placements) == 1

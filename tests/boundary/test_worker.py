@@ -237,3 +237,44 @@ def test_prepare_does_nothing_while_a_session_is_open():
     assert wb.prepare() is False
     model.load_weights(list(toy_weights(1).items()))
     assert wb.close("s1").engine is not None
+
+
+def _toy_specs():
+    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in toy_weights(1).items()}
+
+
+def test_prepare_learns_the_placements_ahead_and_the_first_close_is_the_same():
+    """``prepare(specs=...)``: the loaders' placements are learned before any refit (the model's own
+    load_weights on placeholders, no write reaching the model); the first refit records nothing again
+    and its manifest is an unprepared worker's."""
+    _, wb, model = toy_worker()
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    assert wb.prepare(specs={"model": _toy_specs()}) is True
+    tap = wb.modules["model"].tap
+    assert len(tap.ahead) == 5 and len(tap.placements) == 5  # q, k, v blocks, the padded embed, the norm
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())  # nothing written
+    assert wb.baseline is None and wb.last is None and wb.manifests == {}
+    learned = dict(tap.placements)
+    man = _full(wb, model, "s1", 1, 1)
+    assert tap.placements == learned and all(tap.placements[k] is learned[k] for k in learned)
+    _, plain_wb, plain_model = toy_worker()
+    plain = _full(plain_wb, plain_model, "s1", 1, 1)
+    assert man.state_digest == plain.state_digest and man.engine.params == plain.engine.params
+    assert man.modules["model"].digests == plain.modules["model"].digests
+
+
+def test_a_placement_learned_ahead_that_the_real_load_contradicts_fails_the_refit():
+    """The loader writes k into v's rows and v into k's from the first real load on, unlike during the
+    dry learn: the placements learned ahead say where k and v should be, the read-back finds the other
+    block's bytes there, and the refit fails naming qkv_proj (never a pass)."""
+    from refit_verify.compare import compare_session
+
+    _, wb, model = toy_worker()
+    assert wb.prepare(specs={"model": _toy_specs()}) is True
+    model.swap_halves_after = model.qkv_loads
+    w = toy_weights(1)
+    wb.open("s1", version=1)
+    model.load_weights(list(w.items()))
+    man = wb.close("s1")
+    r = compare_session({"model": digest_tensors(w.items())}, man, version=1)
+    assert not r.ok and list(r.engine_mismatched) == ["qkv_proj"]

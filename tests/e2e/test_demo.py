@@ -110,7 +110,7 @@ def test_log_file_named_and_holds_every_process_log(demo):
                      r"(cpu \(numba\)|cuda:\d+ \(triton\)) done in ", text, re.M)
     # and built what the first session's close keeps (model index, engine-state kept set) before the first refit
     assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: first session prepared in "
-                     r"\d+\.\d{3} s \(model index, engine-state kept set\)", text, re.M)
+                     r"\d+\.\d{3} s \(model index, engine-state kept set, [1-9]\d* placements learned ahead\)", text, re.M)
     summary = next(line for line in p.stdout.splitlines() if line.startswith("vLLM log (not shown above): "))
     n_info = len(re.findall(r"^\S+ \S+ INFO ", text, re.M))
     assert summary.startswith(f"vLLM log (not shown above): {n_info} info, ")

@@ -78,6 +78,9 @@ def test_the_first_sessions_index_and_state_set_exist_after_engine_start_before_
     assert idx is not None and idx.fresh(model)
     ds = idx.kept["set"][0]
     assert ds is not None and ds.valid() and len(ds.tensors) == len(idx.state)
+    # and the loaders' placements of the checkpoint's tensors (worker_warmup.checkpoint_specs), learned dry
+    tap = wb.modules["model"].tap
+    assert len(tap.ahead) == 17 and tap.ahead_used == 0
 
 
 def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):

@@ -136,3 +136,21 @@ def test_no_preparing_with_the_warmup_off(monkeypatch):
     worker.device = torch.device("cpu")
     assert worker_warmup.after_load(worker, wb) is None
     assert wb.modules["model"]._index is None or wb.modules["model"]._index.kept.get("set") is None
+
+
+def test_checkpoint_specs_are_the_hf_tensors_of_the_engines_config_in_its_dtype():
+    """What the prepare learns placements for: the transformers model of the worker's config, built on
+    the meta device, its floating-point tensors in the engine's dtype; nothing for a config it cannot build."""
+    import types
+
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=40, tie_word_embeddings=False)
+    worker = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=cfg, dtype=torch.bfloat16))
+    specs = worker_warmup.checkpoint_specs(worker)
+    assert specs["model.embed_tokens.weight"] == ((40, 16), "bfloat16")
+    assert specs["model.layers.0.self_attn.k_proj.weight"] == ((8, 16), "bfloat16")
+    assert specs["lm_head.weight"] == ((40, 16), "bfloat16") and len(specs) == 12
+    worker.model_config.hf_config = types.SimpleNamespace(model_type="no-such-architecture")
+    assert worker_warmup.checkpoint_specs(worker) == {}

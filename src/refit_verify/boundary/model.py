@@ -319,6 +319,18 @@ class ModelBoundary:
             self.layout = m
         return m, notes
 
+    def learn_ahead(self, specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[int, dict[str, str]]:
+        """Learn the loaders' placements for ``specs`` (``{name: (shape, dtype name)}``, the checkpoint's
+        tensors as a trainer would push them) before any refit: the dry learn of :func:`dry_learn` (the
+        model's ``load_weights`` on placeholders, every write into the model blocked) under
+        :meth:`LoaderTap.learning_ahead <refit_verify.boundary.placement.LoaderTap.learning_ahead>`, so the
+        first refit's loads (the meta copies' loaders of vLLM's layerwise reload, too) take them instead of
+        learning them. Nothing else is kept (no layout map, no record). Returns ``(placements kept ahead,
+        {name: why it was not learned})``."""
+        with self.tap.learning_ahead():
+            _, failed = dry_learn(self, specs, lambda: ModuleSession(self, sessioned=True))
+        return len(self.tap.ahead), failed
+
     def state_map(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]]) -> LayoutMap | None:
         """The layout map for names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``),
         learned dry where it lacks them (:meth:`layout_for`); what was learned is said in ``s.layout``."""

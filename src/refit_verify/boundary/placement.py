@@ -22,6 +22,7 @@ Nothing here imports vLLM (the plugin hands in vLLM's ``default_weight_loader``)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -284,6 +285,18 @@ def _key(loaded: Any, rest: tuple, kwargs: dict) -> tuple:
     return (shape, dtype, extra, kw)
 
 
+def _ahead_key(original: Callable, param: torch.Tensor, key: tuple) -> tuple:
+    """``key`` (a placement's key in :attr:`LoaderTap.placements`) with the wrapper's token replaced by
+    the loader itself: its function and the object it is bound to (a ``functools.partial`` of ours:
+    ``func`` and its first argument), and the parameter's class. Two wrappers of one bound loader
+    (a live parameter's and the meta copy's that vLLM's layerwise reload materialises) share it."""
+    if isinstance(original, functools.partial):
+        who = (original.func, id(original.args[0]) if original.args else None)
+    else:
+        who = (original, None)
+    return (*who, type(param), *key[1:])
+
+
 class LoaderTap:
     """Wraps the ``weight_loader`` of every parameter of one model and reports each real write.
 
@@ -310,6 +323,11 @@ class LoaderTap:
         self.default_loader = default_loader
         self.on_write, self.on_route, self.on_error = on_write, on_route, on_error
         self.placements: dict[tuple, Placement] = {}
+        # placements learned ahead (:meth:`learning_ahead`), by loader rather than by wrapper: a refit's
+        # wrapper of the same loader (vLLM's layerwise reload calls the meta copies' ones) finds them here
+        self.ahead: dict[tuple, Placement] = {}
+        self.ahead_used = 0  # loader calls that took a placement learned ahead instead of learning it
+        self._ahead = False
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
         self.own_s = 0.0  # host seconds of ours in tapped calls, so far (a placement learned: the whole call)
@@ -343,6 +361,20 @@ class LoaderTap:
                     continue
                 n += 1
         return n
+
+    @contextlib.contextmanager
+    def learning_ahead(self):
+        """While in it, every placement learned is also kept by loader (:func:`_ahead_key`: the loader's
+        function and owner, the parameter's class and geometry, the loaded tensor's and the shard
+        arguments) in :attr:`ahead`, so a later call of another wrapper of the same loader on the same
+        geometry takes it instead of learning it (a dry learn at engine start, :meth:`ModelBoundary.learn_ahead
+        <refit_verify.boundary.model.ModelBoundary.learn_ahead>`, serves the first refit's layerwise reload).
+        A placement taken from there is used exactly as a learned one: read-back and coverage judge it."""
+        self._ahead = True
+        try:
+            yield self
+        finally:
+            self._ahead = False
 
     def _tap_deferred(self, pname: str, loader: Any) -> int:
         """Tap the loader inside a deferring wrapper (:data:`DEFERRING_WRAPPERS`) of ``loader``, if
@@ -425,6 +457,14 @@ class LoaderTap:
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
         placement = self.placements.get(key)
         inner = 0.0
+        if placement is None and self.ahead and not self._ahead:
+            with PLAIN():
+                placement = self.ahead.get(_ahead_key(original, param, key))
+            if placement is not None:
+                self.placements[key] = placement
+                self.ahead_used += 1
+                if not placement.exact:
+                    self.loader_of[pname] = loader_names(original)[0]
         if placement is None:  # learning it: the whole call counts as ours (the loader runs under the recorder)
             rec = _CopyRecorder(param, loaded)
             with rec:
@@ -438,6 +478,9 @@ class LoaderTap:
                                       "than its own storage (__torch_function__): what read-back reads is not what the "
                                       "loader wrote", placement.opaque)
             self.placements[key] = placement
+            if self._ahead:
+                with PLAIN():
+                    self.ahead[_ahead_key(original, param, key)] = placement
             if not placement.exact:  # who wrote it other than by a plain copy (the layout map names it with a conversion)
                 self.loader_of[pname] = loader_names(original)[0]
         else:

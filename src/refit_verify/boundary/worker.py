@@ -596,12 +596,17 @@ class WorkerBoundary:
                 calls, tensors, secs = calls + ms.calls, tensors + ms.tensors, secs + ms.digest_s
             return digests, calls, tensors, secs
 
-    def prepare(self, timeout_s: float = 5.0) -> bool:
+    def prepare(self, timeout_s: float = 5.0, specs: dict[str, dict[str, tuple[tuple[int, ...], str]]] | None = None) -> bool:
         """Build now, before any refit, what a session's close would otherwise build at the first
         refit and keep after it: each model's index (:meth:`ModelBoundary.index`) and the engine-state
         kept set, read once (the snapshot's :class:`~refit_verify.digest.kept.DigestSet`, planned and
         checked once per index: :func:`refit_verify.engine.state.snapshot`). Nothing of the
         verification's state changes: the snapshot read here is dropped (it is no audit baseline).
+
+        ``specs``: ``{role: {name: (shape, dtype name)}}``, the tensors a refit of that module is expected
+        to push: the loaders' placements for them are learned ahead
+        (:meth:`ModelBoundary.learn_ahead <refit_verify.boundary.model.ModelBoundary.learn_ahead>`; a name
+        pushed otherwise is learned at its refit, as without them).
 
         Returns False (nothing done) when a session is open or has closed (its close built them),
         or the worker's lock was not free within ``timeout_s``. Raises what the snapshot raises.
@@ -615,6 +620,10 @@ class WorkerBoundary:
                 self._refresh_indexes()
             else:  # as the close calls it (indexes checked inside, the state read through the kept set)
                 self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=close_reads.CloseReads())
+            for role, sp in (specs or {}).items():
+                b = self.modules.get(role)
+                if b is not None and sp and self.verifying:
+                    b.learn_ahead(sp)
             return True
         finally:
             self._lock.release()

@@ -64,7 +64,8 @@ def after_load(worker: Any, wb: Any) -> threading.Thread | None:
         if device is not None and getattr(device, "type", None) == "cuda":
             setattr(worker, _PENDING, wb)
             return None
-        th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu")), name="refit-verify-prepare", daemon=True)
+        th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu"), worker), name="refit-verify-prepare",
+                              daemon=True)
         th.start()
         return th
     except Exception:  # noqa: BLE001 - the worker starts regardless; the first close builds them
@@ -72,21 +73,46 @@ def after_load(worker: Any, wb: Any) -> threading.Thread | None:
         return None
 
 
-def prepare(wb: Any, device_type: str = "cpu") -> bool:
+def checkpoint_specs(worker: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{HF name: (shape, dtype name)}`` of the checkpoint the worker's model config describes, as a
+    trainer of that architecture pushes it: the floating-point tensors of the ``transformers`` model
+    built from the config on the meta device (no memory), in the engine's dtype. Empty when none can
+    be built (an architecture ``transformers`` does not know, a config it refuses); never raises."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        mc = runner.model_config(worker)
+        cfg, dtype = getattr(mc, "hf_config", None), getattr(mc, "dtype", None)
+        if cfg is None or not isinstance(dtype, torch.dtype):
+            return {}
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+        name = str(dtype).removeprefix("torch.")
+        return {n: (tuple(t.shape), name) for n, t in hf.state_dict().items() if t.is_floating_point()}
+    except Exception:  # noqa: BLE001 - nothing learned ahead: the first refit learns its placements
+        logger.info("refit-verify: no checkpoint layout for learning placements ahead", exc_info=True)
+        return {}
+
+
+def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
     """Wait for the digest warm-up of ``device_type`` (bounded: ``backends.WARMUP_WAIT_S``), then
-    :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` and import the
-    refit modules (a process whose device warm-up another caller started, a colocated trainer, did
-    not import them in it). Logs what it did; never raises. Returns whether ``wb`` was prepared."""
+    :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` (with
+    ``worker``: the loaders' placements of its checkpoint's tensors learned ahead, :func:`checkpoint_specs`)
+    and import the refit modules (a process whose device warm-up another caller started, a colocated
+    trainer, did not import them in it). Logs what it did; never raises. Returns whether ``wb`` was prepared."""
     t0 = time.perf_counter()
     try:
         backends.wait_for_warmup(device_type)
-        done = wb.prepare()
+        specs = checkpoint_specs(worker) if worker is not None else {}
+        done = wb.prepare(specs={"model": specs} if specs else None)
         _import_refit_modules()
     except Exception:  # noqa: BLE001 - the first close builds them instead
         logger.warning("refit-verify: preparing the first session failed; its close builds what it needs", exc_info=True)
         return False
     if done:
-        logger.info("refit-verify: first session prepared in %.3f s (model index, engine-state kept set)", time.perf_counter() - t0)
+        logger.info("refit-verify: first session prepared in %.3f s (model index, engine-state kept set, %d placements learned "
+                    "ahead)", time.perf_counter() - t0, sum(len(b.tap.ahead) for b in list(getattr(wb, "modules", {}).values())))
     return done
 
 
@@ -126,7 +152,7 @@ def wrap_compile_or_warm_up_model(raw):
         wb = getattr(self, _PENDING, None)
         if wb is not None:
             delattr(self, _PENDING)  # before the capture: none of its launches or allocations lands inside one
-            prepare(wb, getattr(device, "type", "cuda"))
+            prepare(wb, getattr(device, "type", "cuda"), self)
         return raw(self, *args, **kwargs)
 
     return compile_or_warm_up_model
