@@ -13,9 +13,11 @@ once in a background thread from the moment the device is set, so the first refi
   refit (:meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>`: the
   model index, the engine-state kept set read once) and the refit modules imported: in a
   background thread on the CPU; on CUDA in ``compile_or_warm_up_model`` before vLLM's capture (after
-  its memory profiling, which a background allocation would disturb). What depends on the trainer's
-  tensors (where each loader puts them, the refit plan, the layout map) is learned at the first
-  verified refit, or dry on request (``refit_verify_layout_map``).
+  its memory profiling, which a background allocation would disturb). Where each loader puts the
+  checkpoint's tensors (:func:`checkpoint_specs`: the config's HF tensors in the engine's dtype) is
+  learned there too, dry (no write reaches the model); tensors pushed with other names, shapes or
+  dtypes, the refit plan and the layout map are learned at the first verified refit, or dry on
+  request (``refit_verify_layout_map``).
 
 Nothing starts with ``REFIT_VERIFY=off`` or ``REFIT_VERIFY_WARMUP=0``.
 """
