@@ -36,6 +36,10 @@ from refit_verify.digest.tensors import as_view, check_tensor, fits_many, logica
 
 __all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature", "KEPT_HELD_TENSORS", "kept_set"]
 
+DERIVE_REGIONS = True
+"""False: a set with ``regions`` reads every entry itself on the kernel path too (``DigestSet.saved``
+0; benchmarks compare the two in one process)."""
+
 
 def signature(t: torch.Tensor) -> tuple:
     """What must not change for a built :class:`DigestSet` to read ``t`` correctly: ``(data_ptr,
@@ -177,7 +181,7 @@ class DigestSet:
             if kernel:
                 u8 = [logical_bytes(views[i]) for i in pos]
                 seeds = [tensor_seed(views[i].dtype, views[i].shape, u.numel()) for i, u in zip(pos, u8)]
-                planned = backend.plan_views(u8, seeds, derive=self.regions is not None)
+                planned = backend.plan_views(u8, seeds, derive=DERIVE_REGIONS and self.regions is not None)
                 self.saved += getattr(planned, "saved", 0)
                 self._groups.append((pos, planned, backend, []))
                 continue
