@@ -325,3 +325,65 @@ def test_a_sink_without_meanwhile_still_takes_oversized_tensors():
         p.add_all(iter(tensors))
         assert [(kind, [e.name for e in ents]) for kind, ents, _, _ in sink.posts] == [("alone", ["big"]), ("group", ["a"])]
     assert p.manifest() == {n: tensor_digest(t) for n, t in tensors}
+
+
+def test_packer_fuses_the_copy_and_digest_of_grouped_tensors(monkeypatch):
+    """Verifying, on a device with the fused kernels (the Triton ones, interpreted here on CPU tensors): a
+    grouped tensor is copied into its slot and digested by one op (``DigestBatch.add_copy``: no separate
+    digest, no separate copy); digest_first still validates every item first, digests ahead only what
+    is not fused (the oversized tensor, sent alone), and every entry carries its tensor's digest. A
+    slot corrupted after packing leaves the digests those of the tensors as given."""
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from refit_verify.digest.kernels import launch as kd
+
+    if not kd._INTERPRETED:
+        pytest.skip("triton was imported without the interpreter on a CUDA machine (see tests/gpu/)")
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    fused, plain = [], []
+    monkeypatch.setattr(DigestBatch, "add_copy", _spy(DigestBatch.add_copy, fused))
+    monkeypatch.setattr(DigestBatch, "add", _spy(DigestBatch.add, plain))
+    align, cap = 64, 256
+    raw = _t(80, 6)
+    tensors = [("a", _t(10, 0)), ("b", _t(3, 1, torch.bfloat16)), ("big", _t(100, 2)), ("c", _t(40, 3).view(8, 5).t()),
+               ("d", torch.zeros(0)), ("odd", raw.view(torch.uint8)[3:16]), ("f", _t(30, 5))]
+    want = {n: tensor_digest(t) for n, t in tensors}
+
+    class Corrupting(RecordingSink):
+        def post(self, entries, used):
+            self.buf[0] ^= 1  # after packing: the sender's digest is of the tensor, not of the slot
+            super().post(entries, used)
+
+    for sink in (RecordingSink(cap), Corrupting(cap)):
+        fused.clear(), plain.clear()
+        p = Packer(sink, capacity=cap, alignment=align, digests=DigestBatch(), digests_ahead=True)
+        with pytest.raises(TypeError, match="expected a torch.Tensor"):
+            p.digest_first([*tensors, ("bad", [1])])  # validated before anything is digested or sent
+        assert sink.posts == [] and fused == [] and plain == []
+        p.digest_first(tensors)
+        assert p._known == {} and [n for n, _ in p._rest] == ["big"]  # only what is not fused, after the first group
+        p.add_all(tensors)
+        assert fused == ["a", "b", "c", "d", "odd", "f"] and p.fused == 6 and set(p._known) == {"big"}
+        assert not set(plain) & set(fused)  # a fused tensor is never digested by a separate read
+        assert {e.name: e.digest for _, ents, _, _ in sink.posts for e in ents} == want and p.manifest() == want
+        sent = dict(tensors)
+        for kind, ents, _, data in sink.posts:
+            for e in ents:
+                got = data[e.offset : e.offset + e.nbytes]
+                exp = sent[e.name].contiguous().view(torch.uint8).numpy().tobytes()
+                if isinstance(sink, Corrupting) and kind == "group" and e.offset == 0 and e.nbytes:
+                    assert got != exp and got[1:] == exp[1:], e.name  # the corrupted first byte, caught by the receiver
+                else:
+                    assert got == exp, e.name
+        assert p.digest_s > 0.0
+
+
+def _spy(fn, names: list):
+    def wrapped(self, name, *a, **k):
+        names.append(name)
+        return fn(self, name, *a, **k)
+
+    return wrapped

@@ -768,3 +768,42 @@ def test_a_worker_fed_by_another_producer_than_its_own_names_it_and_fails_in_enf
             one(0)
     assert ei.value.report.problems == ("misrouted payload: worker rank 0 (tp 0, pp 0) received the payload of producer "
                                         "rank 1 (cpu); it must be fed by producer rank 0",)
+
+
+def test_fused_copy_and_digest_round_trip_verifies_and_a_corrupted_staged_byte_is_caught(monkeypatch):
+    """The sender's fused path (grouped tensors copied into staging and digested from one read,
+    ``DigestBatch.add_copy``; the Triton kernels, interpreted on CPU tensors here, as on CUDA): a refit
+    of mixed tensors verifies and every tensor lands intact; a byte flipped in a staged slot after
+    packing is named and not loaded (the digest is of the tensor read, not of the slot)."""
+    from refit_verify.digest.kernels import launch as kd
+
+    if not kd._INTERPRETED:
+        pytest.skip("compiled kernels: the CUDA transport tests (tests/gpu, test_two_process_*_cuda_*) run this path")
+    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    fused: list[str] = []
+    real = digest_mod.DigestBatch.add_copy
+
+    def spy(self, name, t, dst):
+        fused.append(name)
+        return real(self, name, t, dst)
+
+    monkeypatch.setattr(digest_mod.DigestBatch, "add_copy", spy)
+    keep = {f"layers.{i}.small" for i in range(15, 20)}  # (fewer small ones: the interpreter is slow)
+    tensors = [(n, t) for n, t in mixed_tensors() if not n.startswith("layers.") or n in keep]
+    cfg = RefitConfig.build(mode="enforce", timeout_s=30.0, **SMALL_BUDGET)
+    with CorruptingSender(config=cfg) as tx:  # (the receiver in a process of its own: the interpreter is not thread-safe)
+        rx = ReceiverProcess(tx.endpoint, n_refits=2, **SMALL_BUDGET)
+        try:
+            tx.target = None  # first refit: nothing corrupted
+            report = tx.send(tensors)
+            assert report.ok and report.verified == len(tensors), report
+            assert_received(rx.result()["got"], tensors)
+            alone = {"oversized", "tail.oversized.bf16"}
+            assert sorted(fused) == sorted(n for n, _ in tensors if n not in alone)
+            tx.target = target = CorruptingSender.target
+            with pytest.raises(RefitVerificationError) as ei:
+                tx.send(tensors)
+            assert ei.value.mismatched == [target] and list(ei.value.rejected) == [target]
+            assert_received(rx.result()["got"], [(n, t) for n, t in tensors if n != target])
+        finally:
+            rx.close()

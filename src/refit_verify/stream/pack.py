@@ -7,6 +7,10 @@ cut when the next slot or the entry list does not fit, and the oversized path (a
 aligned size exceeds a group travels alone). A :class:`PackSink` per transport provides buffers and
 sends groups. The receiver's half and what both share are in :mod:`refit_verify.stream.unpack`.
 
+When verifying, a tensor packed into a group on a device with fused kernels (CUDA) is copied into its
+slot and digested by one op that reads it once (:meth:`~refit_verify.digest.batch.DigestBatch.add_copy`);
+elsewhere (CPU) and for an oversized tensor sent alone, the digest and the copy read it separately.
+
 Source: ``docs/protocol.md`` (sender steps, invariants).
 """
 
@@ -18,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.batch import DigestBatch, fuses
 from refit_verify.digest.incremental import digest_now
-from refit_verify.digest.tensors import dtype_name, logical_bytes
+from refit_verify.digest.tensors import check_tensor, dtype_name, logical_bytes
 from refit_verify.stream.items import check_items, checked_item, entry_cost, round_up
 from refit_verify.wire.fields import MAX_ENTRIES_BYTES, DigestEntry, Entry
 
@@ -32,7 +36,7 @@ class PackSink(Protocol):
 
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
         """Return the current group's 1-D uint8 buffer (of at least the packer's capacity), allocated
-        on first use; ``like`` is the first tensor's bytes (a transport may take its device)."""
+        on first use; ``like`` is the first tensor (a transport may take its device)."""
 
     def post(self, entries: list[Entry], used: int) -> None:
         """Send the current group: ``entries`` at their offsets in the buffer, ``used`` aligned bytes."""
@@ -64,7 +68,10 @@ class Packer:
 
     Attributes:
         tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
-        in digest code. digest_shadow_s (float): of those, the seconds :meth:`digest_first` spent
+        in digest code, the fused copy+digest of grouped CUDA tensors included (queued at their add,
+        launched and, with ``digests_ahead`` / ``sync_digests``, waited for before their group is
+        sent: those seconds hold the copy too). fused (int): tensors copied and digested by the fused op.
+        digest_shadow_s (float): of ``digest_s``, the seconds :meth:`digest_first` spent
         after the first group was sent (while the receivers check and load it; after an oversized
         first tensor sent alone: between its send and the wait for the receivers, when the sink
         runs :meth:`PackSink.post_alone`'s ``meanwhile``). last_name
@@ -88,7 +95,14 @@ class Packer:
         self.bytes = 0
         self.digest_s = 0.0
         self.digest_shadow_s = 0.0
+        self.fused = 0
         self.last_name: str | None = None
+
+    def _fuses(self, t: torch.Tensor, aligned: int) -> bool:
+        """Whether a tensor of ``aligned`` slot bytes is copied and digested by the fused op when
+        verifying: it goes into a group (not alone), its device has the fused kernels (:func:`fuses`)
+        and the slots hold whole 8-byte lanes (the fused op writes the last lane's zero padding)."""
+        return self.digests is not None and aligned <= self.capacity and self.alignment % 8 == 0 and fuses(t)
 
     def add(self, item: tuple[str, torch.Tensor]) -> None:
         """Digest one ``(name, tensor)`` (if verifying), then pack it; may send groups.
@@ -99,15 +113,25 @@ class Packer:
         """
         name, t = checked_item(item, self.names)
         self.last_name = name
-        u8 = logical_bytes(t)
-        n = u8.numel()
+        check_tensor(t)  # (its logical bytes are taken below, unless the fused op reads it)
+        n = t.numel() * t.element_size()
         a = round_up(n, self.alignment)
         dt, shape = dtype_name(t.dtype), list(t.shape)
         alone = a > self.capacity
         cost = 0 if alone else entry_cost(name, dt, t.dim())
         if alone or self.used + a > self.capacity or self._est + cost > self.max_entries_bytes:
             self.flush()  # the previous group goes first (after the first one, digest_first's rest is digested)
-        if self.digests is not None and name not in self._known:
+        buf = None if alone else self.sink.buffer(t)
+        fused = (buf is not None and name not in self._known and buf.device == t.device and buf.data_ptr() % 8 == 0
+                 and self._fuses(t, a))
+        if fused:  # one read of t: its bytes into the slot (and the last lane's padding), its digest from the same loads
+            t0 = time.perf_counter()
+            self.digests.add_copy(name, t, buf[self.used : self.used + round_up(n, 8)])
+            self.digest_s += time.perf_counter() - t0
+            self._cuda_pending = True  # the copy runs at the group's launch: always before it is sent
+            self.fused += 1
+        u8 = None if fused else logical_bytes(t)
+        if not fused and self.digests is not None and name not in self._known:
             t0 = time.perf_counter()
             self.digests.add(name, t)  # before packing: covers the pack, the transport and the slicing
             self.digest_s += time.perf_counter() - t0
@@ -126,8 +150,7 @@ class Packer:
                 self.sink.post_alone(u8, entry, a, meanwhile=self._digest_rest)
                 self._digest_rest(shadow=False)
         else:
-            buf = self.sink.buffer(u8)
-            if n:
+            if n and not fused:
                 dst = buf[self.used : self.used + n]
                 dst.copy_(u8, non_blocking=dst.is_cuda)
                 del dst
@@ -151,7 +174,9 @@ class Packer:
           ``digest_shadow_s``.
 
         Two synchronisations per device for the refit, not one per group, and only the first part's
-        on the critical path. No digest work is left to :meth:`add`.
+        on the critical path. No digest work is left to :meth:`add`, except for the tensors it
+        will copy and digest in one read (grouped tensors on a fused-kernel device, CUDA: see
+        :meth:`_fuses`): those are not digested here but as they are packed, by the fused op.
 
         Every item is validated before anything is sent (:func:`~refit_verify.stream.items.check_items`:
         names, duplicates, tensors the digest can read, storage that holds them), so a bad item anywhere in the list raises before the receiver
@@ -171,14 +196,19 @@ class Packer:
         if self.digests is None:
             return
         check_items(items)  # every item, before anything is sent
+        sizes = [round_up(t.numel() * t.element_size(), self.alignment) for _, t in items]
         head, used = 0, 0
-        for _, t in items:
-            used += round_up(t.numel() * t.element_size(), self.alignment)
+        for a in sizes:
+            used += a
             if head and used > self.capacity:
                 break
             head += 1
-        self._digest_known(items[:head])
-        self._rest = list(items[head:]) if head < len(items) else None
+        ahead = [not self._fuses(t, a) for (_, t), a in zip(items, sizes)]  # the fused ones are digested as packed
+        first = [it for it, k in zip(items[:head], ahead) if k]
+        rest = [it for it, k in zip(items[head:], ahead[head:]) if k]
+        if first:
+            self._digest_known(first)
+        self._rest = rest or None
 
     def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
         """Digest ``items`` (checked: :func:`~refit_verify.stream.items.check_items`) together now (one
