@@ -3,7 +3,8 @@
     python benchmarks/kernel_asm.py OUT_DIR [--only a,b] [--arch 90]
 
 One file pair per launch (``OUT_DIR/<launch>.ptx`` and ``.sass``): the production launches
-(``leaf_general``, ``leaf_v1fast``, ``upper``, ``chain``, ``fast`` = the production FAST leaf) and
+(``leaf_general``, ``leaf_v1fast``, ``upper``, ``chain``, ``fast`` = the production FAST leaf; with the
+COPY leaf variants, ``fast_copy`` and ``leaf_general_copy``, the others compiled with COPY=False) and
 every variant of ``benchmarks/digest_variants.py`` (``var_<name>``, ``l0`` variants as ``_l0`` and
 ``_l1``). Kernel names, ``.loc``/``.file`` lines, debug sections and ``$L__tmp`` labels are
 stripped, so two trees give equal files exactly when ptxas would run the same code: to check that
@@ -79,11 +80,18 @@ def specs() -> dict:
     out = _variant_specs(dict(dv.LEAF_VARIANTS, **dv.EXTRA_VARIANTS), dv._leaf_fused_kernel,
                          dv._leaf_l0_kernel, dv._leaf_l1_kernel)
     fl = _leaf.FAST_LEAF
-    out["fast"] = (_leaf._leaf_fast_kernel, _sig(_FAST, ("COLS", "ASM")), dict(COLS=fl["cols"], ASM=fl["asm"]),
-                   {"num_warps": fl["warps"], "maxnreg": fl["maxnreg"]})
-    leaf, up, ch = _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel
+    fast, leaf, up, ch = _leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel
+    fast_opts = {"num_warps": fl["warps"], "maxnreg": fl["maxnreg"]}
+    out["fast"] = (fast, _sig(_FAST, ("COLS", "ASM")), dict(COLS=fl["cols"], ASM=fl["asm"]), fast_opts)
     out["leaf_general"] = (leaf, _LEAF, {"FAST": False}, {"num_warps": kd.LEAF_WARPS})
     out["leaf_v1fast"] = (leaf, _LEAF, {"FAST": True}, {"num_warps": kd.LEAF_WARPS})
+    if "COPY" in leaf.arg_names:  # the copy variants (a tree since the fused copy+digest): COPY=False is the launch above
+        for k in ("fast", "leaf_general", "leaf_v1fast"):
+            fn, sig, ce, opts = out[k]
+            out[k] = (fn, _sig(sig, ("COPY",)), dict(ce, COPY=False), opts)
+        out["fast_copy"] = (fast, _sig(_FAST, ("COLS", "ASM", "COPY")), dict(COLS=fl["cols"], ASM=fl["asm"], COPY=True),
+                            dict(fast_opts, maxnreg=fl.get("copy_maxnreg", fl["maxnreg"])))
+        out["leaf_general_copy"] = (leaf, _sig(_LEAF, ("COPY",)), {"FAST": False, "COPY": True}, {"num_warps": kd.LEAF_WARPS})
     out["upper"] = (up, upper, {}, {"num_warps": 4})
     out["chain"] = (ch, chain, {"RB": 16}, {"num_warps": 1})
     return out

@@ -37,7 +37,9 @@ from refit_verify.digest.kernels._mix import (
 )
 
 # The production FAST launch: benchmarks/bench_variants.py "f128w4-full-asm6" (2980 GB/s on 1 GiB, H200; v1: 2604).
-FAST_LEAF = dict(cols=128, warps=4, asm=6, maxnreg=64)
+# copy_maxnreg: its register cap with COPY (sm_90, benchmarks/kernel_asm.py "fast_copy": 64 spills 88 bytes of
+# stack, 72 spills 48, 80 none).
+FAST_LEAF = dict(cols=128, warps=4, asm=6, maxnreg=64, copy_maxnreg=80)
 
 
 # ---------------------------------------------------------------------------------------------

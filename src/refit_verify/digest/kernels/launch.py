@@ -456,7 +456,8 @@ def _fast(plan: torch.Tensor, work: torch.Tensor, V: int, C: int, LO: int, F: in
     PTX and the register cap are GPU-only: the interpreter runs ``ASM=0`` without a cap); ``copy``:
     its COPY variant (stores every lane it reads to the view's destination)."""
     lf = FAST_LEAF
-    opts = {"num_warps": lf["warps"]} if _INTERPRETED else {"num_warps": lf["warps"], "maxnreg": lf["maxnreg"]}
+    cap = lf["copy_maxnreg"] if copy else lf["maxnreg"]
+    opts = {"num_warps": lf["warps"]} if _INTERPRETED else {"num_warps": lf["warps"], "maxnreg": cap}
     S = _ref.STRIDE // lf["cols"]  # column slices per superblock
     return _direct.Launch(_leaf_fast_kernel, (F * S,), (plan, work, V, C, LO, *KM),
                           (("COLS", lf["cols"]), ("ASM", 0 if _INTERPRETED else lf["asm"]), ("COPY", copy)), opts)
