@@ -132,10 +132,13 @@ class StreamStats(TypedDict):
         refit_id: the refit's id (32 hex). mode: the mode it ran in (agreed at the handshake).
         tensors: tensors sent. bytes: their exact bytes (padding excluded).
         digest_s: seconds the sender spent in digest code (0.0 in ``off`` mode); on CUDA this
-            includes waiting for earlier queued work at the synchronisation points.
+            includes waiting for earlier queued work at the synchronisation points, and the copy
+            of the CUDA tensors packed into groups (their copy and digest are one op, launched
+            with the group's digests and waited for before the group is sent).
         digest_shadow_s: of ``digest_s``, the seconds spent after the first group was sent, while
             the receivers check and load it (a refit given as a list: the digests of every tensor
-            the first group could not hold; off the refit's critical path unless the receivers
+            the first group could not hold, except those copied and digested by the fused op as
+            they are packed; off the refit's critical path unless the receivers
             finish that group first; after an oversized first tensor sent alone: while the
             receivers read it, before the sender waits for their acknowledgement).
         wall_s: seconds from the first message to the receivers' answer.
