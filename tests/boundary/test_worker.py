@@ -263,6 +263,49 @@ def test_prepare_learns_the_placements_ahead_and_the_first_close_is_the_same():
     assert man.modules["model"].digests == plain.modules["model"].digests
 
 
+def test_prepare_builds_the_first_closes_state_and_regions_set_and_reads_them_again_at_the_close():
+    """With ``specs`` the prepare also plans the regions a close of such a refit reads inside fused
+    parameters (q, k, v rows of ``qkv_proj``; the padded ``embed``'s rows) and builds the close's one kept
+    set over the state and them: the first close launches that set as it is (no set built in it) and
+    reads every byte then. The digests differ from what the prepare saw (the refit wrote new bytes)."""
+    _, wb, model = toy_worker()
+    assert wb.prepare(specs={"model": _toy_specs()}) is True
+    idx = wb.modules["model"]._index
+    ahead = idx.kept["close_extra"]
+    assert {p for p, _ in ahead[1]} == {"qkv_proj", "embed"} and len(ahead[1]) == 5 and ahead[2] is not None
+    man = _full(wb, model, "s1", 1, 1)
+    assert idx.kept["close_extra"] is ahead  # built at the prepare, launched by the first close
+    assert man.reads.passes == 1 and man.reads.why == []
+    _, plain_wb, plain_model = toy_worker()
+    plain = _full(plain_wb, plain_model, "s1", 1, 1)
+    assert man.state_digest == plain.state_digest and man.engine.params == plain.engine.params
+    assert man.reads == plain.reads and all(p.status == "verified" for p in man.engine.params.values())
+
+
+def test_a_first_refit_that_writes_other_regions_than_prepared_plans_them_at_its_close():
+    """Prepared for a checkpoint without ``k_proj``: the set built ahead lacks k's rows. The real first
+    refit writes them too, so its close plans its own regions and builds its set (as unprepared), and a
+    wrong byte in k's rows is still found."""
+    _, wb, model = toy_worker()
+    specs = {n: v for n, v in _toy_specs().items() if "k_proj" not in n}
+    assert wb.prepare(specs={"model": specs}) is True
+    idx = wb.modules["model"]._index
+    ahead = idx.kept["close_extra"]
+    assert len(ahead[1]) == 4
+    man = _full(wb, model, "s1", 1, 1)
+    assert idx.kept["close_extra"] is not ahead and len(idx.kept["close_extra"][1]) == 5
+    assert man.reads.passes == 1 and all(p.status == "verified" for p in man.engine.params.values())
+    from refit_verify.compare import compare_session
+
+    w = toy_weights(2)
+    wb.open("s2", version=2)
+    model.load_weights(list(w.items()))
+    with torch.no_grad():
+        model.qkv_proj.view(-1)[64 + 3] += 1  # inside k's rows, after the load
+    r = compare_session({"model": digest_tensors(w.items())}, wb.close("s2"), version=2)
+    assert not r.ok and list(r.engine_mismatched) == ["qkv_proj"]
+
+
 def test_a_placement_learned_ahead_that_the_real_load_contradicts_fails_the_refit():
     """The loader writes k into v's rows and v into k's from the first real load on, unlike during the
     dry learn: the placements learned ahead say where k and v should be, the read-back finds the other

@@ -81,6 +81,26 @@ def test_the_first_sessions_index_and_state_set_exist_after_engine_start_before_
     # and the loaders' placements of the checkpoint's tensors (worker_warmup.checkpoint_specs), learned dry
     tap = wb.modules["model"].tap
     assert len(tap.ahead) == 17 and tap.ahead_used == 0
+    # and the first close's one kept set over the state and the regions its read-back reads inside parameters
+    # (rows of the fused qkv_proj and gate_up_proj, the vocabulary's rows and padding), planned from those
+    # placements (read again at that close)
+    extra = idx.kept["close_extra"]
+    assert extra[0] is ds and extra[2] is not None and len(extra[1]) == 12
+    kinds = [p.rsplit(".", 2)[-2] for p, _ in extra[1]]
+    assert kinds.count("qkv_proj") == 6 and kinds.count("gate_up_proj") == 4, kinds
+
+
+def test_the_first_refits_close_launches_the_set_built_at_engine_start(engine):
+    """The first refit writes the regions planned ahead: its close builds no set; its reads are one pass."""
+    from refit_verify.vllm_plugin import worker_sessions
+
+    llm, model, cfg = engine
+    idx = worker_sessions.boundary_of(_worker(llm)).modules["model"]._index
+    extra = idx.kept["close_extra"]
+    w = models.random_state_dict(cfg, seed=5)
+    res = refit_verify.push(llm, w, version=0)
+    assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
+    assert idx.kept["close_extra"] is extra
 
 
 def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):

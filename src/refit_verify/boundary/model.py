@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
+from refit_verify.boundary.close_reads import session_regions
 from refit_verify.boundary.layout import LayoutMap, Region, describe_region, dry_learn, judge, learn_session, read_regions
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import LoaderTap
@@ -319,17 +320,22 @@ class ModelBoundary:
             self.layout = m
         return m, notes
 
-    def learn_ahead(self, specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[int, dict[str, str]]:
+    def learn_ahead(self, specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[int, dict[str, str], list[tuple[str, tuple]]]:
         """Learn the loaders' placements for ``specs`` (``{name: (shape, dtype name)}``, the checkpoint's
         tensors as a trainer would push them) before any refit: the dry learn of :func:`dry_learn` (the
         model's ``load_weights`` on placeholders, every write into the model blocked) under
         :meth:`LoaderTap.learning_ahead <refit_verify.boundary.placement.LoaderTap.learning_ahead>`, so the
         first refit's loads (the meta copies' loaders of vLLM's layerwise reload, too) take them instead of
         learning them. Nothing else is kept (no layout map, no record). Returns ``(placements kept ahead,
-        {name: why it was not learned})``."""
+        {name: why it was not learned}, regions)``: ``regions`` (``[(parameter name, (offset, shape,
+        strides))]``) are those a close's read-back of such a refit reads that are not whole parameters
+        (:func:`~refit_verify.boundary.close_reads.session_regions` of the dry record): a plan of what to
+        read, for the caller to build that close's kept set ahead; nothing is read here."""
         with self.tap.learning_ahead():
-            _, failed = dry_learn(self, specs, lambda: ModuleSession(self, sessioned=True))
-        return len(self.tap.ahead), failed
+            ms, failed = dry_learn(self, specs, lambda: ModuleSession(self, sessioned=True))
+        idx = self._index
+        regions = session_regions(ms, idx.params) if idx is not None else []
+        return len(self.tap.ahead), failed, regions
 
     def state_map(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]]) -> LayoutMap | None:
         """The layout map for names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``),

@@ -606,7 +606,11 @@ class WorkerBoundary:
         ``specs``: ``{role: {name: (shape, dtype name)}}``, the tensors a refit of that module is expected
         to push: the loaders' placements for them are learned ahead
         (:meth:`ModelBoundary.learn_ahead <refit_verify.boundary.model.ModelBoundary.learn_ahead>`; a name
-        pushed otherwise is learned at its refit, as without them).
+        pushed otherwise is learned at its refit, as without them), and the regions inside parameters
+        that such a refit's read-back reads are planned for the snapshot here, so the close's one kept
+        set over the state and those regions is built now. It is a plan of what to read: the first
+        close reads every byte again, and one whose session wrote other regions plans and builds its
+        own (``engine.state._extra_launch``: the set is kept per plan).
 
         Returns False (nothing done) when a session is open or has closed (its close built them),
         or the worker's lock was not free within ``timeout_s``. Raises what the snapshot raises.
@@ -616,14 +620,15 @@ class WorkerBoundary:
         try:
             if self.open_session is not None or self.last is not None or not self.modules:
                 return False
-            if self.snapshotter is None:
-                self._refresh_indexes()
-            else:  # as the close calls it (indexes checked inside, the state read through the kept set)
-                self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=close_reads.CloseReads())
+            reads = close_reads.CloseReads()
             for role, sp in (specs or {}).items():
                 b = self.modules.get(role)
                 if b is not None and sp and self.verifying:
-                    b.learn_ahead(sp)
+                    reads.plan(role, b.learn_ahead(sp)[2])
+            if self.snapshotter is None:
+                self._refresh_indexes()
+            else:  # as the close calls it (indexes checked inside, the state and planned regions read through one kept set)
+                self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=reads)
             return True
         finally:
             self._lock.release()
