@@ -159,8 +159,11 @@ class HeldBatch:
     storage) are those of the kept set launches its plan with one signature compare per tensor, no
     planning; on the CPU, so does a flush of the kept set's layout at other addresses (a relocatable
     set, :meth:`~refit_verify.digest.kept.DigestSet.moved`: a copy made at every refit). Anything
-    else takes the general path (:class:`~refit_verify.digest.batch.DigestBatch`) and is remembered for
-    the next refit (:func:`refit_verify.digest.kept._keep_held`).
+    else takes the general path and is remembered for the next refit: on the CPU (memory a set can
+    follow) a set is built over the flush then and read at once
+    (:func:`refit_verify.digest.kept.keep_held_now`), so the second refit costs what later ones do;
+    elsewhere the flush is read by a :class:`~refit_verify.digest.batch.DigestBatch` and its
+    signatures kept, its set built at the second sight (:func:`refit_verify.digest.kept._keep_held`).
 
     Before a held tensor is read it is checked: a tensor whose version counter moved (modified in
     place through it), whose address changed or whose storage no longer holds it (freed or resized,
@@ -324,10 +327,12 @@ class HeldBatch:
         self._launch_general(held, key, list(zip(*cols)) if cols is not None else None)
 
     def _launch_general(self, held: list, key: tuple[str, ...], sigs: list[tuple] | None) -> None:
-        """Check each held tensor and digest it through the :class:`DigestBatch`; when every one is
-        unchanged and the names are unique, remember the flush's signatures (:func:`~refit_verify.digest.kept._keep_held`)."""
+        """Check each held tensor and digest it; when every one is unchanged and the names are unique,
+        through a set kept now where one can follow the tensors (:func:`~refit_verify.digest.kept.keep_held_now`),
+        else through the :class:`DigestBatch`, remembering the flush's signatures (:func:`~refit_verify.digest.kept._keep_held`)."""
         latest = {h[0]: i for i, h in enumerate(held)}
         ok = sigs is not None and len(latest) == len(held)
+        adds: list[tuple[str, torch.Tensor]] = []
         for i, (name, t, version, ptr, size) in enumerate(held):
             if latest[name] != i:
                 continue  # added again later: the later add is what counts
@@ -344,7 +349,19 @@ class HeldBatch:
                 self._batch._order.pop(name, None)
                 ok = False
                 continue
-            self._batch.add(name, t, checked=True)  # checked (at its add, or just now), unchanged since its add
+            adds.append((name, t))  # checked (at its add, or just now), unchanged since its add
+        if ok and adds:  # every add unchanged, names unique: CPU memory a set can follow is read through one kept now
+            ts = [t for _, t in adds]
+            kept = _held.keep_held_now(key, ts)
+            if kept is not None:
+                names = tuple(n for n, _ in adds)
+                if self._batch._order:
+                    for name in names:
+                        self._batch._order.pop(name, None)
+                self._sets.append((names, self._adds - len(names) + 1, kept.launch(check=False, tensors=ts)))
+                return
+        for name, t in adds:
+            self._batch.add(name, t, checked=True)
         self._batch.launch()
         if ok:
             _held._keep_held(key, sigs, [h[1] for h in held])

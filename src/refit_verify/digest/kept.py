@@ -322,8 +322,10 @@ class SetLaunch:
 # and :func:`~refit_verify.digest.incremental.digest_now` look each flush's names up here and, when its
 # tensors still have the kept set's signatures (or, on the CPU, its layout elsewhere), launch that
 # set's plan instead of checking and planning every tensor again. A flush that went the general way
-# is remembered (:func:`_keep_held`): its signatures the first time, a set built over its tensors
-# when the same names come again alike. Entries hold signatures and launch plans, never tensors.
+# is remembered: where a set can follow its tensors wherever they are (CPU memory), a set built then
+# and read at once (:func:`keep_held_now`); elsewhere its signatures the first time, a set built over
+# its tensors when the same names come again alike (:func:`_keep_held`). Entries hold signatures and
+# launch plans, never tensors.
 
 KEPT_HELD_TENSORS = 1 << 17
 """Tensors over all the flush signatures and sets :class:`~refit_verify.digest.incremental.HeldBatch` keeps (one entry per flush of a
@@ -377,6 +379,12 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
             entry = DigestSet(tensors, hold=False)
         except (RuntimeError, ValueError):  # not contiguous, not on a device with kept plans: the general path each time
             entry = sigs
+    _store_held(names, entry)
+
+
+def _store_held(names: tuple[str, ...], entry: DigestSet | list[tuple]) -> None:
+    """Keep ``entry`` for the flush of ``names`` (most recently used), the least recently used dropped
+    beyond :data:`KEPT_HELD_TENSORS` tensors."""
     with _HELD_LOCK:
         global _HELD_TENSORS
         old = _HELD_SETS.pop(names, None)
@@ -386,3 +394,22 @@ def _keep_held(names: tuple[str, ...], sigs: list[tuple], tensors: list[torch.Te
         while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
             dropped, _ = _HELD_SETS.popitem(last=False)
             _HELD_TENSORS -= len(dropped)
+
+
+def keep_held_now(names: tuple[str, ...], tensors: list[torch.Tensor]) -> DigestSet | None:
+    """A set over a flush that takes the general way (its first sight, or its layout changed), built
+    now, kept for the next flushes of ``names`` and for the caller to read this flush through, when a
+    set can follow its tensors wherever they are (:func:`could_relocate`: CPU memory the compiled batch
+    reads, e.g. the clones vLLM's layerwise reload makes at every refit). Building it checks and plans
+    each tensor once, as the general path would: the second flush of these names then costs what the
+    later ones do. None (nothing kept): no set can follow them; the caller takes the general path
+    and :func:`_keep_held` (signatures first, a set at the second sight of the same memory).
+    The caller checked every tensor unchanged since its add, and the names unique."""
+    if not could_relocate(tensors):
+        return None
+    try:
+        ds = DigestSet(tensors, hold=False)
+    except (RuntimeError, ValueError):  # not readable as a set: the general path
+        return None
+    _store_held(names, ds)
+    return ds
