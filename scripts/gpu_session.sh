@@ -25,6 +25,9 @@
 #           Each size's memory plan and the time estimate are printed first; each size's report is in $OUT as soon as it ends.
 #   stage v (carry as stage t): stage t's suite plus the layout-map, FP8 and selftest modules, printing their figures.
 #   stage u (carry as stage t): selected GPU tests only (U_TESTS, U_TIMEOUT), when device time is short.
+#   stage w (carry as stage t): one call when device time is short: the demo, stage t's suite with the fused
+#           copy+digest and derived-view kernel tests (W_TIMEOUT), bench_paths at W_SIZES (default 1.7B and 4B,
+#           W_BUDGET), bench_fused_copy and bench_close_pass (4B-like).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
@@ -85,6 +88,22 @@ elif [ "$stage" = v ]; then  # stage t's suite plus the layout map, FP8 and self
 elif [ "$stage" = u ]; then  # selected GPU tests only (carry as stage t): U_TESTS (files / -k), U_TIMEOUT seconds
   timeout ${U_TIMEOUT:-240} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${U_TESTS:?U_TESTS} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR|s call|s setup" "$OUT/gpu-tests.log" | head -30; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = w ]; then  # short-budget session (carry as stage t): demo, suite, sizes, kernel benches
+  timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error|first verified|own work" "$OUT/demo-cuda.log" | head -12
+  timeout ${W_TIMEOUT:-240} python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu tests/transport/test_transport.py tests/e2e/test_boundary.py \
+    tests/digest/kernels/test_launch_copy.py tests/digest/test_kept.py tests/digest/test_batch.py tests/boundary/test_close_reads.py \
+    --ignore tests/gpu/test_two_gpu.py --ignore tests/gpu/test_native_nccl_two_gpu.py --ignore tests/gpu/test_fp8_gpu.py \
+    --ignore tests/gpu/test_layout_map_gpu.py -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
+  grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_paths.py --sizes ${W_SIZES:-qwen3-1.7b-like,qwen3-4b-like} \
+    --paths transport,native-packed --rounds ${ROUNDS:-12} --budget-s ${W_BUDGET:-220} --pin --out "$OUT/bench_paths_sizes.md" >"$OUT/bench_paths_sizes.log" 2>&1
+  echo "bench_paths sizes rc=$?"; grep -E "^# Refit|^\| (transport|native)" "$OUT/bench_paths_sizes.md" 2>/dev/null || tail -20 "$OUT/bench_paths_sizes.log"
+  timeout 60 python3 benchmarks/bench_fused_copy.py --device cuda --rounds 7 --out "$OUT/bench_fused_copy.md" >"$OUT/bench_fused_copy.log" 2>&1
+  echo "bench_fused_copy rc=$?"; tail -8 "$OUT/bench_fused_copy.md" 2>/dev/null || tail -12 "$OUT/bench_fused_copy.log"
+  timeout 60 python3 benchmarks/bench_close_pass.py --model qwen3-4b-like --rounds 20 --out "$OUT/bench_close_pass.md" >"$OUT/bench_close_pass.log" 2>&1
+  echo "bench_close_pass rc=$?"; tail -8 "$OUT/bench_close_pass.md" 2>/dev/null || tail -12 "$OUT/bench_close_pass.log"
+  echo "stage w: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = d ]; then
   timeout 150 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
     tests/digest/test_kept.py tests/digest/kernels/test_direct.py -p no:cacheprovider >"$OUT/direct-tests.log" 2>&1
