@@ -117,6 +117,8 @@ class DigestSet:
         hold: keep the tensors (default). False: keep only their signatures and the launch plans,
             and be handed tensors with the same signatures at each call (a trainer's held tensors:
             new tensor objects over the same memory at every refit, and no memory kept alive).
+        checked: the caller has just run :func:`~refit_verify.digest.tensors.check_tensor` on every
+            tensor (no ``regions``) and nothing ran since: not checked again here.
     Attributes:
         tensors: the tensors given, in order (None with ``hold=False``).
         signatures: their :func:`signature` when the set was built, in order (index 4 of each: the
@@ -144,15 +146,17 @@ class DigestSet:
     """
 
     @plain_tensor_ops
-    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None, hold: bool = True) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], regions: Sequence[tuple] | None = None, hold: bool = True,
+                 checked: bool = False) -> None:
         self.tensors: list[torch.Tensor] | None = list(tensors)
         self.regions = list(regions) if regions is not None else None
         if self.regions is not None and len(self.regions) != len(self.tensors):
             raise ValueError(f"{len(self.tensors)} tensors but {len(self.regions)} regions")
         self._n = len(self.tensors)
         views = [self._view(i) for i in range(self._n)]  # transient: only addresses are kept
-        for u in views:
-            check_tensor(u)
+        if not checked or self.regions is not None:
+            for u in views:
+                check_tensor(u)
         self._columns = _signature_columns(self.tensors)  # what valid() compares
         self.signatures = list(zip(*self._columns))
         self._layout: tuple[list, ...] | None = None  # what moved() compares (made at its first call)
@@ -404,11 +408,12 @@ def keep_held_now(names: tuple[str, ...], tensors: list[torch.Tensor]) -> Digest
     each tensor once, as the general path would: the second flush of these names then costs what the
     later ones do. None (nothing kept): no set can follow them; the caller takes the general path
     and :func:`_keep_held` (signatures first, a set at the second sight of the same memory).
-    The caller checked every tensor unchanged since its add, and the names unique."""
+    The caller checked every tensor (:func:`~refit_verify.digest.tensors.check_tensor`) unchanged since
+    its add, just now, and the names unique."""
     if not could_relocate(tensors):
         return None
     try:
-        ds = DigestSet(tensors, hold=False)
+        ds = DigestSet(tensors, hold=False, checked=True)
     except (RuntimeError, ValueError):  # not readable as a set: the general path
         return None
     _store_held(names, ds)
