@@ -273,3 +273,21 @@ def test_a_gpu_warmup_warms_the_cpu_digests_too(fresh_warmups, monkeypatch) -> N
     w = backends.start_warmup("cuda:0")
     assert w.done.wait(30) and backends._WARMUPS["cpu"].done.wait(30)
     assert sorted(warmed) == ["cpu", "cuda:0"] and backends.start_warmup("cuda:0") is w
+
+
+def test_kernel_warmup_runs_every_launch_a_refit_makes(monkeypatch):
+    """The kernel warm-up plans the plain leaf kernels, their COPY variants (the sender's fused copy
+    into staging) and a derived view's gather (a close's region beside its fused parameter), each with
+    a FAST and a general leaf program, so none compiles inside a refit (on CUDA the first fused pack
+    compiled for seconds when only the plain kernels were warmed). The runs are recorded, not
+    interpreted (the interpreter's cost); the plans are built for real."""
+    from refit_verify.digest import backends
+    from refit_verify.digest.kernels import launch as kd
+
+    if not kd._INTERPRETED:
+        pytest.skip("plans CPU views only under the Triton interpreter")
+    runs = []
+    monkeypatch.setattr(kd, "run_plan", lambda p, *a, **k: runs.append((p.copy, p.G, p.F, p.P - p.F)) or torch.zeros(2, 2, dtype=torch.int64))
+    backends._warmup_kernels(torch.device("cpu"))
+    assert [(copy, g > 0) for copy, g, _, _ in runs] == [(False, False), (True, False), (False, True)]
+    assert all(fast >= 1 and general >= 1 for _, _, fast, general in runs)  # both leaf launches in every variant

@@ -261,19 +261,32 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 
 def _warmup_kernels(dev: torch.device) -> None:
-    """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back."""
+    """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back:
+    the plain leaf kernels, their COPY variants (a sender's fused copy into staging,
+    ``DigestBatch.add_copy``) and the gather of derived views (a close's regions beside their fused
+    parameter), so none of them compiles inside a refit."""
     from refit_verify.digest.kernels import launch as kd
     from refit_verify.digest.kernels._mix import MID_N
 
+    seeds = lambda views: [_ref.seed("uint8", (v.numel(),), v.numel()) for v in views]  # noqa: E731
     # A view of 16 * MID_N + 1 whole lanes and 5 bytes: one chunk, its first leaf program fast (big,
     # aligned, no partial lane), its second general (holds the partial lane); a view at an odd
     # offset: general. Two chunks for the upper kernel, two views for the chain.
-    n = 8 * (16 * MID_N + 1) + 5
+    sb = 8 * 16 * MID_N  # bytes of one leaf superblock
+    n = sb + 8 + 5
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        buf = torch.zeros(n + 8, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(2 * sb + 16, dtype=torch.uint8, device=dev)
         views = [buf[:n], buf[1:100]]
-        words = kd.run_plan(kd.plan_views(views, [_ref.seed("uint8", (v.numel(),), v.numel()) for v in views]))
-        words.cpu()
+        words = [kd.run_plan(kd.plan_views(views, seeds(views)))]
+        # the same views copied while digested (FAST and general COPY kernels)
+        k = (n + 7) // 8 * 8  # whole lanes: the COPY kernels write the last lane zero-padded
+        out = torch.empty(k + 8 + 104, dtype=torch.uint8, device=dev)
+        words.append(kd.run_plan(kd.plan_views(views, seeds(views), dsts=[out[:k], out[k + 8 : k + 8 + 104]])))
+        # a region at a superblock offset of its parent, one full superblock and a partial one: the gather
+        pair = [buf[: 2 * sb + 13], buf[sb : 2 * sb + 13]]
+        words.append(kd.run_plan(kd.plan_views(pair, seeds(pair), derive=True)))
+        for w in words:
+            w.cpu()
 
 
 def start_warmup(device: torch.device | str | None = None, then: Callable[[], object] | None = None) -> Warmup | None:
