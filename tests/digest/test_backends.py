@@ -247,7 +247,9 @@ def test_no_warmup_when_switched_off_and_none_after_one_in_the_callers_thread(fr
 
 def test_the_kernel_warmup_takes_every_launch_of_a_run(fresh_warmups, monkeypatch) -> None:
     """The views the kernel warm-up runs need the fast leaf, general leaf, upper and chain launches
-    (each a Triton specialisation of its own; none specialises on a view's address or length)."""
+    (each a Triton specialisation of its own; none specialises on a view's address or length), again
+    as COPY variants (the sender's fused copy into staging), and the gather of a derived view (a
+    close's region beside its fused parameter): none of them compiles inside a refit."""
     kd = pytest.importorskip("refit_verify.digest.kernels.launch")
     if not kd._INTERPRETED:
         pytest.skip("CPU views need TRITON_INTERPRET=1 (CUDA: tests/gpu)")
@@ -257,13 +259,15 @@ def test_the_kernel_warmup_takes_every_launch_of_a_run(fresh_warmups, monkeypatc
 
     def run_plan(p):
         work = torch.empty(1, dtype=torch.int64)
-        ran.append({la.fn for la in kd._launches(p, work, torch.empty((p.V, 2), dtype=torch.int64))})
+        ran.append((p.copy, p.G > 0, {la.fn for la in kd._launches(p, work, torch.empty((p.V, 2), dtype=torch.int64))}))
         return torch.zeros((p.V, 2), dtype=torch.int64)
 
     monkeypatch.setattr(kd, "run_plan", run_plan)
     monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     assert backends.warmup("cpu") == "triton"
-    assert ran == [{_leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel}]
+    every = {_leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel}
+    # plain; COPY variants (the same functions, COPY a constexpr); a derived view's gather
+    assert ran == [(False, False, every), (True, False, every), (False, True, every | {_upper._digest_gather_kernel})]
 
 
 def test_a_gpu_warmup_warms_the_cpu_digests_too(fresh_warmups, monkeypatch) -> None:
@@ -274,20 +278,3 @@ def test_a_gpu_warmup_warms_the_cpu_digests_too(fresh_warmups, monkeypatch) -> N
     assert w.done.wait(30) and backends._WARMUPS["cpu"].done.wait(30)
     assert sorted(warmed) == ["cpu", "cuda:0"] and backends.start_warmup("cuda:0") is w
 
-
-def test_kernel_warmup_runs_every_launch_a_refit_makes(monkeypatch):
-    """The kernel warm-up plans the plain leaf kernels, their COPY variants (the sender's fused copy
-    into staging) and a derived view's gather (a close's region beside its fused parameter), each with
-    a FAST and a general leaf program, so none compiles inside a refit (on CUDA the first fused pack
-    compiled for seconds when only the plain kernels were warmed). The runs are recorded, not
-    interpreted (the interpreter's cost); the plans are built for real."""
-    from refit_verify.digest import backends
-    from refit_verify.digest.kernels import launch as kd
-
-    if not kd._INTERPRETED:
-        pytest.skip("plans CPU views only under the Triton interpreter")
-    runs = []
-    monkeypatch.setattr(kd, "run_plan", lambda p, *a, **k: runs.append((p.copy, p.G, p.F, p.P - p.F)) or torch.zeros(2, 2, dtype=torch.int64))
-    backends._warmup_kernels(torch.device("cpu"))
-    assert [(copy, g > 0) for copy, g, _, _ in runs] == [(False, False), (True, False), (False, True)]
-    assert all(fast >= 1 and general >= 1 for _, _, fast, general in runs)  # both leaf launches in every variant
