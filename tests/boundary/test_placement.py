@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from refit_verify.boundary.placement import LoaderTap
@@ -80,6 +81,7 @@ def test_a_placement_learned_ahead_serves_another_wrapper_of_the_same_loader():
     layer = _Fused()
     writes = []
     tap = LoaderTap(None, on_write=lambda pname, param, loaded, placement: writes.append(placement))
+    tap.callable_ahead = lambda f: True  # the toy's loader stands in for vLLM's own (stock_loader)
     live = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
     live.weight_loader = layer.loader
     meta = torch.nn.Parameter(torch.empty(4, 3, device="meta"), requires_grad=False)
@@ -110,3 +112,29 @@ def test_no_placement_is_learned_ahead_outside_learning_ahead():
     tap.install([("fused", live)])
     live.weight_loader(live, torch.ones(2, 3), "a")
     assert tap.ahead == {} and len(tap.placements) == 1
+
+
+def test_learning_ahead_calls_only_vllms_own_loaders():
+    """At engine start nothing but vLLM's own loaders runs (``stock_loader``): a replaced loader that
+    counts its loads (a plugin's, a framework's) is not called while learning ahead, so its state is
+    as if the engine had not been prepared; its placement is learned at the first refit."""
+    from refit_verify.boundary.placement import stock_loader
+
+    calls = []
+
+    def counting(param, loaded):
+        calls.append(1)
+        param.data.copy_(loaded)
+
+    vllm_loader = pytest.importorskip("vllm.model_executor.model_loader.weight_utils").default_weight_loader
+    assert stock_loader(vllm_loader) and not stock_loader(counting) and not stock_loader(_Fused().loader)
+    writes = []
+    tap = LoaderTap(None, on_write=lambda pname, param, loaded, placement: writes.append(pname))
+    p = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    p.weight_loader = counting
+    tap.install([("w", p)])
+    with tap.learning_ahead():
+        assert p.weight_loader(p, torch.ones(4)) is None
+    assert calls == [] and tap.ahead == {} and writes == [] and torch.equal(p, torch.zeros(4))
+    p.weight_loader(p, torch.ones(4))  # the first refit's load: called, learned, reported
+    assert calls == [1] and writes == ["w"] and torch.equal(p, torch.ones(4))

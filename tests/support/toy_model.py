@@ -168,6 +168,7 @@ def toy_worker(model: torch.nn.Module | None = None, loader=default_weight_loade
     wb.readback, wb.snapshotter, wb.auditor = read_back, snapshot, audit
     model = ToyModel() if model is None else model
     wb.attach("model", model, loader)
+    wb.modules["model"].tap.callable_ahead = lambda f: True  # the toy's loaders stand in for vLLM's own
     worker = types.SimpleNamespace()
     setattr(worker, worker_sessions._ATTR, wb)
     return worker, wb, model

@@ -297,6 +297,20 @@ def _ahead_key(original: Callable, param: torch.Tensor, key: tuple) -> tuple:
     return (*who, type(param), *key[1:])
 
 
+def stock_loader(original: Callable) -> bool:
+    """Whether ``original`` (a loader under the tap: a function, a bound method or a
+    ``functools.partial`` of one) is vLLM's own code, defined at a module's top level or in a class
+    (not a closure): the loaders :meth:`LoaderTap.learning_ahead` may call at engine start, unasked.
+    vLLM's weight loaders narrow and copy; a plugin's or a framework's replacement may also count
+    loads or keep other state, which a call before the first refit would change."""
+    f = original
+    while isinstance(f, functools.partial):
+        f = f.func
+    f = getattr(f, "__func__", f)
+    mod, qual = getattr(f, "__module__", None) or "", getattr(f, "__qualname__", "") or ""
+    return (mod == "vllm" or mod.startswith("vllm.")) and "<locals>" not in qual
+
+
 class LoaderTap:
     """Wraps the ``weight_loader`` of every parameter of one model and reports each real write.
 
@@ -327,6 +341,7 @@ class LoaderTap:
         # wrapper of the same loader (vLLM's layerwise reload calls the meta copies' ones) finds them here
         self.ahead: dict[tuple, Placement] = {}
         self.ahead_used = 0  # loader calls that took a placement learned ahead instead of learning it
+        self.callable_ahead: Callable[[Callable], bool] = stock_loader  # the loaders learning ahead may call
         self._ahead = False
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
@@ -369,7 +384,9 @@ class LoaderTap:
         arguments) in :attr:`ahead`, so a later call of another wrapper of the same loader on the same
         geometry takes it instead of learning it (a dry learn at engine start, :meth:`ModelBoundary.learn_ahead
         <refit_verify.boundary.model.ModelBoundary.learn_ahead>`, serves the first refit's layerwise reload).
-        A placement taken from there is used exactly as a learned one: read-back and coverage judge it."""
+        A placement taken from there is used exactly as a learned one: read-back and coverage judge it.
+        Only loaders :attr:`callable_ahead` accepts are called (default :func:`stock_loader`: vLLM's own);
+        any other returns at once, its placement learned at the first refit."""
         self._ahead = True
         try:
             yield self
@@ -455,6 +472,9 @@ class LoaderTap:
         if meta:
             self.own_s += time.perf_counter() - t0
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
+        if self._ahead and not self.callable_ahead(original):  # engine start: no call of code that may keep state of
+            self.own_s += time.perf_counter() - t0  # its own (a counter of loads); its placement is learned
+            return None  # at the first refit, as without learning ahead
         placement = self.placements.get(key)
         inner = 0.0
         if placement is None and self.ahead and not self._ahead:
