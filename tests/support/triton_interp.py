@@ -71,3 +71,28 @@ def install() -> bool:
     grid_cls.__call__, fn_cls.__call__ = launch, device_call
     _INSTALLED.append(True)
     return True
+
+
+def kernel_module():
+    """Set up a kernel test module: without CUDA the kernels run under the Triton interpreter
+    (``TRITON_INTERPRET=1``, set here before triton is first imported) on CPU tensors; with CUDA the
+    compiled kernels run on the GPU. Skips the module without triton.
+
+    Returns:
+        ``(launch module, "cpu" or "cuda", the module's skip mark)``: the mark skips a module whose
+        triton was imported without the interpreter on a machine without CUDA.
+    """
+    import os
+
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Triton interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from refit_verify.digest.kernels import launch as kd
+
+    dev = "cpu" if kd._INTERPRETED else "cuda"
+    mark = pytest.mark.skipif(dev == "cuda" and not torch.cuda.is_available(),
+                              reason="triton was imported without TRITON_INTERPRET=1 and there is no CUDA device")
+    return kd, dev, mark

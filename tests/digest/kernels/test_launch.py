@@ -12,28 +12,17 @@ Source: docs/digest-spec.md §6, §7.1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Triton interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.support.triton_interp import kernel_module
 
-pytest.importorskip("triton")
+kd, DEV, pytestmark = kernel_module()  # the interpreter on CPU (set before triton's import), CUDA compiled
 
 from refit_verify.digest import _torch as td  # noqa: E402
 from refit_verify.digest import reference as ref  # noqa: E402
 from refit_verify.collective import sharded  # noqa: E402
 from refit_verify.digest.kernels import _mix as mx  # noqa: E402
-from refit_verify.digest.kernels import launch as kd  # noqa: E402
-
-# Interpreter: CPU tensors; compiled (a CUDA machine without TRITON_INTERPRET): CUDA tensors.
-DEV = "cpu" if kd._INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEV == "cuda" and not torch.cuda.is_available(),
-    reason="triton was imported without TRITON_INTERPRET=1 and there is no CUDA device",
-)
 
 L = 8  # bytes per lane
 CHUNK = ref.CHUNK_LANES * L  # 8 MiB

@@ -12,24 +12,14 @@ Source: docs/digest-spec.md §2, §6.1
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # CPU-only machine: the kernels run in the Triton interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.support.triton_interp import kernel_module
 
-pytest.importorskip("triton")
+kd, DEV, pytestmark = kernel_module()  # the interpreter on CPU (set before triton's import), CUDA compiled
 
 from refit_verify.digest import reference as ref  # noqa: E402
-from refit_verify.digest.kernels import launch as kd  # noqa: E402
-
-DEV = "cpu" if kd._INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEV == "cuda" and not torch.cuda.is_available(),
-    reason="triton was imported without TRITON_INTERPRET=1 and there is no CUDA device",
-)
 
 L = 8
 FILL = 0xA5  # what the destination holds before the run: bytes the kernels must not touch keep it
