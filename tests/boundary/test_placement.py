@@ -138,3 +138,26 @@ def test_learning_ahead_calls_only_vllms_own_loaders():
     assert calls == [] and tap.ahead == {} and writes == [] and torch.equal(p, torch.zeros(4))
     p.weight_loader(p, torch.ones(4))  # the first refit's load: called, learned, reported
     assert calls == [1] and writes == ["w"] and torch.equal(p, torch.ones(4))
+
+
+def test_learning_ahead_holds_for_its_own_thread_only():
+    """A load another thread runs while one thread learns ahead (a load outside a session at engine
+    start) is a load: its loader, vLLM's or not, is called and writes."""
+    import threading
+
+    calls = []
+
+    def counting(param, loaded):
+        calls.append(threading.get_ident())
+        param.data.copy_(loaded)
+
+    tap = LoaderTap(None, on_write=lambda *a: None)
+    p = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+    p.weight_loader = counting
+    tap.install([("w", p)])
+    with tap.learning_ahead():
+        th = threading.Thread(target=p.weight_loader, args=(p, torch.ones(4)))
+        th.start()
+        th.join(10)
+        assert p.weight_loader(p, torch.full((4,), 2.0)) is None  # this thread's: not called
+    assert calls == [th.ident] and torch.equal(p, torch.ones(4)) and tap.ahead == {}

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 import types
 from collections.abc import Callable, Iterable
@@ -342,7 +343,7 @@ class LoaderTap:
         self.ahead: dict[tuple, Placement] = {}
         self.ahead_used = 0  # loader calls that took a placement learned ahead instead of learning it
         self.callable_ahead: Callable[[Callable], bool] = stock_loader  # the loaders learning ahead may call
-        self._ahead = False
+        self._ahead_thread: int | None = None  # the thread learning ahead (its calls only: a load elsewhere is a load)
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
         self.own_s = 0.0  # host seconds of ours in tapped calls, so far (a placement learned: the whole call)
@@ -386,12 +387,14 @@ class LoaderTap:
         <refit_verify.boundary.model.ModelBoundary.learn_ahead>`, serves the first refit's layerwise reload).
         A placement taken from there is used exactly as a learned one: read-back and coverage judge it.
         Only loaders :attr:`callable_ahead` accepts are called (default :func:`stock_loader`: vLLM's own);
-        any other returns at once, its placement learned at the first refit."""
-        self._ahead = True
+        any other returns at once, its placement learned at the first refit. All this holds for the
+        calling thread only: a load another thread runs meanwhile (outside a session, which waits for
+        the worker's lock) is tapped as any load."""
+        self._ahead_thread = threading.get_ident()
         try:
             yield self
         finally:
-            self._ahead = False
+            self._ahead_thread = None
 
     def _tap_deferred(self, pname: str, loader: Any) -> int:
         """Tap the loader inside a deferring wrapper (:data:`DEFERRING_WRAPPERS`) of ``loader``, if
@@ -472,12 +475,13 @@ class LoaderTap:
         if meta:
             self.own_s += time.perf_counter() - t0
             return original(*args, **kwargs)  # layerwise buffering on meta (or no tensor): the real write comes later
-        if self._ahead and not self.callable_ahead(original):  # engine start: no call of code that may keep state of
+        ahead = self._ahead_thread is not None and self._ahead_thread == threading.get_ident()
+        if ahead and not self.callable_ahead(original):  # engine start: no call of code that may keep state of
             self.own_s += time.perf_counter() - t0  # its own (a counter of loads); its placement is learned
             return None  # at the first refit, as without learning ahead
         placement = self.placements.get(key)
         inner = 0.0
-        if placement is None and self.ahead and not self._ahead:
+        if placement is None and self.ahead and not ahead:
             with PLAIN():
                 placement = self.ahead.get(_ahead_key(original, param, key))
             if placement is not None:
@@ -498,7 +502,7 @@ class LoaderTap:
                                       "than its own storage (__torch_function__): what read-back reads is not what the "
                                       "loader wrote", placement.opaque)
             self.placements[key] = placement
-            if self._ahead:
+            if ahead:
                 with PLAIN():
                     self.ahead[_ahead_key(original, param, key)] = placement
             if not placement.exact:  # who wrote it other than by a plain copy (the layout map names it with a conversion)
