@@ -36,6 +36,22 @@ the same memory every time (an engine's parameters, a trainer's, their regions),
 
 
 
+def _memo_plan(sig: tuple, planned: Any = None) -> Any:
+    """:data:`_PLANNED` under its lock: with ``planned``, keep it for ``sig`` (the least recently used
+    plan dropped beyond :data:`_PLANNED_MAX`); without, the plan kept for ``sig`` (marked recently
+    used) or None."""
+    with _PLANNED_LOCK:
+        if planned is None:
+            planned = _PLANNED.get(sig)
+            if planned is not None:
+                _PLANNED.move_to_end(sig)
+            return planned
+        _PLANNED[sig] = planned
+        if len(_PLANNED) > _PLANNED_MAX:
+            _PLANNED.popitem(last=False)
+        return planned
+
+
 class DigestBatch:
     """Accumulates digests of many tensors with no per-tensor synchronisation.
 
@@ -144,9 +160,8 @@ class DigestBatch:
             check_tensor(t)
             n = t.numel() * t.element_size()
             _check_dst(t, dst, n)
-            kind = "cuda" if t.is_cuda else t.device.type
-            backend = _backends.backend_for(kind)
-            if kind in _backends.KERNEL_DEVICE_TYPES and backend.plan_views is not None:
+            if fuses(t):
+                backend = _backends.backend_for(t.device.type)
                 u8 = logical_bytes(t)
                 self._adds += 1
                 self._order[name] = self._adds
@@ -169,10 +184,7 @@ class DigestBatch:
             (dev, backend), items = self._copies.popitem()  # taken off the queue: a launch that raises is not retried
             keys = [(n, k) for n, _, _, _, k, _ in items]
             sig = ("copy", dev, backend.name, *[(u.data_ptr(), u.numel(), s, d.data_ptr()) for _, u, s, d, _, _ in items])
-            with _PLANNED_LOCK:
-                planned = _PLANNED.get(sig)
-                if planned is not None:
-                    _PLANNED.move_to_end(sig)
+            planned = _memo_plan(sig)
             if planned is None:
                 try:
                     planned = backend.plan_views([u for _, u, _, _, _, _ in items], [s for _, _, s, _, _, _ in items],
@@ -182,10 +194,7 @@ class DigestBatch:
                         self.drop(n)
                     raise RefitInputError(f"add_copy: {e}") from None
                 if all(own for *_, own in items):
-                    with _PLANNED_LOCK:
-                        _PLANNED[sig] = planned
-                        if len(_PLANNED) > _PLANNED_MAX:
-                            _PLANNED.popitem(last=False)
+                    _memo_plan(sig, planned)
             self._launched.append((keys, backend.run_plan(planned)))
 
     def _hold_cpu(self, name: str, t: torch.Tensor, backend: _backends.Backend) -> None:
@@ -242,10 +251,7 @@ class DigestBatch:
             if backend.plan_views is not None and all(s is None for _, _, s, _ in items):
                 sig = (dev, backend.name, *[(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
                                             for _, t, _, _ in items])
-                with _PLANNED_LOCK:
-                    planned = _PLANNED.get(sig)
-                    if planned is not None:
-                        _PLANNED.move_to_end(sig)
+                planned = _memo_plan(sig)
                 if planned is None:
                     views = [logical_bytes(t) for _, t, _, _ in items]
                     seeds = [tensor_seed(t.dtype, t.shape, u.numel()) for (_, t, _, _), u in zip(items, views)]
@@ -253,10 +259,7 @@ class DigestBatch:
                     # kept only when every view is the tensor's own memory: a tensor made non-contiguous
                     # since its add was copied by logical_bytes, and that copy is freed after this launch
                     if all(u.data_ptr() == t.data_ptr() for (_, t, _, _), u in zip(items, views)):
-                        with _PLANNED_LOCK:
-                            _PLANNED[sig] = planned
-                            if len(_PLANNED) > _PLANNED_MAX:
-                                _PLANNED.popitem(last=False)
+                        _memo_plan(sig, planned)
                 self._launched.append((keys, backend.run_plan(planned)))  # (a copy in views lives until launched)
                 continue
             views, seeds = [], []
