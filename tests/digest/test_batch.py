@@ -6,6 +6,7 @@ by adding "cpu" to the kernel device types for these tests.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -15,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from refit_verify.digest import tensors  # noqa: E402
+from refit_verify.digest import backends, tensors  # noqa: E402
 from refit_verify.digest import batch as dg  # noqa: E402
 from refit_verify.digest import incremental as ds  # noqa: E402
 from refit_verify.digest import kept as hs  # noqa: E402
@@ -314,15 +315,28 @@ def _lanes(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "cpu-path"])
-def test_add_copy_digests_and_copies_the_logical_bytes(monkeypatch, fused):
+def _cpu_path(monkeypatch, path: str) -> None:
+    """Point CPU ``add_copy`` at ``path``: ``kernels`` (the Triton op, interpreted on CPU), ``numba`` (the
+    fused numba op), ``copy-then-digest`` (a numba backend without it: copies, then digests)."""
+    if path == "kernels":
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
+        return
+    if torch.device(DEV).type != "cpu":
+        pytest.skip("on a kernel device the fused kernels are the path: the CPU paths are the CPU's")
+    b = backends.cpu_backend()
+    if b.copy_many is None:
+        pytest.skip("no numba backend here")
+    if path == "copy-then-digest":
+        monkeypatch.setattr(backends, "_CPU", [dataclasses.replace(b, copy_many=None)])
+
+
+@pytest.mark.parametrize("path", ["kernels", "numba", "copy-then-digest"])
+def test_add_copy_digests_and_copies_the_logical_bytes(monkeypatch, path):
     """Every case into slots of one buffer in one launch: each digest is the tensor's (CPU oracle) and
     each slot holds its logical bytes (a non-contiguous tensor's in row-major order), zeros in the last
-    lane's padding, and the bytes past it untouched. ``kernels``: the fused Triton op (interpreted on CPU)."""
-    if not fused and torch.device(DEV).type != "cpu":
-        pytest.skip("on a kernel device the fused op is the path: the copy-then-digest case is the CPU's")
-    if fused:
-        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
+    lane's padding, and the bytes past it untouched (see :func:`_cpu_path` for the paths)."""
+    _cpu_path(monkeypatch, path)
+    fused = path != "copy-then-digest"
     cases = [(n, t.to(DEV)) for n, t in _copy_cases()]
     offs, used = [], 0
     for _, t in cases:
@@ -342,10 +356,10 @@ def test_add_copy_digests_and_copies_the_logical_bytes(monkeypatch, fused):
         assert bool((buf[o + _lanes(n) : o + (n + 15) // 16 * 16] == 0xA5).all()), name
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "cpu-path"])
-def test_add_copy_refuses_bad_destinations_and_keeps_no_digest(monkeypatch, fused):
-    if fused:
-        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({DEV}))
+@pytest.mark.parametrize("path", ["kernels", "numba", "copy-then-digest"])
+def test_add_copy_refuses_bad_destinations_and_keeps_no_digest(monkeypatch, path):
+    _cpu_path(monkeypatch, path)
+    fused = path != "copy-then-digest"
     t = torch.arange(100, dtype=torch.uint8, device=DEV)
     buf = torch.zeros(512, dtype=torch.uint8, device=DEV)
     src = buf[200:300]
@@ -369,3 +383,8 @@ def test_add_copy_refuses_bad_destinations_and_keeps_no_digest(monkeypatch, fuse
         with pytest.raises(dg.RefitInputError, match="overlaps destination"):
             b.launch()
         assert b.hexdigests() == {}
+        b.add_copy("c", buf[300:340], buf[0:40])  # a destination over another copy's source
+        b.add_copy("d", t, buf[296:400])
+        with pytest.raises(dg.RefitInputError, match="overlaps a"):
+            b.launch()
+        assert b.hexdigests() == {} and bool((buf == 0).all())  # refused before anything was copied

@@ -95,7 +95,18 @@ def test_packer_digests_before_packing_and_off_runs_no_digest():
     assert off.manifest() is None and off.digest_s == 0.0
 
 
-def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_sending():
+@pytest.fixture
+def unfused(monkeypatch):
+    """CPU tensors without the fused copy+digest (a device where ``add_copy`` copies, then digests):
+    what ``digest_first`` digests ahead is then every tensor, not only the oversized ones."""
+    import dataclasses
+
+    from refit_verify.digest import backends
+
+    monkeypatch.setattr(backends, "_CPU", [dataclasses.replace(backends.cpu_backend(), copy_many=None)])
+
+
+def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_sending(unfused):
     """digest_first (our transport's sender with a list): the refit is digested ahead of its groups;
     every entry of every group carries its tensor's digest, as without it; a bad item of the first
     group raises before anything is posted; a tensor changed after the digest keeps its earlier
@@ -131,7 +142,7 @@ def test_packer_digest_first_gives_every_entry_its_digest_and_validates_before_s
     assert data[: ents[0].nbytes] == changed[0][1].view(torch.uint8).numpy().tobytes()
 
 
-def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_is_sent():
+def test_packer_digest_first_digests_the_first_group_now_and_the_rest_after_it_is_sent(unfused):
     """digest_first digests only what the first group can hold before anything is sent; the rest
     is digested right after the first group is posted (while the receiver loads it), before any of
     it is packed, and its seconds are counted in digest_shadow_s (after an oversized first tensor:
@@ -327,22 +338,30 @@ def test_a_sink_without_meanwhile_still_takes_oversized_tensors():
     assert p.manifest() == {n: tensor_digest(t) for n, t in tensors}
 
 
-def test_packer_fuses_the_copy_and_digest_of_grouped_tensors(monkeypatch):
-    """Verifying, on a device with the fused kernels (the Triton ones, interpreted here on CPU tensors): a
-    grouped tensor is copied into its slot and digested by one op (``DigestBatch.add_copy``: no separate
-    digest, no separate copy); digest_first still validates every item first, digests ahead only what
-    is not fused (the oversized tensor, sent alone), and every entry carries its tensor's digest. A
-    slot corrupted after packing leaves the digests those of the tensors as given."""
-    import os
+@pytest.mark.parametrize("path", ["kernels", "numba"])
+def test_packer_fuses_the_copy_and_digest_of_grouped_tensors(monkeypatch, path):
+    """Verifying, with a fused op (``kernels``: the Triton ones, interpreted here on CPU tensors;
+    ``numba``: the CPU's own): a grouped tensor is copied into its slot and digested by one op
+    (``DigestBatch.add_copy``: no separate digest, no separate copy); digest_first still validates every
+    item first, digests ahead only what is not fused (the oversized tensor, sent alone), and every
+    entry carries its tensor's digest. A slot corrupted after packing leaves the digests those of the
+    tensors as given."""
+    if path == "kernels":
+        import os
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
-    from refit_verify.digest.kernels import launch as kd
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+        from refit_verify.digest.kernels import launch as kd
 
-    if not kd._INTERPRETED:
-        pytest.skip("triton was imported without the interpreter on a CUDA machine (see tests/gpu/)")
-    monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+        if not kd._INTERPRETED:
+            pytest.skip("triton was imported without the interpreter on a CUDA machine (see tests/gpu/)")
+        monkeypatch.setattr("refit_verify.digest.backends.KERNEL_DEVICE_TYPES", frozenset({"cpu"}))
+    else:
+        from refit_verify.digest import backends
+
+        if backends.cpu_backend().copy_many is None:
+            pytest.skip("no numba backend here")
     fused, plain = [], []
     monkeypatch.setattr(DigestBatch, "add_copy", _spy(DigestBatch.add_copy, fused))
     monkeypatch.setattr(DigestBatch, "add", _spy(DigestBatch.add, plain))

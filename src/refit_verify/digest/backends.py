@@ -74,6 +74,10 @@ class Backend:
         plan_many, run_many: with ``digest_many``: its arguments checked once for a fixed list of
             strings (``_numba_many.plan_many``) and run at each call, at the planned addresses or,
             given ``addrs``, at others (``_numba_many.run_many``); ``None`` otherwise.
+        copy_many: immediate backends that copy and digest many strings in one pass over each source
+            (``DigestBatch.add_copy``): ``[(source address, destination address, nbytes, seeds)] ->
+            (h0s, h1s)`` (``_numba_copy.copy_digest_arrays``; taken for ``nbytes < many_max_bytes``);
+            ``None`` otherwise.
     """
 
     name: str
@@ -87,6 +91,7 @@ class Backend:
     many_max_bytes: int = 0
     plan_many: Callable[[list[tuple[int, int, Words]]], Any] | None = None
     run_many: Callable[..., tuple[Any, Any]] | None = None
+    copy_many: Callable[[list[tuple[int, int, int, Words]]], tuple[Any, Any]] | None = None
 
 
 _CHOSEN: dict[tuple[str, bool], Backend] = {}
@@ -156,8 +161,29 @@ def _pick(device_type: str, kernel: bool) -> Backend:
             return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
                           "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
         return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nm.digest_arrays_many,
-                       many_max_bytes=nm.MANY_MAX_BYTES, plan_many=nm.plan_many, run_many=nm.run_many)
+                       many_max_bytes=nm.MANY_MAX_BYTES, plan_many=nm.plan_many, run_many=nm.run_many,
+                       copy_many=_numba_copy(want, seeds))
     return _torch(None)  # no faster implementation exists for this device type
+
+
+def _numba_copy(want: Words, seeds: Words) -> Callable[[list[tuple[int, int, int, Words]]], tuple[Any, Any]] | None:
+    """The numba copy+digest (``_numba_copy.copy_digest_arrays``) if it copies and digests the 13-byte
+    probe (from an odd address) as the reference does; else None (one WARNING: ``add_copy`` on CPU
+    then copies, then digests)."""
+    try:
+        from refit_verify.digest import _numba_copy as nc
+
+        src = torch.arange(14, dtype=torch.uint8)[1:]
+        src.copy_(torch.arange(13, dtype=torch.uint8))
+        dst = torch.full((24,), 0xA5, dtype=torch.uint8)
+        h0, h1 = nc.copy_digest_arrays([(src.data_ptr(), dst.data_ptr(), 13, seeds)])
+        if (int(h0[0]), int(h1[0])) != want or dst[:16].tolist() != [*range(13), 0, 0, 0] or int(dst[16]) != 0xA5:
+            raise RuntimeError("the copy+digest probe differs from the reference")
+    except Exception as e:  # noqa: BLE001 - missing or wrong: add_copy copies, then digests
+        logger.warning("refit-verify: no fused copy+digest on CPU (%s: %s); add_copy copies, then digests (two reads)",
+                       type(e).__name__, e)
+        return None
+    return nc.copy_digest_arrays
 
 
 def _kernel_roots(u8: torch.Tensor) -> list[Words]:
@@ -169,9 +195,9 @@ def _kernel_roots(u8: torch.Tensor) -> list[Words]:
 
 def warmup_cpu() -> None:
     """Compile (or load from numba's cache) every specialisation the CPU digests use: ``digest_u8``
-    at a lane tail, a serial and a parallel length, and the batched small-string path, planned (its
+    at a lane tail, a serial and a parallel length, the batched small-string path, planned (its
     arrays read-only) and run again where the strings moved (a kept set's relocated run: the
-    addresses a writable array).
+    addresses a writable array), and the fused copy+digest (``DigestBatch.add_copy``).
 
     Raises:
         ImportError: numba is not installed.
@@ -184,6 +210,10 @@ def warmup_cpu() -> None:
     z = torch.zeros(16, dtype=torch.uint8)
     nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
     nm.run_many(nm.plan_many([(z.data_ptr(), 13, (0, 0))]), [z.data_ptr()])
+    from refit_verify.digest import _numba_copy as nc
+
+    d = torch.zeros(16, dtype=torch.uint8)
+    nc.copy_digest_arrays([(z.data_ptr() + 1, d.data_ptr(), 13, (0, 0))])
 
 
 WARMUP_WAIT_S = 120.0

@@ -131,15 +131,18 @@ class DigestBatch:
     @plain_tensor_ops
     def add_copy(self, name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy ``t``'s logical bytes into ``dst`` and digest them under ``name``, from one read of ``t``
-        where the fused kernels run (:func:`fuses`: the Triton backend, CUDA).
+        where a fused op runs (:func:`fuses`: the Triton backend on CUDA; numba on CPU for tensors
+        below its ``many_max_bytes``).
 
         Fused: queued like :meth:`add` and run at :meth:`launch` / :meth:`hexdigests` (the copy too:
-        ``dst`` holds the bytes only once the launch ran, in stream order): the leaf kernels store
-        every lane they load into ``dst`` (``kernels.launch.plan_views`` ``dsts``), so the digest is of
-        exactly the bytes written. ``t`` and ``dst`` must stay alive and unchanged until the launch.
-        A non-contiguous ``t`` is copied to its logical bytes here (that copy is what the launch reads).
-        Elsewhere (CPU, the torch fallback) the bytes are copied now and ``t`` is digested as
-        :meth:`add` does: two reads of ``t``.
+        ``dst`` holds the bytes only once the launch ran, in stream order on CUDA). CUDA: the leaf
+        kernels store every lane they load into ``dst`` (``kernels.launch.plan_views`` ``dsts``). CPU:
+        one compiled call for all of the launch's copies (``Backend.copy_many``) copies each level-0
+        block of ``t`` into ``dst`` and folds it from there while it is in cache. Either way the digest
+        is of exactly the bytes written. ``t`` and ``dst`` must stay alive and unchanged until the
+        launch. A non-contiguous ``t`` is copied to its logical bytes here (that copy is what the launch
+        reads). Elsewhere (larger CPU tensors, whose digest runs in a parallel region; the torch
+        fallback) the bytes are copied now and ``t`` is digested as :meth:`add` does: two reads of ``t``.
 
         Args:
             name: as :meth:`add` (a later add of the same name replaces it).
@@ -153,7 +156,8 @@ class DigestBatch:
         Raises:
             RefitInputError: ``t`` cannot be digested, or ``dst`` is not such a tensor (other dtype,
                 shape or device, misaligned, too short, overlapping ``t``); at the launch, two
-                queued destinations (or a destination and another queued tensor) overlap. Nothing is
+                queued destinations (or a destination and another queued tensor) overlap, or (CPU) a
+                queued source's or destination's storage was freed or shrunk since. Nothing is
                 queued or copied for a call that raises, and no digest stays under ``name``.
         """
         try:
@@ -161,7 +165,7 @@ class DigestBatch:
             n = t.numel() * t.element_size()
             _check_dst(t, dst, n)
             if fuses(t):
-                backend = _backends.backend_for(t.device.type)
+                backend = _backends.backend_for("cuda" if t.is_cuda else t.device.type)
                 u8 = logical_bytes(t)
                 self._adds += 1
                 self._order[name] = self._adds
@@ -183,6 +187,9 @@ class DigestBatch:
         while self._copies:
             (dev, backend), items = self._copies.popitem()  # taken off the queue: a launch that raises is not retried
             keys = [(n, k) for n, _, _, _, k, _ in items]
+            if backend.copy_many is not None:
+                self._launch_cpu_copies(backend, items, keys)
+                continue
             sig = ("copy", dev, backend.name, *[(u.data_ptr(), u.numel(), s, d.data_ptr()) for _, u, s, d, _, _ in items])
             planned = _memo_plan(sig)
             if planned is None:
@@ -196,6 +203,24 @@ class DigestBatch:
                 if all(own for *_, own in items):
                     _memo_plan(sig, planned)
             self._launched.append((keys, backend.run_plan(planned)))
+
+    def _launch_cpu_copies(self, backend: _backends.Backend, items: list, keys: list[tuple[str, int]]) -> None:
+        """The CPU's queued copies in one ``Backend.copy_many`` call (every source's and destination's
+        storage re-checked first: one freed since its add is never read or written)."""
+        try:
+            for _, u8, _, dst, _, _ in items:
+                check_storage(u8)
+                check_storage(dst)
+            h0, h1 = backend.copy_many([(u.data_ptr(), d.data_ptr(), u.numel(), s) for _, u, s, d, _, _ in items])
+        except RefitInputError:
+            for n, _ in keys:
+                self.drop(n)
+            raise
+        hx = _backends.hexes_many(h0, h1)
+        order, done = self._order, self._done
+        for i, (n, k) in enumerate(keys):
+            if order.get(n) == k:  # the latest add of n (a name dropped since has none)
+                done[n] = hx[32 * i : 32 * i + 32]
 
     def _hold_cpu(self, name: str, t: torch.Tensor, backend: _backends.Backend) -> None:
         """Queue CPU tensor ``t`` (checked, unchanged until the launch: held with ``hold_cpu``, or a
@@ -320,10 +345,17 @@ MANY_MIN = 4
 
 
 def fuses(t: torch.Tensor) -> bool:
-    """True iff :meth:`DigestBatch.add_copy` of ``t`` reads ``t`` once (the Triton backend of its device
-    type: CUDA); elsewhere it copies, then digests (two reads)."""
+    """True iff :meth:`DigestBatch.add_copy` of ``t`` reads ``t`` once: the Triton backend of its device
+    type (CUDA), or a CPU tensor of fewer than the numba backend's ``many_max_bytes`` bytes (a larger one's
+    digest runs in a parallel region, faster on two or more idle cores than the serial fused op);
+    elsewhere it copies, then digests (two reads)."""
     kind = "cuda" if t.is_cuda else t.device.type
-    return kind in _backends.KERNEL_DEVICE_TYPES and _backends.backend_for(kind).plan_views is not None
+    if kind in _backends.KERNEL_DEVICE_TYPES:
+        return _backends.backend_for(kind).plan_views is not None
+    if kind != "cpu":
+        return False
+    b = _backends._CPU[0] or _backends.cpu_backend()
+    return b.copy_many is not None and t.numel() * t.element_size() < b.many_max_bytes
 
 
 def _check_dst(t: torch.Tensor, dst: torch.Tensor, n: int) -> None:
