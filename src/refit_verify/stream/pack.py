@@ -7,9 +7,10 @@ cut when the next slot or the entry list does not fit, and the oversized path (a
 aligned size exceeds a group travels alone). A :class:`PackSink` per transport provides buffers and
 sends groups. The receiver's half and what both share are in :mod:`refit_verify.stream.unpack`.
 
-When verifying, a tensor packed into a group on a device with fused kernels (CUDA) is copied into its
-slot and digested by one op that reads it once (:meth:`~refit_verify.digest.batch.DigestBatch.add_copy`);
-elsewhere (CPU) and for an oversized tensor sent alone, the digest and the copy read it separately.
+When verifying, a tensor packed into a group that has a fused copy+digest (:func:`~refit_verify.digest.batch.fuses`:
+CUDA; a CPU tensor below 1 MiB, numba) is copied into its slot and digested by one op that reads it once
+(:meth:`~refit_verify.digest.batch.DigestBatch.add_copy`, run at the group's launch); otherwise (a larger CPU
+tensor, an oversized tensor sent alone) the digest and the copy read it separately.
 
 Source: ``docs/protocol.md`` (sender steps, invariants).
 """
@@ -68,7 +69,7 @@ class Packer:
 
     Attributes:
         tensors (int): tensors packed. bytes (int): their exact bytes. digest_s (float): seconds
-        in digest code, the fused copy+digest of grouped CUDA tensors included (queued at their add,
+        in digest code, the fused copy+digest of grouped tensors included (queued at their add,
         launched and, with ``digests_ahead`` / ``sync_digests``, waited for before their group is
         sent: those seconds hold the copy too). fused (int): tensors copied and digested by the fused op.
         digest_shadow_s (float): of ``digest_s``, the seconds :meth:`digest_first` spent
@@ -175,7 +176,7 @@ class Packer:
 
         Two synchronisations per device for the refit, not one per group, and only the first part's
         on the critical path. No digest work is left to :meth:`add`, except for the tensors it
-        will copy and digest in one read (grouped tensors on a fused-kernel device, CUDA: see
+        will copy and digest in one read (grouped tensors with a fused op, :func:`fuses`: see
         :meth:`_fuses`): those are not digested here but as they are packed, by the fused op.
 
         Every item is validated before anything is sent (:func:`~refit_verify.stream.items.check_items`:
@@ -260,8 +261,8 @@ class Packer:
         return self._hex
 
     def finish_digests(self) -> None:
-        """Launch (or, with ``sync_digests``, finish) the CUDA digests queued since the last group:
-        bounds digest temporaries to one group."""
+        """Launch (or, with ``sync_digests``, finish) the digests queued since the last group, CUDA ones
+        and fused copies (whose copy into the slots runs at this launch): bounds digest temporaries to one group."""
         if self._cuda_pending and self.digests is not None:
             t0 = time.perf_counter()
             if self.sync_digests:
