@@ -183,3 +183,24 @@ def test_the_cpu_warmup_compiles_the_fused_copy():
     b.add_copy("b", torch.arange(6.0)[::2], buf[16:32])
     b.hexdigests()
     assert nc.copy_digest_many.signatures == warm
+
+
+def test_discard_queued_drops_queued_copies_and_adds_unrun():
+    """A batch abandoned mid-refit (``Packer.release``): its queued copies never run, its queued names
+    get no digest, and it holds none of their tensors (a staging buffer can be unmapped)."""
+    if backends.cpu_backend().copy_many is None:
+        pytest.skip("no numba backend here")
+    import weakref
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    slot = buf[:16]
+    gone = weakref.ref(slot)
+    b = dg.DigestBatch(hold_cpu=True)
+    b.add("held", _bytes(40))
+    b.add_copy("copied", _bytes(13), slot)
+    b.add("done", torch.zeros(3))  # hold_cpu queues it too
+    del slot
+    b.discard_queued()
+    assert gone() is None and b.hexdigests() == {} and len(b) == 0 and bool((buf == 0).all())
+    b.add_copy("again", _bytes(13), buf[:16])
+    assert b.hexdigests() == {"again": nd.digest_u8(_bytes(13), "uint8", (13,))}

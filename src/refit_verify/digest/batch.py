@@ -229,6 +229,16 @@ class DigestBatch:
         self._order[name] = self._adds
         self._queued.setdefault((-1, backend), []).append((name, t, None, self._adds))
 
+    def discard_queued(self) -> None:
+        """Forget every add and copy queued and not launched yet (their names get no digest, and no
+        copy runs), releasing their tensors: for a caller that abandons the batch while memory a queued
+        copy would write (a transport's staging buffer) is being freed."""
+        for queue in (self._queued, self._copies):
+            for items in queue.values():
+                for name, *_rest in items:
+                    self.drop(name)
+            queue.clear()
+
     def drop(self, name: str) -> None:
         """Forget ``name``: no digest of an earlier add of it is returned (a queued one is launched but
         not read back) and it is not counted in ``len``; a later add digests it again. Unknown names are ignored."""

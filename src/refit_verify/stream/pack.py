@@ -272,6 +272,13 @@ class Packer:
             self.digest_s += time.perf_counter() - t0
         self._cuda_pending = False
 
+    def release(self) -> None:
+        """After a refit failed: drop the digests and fused copies still queued (they hold views of the
+        sink's buffers, which the transport frees next) and :meth:`digest_first`'s rest."""
+        if self.digests is not None:
+            self.digests.discard_queued()
+        self._rest = None
+
     def manifest(self) -> dict[str, str] | None:
         """Return the sender's manifest ``{name: 32-hex}`` (``None`` when not verifying)."""
         if self.digests is None:

@@ -530,6 +530,7 @@ class RefitSender:
         self._watch.drain()
         self._peer_gave_up = False
         self._last_reply_t = None
+        packer: Packer | None = None
         try:
             st.hello_sent = True
             self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
@@ -557,6 +558,8 @@ class RefitSender:
         except BaseException as e:
             if st.hello_sent:
                 self._abort(e)
+            if packer is not None:
+                packer.release()  # queued fused copies hold views of the staging buffers freed below
             raise
         finally:
             st.free_pool()
