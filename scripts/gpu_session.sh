@@ -28,6 +28,8 @@
 #   stage w (carry as stage t): one call when device time is short: the demo, stage t's suite with the fused
 #           copy+digest and derived-view kernel tests (W_TIMEOUT), bench_paths at W_SIZES (default 1.7B and 4B,
 #           W_BUDGET), bench_fused_copy and bench_close_pass (4B-like).
+#   stage f (carry as stage t): the first refit on CUDA: the demo, F_PROF (a profiling script, if given), F_TESTS (default
+#           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
@@ -104,6 +106,16 @@ elif [ "$stage" = w ]; then  # short-budget session (carry as stage t): demo, su
   timeout 60 python3 benchmarks/bench_close_pass.py --model qwen3-4b-like --rounds 20 --out "$OUT/bench_close_pass.md" >"$OUT/bench_close_pass.log" 2>&1
   echo "bench_close_pass rc=$?"; tail -8 "$OUT/bench_close_pass.md" 2>/dev/null || tail -12 "$OUT/bench_close_pass.log"
   echo "stage w: $(( $(date +%s) - t0 )) s"
+elif [ "$stage" = f ]; then  # the first refit on CUDA (carry as stage t): demo, a profile of the first refits, F_TESTS, bench_first_refit
+  timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error|first verified|own work" "$OUT/demo-cuda.log" | head -12
+  [ -f "${F_PROF:-}" ] && { timeout 150 python3 "$F_PROF" cuda "$OUT/prof" >"$OUT/prof-first.log" 2>&1; echo "profile rc=$?"; grep -E "^REFIT" "$OUT/prof-first.log"; }
+  timeout ${U_TIMEOUT:-200} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${F_TESTS:-tests/gpu} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
+  timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_first_refit.py --device cuda --settings ${F_SETTINGS:-0,3} --rounds ${ROUNDS:-2} \
+    --refits 4 --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
+  echo "bench_first_refit rc=$?"; grep -E "^\| " "$OUT/bench_first_refit.md" 2>/dev/null | head -12 || tail -20 "$OUT/bench_first_refit.log"
+  echo "stage f: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = d ]; then
   timeout 150 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
     tests/digest/test_kept.py tests/digest/kernels/test_direct.py -p no:cacheprovider >"$OUT/direct-tests.log" 2>&1
