@@ -649,3 +649,106 @@ def test_a_held_batch_whose_launch_failed_never_answers_again(fail_at, monkeypat
     for n, t in weights.items():
         fresh.add(n, t)
     assert fresh.hexdigests() == {n: tensor_digest(t) for n, t in weights.items()} != old
+
+
+def _expected_calls(monkeypatch):
+    """A fresh space and the names each HeldBatch add took (the general path)."""
+    from refit_verify.digest.incremental import HeldBatch
+
+    adds = []
+    real_add = HeldBatch.add
+    monkeypatch.setattr(HeldBatch, "add", lambda self, n, t: (adds.append(n), real_add(self, n, t)))
+    return adds
+
+
+_SPECS = [("embed", (6, 4), torch.bfloat16), ("q", (4, 4), torch.bfloat16), ("norm", (4,), torch.float32),
+          ("empty", (0, 4), torch.bfloat16), ("head", (6, 4), torch.float16)]
+
+
+def _fresh(specs, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(sh, generator=g).to(dt)) for n, sh, dt in specs]
+
+
+@pytest.mark.parametrize("split", [[5], [2, 3], [1, 1, 3], [3]], ids=["one call", "two calls", "three calls", "a subset"])
+def test_tensors_expected_ahead_are_read_through_a_planned_set_with_the_general_paths_digests(split, monkeypatch):
+    """Names and layouts expected ahead (``expect_layouts``: the checkpoint's tensors a refit's check
+    before loading gets as fresh copies), in one or several calls, each a run in the expected order
+    (a leading subset too): every call reads through a set planned from the layout, no tensor taken
+    by the general path, and its digests are tensor_digest's; the set is kept for the next call."""
+    from refit_verify.digest import kept
+    from refit_verify.digest.incremental import digest_now
+
+    space = f"test ahead {os.getpid()} {split}"
+    assert kept.expect_layouts(space, _SPECS) == 5
+    adds = _expected_calls(monkeypatch)
+    items, at = _fresh(_SPECS), 0
+    for n in split:
+        call = [(name, t.clone()) for name, t in items[at : at + n]]
+        at += n
+        assert digest_now(call, space=space) == {name: tensor_digest(t) for name, t in call}
+        ds = kept.kept_set((space, *(name for name, _ in call)))
+        assert ds is not None and ds.ahead
+    assert adds == []
+    call = [(name, t.clone()) for name, t in _fresh(_SPECS, 1)[: split[0]]]  # the next refit: other bytes, other memory
+    assert digest_now(call, space=space) == {name: tensor_digest(t) for name, t in call}
+    assert adds == []
+
+
+@pytest.mark.parametrize("case", ["another order", "an extra tensor", "another dtype", "another shape", "a view",
+                                  "a storage of more bytes", "not a run", "a large tensor"])
+def test_tensors_not_as_expected_take_the_general_path_with_its_digests(case, monkeypatch):
+    """Anything but a run of the expected names with their layout (another order, an extra name,
+    another dtype or shape under a name, a view into a larger storage, a skipped name, a tensor too
+    large for the compiled batch) is checked and planned as without anything expected, with the same
+    digests; the set it keeps is not the planned one."""
+    from refit_verify.digest import kept
+    from refit_verify.digest.incremental import digest_now
+
+    specs = _SPECS + [("big", (300_000,), torch.float32)] if case == "a large tensor" else _SPECS
+    space = f"test not ahead {os.getpid()} {case}"
+    kept.expect_layouts(space, specs)
+    adds = _expected_calls(monkeypatch)
+    call = [(n, t.clone()) for n, t in _fresh(specs)]
+    if case == "another order":
+        call[0], call[1] = call[1], call[0]
+    elif case == "an extra tensor":
+        call.append(("extra", torch.randn(3)))
+    elif case == "another dtype":
+        call[1] = (call[1][0], call[1][1].to(torch.float16))
+    elif case == "another shape":
+        call[1] = (call[1][0], call[1][1].reshape(2, 8).clone())
+    elif case == "a view":
+        call[2] = (call[2][0], torch.randn(8)[4:])
+    elif case == "a storage of more bytes":
+        big = torch.randn(16)
+        call[2] = (call[2][0], big[:4])
+    elif case == "not a run":
+        del call[1]
+    want = {n: tensor_digest(t) for n, t in call}
+    assert digest_now(call, space=space) == want
+    assert adds == [n for n, _ in call]
+    ds = kept.kept_set((space, *(n for n, _ in call)))
+    assert ds is None or not ds.ahead
+
+
+def test_expected_layouts_stay_in_their_space_and_a_warm_up_keeps_nothing():
+    """Names expected under one space are not planned ahead under another (nor the trainer's own,
+    unnamed space, which cannot be expected); the digest warm-up's throwaway sets are dropped."""
+    from refit_verify.digest import kept
+    from refit_verify.digest.incremental import digest_now
+
+    space = f"test space {os.getpid()}"
+    kept.expect_layouts(space, _SPECS)
+    assert kept.expected_set(space, ("q", "norm")) is not None
+    assert kept.expected_set(space + " other", ("q", "norm")) is None
+    assert kept.expected_set(space, ("norm", "q")) is None
+    with pytest.raises(ValueError):
+        kept.expect_layouts("", _SPECS)
+    call = [(n, t.clone()) for n, t in _fresh(_SPECS)]
+    assert digest_now(call) == {n: tensor_digest(t) for n, t in call}
+    before = dict(kept._HELD_SETS)
+    backends.warmup("cpu")
+    assert not any(k and k[0] == digest_stream._WARM_SPACE for k in kept._HELD_SETS)
+    assert digest_stream._WARM_SPACE not in kept._EXPECTED
+    assert all(k in kept._HELD_SETS for k in before)

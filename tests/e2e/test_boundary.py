@@ -525,3 +525,61 @@ def test_linear_weights_in_the_cpu_kernel_are_proven_through_the_layers_forward(
             m.weight = p
             m.cpu_linear = lin if lin is not None else torch.nn.functional.linear
         assert _sync(llm, model, _weights(cfg, 9002), version=9002).reports[0].ok  # a close over the plain state again
+
+
+def _transport_verdict(llm, w, version, conf):
+    """One push through our transport: the report's verdict fields and the worker's delivered digests."""
+    try:
+        rep = refit_verify.push(llm, w, version=version, config=conf).report
+    except RefitVerificationError as e:
+        rep = e.report
+    (man,) = [refit_verify.manifest.from_wire(m["manifest"]) for m in llm.collective_rpc("refit_verify_session_manifest")]
+    verdict = (rep.ok, rep.verified, rep.mismatched, rep.missing, rep.unexpected, tuple(sorted(rep.rejected)),
+               rep.engine_mismatched, rep.proven_bytes, rep.unproven_bytes)
+    return verdict, dict(man.modules["model"].digests)
+
+
+_AHEAD_CASES = ["checkpoint", "checkpoint in several calls", "a subset", "another order", "another dtype"]
+
+
+@pytest.mark.parametrize("case", _AHEAD_CASES)
+def test_the_check_before_loading_planned_at_engine_start_changes_no_verdict(engine, monkeypatch, case):
+    """The prepare at engine start expects the checkpoint's tensors at the check before loading
+    (``kept.expect_layouts``: the config's names, shapes and dtypes in their order). A first refit of
+    exactly those (in one call or several) reads them through sets planned from that layout; a
+    subset in order too; anything else (another order, a tensor in another dtype) takes the general
+    path. Each verdict and every delivered digest equals a first refit with nothing expected."""
+    from collections import OrderedDict
+
+    from refit_verify.boundary.model import CHECKED
+    from refit_verify.digest import kept
+
+    llm, model, cfg = engine
+    expected = kept._EXPECTED.get(CHECKED, [])
+    assert any(seq.names == tuple(models.random_state_dict(cfg, seed=0)) for seq in expected), "nothing planned at prepare"
+    v0 = 9100 + 10 * _AHEAD_CASES.index(case)  # versions only grow in this engine
+    w = _weights(cfg, v0)
+    if case == "a subset":
+        w = dict(list(w.items())[:10])
+    elif case == "another order":
+        w = dict(reversed(list(w.items())))
+    elif case == "another dtype":
+        w["model.norm.weight"] = w["model.norm.weight"].float()
+    conf = refit_verify.RefitConfig.build(mode="enforce", timeout_s=60.0,
+                                          **({"buffer_bytes": 64 << 10} if case == "checkpoint in several calls" else {}))
+    got = {}
+    for ahead, version in ((True, v0 + 1), (False, v0 + 2)):
+        monkeypatch.setattr(kept, "_HELD_SETS", OrderedDict())  # a first sight of these calls, as at the first refit
+        if not ahead:
+            monkeypatch.setattr(kept, "_EXPECTED", {})
+        got[ahead] = _transport_verdict(llm, w, version, conf)
+        planned = [k for k, s in kept._HELD_SETS.items() if k[0] == CHECKED and getattr(s, "ahead", False)]
+        if ahead and case in ("checkpoint", "checkpoint in several calls", "a subset"):
+            assert planned and sum(len(k) - 1 for k in planned) == len(w), (case, planned)
+        else:
+            assert not planned, case
+    monkeypatch.undo()
+    assert got[True] == got[False], case
+    if case.startswith("checkpoint"):
+        assert got[True][0][:2] == (True, 21), got[True][0]
+    assert _sync(llm, model, _weights(cfg, v0 + 3), version=v0 + 3).reports[0].ok  # the engine holds the whole model again

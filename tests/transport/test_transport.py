@@ -679,9 +679,9 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
     order: list[str] = []
     raw = Packer._digest_known
 
-    def digest_known(self, items):
+    def digest_known(self, items, **kw):
         order.append(f"digest {','.join(n for n, _ in items)}")
-        return raw(self, items)
+        return raw(self, items, **kw)
 
     monkeypatch.setattr(Packer, "_digest_known", digest_known)
 
@@ -697,10 +697,10 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
                          "DigestBuffer"]
     assert 0.0 < stats["digest_shadow_s"] < stats["digest_s"]
 
-    def failing(self, items):  # the rest's storage freed under it after the list was checked
+    def failing(self, items, **kw):  # the rest's storage freed under it after the list was checked
         if len(items) > 1:
             raise RefitInputError("storage freed under 'a'")
-        return raw(self, items)
+        return raw(self, items, **kw)
 
     monkeypatch.setattr(Packer, "_digest_known", failing)
     out = {}

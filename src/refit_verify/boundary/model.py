@@ -32,6 +32,7 @@ from refit_verify.boundary.record import ModuleSession
 from refit_verify.compare import check_digest
 from refit_verify.digest.batch import MANY_MIN, DigestBatch
 from refit_verify.digest.incremental import digest_now
+from refit_verify.digest.kept import expect_layouts
 from refit_verify.digest.tensors import PLAIN, PLAIN_TYPES
 from refit_verify.manifest import ModuleManifest, Unsessioned
 
@@ -40,6 +41,7 @@ logger = logging.getLogger("refit_verify")
 __all__ = ["MAX_UNSESSIONED_NAMES", "ModelBoundary"]
 
 _MARK = "__refit_verify_boundary__"
+CHECKED = "checked before loading"  # the space of the check before loading's kept sets (digest_now)
 MAX_UNSESSIONED_NAMES = 64
 
 
@@ -83,6 +85,7 @@ class ModelBoundary:
         self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
         self.layout: LayoutMap | None = None  # which trainer tensor each parameter region holds (boundary.layout)
         self.region_table: dict[Region, str] = {}  # (parameter, dest) -> 32-hex of what it held at the last close
+        self.fills_ahead: list[tuple[torch.dtype, tuple[int, ...], Any]] = []  # (dtype, shape, value) of fills learned ahead
         self.own_s = 0.0  # host seconds in the load_weights wrapper outside the model's own (own_seconds)
         self.inner_s = 0.0  # host seconds in the model's own load_weights under the wrapper
         self._bind()
@@ -326,15 +329,26 @@ class ModelBoundary:
         model's ``load_weights`` on placeholders, every write into the model blocked) under
         :meth:`LoaderTap.learning_ahead <refit_verify.boundary.placement.LoaderTap.learning_ahead>`, so the
         first refit's loads (the meta copies' loaders of vLLM's layerwise reload, too) take them instead of
-        learning them. Nothing else is kept (no layout map, no record). Returns ``(placements kept ahead,
+        learning them. The check before loading expects ``specs`` in their order, as the CPU's fresh
+        copies of a staged refit are handed to the model (:func:`~refit_verify.digest.kept.expect_layouts`:
+        its first call reads through a set planned from that layout, once it found the tensors of it).
+        Nothing else is kept (no layout map, no record). Returns ``(placements kept ahead,
         {name: why it was not learned}, regions)``: ``regions`` (``[(parameter name, (offset, shape,
         strides))]``) are those a close's read-back of such a refit reads that are not whole parameters
         (:func:`~refit_verify.boundary.close_reads.session_regions` of the dry record): a plan of what to
-        read, for the caller to build that close's kept set ahead; nothing is read here."""
+        read, for the caller to build that close's kept set ahead; nothing is read here. The fills its
+        loaders wrote, ``(dtype, shape, value)``, are left in :attr:`fills_ahead` (for the caller to
+        compute their digests ahead)."""
+        expect_layouts(CHECKED, [(n, sh, getattr(torch, dt)) for n, (sh, dt) in specs.items()
+                                 if isinstance(getattr(torch, dt, None), torch.dtype)])
         with self.tap.learning_ahead():
             ms, failed = dry_learn(self, specs, lambda: ModuleSession(self, sessioned=True))
         idx = self._index
         regions = session_regions(ms, idx.params) if idx is not None else []
+        if idx is not None:  # the fills such a refit's loaders write (vocab padding): their digests are computed ahead
+            self.fills_ahead = list(dict.fromkeys(
+                (idx.params[p].dtype, tuple(c.dest[1]), c.value) for p, placed in ms.placed.items() if p in idx.params
+                for c, _k, _s in placed if c.fill and c.value is not None))
         return len(self.tap.ahead), failed, regions
 
     def state_map(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]]) -> LayoutMap | None:
@@ -409,7 +423,7 @@ class ModelBoundary:
         t0 = time.perf_counter()
         checked = [item for item in weights
                    if isinstance(item, tuple) and len(item) == 2 and item[0] in expected and isinstance(item[1], torch.Tensor)]
-        got = digest_now(checked, space="checked before loading")  # read before the model sees any: one synchronisation per device
+        got = digest_now(checked, space=CHECKED)  # read before the model sees any: one synchronisation per device
         target.digest_s += time.perf_counter() - t0
         if [expected[n] for n in got] == list(got.values()):  # every one as the sender digested it: all loaded
             target.prechecked.update(got)

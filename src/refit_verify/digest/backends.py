@@ -253,7 +253,8 @@ def warmup(device: torch.device | str | None = None) -> str:
     CPU: :func:`warmup_cpu`. A kernel device type (CUDA): one launch plan whose views take each
     Triton launch of ``kernels.launch.run_plan`` (fast leaf, general leaf, upper, chain; they
     specialise on no view address, length or count), run on ``device`` and read back: the kernels
-    are compiled, loaded on the device and their launchers built. Other device types: nothing.
+    are compiled, loaded on the device and their launchers built. Other device types: nothing. Then
+    the first use of the refit's digest paths registered with :func:`warm_path` (:func:`warm_paths`).
 
     A device warmed here is not warmed again by :func:`start_warmup`.
 
@@ -273,12 +274,39 @@ def warmup(device: torch.device | str | None = None) -> str:
         warmup_cpu()
     elif b.name == "triton":
         _warmup_kernels(dev)
+    warm_paths(dev)
     with _LOCK:
         if str(dev) not in _WARMUPS:  # warmed in the caller's thread: a later start_warmup has nothing to do
             w = _WARMUPS[str(dev)] = Warmup(dev)
             w.backend, w.seconds = b.name, time.perf_counter() - t0
             w.done.set()
     return b.name
+
+
+_PATHS: list[Callable[[torch.device], object]] = []
+
+
+def warm_path(fn: Callable[[torch.device], object]) -> Callable[[torch.device], object]:
+    """Register ``fn(device)`` to run at the end of every :func:`warmup` (after the kernels, in its
+    thread): a module's own first-use work on the refit path (a first call of its Python code on
+    throwaway tensors), which otherwise lands in the first refit. Registered at the module's import
+    (a module not imported yet is not warmed); a failure is logged, never raised. Returns ``fn``."""
+    if fn not in _PATHS:
+        _PATHS.append(fn)
+    return fn
+
+
+def warm_paths(device: torch.device | str) -> None:
+    """Run every function :func:`warm_path` registered, on ``device`` (the end of :func:`warmup`; a
+    worker's prepare runs them again once the modules of its refit are imported). Never raises: a
+    failure is logged, and the first refit runs that path for the first time instead."""
+    dev = torch.device(device)
+    for fn in list(_PATHS):
+        try:
+            fn(dev)
+        except Exception as e:  # noqa: BLE001 - logged; the first refit runs them for the first time instead
+            logger.warning("refit-verify: warming %s on %s failed (%s: %s)", getattr(fn, "__qualname__", fn), dev,
+                           type(e).__name__, e)
 
 
 def _device(device: torch.device | str | None) -> torch.device:

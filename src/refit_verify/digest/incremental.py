@@ -17,7 +17,7 @@ import torch
 
 from refit_verify.digest import backends as _backends
 from refit_verify.digest import kept as _held  # its store read at each use (tests replace it)
-from refit_verify.digest.batch import DigestBatch
+from refit_verify.digest.batch import DigestBatch, tensor_digest
 from refit_verify.digest.kept import DigestSet, SetLaunch, _columns_or_none
 from refit_verify.digest.tensors import (
     IS_META,
@@ -198,6 +198,7 @@ class HeldBatch:
         self._adds = 0
         self._sets: list[tuple[tuple[str, ...], int, SetLaunch]] = []  # kept-set launches: (names, first add number, launch)
         self._done: dict[str, str] = {}
+        self._checked = False  # digest_now: every add was checked in full just before, nothing ran since
         self.changed: dict[str, str] = {}
         self._failed: str | None = None  # why a launch or read of this batch raised: its digests are not known since
 
@@ -339,7 +340,7 @@ class HeldBatch:
             self._adds += 1
             self._order[name] = self._adds
             why = _changed(t, version, ptr, size)
-            if why is None and size is None:  # added on the fast path: the checks it left for now
+            if why is None and size is None and not self._checked:  # added on the fast path: the checks it left for now
                 try:
                     check_tensor(t)
                 except RefitInputError as e:
@@ -420,7 +421,7 @@ def _unchanged(ts: Sequence[torch.Tensor], versions: Sequence[int | None], ptrs:
 
 
 @plain_tensor_ops
-def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> dict[str, str]:
+def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "", checked: bool = False) -> dict[str, str]:
     """``{name: 32-hex}`` of ``items`` as they are now, read in one batch (one synchronisation per device).
 
     For a caller that reads tensors right after handing them over, with no code of its user in
@@ -430,7 +431,9 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     (the same memory as the last call of these names under ``space``), the kept launch plan is run
     after :meth:`DigestSet.valid` (the signature fields compared field by field, nothing else per
     tensor); CPU tensors of a kept set's layout at other addresses are read through it too
-    (:meth:`DigestSet.moved`, a pointer per tensor made again); otherwise every pair is checked
+    (:meth:`DigestSet.moved`, a pointer per tensor made again), and so are, at their first call,
+    names a caller expected under ``space`` with their layout (:func:`~refit_verify.digest.kept.expect_layouts`:
+    a set planned ahead, read only where :meth:`DigestSet.moved` finds that layout); otherwise every pair is checked
     (:func:`~refit_verify.digest.tensors.logical_bytes`' checks, a pair replaced by a later one of its name
     too: nothing is read when one fails) and the call goes through a :class:`HeldBatch` (the set is
     kept for the next call, as a flush's is).
@@ -439,6 +442,8 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         items: ``(name, tensor)`` pairs (any iterable, read once), tensors of any dtype, shape and
             device the digest reads; a later pair of the same name replaces an earlier one.
         space: as :class:`HeldBatch` (kept sets of other users of the same names stay apart).
+        checked: the caller has just run :func:`~refit_verify.digest.tensors.check_tensor` on every
+            tensor and nothing ran since (a first sight does not check them again).
 
     Returns:
         dict[str, str]: ``{name: 32 lowercase hex}`` (digest v1, ``docs/digest-spec.md``; equal to
@@ -453,19 +458,24 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
     ts = [t for _, t in items]
     key = (space, *names) if space else names
     kept = _held.kept_set(key)  # else the HeldBatch below signs them (once)
+    if kept is None and space:  # first sight: a set planned from the layout expected here, if any (expect_layouts)
+        kept = _held.expected_set(space, names)
     if isinstance(kept, DigestSet) and len(set(names)) == len(names) and set(map(type, ts)) <= PLAIN_SET \
             and not any(map(IS_META, ts)):
         cols = _columns_or_none(ts)  # every signature field read once, for both checks (None: the HeldBatch says why)
         if cols is not None and kept.valid(ts, cols):  # every signature the set's, compared field by field
             return dict(zip(names, kept.digest(check=False, tensors=ts)))
         if cols is not None and kept.moved(ts, cols):  # the same layout elsewhere (the CPU's clones of a staged buffer)
+            if kept.ahead:  # as expected: kept for the next calls of these names, as a set built now would be
+                _held._store_held(key, kept)
             return dict(zip(names, kept.digest(check=False, tensors=ts, moved=True)))
-    for name, t in items:  # every pair checked before any is read: a bad one raises, a pair given again too
+    for name, t in () if checked else items:  # every pair checked before any is read: a bad one raises, a pair given again too
         try:
             check_tensor(t)
         except RefitInputError as e:
             raise RefitInputError(f"{name!r:.100}: {e}") from None
     batch = HeldBatch(flush_bytes=1 << 62, space=space)
+    batch._checked = True  # just checked (here or by the caller): its launch does not check them again
     for name, t in items:
         batch.add(name, t)
     out = batch.hexdigests()
@@ -474,6 +484,32 @@ def digest_now(items: Iterable[tuple[str, torch.Tensor]], space: str = "") -> di
         raise RefitInputError(f"{name!r:.100}: {why}")
     return out
 
+
+
+_WARM_SPACE = "refit-verify warm-up"
+
+
+@_backends.warm_path
+def _warm_first_sight(device: torch.device) -> None:
+    """On the CPU, the first use of :func:`digest_now`'s paths on throwaway tensors (a few small ones
+    of each float dtype a refit pushes): a first sight (checked, planned, a set kept), a set expected
+    ahead (:func:`~refit_verify.digest.kept.expect_layouts`), a kept set read where the tensors moved;
+    and :func:`~refit_verify.digest.batch.tensor_digest` (a close's fill digests). Nothing of it is
+    kept. Other devices (and a CPU digested by the kernels): nothing."""
+    if device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES:
+        return
+    specs = [(f"{i}.{j}", shape, dt) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
+             for j, shape in enumerate(((4, 8), (8,)))]
+    try:
+        made = lambda: [(n, torch.zeros(sh, dtype=dt)) for n, sh, dt in specs]  # noqa: E731 - fresh tensors each time
+        digest_now(made(), space=_WARM_SPACE)  # first sight
+        digest_now(made(), space=_WARM_SPACE)  # moved
+        _held.forget_space(_WARM_SPACE)
+        _held.expect_layouts(_WARM_SPACE, specs)
+        digest_now(made(), space=_WARM_SPACE)  # expected ahead
+        tensor_digest(torch.zeros((0, 8), dtype=torch.bfloat16))
+    finally:
+        _held.forget_space(_WARM_SPACE)
 
 
 def _why_failed(e: BaseException) -> str:

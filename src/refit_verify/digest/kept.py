@@ -34,7 +34,8 @@ from refit_verify.digest import backends as _backends
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.tensors import as_view, check_tensor, fits_many, logical_bytes, plain_tensor_ops, tensor_seed
 
-__all__ = ["DigestSet", "SetLaunch", "could_relocate", "same_layout", "signature", "KEPT_HELD_TENSORS", "kept_set"]
+__all__ = ["DigestSet", "SetLaunch", "could_relocate", "expect_layouts", "same_layout", "signature", "KEPT_HELD_TENSORS",
+           "kept_set"]
 
 DERIVE_REGIONS = True
 """False: a set with ``regions`` reads every entry itself on the kernel path too (``DigestSet.saved``
@@ -208,6 +209,26 @@ class DigestSet:
         # read tensors of the same layout elsewhere (moved(), launch(moved=True)): an address per tensor is all it holds
         self.relocatable = regions is None and all(b.digest_many is not None and not isinstance(kept, list) and not large
                                                    for _, kept, b, large in self._groups)
+        self.ahead = False
+
+    @classmethod
+    def of_layout(cls, shapes: Sequence[torch.Size], strides: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
+                  nbytes: Sequence[int], plan: object, backend: object) -> DigestSet:
+        """A relocatable set planned from a layout alone, before any tensor of it exists
+        (:func:`expect_layouts`): whole contiguous CPU tensors of these shapes, strides and dtypes,
+        each at offset 0 of a storage of exactly its bytes, read through the compiled batch's kept
+        ``plan`` (``backend.plan_many`` of ``(0, nbytes, seeds)`` per tensor; ``nbytes``: each one's
+        bytes). It reads only tensors
+        :meth:`moved` finds of that layout (its addresses are none a tensor has: :meth:`valid` is
+        never true); :attr:`ahead` is True."""
+        ds = cls.__new__(cls)
+        n = len(shapes)
+        ds.tensors, ds.regions, ds._n, ds.saved, ds._layout = None, None, n, 0, None
+        ds._columns = ([-1] * n, list(shapes), list(strides), list(dtypes), [-1] * n, list(nbytes), [False] * n, [False] * n)
+        ds.signatures = list(zip(*ds._columns))
+        ds._groups = [(list(range(n)), plan, backend, [])]
+        ds.relocatable, ds.ahead = True, True
+        return ds
 
     def _view(self, i: int, tensors: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Entry ``i``: the tensor, or its region (made now: the set keeps no view, so no memory a
@@ -398,6 +419,104 @@ def _store_held(names: tuple[str, ...], entry: DigestSet | list[tuple]) -> None:
         while _HELD_TENSORS > KEPT_HELD_TENSORS and len(_HELD_SETS) > 1:
             dropped, _ = _HELD_SETS.popitem(last=False)
             _HELD_TENSORS -= len(dropped)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class _Expected:
+    """One sequence of tensors expected ahead (:func:`expect_layouts`): per position its name, shape
+    (``torch.Size``), contiguous strides, dtype and the compiled batch's plan item ``(0, nbytes,
+    seeds)``, or None where such a tensor could not be read through a relocatable set (a large one)."""
+
+    __slots__ = ("names", "at", "shapes", "strides", "dtypes", "items")
+
+    def __init__(self, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], most: int) -> None:
+        self.names = tuple(n for n, _, _ in specs)
+        self.at = {n: i for i, n in reversed(list(enumerate(self.names)))}  # a name's first position
+        self.shapes = [torch.Size(sh) for _, sh, _ in specs]
+        self.dtypes = [dt for _, _, dt in specs]
+        self.strides: list[tuple[int, ...]] = []
+        self.items: list[tuple[int, int, tuple[int, int]] | None] = []
+        for sh, dt in zip(self.shapes, self.dtypes):
+            self.strides.append(torch.empty(sh, dtype=dt, device="meta").stride())
+            nbytes = _numel(sh) * torch.empty((), dtype=dt).element_size()
+            self.items.append((0, nbytes, tensor_seed(dt, sh, nbytes)) if nbytes < most else None)
+
+    def run(self, names: tuple[str, ...]) -> slice | None:
+        """The positions of ``names`` when they are a run of this sequence, in its order; else None."""
+        i = self.at.get(names[0]) if names else None
+        if i is None or self.names[i : i + len(names)] != names:
+            return None
+        return slice(i, i + len(names))
+
+
+_EXPECTED: dict[str, list[_Expected]] = {}  # space -> the sequences expected there, most recent first
+_EXPECTED_MAX = 4
+
+
+def expect_layouts(space: str, specs: Sequence[tuple[str, Sequence[int], torch.dtype]]) -> int:
+    """Expect, under ``space`` (as :func:`~refit_verify.digest.incremental.digest_now`'s), tensors
+    ``specs`` (``[(name, shape, dtype)]`` in the order they are expected) as fresh whole CPU tensors
+    (a clone each: contiguous, at offset 0 of a storage of exactly its bytes), in one or several
+    calls, each a run of ``specs`` in that order. The first such call then reads through a set
+    planned from this layout (:meth:`DigestSet.of_layout`) instead of checking and planning each
+    tensor: only once :meth:`DigestSet.moved` found every tensor of that layout (shape, strides,
+    dtype, storage bytes, offset, no conjugate / negative bit, 8-byte aligned), the check a kept
+    set's relocated read makes at every call; anything else (other names, order, shapes, dtypes,
+    views, large tensors) takes the general path as without it. Nothing is read here. The last
+    :data:`_EXPECTED_MAX` sequences per space are kept. Returns how many of ``specs`` a set can
+    take (0: none, e.g. a CPU with kernels or without the compiled batch).
+
+    Raises:
+        ValueError: an empty ``space`` (the trainer's own flushes are never expected ahead).
+    """
+    if not space:
+        raise ValueError("expect_layouts takes a named space")
+    if "cpu" in _backends.KERNEL_DEVICE_TYPES:
+        return 0
+    backend = _backends.backend_for("cpu")
+    if backend.plan_many is None:
+        return 0
+    seq = _Expected(specs, backend.many_max_bytes)
+    with _HELD_LOCK:
+        got = _EXPECTED.setdefault(space, [])
+        got.insert(0, seq)
+        del got[_EXPECTED_MAX:]
+    return sum(it is not None for it in seq.items)
+
+
+def expected_set(space: str, names: tuple[str, ...]) -> DigestSet | None:
+    """A set planned ahead for a call of ``names`` under ``space`` (:func:`expect_layouts`), or None
+    when they are no run of an expected sequence (or one of them is not expected as a small tensor).
+    The caller reads through it only after :meth:`DigestSet.moved` of the tensors it was handed."""
+    with _HELD_LOCK:
+        seqs = list(_EXPECTED.get(space, ()))
+    for seq in seqs:
+        r = seq.run(names)
+        if r is None:
+            continue
+        items = seq.items[r]
+        if None in items:
+            return None
+        backend = _backends.backend_for("cpu")
+        return DigestSet.of_layout(seq.shapes[r], seq.strides[r], seq.dtypes[r], [it[1] for it in items],  # type: ignore[index]
+                                   backend.plan_many(items), backend)
+    return None
+
+
+def forget_space(space: str) -> None:
+    """Drop what is kept and expected under ``space`` (a warm-up's throwaway sets)."""
+    with _HELD_LOCK:
+        global _HELD_TENSORS
+        _EXPECTED.pop(space, None)
+        for key in [k for k in _HELD_SETS if k and k[0] == space]:
+            del _HELD_SETS[key]
+            _HELD_TENSORS -= len(key)
 
 
 def keep_held_now(names: tuple[str, ...], tensors: list[torch.Tensor]) -> DigestSet | None:

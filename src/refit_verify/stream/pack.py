@@ -127,7 +127,7 @@ class Packer:
                  and self._fuses(t, a))
         if fused:  # one read of t: its bytes into the slot (and the last lane's padding), its digest from the same loads
             t0 = time.perf_counter()
-            self.digests.add_copy(name, t, buf[self.used : self.used + round_up(n, 8)])
+            self.digests.add_copy(name, t, buf[self.used : self.used + round_up(n, 8)], checked=True)  # checked above
             self.digest_s += time.perf_counter() - t0
             self._cuda_pending = True  # the copy runs at the group's launch: always before it is sent
             self.fused += 1
@@ -208,14 +208,15 @@ class Packer:
         first = [it for it, k in zip(items[:head], ahead) if k]
         rest = [it for it, k in zip(items[head:], ahead[head:]) if k]
         if first:
-            self._digest_known(first)
+            self._digest_known(first, checked=True)  # check_items just checked them, nothing ran since
         self._rest = rest or None
 
-    def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]]) -> float:
-        """Digest ``items`` (checked: :func:`~refit_verify.stream.items.check_items`) together now (one
-        synchronisation per device); return the seconds it took."""
+    def _digest_known(self, items: Sequence[tuple[str, torch.Tensor]], checked: bool = False) -> float:
+        """Digest ``items`` (checked: :func:`~refit_verify.stream.items.check_items`; ``checked``: just
+        now, nothing ran since, so not again) together now (one synchronisation per device); return
+        the seconds it took."""
         t0 = time.perf_counter()
-        got = digest_now(items)  # checked by digest_first (check_items)
+        got = digest_now(items, checked=checked)
         self._known.update(got)
         self._hex.update(got)
         dt = time.perf_counter() - t0

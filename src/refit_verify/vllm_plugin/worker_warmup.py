@@ -97,18 +97,35 @@ def checkpoint_specs(worker: Any) -> dict[str, tuple[tuple[int, ...], str]]:
         return {}
 
 
+def _fill_digests(wb: Any) -> None:
+    """The digests of the fills the checkpoint's loaders write (learned ahead: ``ModelBoundary.fills_ahead``),
+    computed into the close's cache (:func:`refit_verify.engine.fills.fill_hex`)."""
+    from refit_verify.engine import fills
+
+    for b in list(getattr(wb, "modules", {}).values()):
+        for dtype, shape, value in getattr(b, "fills_ahead", ()):
+            try:
+                fills.fill_hex(dtype, shape, value)
+            except (RuntimeError, TypeError, ValueError):  # the close says why it cannot rebuild it
+                pass
+
+
 def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
     """Wait for the digest warm-up of ``device_type`` (bounded: ``backends.WARMUP_WAIT_S``), then
     :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` (with
     ``worker``: the loaders' placements of its checkpoint's tensors learned ahead, :func:`checkpoint_specs`)
     and import the refit modules (a process whose device warm-up another caller started, a colocated
-    trainer, did not import them in it). Logs what it did; never raises. Returns whether ``wb`` was prepared."""
+    trainer, did not import them in it); on the CPU, then the first use of the refit's digest paths
+    (:func:`~refit_verify.digest.backends.warm_paths`); and the digests of the fills learned ahead. Logs what it did; never raises. Returns whether ``wb`` was prepared."""
     t0 = time.perf_counter()
     try:
         backends.wait_for_warmup(device_type)
         specs = checkpoint_specs(worker) if worker is not None else {}
         done = wb.prepare(specs={"model": specs} if specs else None)
         _import_refit_modules()
+        if device_type == "cpu":  # the first use of the refit's digest paths (the modules that register them are imported now)
+            backends.warm_paths(device_type)
+        _fill_digests(wb)
     except Exception:  # noqa: BLE001 - the first close builds them instead
         logger.warning("refit-verify: preparing the first session failed; its close builds what it needs", exc_info=True)
         return False
