@@ -129,7 +129,7 @@ class DigestBatch:
             raise
 
     @plain_tensor_ops
-    def add_copy(self, name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
+    def add_copy(self, name: str, t: torch.Tensor, dst: torch.Tensor, checked: bool = False) -> None:
         """Copy ``t``'s logical bytes into ``dst`` and digest them under ``name``, from one read of ``t``
         where a fused op runs (:func:`fuses`: the Triton backend on CUDA; numba on CPU for tensors
         below its ``many_max_bytes``).
@@ -147,6 +147,7 @@ class DigestBatch:
         Args:
             name: as :meth:`add` (a later add of the same name replaces it).
             t: a tensor :meth:`add` accepts.
+            checked: as :meth:`add`'s (the caller just ran ``t`` through the input checks).
             dst: 1-D contiguous uint8 tensor on ``t``'s device, 8-byte aligned address, at least
                 ``round_up(nbytes, 8)`` bytes (``nbytes = t.numel() * t.element_size()``), not
                 overlapping ``t``'s memory nor any other queued destination. Receives the bytes in
@@ -161,12 +162,15 @@ class DigestBatch:
                 queued or copied for a call that raises, and no digest stays under ``name``.
         """
         try:
-            check_tensor(t)
+            if not checked:
+                check_tensor(t)
             n = t.numel() * t.element_size()
             _check_dst(t, dst, n)
             if fuses(t):
                 backend = _backends.backend_for("cuda" if t.is_cuda else t.device.type)
-                u8 = logical_bytes(t)
+                # the CPU op reads a contiguous tensor's own memory (its logical bytes): no view to make
+                u8 = t if backend.copy_many is not None and t.is_contiguous() and not (t.is_conj() or t.is_neg()) \
+                    else logical_bytes(t)
                 self._adds += 1
                 self._order[name] = self._adds
                 self._copies.setdefault((t.get_device(), backend), []).append(
@@ -211,7 +215,8 @@ class DigestBatch:
             for _, u8, _, dst, _, _ in items:
                 check_storage(u8)
                 check_storage(dst)
-            h0, h1 = backend.copy_many([(u.data_ptr(), d.data_ptr(), u.numel(), s) for _, u, s, d, _, _ in items])
+            h0, h1 = backend.copy_many([(u.data_ptr(), d.data_ptr(), u.numel() * u.element_size(), s)
+                                        for _, u, s, d, _, _ in items])
         except RefitInputError:
             for n, _ in keys:
                 self.drop(n)
@@ -359,13 +364,11 @@ def fuses(t: torch.Tensor) -> bool:
     type (CUDA), or a CPU tensor of fewer than the numba backend's ``many_max_bytes`` bytes (a larger one's
     digest runs in a parallel region, faster on two or more idle cores than the serial fused op);
     elsewhere it copies, then digests (two reads)."""
+    if t.is_cpu and "cpu" not in _backends.KERNEL_DEVICE_TYPES:
+        b = _backends._CPU[0] or _backends.cpu_backend()
+        return b.copy_many is not None and t.numel() * t.element_size() < b.many_max_bytes
     kind = "cuda" if t.is_cuda else t.device.type
-    if kind in _backends.KERNEL_DEVICE_TYPES:
-        return _backends.backend_for(kind).plan_views is not None
-    if kind != "cpu":
-        return False
-    b = _backends._CPU[0] or _backends.cpu_backend()
-    return b.copy_many is not None and t.numel() * t.element_size() < b.many_max_bytes
+    return kind in _backends.KERNEL_DEVICE_TYPES and _backends.backend_for(kind).plan_views is not None
 
 
 def _check_dst(t: torch.Tensor, dst: torch.Tensor, n: int) -> None:
@@ -374,7 +377,7 @@ def _check_dst(t: torch.Tensor, dst: torch.Tensor, n: int) -> None:
     if not isinstance(dst, torch.Tensor) or dst.dtype is not torch.uint8 or dst.dim() != 1 or not dst.is_contiguous():
         raise RefitInputError(f"add_copy: dst must be a 1-D contiguous uint8 tensor, got {type(dst).__name__} "
                               f"{getattr(dst, 'dtype', '')} shape {tuple(getattr(dst, 'shape', ()))}")
-    if dst.device != t.device:
+    if not (dst.is_cpu and t.is_cpu) and dst.device != t.device:  # (torch.device objects only where needed)
         raise RefitInputError(f"add_copy: dst is on {dst.device}, the tensor on {t.device}")
     r = (n + 7) // 8 * 8
     if dst.numel() < r:
@@ -384,7 +387,7 @@ def _check_dst(t: torch.Tensor, dst: torch.Tensor, n: int) -> None:
         raise RefitInputError(f"add_copy: dst address {a:#x} is not 8-byte aligned")
     if n:
         lo = t.data_ptr()
-        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))  # elements t's memory spans
+        span = t.numel() if t.is_contiguous() else 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
         if a < lo + span * t.element_size() and lo < a + r:
             raise RefitInputError("add_copy: dst overlaps the tensor's own memory")
 
