@@ -786,9 +786,9 @@ def test_fused_copy_and_digest_round_trip_verifies_and_a_corrupted_staged_byte_i
     fused: list[str] = []
     real = digest_mod.DigestBatch.add_copy
 
-    def spy(self, name, t, dst):
+    def spy(self, name, t, dst, **kw):
         fused.append(name)
-        return real(self, name, t, dst)
+        return real(self, name, t, dst, **kw)
 
     monkeypatch.setattr(digest_mod.DigestBatch, "add_copy", spy)
     keep = {f"layers.{i}.small" for i in range(15, 20)}  # (fewer small ones: the interpreter is slow)
