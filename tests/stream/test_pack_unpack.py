@@ -406,3 +406,28 @@ def _spy(fn, names: list):
         return fn(self, name, *a, **k)
 
     return wrapped
+
+
+def test_the_digest_warm_up_runs_a_verifying_packer_on_throwaway_tensors(monkeypatch):
+    """The CPU digest warm-up (``backends.warm_paths``) packs a few throwaway tensors through a
+    verifying Packer, with and without digests ahead, into a buffer of its own: the first refit's
+    sender does not run those paths for the first time. The digests it takes are tensor_digest's."""
+    from refit_verify.digest import backends
+    from refit_verify.digest.batch import fuses
+    from refit_verify.stream import pack
+
+    seen = []
+    real = pack.Packer.manifest
+
+    def manifest(self):
+        out = real(self)
+        seen.append((self.tensors, self.fused, self.ahead, out))
+        return out
+
+    monkeypatch.setattr(pack.Packer, "manifest", manifest)
+    backends.warm_paths("cpu")
+    fused = 6 if fuses(torch.zeros(4, 8, dtype=torch.bfloat16)) else 0
+    assert [s[:3] for s in seen] == [(6, fused, True), (6, fused, False)]
+    zeros = {f"{i}.{j}": tensor_digest(torch.zeros(shape, dtype=dt)) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
+             for j, shape in enumerate(((4, 8), (8,)))}
+    assert seen[0][3] == zeros and seen[1][3] == zeros

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from refit_verify.digest import backends as _backends
 from refit_verify.digest.batch import DigestBatch, fuses
 from refit_verify.digest.incremental import digest_now
 from refit_verify.digest.tensors import check_tensor, dtype_name, logical_bytes
@@ -290,3 +291,37 @@ class Packer:
         out = {**self._known, **self.digests.hexdigests()}  # digest_first's, then any added one by one
         self.digest_s += time.perf_counter() - t0
         return out
+
+
+class _Discard:
+    """A :class:`PackSink` that sends nothing: one group's buffer, groups dropped (the warm-up's)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return self.buf
+
+    def post(self, entries: list[Entry], used: int) -> None:
+        pass
+
+    def post_alone(self, u8: torch.Tensor, entry: Entry, aligned: int, meanwhile: Callable[[], None] | None = None) -> None:
+        if meanwhile is not None:
+            meanwhile()
+
+
+@_backends.warm_path
+def _warm_pack(device: torch.device) -> None:
+    """On the CPU, the first use of a verifying :class:`Packer`'s paths (the digests ahead of the first
+    group, the fused copy+digest of grouped tensors, the digests of the rest, the entries) on a few
+    throwaway tensors of each float dtype a refit pushes, into a throwaway buffer: otherwise the
+    first refit's sender runs them for the first time. Nothing is sent or kept. Other devices: nothing."""
+    if device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES:
+        return
+    items = [(f"{i}.{j}", torch.zeros(shape, dtype=dt)) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
+             for j, shape in enumerate(((4, 8), (8,)))]
+    for ahead in (True, False):
+        p = Packer(_Discard(4096), capacity=2048, alignment=256, digests=DigestBatch(), digests_ahead=ahead)
+        p.digest_first(items)
+        p.add_all(items)
+        p.manifest()
