@@ -130,6 +130,24 @@ def test_batched_cpu_path_reproduces_every_vector():
     assert sum(v["nbytes"] < _numba_many.MANY_MAX_BYTES for v in vs) > 10  # the batched call did most of them
 
 
+def test_fused_copy_reproduces_every_vector():
+    """The numba copy+digest (``_numba_copy``, ``DigestBatch.add_copy`` on CPU): every vector's bytes
+    copied into one staging buffer and digested in one call reproduce every vector, the large ones
+    (several chunks) included, and the buffer holds the bytes."""
+    from refit_verify.digest import _numba_copy
+
+    ts = [logical_bytes(make_tensor(v)) for v in VECTORS]
+    offs = [0]
+    for t in ts:
+        offs.append(offs[-1] + (t.numel() + 7) // 8 * 8)
+    buf = torch.zeros(offs[-1] + 8, dtype=torch.uint8)
+    items = [(t.data_ptr(), buf.data_ptr() + o, t.numel(), ref.seed(v["dtype"], v["shape"], v["nbytes"]))
+             for t, o, v in zip(ts, offs, VECTORS)]
+    h0, h1 = _numba_copy.copy_digest_arrays(items)
+    assert [ref.hexdigest(a, b) for a, b in zip(h0.tolist(), h1.tolist())] == [v["digest"] for v in VECTORS]
+    assert all(torch.equal(buf[o : o + t.numel()], t) for t, o in zip(ts, offs))
+
+
 @pytest.mark.parametrize("v", _params(big_is_slow=False))
 def test_torch_path(v):
     """The vectorised torch path (``_torch_digest``) reproduces the vector, whatever CPU path the API picks."""
