@@ -132,6 +132,7 @@ class DigestSet:
         relocatable: the set can read tensors of its layout at other addresses (:meth:`moved`):
             every tensor is a whole CPU tensor digested by the compiled batch (no kernel plan, no
             region), so its plan is one pointer per tensor, made again from the tensors given.
+        ahead: the set was planned from a layout before any of its tensors existed (:meth:`of_layout`).
 
     Raises:
         RefitInputError: a tensor cannot be digested (:func:`~refit_verify.digest.tensors.logical_bytes`).
@@ -444,7 +445,7 @@ class _Expected:
         self.items: list[tuple[int, int, tuple[int, int]] | None] = []
         for sh, dt in zip(self.shapes, self.dtypes):
             self.strides.append(torch.empty(sh, dtype=dt, device="meta").stride())
-            nbytes = _numel(sh) * torch.empty((), dtype=dt).element_size()
+            nbytes = _numel(sh) * dt.itemsize
             self.items.append((0, nbytes, tensor_seed(dt, sh, nbytes)) if nbytes < most else None)
 
     def run(self, names: tuple[str, ...]) -> slice | None:
