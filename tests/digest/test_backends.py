@@ -267,7 +267,10 @@ def test_the_kernel_warmup_takes_every_launch_of_a_run(fresh_warmups, monkeypatc
     assert backends.warmup("cpu") == "triton"
     every = {_leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel}
     # plain; COPY variants (the same functions, COPY a constexpr); a derived view's gather
-    assert ran == [(False, False, every), (True, False, every), (False, True, every | {_upper._digest_gather_kernel})]
+    plain = (False, False, every)
+    assert ran == [plain] * backends._WARM_RUNS + [(True, False, every), (False, True, every | {_upper._digest_gather_kernel})]
+    from refit_verify.digest.kernels import direct
+    assert backends._WARM_RUNS == direct.MIN_RUNS + 1  # the check, then a direct launch, before any refit
 
 
 def test_a_gpu_warmup_warms_the_cpu_digests_too(fresh_warmups, monkeypatch) -> None:
@@ -298,5 +301,5 @@ def test_a_kernel_variant_failing_its_warmup_leaves_the_plain_kernels_warm(fresh
     monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
         assert backends.warmup("cpu") == "triton"
-    assert ran == [False, True]  # the plain run and the derived one
+    assert ran == [False] * backends._WARM_RUNS + [True]  # the plain runs and the derived one
     assert any("warming the COPY digest kernels on cpu failed (RuntimeError: no COPY kernel here)" in r.getMessage() for r in caplog.records)

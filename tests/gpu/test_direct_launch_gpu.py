@@ -148,3 +148,28 @@ def test_a_checked_plan_captured_into_a_graph_later(monkeypatch):
         assert _plan_of(s).graph
     finally:
         replay.release_all()
+
+
+def test_the_warmup_makes_the_direct_launch_check_and_a_direct_launch(monkeypatch):
+    """The kernel warm-up runs its plan through the direct-launch check (a device comparison, whose
+    kernels load at a process's first use) and one direct launch: neither is a refit's first cost."""
+    from refit_verify.digest import backends
+
+    checked, launched = [], []
+    real_direct, real_run = direct.direct, direct.run
+
+    def spy_run(p, launches, work, out):
+        before = p.direct
+        real_run(p, launches, work, out)
+        if before is None and p.direct:
+            checked.append(p)
+
+    def spy_direct(compiled, launches, stream):
+        launched.append(len(launches))
+        return real_direct(compiled, launches, stream)
+
+    monkeypatch.setattr(direct, "run", spy_run)
+    monkeypatch.setattr(direct, "direct", spy_direct)
+    backends._warmup_kernels(torch.device("cuda", torch.cuda.current_device()))
+    assert len(checked) == 1 and checked[0].runs == backends._WARM_RUNS
+    assert len(launched) == 2  # the check's run into its probe, then the third run's launches

@@ -318,11 +318,18 @@ def _device(device: torch.device | str | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
 
 
+_WARM_RUNS = 3
+"""Runs of the kernel warm-up's plain plan: its first compiles, its second makes the one-time check
+of a plan's direct launches (``kernels.direct.MIN_RUNS``: a device comparison whose kernels load at
+a process's first use, tens of milliseconds) and its third launches directly."""
+
+
 def _warmup_kernels(dev: torch.device) -> None:
     """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back:
     the plain leaf kernels, their COPY variants (a sender's fused copy into staging,
     ``DigestBatch.add_copy``) and the gather of derived views (a close's regions beside their fused
-    parameter), so none of them compiles inside a refit."""
+    parameter), so none of them compiles inside a refit. The plain plan runs :data:`_WARM_RUNS` times,
+    so a kept plan's direct-launch check and first direct launch come at no refit's first cost either."""
     from refit_verify.digest.kernels import launch as kd
     from refit_verify.digest.kernels._mix import MID_N
 
@@ -335,7 +342,9 @@ def _warmup_kernels(dev: torch.device) -> None:
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         buf = torch.zeros(2 * sb + 16, dtype=torch.uint8, device=dev)
         views = [buf[:n], buf[1:100]]
-        kd.run_plan(kd.plan_views(views, seeds(views))).cpu()
+        plain = kd.plan_views(views, seeds(views))
+        for _ in range(_WARM_RUNS):
+            kd.run_plan(plain).cpu()
         k = (n + 7) // 8 * 8  # whole lanes: the COPY kernels write the last lane zero-padded
         out = torch.empty(k + 8 + 104, dtype=torch.uint8, device=dev)
         pair = [buf[: 2 * sb + 13], buf[sb : 2 * sb + 13]]  # a region at a superblock offset of its parent
