@@ -9,6 +9,7 @@ read where it used to be.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -693,6 +694,32 @@ def test_tensors_expected_ahead_are_read_through_a_planned_set_with_the_general_
     call = [(name, t.clone()) for name, t in _fresh(_SPECS, 1)[: split[0]]]  # the next refit: other bytes, other memory
     assert digest_now(call, space=space) == {name: tensor_digest(t) for name, t in call}
     assert adds == []
+
+
+def test_the_whole_expected_sequence_is_planned_at_expect_layouts_and_a_shorter_run_at_its_call(monkeypatch):
+    """``expect_layouts`` makes the compiled batch's plan of the whole sequence (one call of every
+    expected tensor: one staging buffer): that call plans nothing more, reads the same plan a plan
+    made at the call would be, and gives tensor_digest's digests; a shorter run is planned at its call."""
+    from refit_verify.digest import backends, kept
+    from refit_verify.digest.incremental import digest_now
+
+    backend = backends.backend_for("cpu")
+    made = []
+    real = backend.plan_many
+    counted = dataclasses.replace(backend, plan_many=lambda items: (made.append(list(items)), real(items))[1])
+    monkeypatch.setattr(kept._backends, "backend_for", lambda device: counted if str(device) == "cpu" else backend)
+    space = f"test planned ahead {os.getpid()}"
+    assert kept.expect_layouts(space, _SPECS) == 5
+    assert len(made) == 1
+    ahead = kept._EXPECTED[space][0].plans[(0, 5)]
+    now = real(made[0])
+    assert [list(getattr(now, f)) for f in ("addrs", "nbytes", "s0", "s1")] == \
+        [list(getattr(ahead, f)) for f in ("addrs", "nbytes", "s0", "s1")]
+    call = [(n, t.clone()) for n, t in _fresh(_SPECS)]
+    assert digest_now(call, space=space) == {n: tensor_digest(t) for n, t in call}
+    assert len(made) == 1  # the call took the plan made ahead
+    assert kept.expected_set(space, ("q", "norm")) is not None
+    assert len(made) == 2 and [it[1] for it in made[1]] == [16 * 2, 4 * 4]  # a shorter run: planned at its call
 
 
 @pytest.mark.parametrize("case", ["another order", "an extra tensor", "another dtype", "another shape", "a view",

@@ -432,9 +432,10 @@ def _numel(shape: Sequence[int]) -> int:
 class _Expected:
     """One sequence of tensors expected ahead (:func:`expect_layouts`): per position its name, shape
     (``torch.Size``), contiguous strides, dtype and the compiled batch's plan item ``(0, nbytes,
-    seeds)``, or None where such a tensor could not be read through a relocatable set (a large one)."""
+    seeds)``, or None where such a tensor could not be read through a relocatable set (a large one);
+    and ``plans``: the compiled batch's plan of a run (``(start, stop)``), made from its items."""
 
-    __slots__ = ("names", "at", "shapes", "strides", "dtypes", "items")
+    __slots__ = ("names", "at", "shapes", "strides", "dtypes", "items", "plans")
 
     def __init__(self, specs: Sequence[tuple[str, Sequence[int], torch.dtype]], most: int) -> None:
         self.names = tuple(n for n, _, _ in specs)
@@ -447,6 +448,7 @@ class _Expected:
             self.strides.append(torch.empty(sh, dtype=dt, device="meta").stride())
             nbytes = _numel(sh) * dt.itemsize
             self.items.append((0, nbytes, tensor_seed(dt, sh, nbytes)) if nbytes < most else None)
+        self.plans: dict[tuple[int, int], object] = {}
 
     def run(self, names: tuple[str, ...]) -> slice | None:
         """The positions of ``names`` when they are a run of this sequence, in its order; else None."""
@@ -469,8 +471,9 @@ def expect_layouts(space: str, specs: Sequence[tuple[str, Sequence[int], torch.d
     tensor: only once :meth:`DigestSet.moved` found every tensor of that layout (shape, strides,
     dtype, storage bytes, offset, no conjugate / negative bit, 8-byte aligned), the check a kept
     set's relocated read makes at every call; anything else (other names, order, shapes, dtypes,
-    views, large tensors) takes the general path as without it. Nothing is read here. The last
-    :data:`_EXPECTED_MAX` sequences per space are kept. Returns how many of ``specs`` a set can
+    views, large tensors) takes the general path as without it. Nothing is read here; the compiled
+    batch's plan of the whole sequence as one call is made here (a shorter run's at its call). The
+    last :data:`_EXPECTED_MAX` sequences per space are kept. Returns how many of ``specs`` a set can
     take (0: none, e.g. a CPU with kernels or without the compiled batch).
 
     Raises:
@@ -484,6 +487,8 @@ def expect_layouts(space: str, specs: Sequence[tuple[str, Sequence[int], torch.d
     if backend.plan_many is None:
         return 0
     seq = _Expected(specs, backend.many_max_bytes)
+    if seq.items and None not in seq.items:  # the whole sequence in one call (one staging buffer): planned now, not at it
+        seq.plans[(0, len(seq.items))] = backend.plan_many(seq.items)
     with _HELD_LOCK:
         got = _EXPECTED.setdefault(space, [])
         got.insert(0, seq)
@@ -505,8 +510,9 @@ def expected_set(space: str, names: tuple[str, ...]) -> DigestSet | None:
         if None in items:
             return None
         backend = _backends.backend_for("cpu")
+        plan = seq.plans.get((r.start, r.stop))  # planned ahead from the same items, or now
         return DigestSet.of_layout(seq.shapes[r], seq.strides[r], seq.dtypes[r], [it[1] for it in items],  # type: ignore[index]
-                                   backend.plan_many(items), backend)
+                                   backend.plan_many(items) if plan is None else plan, backend)
     return None
 
 
