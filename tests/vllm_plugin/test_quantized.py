@@ -44,3 +44,23 @@ def test_rerun_on_a_copy_leaves_the_layer_as_it_was():
     _Method().process_weights_after_loading(layer)  # the engine's own run: the same bytes
     assert torch.equal(layer.weight.view(torch.uint8), got["weight"].view(torch.uint8))
     assert torch.equal(layer.weight_scale, got["weight_scale"])
+
+
+def test_names_remembered_at_prepare_are_checked_at_their_use_and_made_again_when_stale():
+    """``remember_names`` maps a model's modules to their names ahead; ``_module_name`` takes a name
+    from the map only where the model still holds that layer under it, and walks the model again
+    when it does not (a layer replaced since): the same names as without the map."""
+    from refit_verify.vllm_plugin import quantized, worker_warmup
+
+    assert quantized.remember_names in worker_warmup.MODEL_HOOKS  # run by the worker's prepare on each watched model
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    quantized.remember_names(model)
+    assert quantized._module_name(model, model[1][0]) == "1.0"
+    old = model[0]
+    model[0] = torch.nn.Linear(2, 2)  # replaced after the map was made
+    assert quantized._module_name(model, model[0]) == "0"
+    assert quantized._module_name(model, old) is None
+    model2 = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    quantized.remember_names(model2)
+    quantized._NAMES[model2][id(model2[0])] = "nope"  # a stale name: checked, not trusted
+    assert quantized._module_name(model2, model2[0]) == "0"

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from refit_verify.vllm_plugin import worker_warmup
 from refit_verify.vllm_plugin.shims import in_session, record_into
 
 __all__ = ["ONLINE_MODULES", "online_linear_methods", "patch_module", "wrap_process"]
@@ -70,6 +71,16 @@ def patch_module(module: Any) -> None:
 
     for cls in online_linear_methods(module):
         shims.patch(cls, "process_weights_after_loading", wrap_process)
+
+
+def remember_names(model: torch.nn.Module) -> None:
+    """Map ``model``'s modules to their qualified names now (a worker's prepare at engine start), so
+    the first refit's :func:`session_of` does not walk the model: each name it takes from the map is
+    checked against the model at its use, and the map is made again when one no longer holds."""
+    _NAMES[model] = {id(m): n for n, m in model.named_modules()}
+
+
+worker_warmup.MODEL_HOOKS.append(remember_names)
 
 
 def _module_name(model: torch.nn.Module, layer: torch.nn.Module) -> str | None:

@@ -110,13 +110,20 @@ def _fill_digests(wb: Any) -> None:
                 pass
 
 
+MODEL_HOOKS: list = []
+"""Callables ``hook(model)`` a worker's prepare runs on each watched model, after the rest (work of
+other plugin modules that the first refit would do otherwise; a module registers its own at import)."""
+
+
 def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
     """Wait for the digest warm-up of ``device_type`` (bounded: ``backends.WARMUP_WAIT_S``), then
     :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` (with
     ``worker``: the loaders' placements of its checkpoint's tensors learned ahead, :func:`checkpoint_specs`)
     and import the refit modules (a process whose device warm-up another caller started, a colocated
     trainer, did not import them in it); on the CPU, then the first use of the refit's digest paths
-    (:func:`~refit_verify.digest.backends.warm_paths`); and the digests of the fills learned ahead. Logs what it did; never raises. Returns whether ``wb`` was prepared."""
+    (:func:`~refit_verify.digest.backends.warm_paths`); the digests of the fills learned ahead; and
+    each model handed to :data:`MODEL_HOOKS` (its modules' names: :func:`~refit_verify.vllm_plugin.quantized.remember_names`).
+    Logs what it did; never raises. Returns whether ``wb`` was prepared."""
     t0 = time.perf_counter()
     try:
         backends.wait_for_warmup(device_type)
@@ -126,6 +133,10 @@ def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
         if device_type == "cpu":  # the first use of the refit's digest paths (the modules that register them are imported now)
             backends.warm_paths(device_type)
         _fill_digests(wb)
+        for b in list(getattr(wb, "modules", {}).values()):  # e.g. the layers' names the first refit's session_of looks up
+            if callable(getattr(getattr(b, "model", None), "named_modules", None)):
+                for hook in list(MODEL_HOOKS):
+                    hook(b.model)
     except Exception:  # noqa: BLE001 - the first close builds them instead
         logger.warning("refit-verify: preparing the first session failed; its close builds what it needs", exc_info=True)
         return False
