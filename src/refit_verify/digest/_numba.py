@@ -159,6 +159,12 @@ def _tweak(c, level):
     return _PHI * _U(64 * c + level + 1)
 
 
+@_jit()
+def _finish(h0, h1):
+    """Both channels' chain values through the final levels (``reference.FINAL_LEVELS``): the digest's words."""
+    return _mix0(_mix0(h0 ^ _tweak(0, _FIN0)) ^ _tweak(0, _FIN1)), _mix1(_mix1(h1 ^ _tweak(1, _FIN0)) ^ _tweak(1, _FIN1))
+
+
 # ---------------------------------------------------------------------------------------------
 # §6.1 one block of one fold level, both channels
 
@@ -393,10 +399,7 @@ def digest_lanes(lanes, has_tail, tail, seed0, seed1, par):
     for i in range(nroots):
         h0 = _node0(h0, r0[i], c0)
         h1 = _node1(h1, r1[i], c1)
-    h0 = _mix0(h0 ^ _tweak(0, _FIN0))
-    h0 = _mix0(h0 ^ _tweak(0, _FIN1))
-    h1 = _mix1(h1 ^ _tweak(1, _FIN0))
-    h1 = _mix1(h1 ^ _tweak(1, _FIN1))
+    h0, h1 = _finish(h0, h1)
     return h0, h1
 
 

@@ -29,17 +29,14 @@ from refit_verify.digest._numba import (
     _CHUNK,
     _F0,
     _F1,
-    _FIN0,
-    _FIN1,
     _NO,
     _U,
     _Z,
+    _finish,
     _fold_block,
     _jit,
     _last_block,
     _level_buffers,
-    _mix0,
-    _mix1,
     _node0,
     _node1,
     _tweak,
@@ -126,10 +123,7 @@ def copy_digest_many(srcs, dsts, nbytes, seeds0, seeds1, out0, out1):
             r0, r1 = _copy_chunk_root(srcs[i], nb, dsts[i], dst64, start, min(_CHUNK, nl - start))
             h0 = _node0(h0, r0, c0)
             h1 = _node1(h1, r1, c1)
-        h0 = _mix0(h0 ^ _tweak(0, _FIN0))
-        h0 = _mix0(h0 ^ _tweak(0, _FIN1))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN0))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN1))
+        h0, h1 = _finish(h0, h1)
         out0[i] = h0
         out1[i] = h1
 

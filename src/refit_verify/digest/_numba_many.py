@@ -25,17 +25,14 @@ from refit_verify.digest._numba import (
     _CHAIN,
     _F0,
     _F1,
-    _FIN0,
-    _FIN1,
     _I0,
     _U,
     _Z,
     PARALLEL_MIN_LANES,
     _jit,
+    _finish,
     _level_buffers,
     _level_ser,
-    _mix0,
-    _mix1,
     _node0,
     _node1,
     _tweak,
@@ -95,10 +92,7 @@ def digest_many(addrs, nbytes, seeds0, seeds1, out0, out1):
             r0, r1 = _partial_root_ser(carray(_voidptr(addrs[i]), (nav,), np.uint64), nav, rem > 0, tail)
             h0 = _node0(h0, r0, c0)
             h1 = _node1(h1, r1, c1)
-        h0 = _mix0(h0 ^ _tweak(0, _FIN0))
-        h0 = _mix0(h0 ^ _tweak(0, _FIN1))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN0))
-        h1 = _mix1(h1 ^ _tweak(1, _FIN1))
+        h0, h1 = _finish(h0, h1)
         out0[i] = h0
         out1[i] = h1
 
