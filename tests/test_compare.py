@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from refit_verify.compare import compare_manifests, compare_session, receiver_report
+from refit_verify.compare import check_digest, compare_manifests, compare_session, receiver_report
 from refit_verify.config import VerifyMode, act_on_all
 from refit_verify.digest.batch import digest_tensors
 from refit_verify.errors import RefitVerificationError
@@ -86,3 +86,15 @@ def test_no_report_at_all_is_a_failure(caplog):
     r = VerificationReport.unchecked_because("worker rank 3 does not verify", session="s", version=2)
     assert not r.ok and r.describe() == ("refit session s version 2 verification failed (0 of 0 verified): "
                                          f"{NOTHING}; worker rank 3 does not verify")
+
+
+def test_check_digest_says_why_a_tensor_must_not_load_and_names_both_causes_of_a_change() -> None:
+    """A staged tensor whose digest is not the sender's: the reason names both digests and both ways the
+    bytes can change after the sender's digest (staging or transit, or the trainer writing its tensor
+    while it is sent: a CPU tensor of 1 MiB or more is copied and digested in two reads)."""
+    a, b = "0" * 32, "f" * 32
+    assert check_digest(a, a) is None
+    why = check_digest(a, b)
+    assert why.startswith(f"its digest {a} differs from the sender's {b}: ")
+    assert "corrupted in staging or transit" in why and "the trainer's tensor written while it was being sent" in why
+    assert check_digest(a, None) == "it carries no sender digest, so its bytes cannot be checked before loading"

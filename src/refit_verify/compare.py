@@ -84,7 +84,8 @@ def check_digest(got: str | None, want: str | None) -> str | None:
     if want is None:
         return "it carries no sender digest, so its bytes cannot be checked before loading"
     if got != want:
-        return f"its digest {got} differs from the sender's {want}: corrupted between the sender's digest and this load"
+        return (f"its digest {got} differs from the sender's {want}: the bytes changed between the sender's digest and "
+                "this load (corrupted in staging or transit, or the trainer's tensor written while it was being sent)")
     return None
 
 
