@@ -16,8 +16,6 @@ Source: ``docs/digest-spec.md`` §2-§8; the fold helpers are ``_numba``'s.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 
 import numpy as np
 from numba import carray, types
@@ -43,6 +41,7 @@ from refit_verify.digest._numba import (
     _upper_levels,
 )
 from refit_verify.digest._numba_many import _voidptr
+from refit_verify.digest.tensors import first_overlap
 from refit_verify.errors import RefitInputError
 
 __all__ = ["copy_digest_many", "copy_digest_arrays"]
@@ -161,14 +160,9 @@ def copy_digest_arrays(items: list[tuple[int, int, int, tuple[int, int]]]) -> tu
 def _check_overlaps(items: list[tuple[int, int, int, tuple[int, int]]]) -> None:
     """Raise :class:`RefitInputError` if two destinations (``round_up(nbytes, 8)`` bytes each) overlap,
     or a destination overlaps a source (``nbytes`` bytes)."""
-    dst = sorted((d, d + (b + 7) // 8 * 8, i) for i, (_, d, b, _) in enumerate(items) if b)
-    for (_, e0, i0), (a1, _, i1) in zip(dst, dst[1:]):
-        if a1 < e0:
-            raise RefitInputError(f"add_copy: destination {i0} overlaps destination {i1}")
-    src = sorted((s, s + b) for s, _, b, _ in items if b)
-    starts = [s for s, _ in src]
-    reach = list(itertools.accumulate((e for _, e in src), max))  # furthest source end up to each start
-    for a, e, i in dst:
-        k = bisect.bisect_left(starts, e)  # sources starting before this destination's end
-        if k and reach[k - 1] > a:
-            raise RefitInputError(f"add_copy: destination {i} overlaps a source: a copy destination may overlap no source")
+    hit = first_overlap([(d, d + (b + 7) // 8 * 8, i) for i, (_, d, b, _) in enumerate(items) if b],
+                        [(s, s + b) for s, _, b, _ in items if b])
+    if hit is not None and hit[1] >= 0:
+        raise RefitInputError(f"add_copy: destination {hit[0]} overlaps destination {hit[1]}")
+    if hit is not None:
+        raise RefitInputError(f"add_copy: destination {hit[0]} overlaps a source: a copy destination may overlap no source")

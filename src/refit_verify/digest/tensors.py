@@ -7,7 +7,9 @@ Shapes and strides are in elements, offsets and sizes in bytes unless said other
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from collections.abc import Callable
 from operator import attrgetter
 
@@ -60,6 +62,31 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
     return name
+
+
+def first_overlap(dsts: list[tuple[int, int, int]], srcs: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The first overlap of copy destinations with each other or with sources, by address.
+
+    Args:
+        dsts: ``(start, end, index)`` byte span of each destination (empty ones left out), any order.
+        srcs: ``(start, end)`` byte span of each source (empty ones left out), any order.
+
+    Returns:
+        ``(i, j)``: destinations ``i`` and ``j`` overlap; ``(i, -1)``: destination ``i`` overlaps a
+        source; None: nothing overlaps. Destinations are compared with each other first.
+    """
+    dsts = sorted(dsts)
+    for (_, e0, i0), (a1, _, i1) in zip(dsts, dsts[1:]):
+        if a1 < e0:
+            return i0, i1
+    src = sorted(srcs)
+    starts = [a for a, _ in src]
+    reach = list(itertools.accumulate((e for _, e in src), max))  # furthest source end up to each start
+    for a, e, i in dsts:
+        k = bisect.bisect_left(starts, e)  # sources starting before this destination's end
+        if k and reach[k - 1] > a:
+            return i, -1
+    return None
 
 
 def check_tensor(t: torch.Tensor) -> None:

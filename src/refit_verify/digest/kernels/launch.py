@@ -29,9 +29,7 @@ Source: docs/digest-spec.md
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -40,6 +38,7 @@ import torch
 
 import refit_verify.digest.kernels.direct as _direct
 from refit_verify.digest import reference as _ref
+from refit_verify.digest.tensors import first_overlap
 from refit_verify.digest.kernels._leaf import FAST_LEAF, _digest_leaf_kernel, _leaf_fast_kernel
 from refit_verify.digest.kernels._mix import KM, MID_N, SCR_N
 from refit_verify.digest.kernels._upper import _digest_chain_kernel, _digest_gather_kernel, _digest_upper_kernel
@@ -366,18 +365,12 @@ def _check_dsts(views: list[torch.Tensor], dsts: list[torch.Tensor], addrs: list
             raise ValueError(f"destination {i}: {d.numel()} bytes, needs {r} (a {n}-byte view in whole 8-byte lanes)")
         out.append(a)
         if r:
-            spans.append((a, a + r, "destination", i))
-    views_spans = sorted((a, a + n, i) for i, (a, n) in enumerate(zip(addrs, sizes)) if n)
-    spans.sort()
-    for (_a0, e0, _, i0), (a1, _e1, _, i1) in zip(spans, spans[1:]):
-        if a1 < e0:
-            raise ValueError(f"destination {i0} overlaps destination {i1}")
-    starts = [a for a, _, _ in views_spans]
-    reach = list(itertools.accumulate((e for _, e, _ in views_spans), max))  # furthest view end up to each start
-    for a, e, _, i in spans:
-        k = bisect.bisect_left(starts, e)  # views starting before this destination's end
-        if k and reach[k - 1] > a:
-            raise ValueError(f"destination {i} overlaps a view: a copy destination may overlap no view")
+            spans.append((a, a + r, i))
+    hit = first_overlap(spans, [(a, a + n) for a, n in zip(addrs, sizes) if n])
+    if hit is not None and hit[1] >= 0:
+        raise ValueError(f"destination {hit[0]} overlaps destination {hit[1]}")
+    if hit is not None:
+        raise ValueError(f"destination {hit[0]} overlaps a view: a copy destination may overlap no view")
     return out
 
 
