@@ -22,6 +22,7 @@ bit for bit; ``tests/digest/test_kept.py`` compares them on every backend this m
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -422,13 +423,6 @@ def _store_held(names: tuple[str, ...], entry: DigestSet | list[tuple]) -> None:
             _HELD_TENSORS -= len(dropped)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 class _Expected:
     """One sequence of tensors expected ahead (:func:`expect_layouts`): per position its name, shape
     (``torch.Size``), contiguous strides, dtype and the compiled batch's plan item ``(0, nbytes,
@@ -446,7 +440,7 @@ class _Expected:
         self.items: list[tuple[int, int, tuple[int, int]] | None] = []
         for sh, dt in zip(self.shapes, self.dtypes):
             self.strides.append(torch.empty(sh, dtype=dt, device="meta").stride())
-            nbytes = _numel(sh) * dt.itemsize
+            nbytes = math.prod(sh) * dt.itemsize
             self.items.append((0, nbytes, tensor_seed(dt, sh, nbytes)) if nbytes < most else None)
         self.plans: dict[tuple[int, int], object] = {}
 
