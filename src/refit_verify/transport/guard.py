@@ -31,6 +31,7 @@ import tempfile
 import time
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from refit_verify.errors import RefitConfigError
 
@@ -362,8 +363,6 @@ class PeerWatch:
 
     def drain(self) -> None:
         """Handle every pending monitor event (never blocks)."""
-        from zmq.utils.monitor import parse_monitor_message
-
         while True:
             try:
                 frames = self.mon.recv_multipart(zmq.NOBLOCK)
