@@ -76,6 +76,27 @@ def test_empty_manifests_compare_nothing_on_every_path():
     assert rep.ok and not rep.nothing_checked
 
 
+def test_the_staged_path_keeps_the_session_errors_beside_the_receivers_error():
+    """The staged transport's report (``receiver_report`` with the worker's session) keeps the errors of
+    the session's close (a check that failed or found a fault: here a tied pair sent with different
+    bytes) and adds ``Done.error`` after them: neither hides the other, and either fails the refit."""
+    import msgspec
+
+    _, wb, model = toy_worker()
+    w = toy_weights(3)
+    man = _session(wb, model, "s1", w, version=1)
+    sent = digest_tensors(w.items())
+    assert receiver_report(sent, {}, man, refit_id="s1", rejected={}, error=None, rank=0).ok
+    bad = msgspec.structs.replace(man, errors=["model: embed, lm_head are one tensor in the engine (tied)"])
+    rep = receiver_report(sent, {}, bad, refit_id="s1", rejected={}, error=None, rank=0)
+    assert not rep.ok and rep.receiver_error == "model: embed, lm_head are one tensor in the engine (tied)"
+    rep = receiver_report(sent, {}, bad, refit_id="s1", rejected={}, error="load_weights raised KeyError", rank=0)
+    assert not rep.ok and rep.receiver_error == ("model: embed, lm_head are one tensor in the engine (tied); "
+                                                 "load_weights raised KeyError")
+    rep = receiver_report(sent, {}, man, refit_id="s1", rejected={}, error="load_weights raised KeyError", rank=0)
+    assert not rep.ok and rep.receiver_error == "load_weights raised KeyError"
+
+
 def test_no_report_at_all_is_a_failure(caplog):
     with pytest.raises(RefitVerificationError, match="no worker's report: no worker was checked, so nothing was verified"):
         act_on_all([], VerifyMode.ENFORCE)

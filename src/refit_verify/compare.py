@@ -109,12 +109,16 @@ def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, 
     holds, when the digests came ahead of the bytes) become ``report.landed`` / ``report.kept``;
     ``version``: the weight version the sender named (checked against the session's, with its order);
     ``stale``: without a ``session``, why the receiver's worker session was out of order (a problem).
+    ``report.receiver_error`` holds the session's errors (its close's checks that failed or found a
+    fault, :func:`compare_session`) and then ``error``, joined by ``"; "``.
     """
     extra = {"landed": tuple(landed or ()), "kept": dict(kept or {})}
     if session is not None:
         base = compare_session({"model": sender_manifest or {}}, session, session=refit_id, version=version,
                                producer_rank=producer_rank)
-        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=error, rank=rank if rank is not None else base.rank,
+        # the session's own errors (a check at the close that failed or found a fault) stay: never replaced by Done's
+        err = "; ".join(e for e in (base.receiver_error, error) if e) or None
+        return dataclasses.replace(base, rejected=dict(rejected), receiver_error=err, rank=rank if rank is not None else base.rank,
                                    **extra)
     base = compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank)
     return dataclasses.replace(base, problems=(*base.problems, *stale_problems(stale)), **extra)

@@ -136,3 +136,22 @@ def test_lm_head_alone_through_load_weights_is_refused_by_vllm_and_never_verifie
     assert _held(engine) == before != tensor_digest(w[L])
     rep = _refit(engine, _weights(engine[3], 31, "embedding"), layerwise=False)  # the next refit verifies again
     assert rep.ok and rep.problems == ()
+
+
+
+def test_tied_embedding_pushed_with_two_different_tensors_fails_naming_both(engine):
+    """Through the staged transport (``refit_verify.push``, vLLM's layerwise reload writes each name
+    through its own copy) the same as through ``refit()``: both names with different bytes fail, the
+    reason naming both (was: only ``engine_mismatched``, the session's tied error dropped on this path),
+    and the engine holds the later one, lm_head's."""
+    w = _weights(engine[3], 40, "different")
+    with pytest.raises(RefitVerificationError) as ei:
+        refit_verify.push(engine[0], w, version=next(_VERSIONS))
+    rep = ei.value.report
+    e, h = tensor_digest(w[E]), tensor_digest(w[L])
+    named = f"model: {E}, {L} are one tensor in the engine (tied), and this refit sent them with different bytes ({E} {e}, {L} {h})"
+    assert rep.receiver_error is not None and rep.receiver_error.startswith(named), rep.receiver_error
+    assert rep.engine_mismatched == (E,) and rep.unconsumed == () and _held(engine) == h
+    assert named in ei.value.report.describe()
+    rep = refit_verify.push(engine[0], _weights(engine[3], 41, "equal"), version=next(_VERSIONS)).report  # then equal: verified
+    assert rep.ok and rep.receiver_error is None and (rep.proven_bytes, rep.unproven_bytes) == (TIED_BYTES, 0)
