@@ -392,6 +392,28 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
     assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
 
 
+def test_a_pushed_refit_whose_read_back_raised_fails_saying_so(engine, monkeypatch):
+    """Through the staged transport, a close whose read-back raised is a failure that says so, never a
+    pass (the session's errors were replaced by ``Done.error`` on this path: this refit, every tensor
+    checked before loading and nothing read back, passed). The next refit verifies again."""
+    from refit_verify.vllm_plugin import worker_sessions as sessions
+
+    llm, model, cfg = engine
+    wb = sessions.boundary_of(llm.llm_engine.model_executor.driver_worker.worker)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected read-back fault")
+
+    monkeypatch.setattr(wb, "readback", broken)
+    with pytest.raises(RefitVerificationError) as ei:
+        refit_verify.push(llm, _weights(cfg, 60))
+    rep = ei.value.report
+    assert rep.receiver_error == "read-back failed: RuntimeError: injected read-back fault"
+    assert rep.verified == len(rep.sender) and not (rep.mismatched or rep.missing or rep.engine_mismatched)
+    monkeypatch.undo()
+    assert refit_verify.push(llm, _weights(cfg, 61)).report.ok
+
+
 @pytest.mark.parametrize("sent", ["both", "lm_head only"])
 def test_untied_embedding_and_lm_head_are_two_parameters(engine, sent):
     """The untied model (``tests/e2e/test_tied.py`` has the tied one): embedding and lm_head with
