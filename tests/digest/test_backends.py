@@ -264,6 +264,7 @@ def test_the_kernel_warmup_takes_every_launch_of_a_run(fresh_warmups, monkeypatc
 
     monkeypatch.setattr(kd, "run_plan", run_plan)
     monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(backends, "_PATHS", [])  # the kernels' runs only (the refit paths' warm-up: tests/stream, tests/gpu)
     assert backends.warmup("cpu") == "triton"
     every = {_leaf._leaf_fast_kernel, _leaf._digest_leaf_kernel, _upper._digest_upper_kernel, _upper._digest_chain_kernel}
     # plain; COPY variants (the same functions, COPY a constexpr); a derived view's gather
@@ -299,6 +300,7 @@ def test_a_kernel_variant_failing_its_warmup_leaves_the_plain_kernels_warm(fresh
 
     monkeypatch.setattr(kd, "run_plan", run_plan)
     monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(backends, "_PATHS", [])  # the kernels' runs only (the refit paths' warm-up: tests/stream, tests/gpu)
     with caplog.at_level(logging.WARNING, logger="refit_verify"):
         assert backends.warmup("cpu") == "triton"
     assert ran == [False] * backends._WARM_RUNS + [True]  # the plain runs and the derived one

@@ -491,23 +491,24 @@ _WARM_SPACE = "refit-verify warm-up"
 
 @_backends.warm_path
 def _warm_first_sight(device: torch.device) -> None:
-    """On the CPU, the first use of :func:`digest_now`'s paths on throwaway tensors (a few small ones
-    of each float dtype a refit pushes): a first sight (checked, planned, a set kept), a set expected
-    ahead (:func:`~refit_verify.digest.kept.expect_layouts`), a kept set read where the tensors moved;
-    and :func:`~refit_verify.digest.batch.tensor_digest` (a close's fill digests). Nothing of it is
-    kept. Other devices (and a CPU digested by the kernels): nothing."""
-    if device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES:
+    """On the CPU (numba) and a kernel device (CUDA), the first use of :func:`digest_now`'s paths on
+    throwaway tensors on ``device`` (a few small ones of each float dtype a refit pushes): a first
+    sight (checked, planned, a set kept), a set expected ahead
+    (:func:`~refit_verify.digest.kept.expect_layouts`), a kept set read where the tensors moved; and
+    :func:`~refit_verify.digest.batch.tensor_digest` (a close's fill digests). Nothing of it is kept.
+    Other devices (and a CPU digested by the kernels): nothing."""
+    if device.type not in _backends.KERNEL_DEVICE_TYPES and (device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES):
         return
     specs = [(f"{i}.{j}", shape, dt) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
              for j, shape in enumerate(((4, 8), (8,)))]
     try:
-        made = lambda: [(n, torch.zeros(sh, dtype=dt)) for n, sh, dt in specs]  # noqa: E731 - fresh tensors each time
+        made = lambda: [(n, torch.zeros(sh, dtype=dt, device=device)) for n, sh, dt in specs]  # noqa: E731 - fresh each time
         digest_now(made(), space=_WARM_SPACE)  # first sight
         digest_now(made(), space=_WARM_SPACE)  # moved
         _held.forget_space(_WARM_SPACE)
         _held.expect_layouts(_WARM_SPACE, specs)
         digest_now(made(), space=_WARM_SPACE)  # expected ahead
-        tensor_digest(torch.zeros((0, 8), dtype=torch.bfloat16))
+        tensor_digest(torch.zeros((0, 8), dtype=torch.bfloat16, device=device))
     finally:
         _held.forget_space(_WARM_SPACE)
 

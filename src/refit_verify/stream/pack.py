@@ -294,10 +294,10 @@ class Packer:
 
 
 class _Discard:
-    """A :class:`PackSink` that sends nothing: one group's buffer, groups dropped (the warm-up's)."""
+    """A :class:`PackSink` that sends nothing: one group's buffer on ``device``, groups dropped (the warm-up's)."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, device: torch.device | str = "cpu") -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def buffer(self, like: torch.Tensor) -> torch.Tensor:
         return self.buf
@@ -312,16 +312,17 @@ class _Discard:
 
 @_backends.warm_path
 def _warm_pack(device: torch.device) -> None:
-    """On the CPU, the first use of a verifying :class:`Packer`'s paths (the digests ahead of the first
-    group, the fused copy+digest of grouped tensors, the digests of the rest, the entries) on a few
-    throwaway tensors of each float dtype a refit pushes, into a throwaway buffer: otherwise the
-    first refit's sender runs them for the first time. Nothing is sent or kept. Other devices: nothing."""
-    if device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES:
+    """On the CPU (numba) and a kernel device (CUDA), the first use of a verifying :class:`Packer`'s
+    paths (the digests ahead of the first group, the fused copy+digest of grouped tensors, the digests
+    of the rest, the entries) on a few throwaway tensors of each float dtype a refit pushes, into a
+    throwaway buffer on ``device``: otherwise the first refit's sender runs them for the first time.
+    Nothing is sent or kept. Other devices (and a CPU digested by the kernels): nothing."""
+    if device.type not in _backends.KERNEL_DEVICE_TYPES and (device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES):
         return
-    items = [(f"{i}.{j}", torch.zeros(shape, dtype=dt)) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
-             for j, shape in enumerate(((4, 8), (8,)))]
+    items = [(f"{i}.{j}", torch.zeros(shape, dtype=dt, device=device))
+             for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32)) for j, shape in enumerate(((4, 8), (8,)))]
     for ahead in (True, False):
-        p = Packer(_Discard(4096), capacity=2048, alignment=256, digests=DigestBatch(), digests_ahead=ahead)
+        p = Packer(_Discard(4096, device), capacity=2048, alignment=256, digests=DigestBatch(), digests_ahead=ahead)
         p.digest_first(items)
         p.add_all(items)
         p.manifest()
