@@ -1,7 +1,7 @@
 """First verified refit against the second on a fresh engine, with the digest warm-up on and off.
 
     python benchmarks/bench_first_refit.py [--rounds 3] [--refits 3] [--device auto|cuda|cpu] [--model tiny-llama]
-        [--settings 1,3] [--fresh-caches] [--out FILE]
+        [--settings 1,3] [--fresh-caches] [--profile FILE] [--out FILE]
 
 Each round runs every setting in a fresh child process: the trainer starts a fresh vLLM engine (the
 packaged tiny Llama the demo uses, dummy weights; ``--model qwen3-0.6b-like`` for the 310-tensor
@@ -28,12 +28,19 @@ sender's digest and the worker's session open, model boundary and close,
 :func:`refit_verify.cli.demo.refit_split`) and its ratio, the figure #53 item 4 holds to 10 %. numba's and Triton's on-disk caches are as the machine has them (warm after any earlier
 run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
 fresh machine, where whichever process compiles first writes the cache the others read).
+
+``--profile FILE``: each verifying run appends to FILE its refits' split (ms: the sender's digest; the
+worker's open, boundary, close and vLLM's reload) and a cProfile of the trainer's send
+(``RefitSender._send_refit``, in the thread that runs it): the functions whose own time differs most
+between the first refit and the third, the first refit's excess in the trainer process.
 """
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -71,19 +78,60 @@ def _child(device: str, model: str, refits: int) -> None:
     llm = start_engine(d, device)
     start_s = time.perf_counter() - t0
     walls, own = [], []
-    for _ in range(refits):
+    profile = os.environ.get("BENCH_PROFILE") if os.environ["REFIT_VERIFY"] != "off" else None
+    profiles: list = []
+    if profile:
+        send = RefitSender._send_refit
+
+        def profiled(self, *a, **k):  # the send runs in push()'s thread: its profiler is enabled there
+            profiles[-1].enable()
+            try:
+                return send(self, *a, **k)
+            finally:
+                profiles[-1].disable()
+
+        RefitSender._send_refit = profiled
+    lines = []
+    for i in range(refits):
+        if profile:
+            profiles.append(cProfile.Profile())
         with RefitSender(device=device) as sender:  # a sender per push, as push() makes when handed none
             res = push(llm, weights, sender=sender, options={"timeout_s": 300.0})
             split = refit_split(sender.last_stats or {}, res.workers) if os.environ["REFIT_VERIFY"] != "off" else None
         walls.append(res.seconds)
         own.append(None if split is None else split[0])
+        if profile and split is not None:
+            w = max((x["seconds"] for x in res.workers), key=lambda x: x["own_s"])
+            lines.append(f"refit {i}: wall {res.seconds * 1e3:.1f}, sender digest {split[1] * 1e3:.2f}, worker open "
+                         f"{w['open_s'] * 1e3:.2f} boundary {w['boundary_s'] * 1e3:.2f} close {w['close_s'] * 1e3:.2f}, "
+                         f"reload {w['reload_s'] * 1e3:.2f}")
+    if profile:
+        lines += _profile_diff(profiles[0], profiles[min(2, len(profiles) - 1)])
+        with open(profile, "a", encoding="utf-8") as f:
+            f.write("\n".join([f"## {os.environ['REFIT_VERIFY']}, warm-up {os.environ['REFIT_VERIFY_WARMUP']}, "
+                               f"trainer {'cold' if os.environ.get('BENCH_TRAINER_COLD') else 'warmed'}", *lines, "", ""]))
     if device == "cuda":
         torch.cuda.synchronize()
     print(json.dumps({"start_s": start_s, "walls": walls, "own": own}), flush=True)
 
 
-def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool) -> dict:
+def _profile_diff(first: cProfile.Profile, later: cProfile.Profile, top: int = 25) -> list[str]:
+    """The functions whose own time (tottime) in the trainer's send differs most between two refits."""
+    a, b = pstats.Stats(first).stats, pstats.Stats(later).stats  # type: ignore[attr-defined]
+    rows = []
+    for k, v in a.items():
+        w = b.get(k)
+        rows.append((v[2] - (w[2] if w else 0.0), v[3] - (w[3] if w else 0.0), v[1], w[1] if w else 0, k))
+    out = ["trainer send, first refit minus third: own ms, cumulative ms, calls first / third, function"]
+    for d_own, d_cum, n1, n3, (path, line, fn) in sorted(rows, key=lambda r: -r[0])[:top]:
+        out.append(f"    {d_own * 1e3:8.2f} {d_cum * 1e3:8.2f} {n1:5d} / {n3:<5d} {path[-48:]}:{line}({fn})")
+    return out
+
+
+def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool, profile: str | None = None) -> dict:
     env = {**os.environ, **SETTINGS[setting]}
+    if profile:
+        env["BENCH_PROFILE"] = profile
     if "BENCH_TRAINER_COLD" not in SETTINGS[setting]:
         env.pop("BENCH_TRAINER_COLD", None)
     if fresh_caches:
@@ -104,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                  ap.add_argument("--model", default="tiny-llama"),
                                                                  ap.add_argument("--settings", default=None),
                                                                  ap.add_argument("--fresh-caches", action="store_true"),
+                                                                 ap.add_argument("--profile", default=None),
                                                                  ap.add_argument("--child", action="store_true")))
     if a.child:
         _child(device, a.model, a.refits)
@@ -116,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     got: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[: r % len(names)]:
-            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches))
+            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile))
             w, o = got[n][-1]["walls"], got[n][-1]["own"]
             own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
             print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",
