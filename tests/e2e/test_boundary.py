@@ -392,6 +392,28 @@ def test_a_copy_that_differs_from_its_staged_bytes_is_refused_before_loading(eng
     assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
 
 
+def test_a_push_in_enforce_into_a_worker_that_does_not_verify_is_refused_at_the_handshake(engine, monkeypatch):
+    """A worker that does not verify (``REFIT_VERIFY=off`` in the engine) answers the handshake "off" with
+    its reason, and a sender in enforce refuses the refit before any byte is sent: nothing is loaded. (It
+    used to digest the staged slices itself and pass: the transport proven, not what the engine loaded.)"""
+    from refit_verify.errors import RefitError
+    from refit_verify.vllm_plugin import worker_sessions as sessions
+
+    llm, model, cfg = engine
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setenv("REFIT_VERIFY", "off")  # the worker's mode (this engine is in-process)
+    monkeypatch.delattr(worker, sessions._ATTR)  # its boundary, as an engine started with REFIT_VERIFY=off has none
+    conf = refit_verify.RefitConfig.build(mode="enforce", timeout_s=60.0)
+    with pytest.raises(RefitError) as ei:
+        refit_verify.push(llm, _weights(cfg, 62), config=conf)
+    assert ("the sender runs enforce but the receiver on" in str(ei.value)
+            and "cannot verify (worker rank 0: REFIT_VERIFY=off in this vLLM worker); refusing an unverified refit" in str(ei.value))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    monkeypatch.undo()
+    assert refit_verify.push(llm, _weights(cfg, 63)).report.ok
+
+
 def test_a_pushed_refit_whose_read_back_raised_fails_saying_so(engine, monkeypatch):
     """Through the staged transport, a close whose read-back raised is a failure that says so, never a
     pass (the session's errors were replaced by ``Done.error`` on this path: this refit, every tensor

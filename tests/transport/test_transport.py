@@ -4,6 +4,7 @@ in-process (thread) receivers for protocol edge cases."""
 from __future__ import annotations
 
 import logging
+import re
 import multiprocessing as mp
 import os
 import queue
@@ -536,6 +537,22 @@ def test_enforce_sender_vs_receiver_that_cannot_verify_fails_at_handshake(monkey
     assert "mode agreement failed" in msg and "enforce" in msg and "cannot verify" in msg and "verify=False" in msg
     assert adds == [] and "loaded" not in out
     assert isinstance(out["error"], RefitAbortedError) and "cannot verify" in out["error"].reason
+
+
+def test_a_receiver_that_does_not_verify_gives_its_own_reason_at_the_handshake():
+    """``RefitReceiver(verify=False, why_not=...)`` (a vLLM worker that does not verify) answers the
+    handshake with that reason; ``why_not`` without ``verify=False``, or empty, is refused."""
+    out: dict = {}
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+        th = _receiver_thread(tx.endpoint, out, verify=False, why_not="worker rank 0: REFIT_VERIFY=off in this vLLM worker")
+        with pytest.raises(RefitProtocolError, match=re.escape("cannot verify (worker rank 0: REFIT_VERIFY=off in this vLLM "
+                                                               "worker); refusing an unverified refit")):
+            tx.send([("a", torch.randn(8))])
+        th.join(10)
+    assert "loaded" not in out
+    for bad in ({"why_not": "off"}, {"verify": False, "why_not": ""}, {"verify": False, "why_not": 3}):
+        with pytest.raises(RefitConfigError, match="why_not must be a non-empty string, and only with verify=False"):
+            RefitReceiver("ipc:///tmp/never-bound", **bad)
 
 
 def test_log_sender_vs_receiver_that_cannot_verify_runs_unverified_with_warning(caplog):

@@ -75,16 +75,19 @@ class RefitReceiver:
             (default: the current CUDA device). Ignored for shared-memory buffers.
         verify: ``False`` builds a receiver that never digests: a sender in ``enforce`` mode then
             fails at the handshake, one in ``log`` mode runs unverified with a warning.
+        why_not: with ``verify=False``, why this receiver does not verify (its ``Welcome.reason``; a vLLM
+            worker that does not verify says its ``REFIT_VERIFY`` or why its model cannot be found).
 
     The connected peer's uid is checked with ``SO_PEERCRED`` where the platform allows; a peer of
     another uid (root excepted) ends the refit with ``RefitProtocolError``.
 
     Raises:
-        RefitConfigError: a bad ``config`` or an ``ipc://`` endpoint in a non-private directory.
+        RefitConfigError: a bad ``config``, ``why_not`` with ``verify=True``, or an ``ipc://`` endpoint in a
+            non-private directory.
     """
 
     def __init__(self, endpoint: str, *, config: RefitConfig | None = None, device: str | torch.device | int | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, why_not: str | None = None) -> None:
         self.config = config if config is not None else RefitConfig()
         if not isinstance(self.config, RefitConfig):
             raise RefitConfigError(f"config must be a RefitConfig, got {type(self.config).__name__}")
@@ -92,9 +95,12 @@ class RefitReceiver:
             raise RefitConfigError(f"endpoint must be a non-empty string, got {endpoint!r}")
         if not isinstance(verify, bool):
             raise RefitConfigError(f"verify must be True or False, got {verify!r}")
+        if why_not is not None and (not isinstance(why_not, str) or not why_not or verify):
+            raise RefitConfigError(f"why_not must be a non-empty string, and only with verify=False; got {why_not!r}")
         self.endpoint = endpoint
         self.device = device
         self.verify = verify
+        self.why_not = why_not
         self._capability: tuple[bool, str | None] | None = None
         check_private_dir(endpoint, "receiver")
         self._ctx = zmq.Context()
@@ -135,7 +141,7 @@ class RefitReceiver:
     def _can_verify(self) -> tuple[bool, str | None]:
         """Whether this receiver can digest staged slices, and why not."""
         if not self.verify:
-            return False, "verification is disabled on this receiver (RefitReceiver(verify=False))"
+            return False, self.why_not or "verification is disabled on this receiver (RefitReceiver(verify=False))"
         if self._capability is None:
             try:
                 from refit_verify.digest import batch as _digest  # noqa: F401

@@ -71,8 +71,12 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
     digests = SessionDigests(wb, "transport", expect_producer=expect) if wb is not None else None
     outcome: dict[str, Any] = {"load_s": 0.0}
     own0 = wb.own_seconds() if wb is not None else 0.0
+    # a worker that does not verify answers the handshake "off" with its reason (enforce then refuses the refit):
+    # digesting the staged slices alone would prove the transport, not what the engine loaded
+    why_not = None if wb is not None else f"worker rank {self.rank}: {sessions.not_verifying_reason(self)}"
     try:
-        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=runner.device(self)) as receiver:
+        with RefitReceiver(endpoint.format(rank=self.rank), config=cfg, device=runner.device(self), verify=wb is not None,
+                           why_not=why_not) as receiver:
             with _reload_session(self, digests, outcome) as load:
                 try:
                     res = receiver.receive(load=load, digests=digests)
