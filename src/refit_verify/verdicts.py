@@ -4,7 +4,10 @@ and :func:`refit_verify.certificate`).
 An audit compares a worker's engine state with the state its last refit session left. That state is
 the trainer's weights only if that refit verified. Workers do not learn the trainer's verdict (it
 would cost a round trip per refit), so every path that reaches one records it here:
-:func:`refit_verify.refit`, :func:`refit_verify.push` and :class:`~refit_verify.transport.RefitSender`.
+:func:`refit_verify.refit`, :func:`refit_verify.push` and :class:`~refit_verify.transport.RefitSender`
+(a send that fails after its handshake too: the worker may hold part of it), vLLM's native weight
+transfer (a closed worker session compared whole) and the broadcast path (failures only: its reports
+hold no engine-side check of the receivers' sessions).
 An audit whose baseline is a session recorded as failed fails, with the reason; a certificate is
 only good for a session recorded as passed. A later verdict on the same session id replaces the
 earlier one.

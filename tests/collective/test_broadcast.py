@@ -23,7 +23,7 @@ import torch
 
 from tests.support.dist_utils import init_rank, rank_result, spawn_ranks
 
-from refit_verify import RefitConfig, RefitVerificationError
+from refit_verify import RefitConfig, RefitVerificationError, verdicts
 from refit_verify.collective.broadcast import AFTER_LOAD_UNCHECKED, BroadcastReceiver, BroadcastSender, BroadcastVerificationError
 from refit_verify.errors import RefitAbortedError, RefitProtocolError, RefitTimeoutError
 from refit_verify.stream.pack import Packer
@@ -126,6 +126,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
              items=None, label: int | None = None, late: str | None = None) -> None:
         cap.records.clear()
         if rank == SRC:
+            failed_before = len(verdicts._FAILED)
             try:
                 if late is not None:  # a copy of the list, one tensor of it written while the refit is sent
                     items = [(n, t.clone()) for n, t in tensors]
@@ -143,6 +144,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": _err(e)}
             out[key]["logs"] = list(cap.records)
+            out[key]["failed_recorded"] = len(verdicts._FAILED) - failed_before  # this trainer's verdicts (audits read them)
             return
         loaded: dict[str, torch.Tensor] = {}
         bad = (load_error or {}).get(rank)
@@ -300,7 +302,7 @@ def test_log_mode_logs_and_continues(ranks) -> None:
 
 
 def test_off_mode_digests_nothing(ranks) -> None:
-    assert ranks[SRC]["off"] == {"reports": None, "logs": []}
+    assert ranks[SRC]["off"] == {"reports": None, "logs": [], "failed_recorded": 0}
     for r in (1, 2):
         got = ranks[r]["off"]
         assert got["mode"] == "off" and got["manifest"] is None and got["loaded"] == sorted(ALL)
@@ -314,6 +316,15 @@ def test_load_error_reported_with_rank(ranks) -> None:
     # rank 2's report carries its load error (so it is not ok); its digests matched (taken before load:
     # the bytes arrived intact), so the error raised is a RefitReceiveError, not a verification failure
     assert err["reports_ok"] == {1: True, 2: False}
+
+
+def test_a_failed_broadcast_is_recorded_as_failed_in_every_mode(ranks) -> None:
+    """A broadcast refit that failed (a mismatch in enforce or log, a load error, a sender that aborted)
+    records its receivers' session as failed in the trainer, so an audit or an empty partial refit never
+    vouches for what it left; a clean one records nothing (its reports hold no engine-side check)."""
+    got = {k: ranks[SRC][k]["failed_recorded"] for k in ("clean_enforce", "fault_enforce", "fault_log", "off", "load_error",
+                                                         "abort", "after_abort")}
+    assert got == {"clean_enforce": 0, "fault_enforce": 1, "fault_log": 1, "off": 0, "load_error": 1, "abort": 1, "after_abort": 0}
 
 
 def test_sender_error_aborts_receivers(ranks) -> None:

@@ -414,6 +414,40 @@ def test_a_push_in_enforce_into_a_worker_that_does_not_verify_is_refused_at_the_
     assert refit_verify.push(llm, _weights(cfg, 63)).report.ok
 
 
+def test_a_push_that_failed_half_way_is_never_vouched_for_by_an_audit_or_an_empty_partial_refit(engine):
+    """A push whose trainer fails after some buffers landed leaves the engine holding part of it; its
+    worker session is recorded as failed in this trainer, so an audit of that state, an empty partial
+    refit over it and a certificate all fail, saying why (they used to pass: no verdict was recorded for
+    a failed send, and they only refuse a recorded failure). A full refit verifies again."""
+    from refit_verify.errors import RefitError
+
+    llm, model, cfg = engine
+    conf = refit_verify.RefitConfig.build(mode="enforce", timeout_s=60.0, buffer_bytes=64 << 10)
+    assert refit_verify.push(llm, _weights(cfg, 64), config=conf).report.ok
+    w = _weights(cfg, 65)
+
+    def half():
+        for i, item in enumerate(w.items()):
+            if i == 15:
+                raise RuntimeError("trainer failed mid-push")
+            yield item
+
+    with pytest.raises(RuntimeError, match="trainer failed mid-push"):
+        refit_verify.push(llm, half(), config=conf)
+    held = dict(model.named_parameters())
+    assert torch.equal(held["model.layers.0.input_layernorm.weight"], w["model.layers.0.input_layernorm.weight"])  # part landed
+    failed = "its refit failed before the verdict (RuntimeError) in this trainer"
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and any(failed in p and "does not hold verified weights" in p for p in a.problems), a.problems
+    (c,) = refit_verify.certificate(llm)
+    assert not c.ok and any(failed in p for p in c.problems), c.problems
+    with pytest.raises(RefitError) as ei:
+        with refit_verify.refit(llm, mode="enforce", partial=True):
+            pass
+    assert "this partial refit wrote nothing, and the state it found is what session" in str(ei.value) and failed in str(ei.value)
+    assert refit_verify.push(llm, _weights(cfg, 66), config=conf).report.ok
+
+
 def test_a_pushed_refit_whose_read_back_raised_fails_saying_so(engine, monkeypatch):
     """Through the staged transport, a close whose read-back raised is a failure that says so, never a
     pass (the session's errors were replaced by ``Done.error`` on this path: this refit, every tensor

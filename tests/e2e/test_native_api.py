@@ -20,7 +20,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode  # noqa: E402
+from refit_verify import RefitConfigError, RefitVerificationError, VerifyMode, verdicts  # noqa: E402
 
 from refit_verify.testing import models  # noqa: E402
 from refit_verify.cli.demo import readback_names  # noqa: E402
@@ -91,6 +91,7 @@ def test_clean_update_verified_and_loaded(engine, packed):
     names = readback_names(weights)
     assert llm.collective_rpc("refit_verify_param_digests", args=(names,))[0] == digest_tensors((n, weights[n]) for n in names)
     assert native.last_reports() == [report]
+    assert report.session is not None and verdicts.passed(report.session)  # audits and certificates read it
 
 
 @needs_trainer_api
@@ -130,6 +131,7 @@ def test_corrupted_tensor_named_with_rank(engine, packed):
     err = ei.value
     assert (err.mismatched, err.missing, err.unexpected) == ([TARGET], [], [])
     assert err.report.rank == 0 and TARGET in str(err) and "worker rank 0" in str(err)
+    assert verdicts.failed(err.report.session) == "its refit failed verification"  # never vouched for by an audit
 
 
 @needs_trainer_api

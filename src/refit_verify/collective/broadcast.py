@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refit_verify import verdicts
 from refit_verify.compare import receiver_report
 from refit_verify.config import RefitConfig, VerifyMode, act_on, check_version
 from refit_verify.digest.batch import DigestBatch
@@ -351,6 +352,8 @@ class BroadcastSender:
             gathered = gather_messages(None, group=self.group, dst=self.src, device=st.msg_device, decode=decode_rank_report,
                                        max_bytes=MAX_MESSAGE_BYTES, what="receiver reports", run=st.run)
         except BaseException as e:
+            # the receivers' sessions (named after the refit) may hold part of it: never vouched for later
+            verdicts.record(refit_id, False, f"its broadcast refit failed before the verdict ({type(e).__name__})")
             if abort_due and not st.in_collective:
                 try:
                     st.send(BroadcastAbort(reason=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]), "abort")
@@ -403,6 +406,8 @@ class BroadcastSender:
                 act_on(dataclasses.replace(rep, receiver_error=None) if rep.receiver_error else rep, mode)
             except RefitVerificationError:
                 failing = True
+        if not all(rep.ok for rep in reports.values()):  # in every mode (a pass is not recorded: a rank's report holds
+            verdicts.record(refit_id, False, "its broadcast refit failed")  # no engine-side check of its session)
         if failing:
             raise BroadcastVerificationError(reports)
         for rep in reports.values():

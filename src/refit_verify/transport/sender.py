@@ -558,6 +558,9 @@ class RefitSender:
         except BaseException as e:
             if st.hello_sent:
                 self._abort(e)
+                # the worker's session of this transfer (the implicit one is named after the refit) may hold part of
+                # it: never a baseline an audit, an empty partial refit or a certificate vouches for
+                verdicts.record(refit_id, False, f"its refit failed before the verdict ({type(e).__name__})")
             if packer is not None:
                 packer.release()  # queued fused copies hold views of the staging buffers freed below
             raise

@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from refit_verify import verdicts
 from refit_verify.compare import compare_manifests, compare_session
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitProtocolError
@@ -302,6 +303,9 @@ class NativeSendVerifier:
         self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
+        for r in reports:  # a closed session compared whole (an open one has no session yet: checked again at its close)
+            if r.session is not None:
+                verdicts.record(r.session, r.ok)
         if all(r.ok for r in reports):
             logger.info("refit verified (native weight transfer): %d tensors on %d worker(s)", len(sender), len(reports))
         return act_on_all(reports, self.mode)
