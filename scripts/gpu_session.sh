@@ -29,7 +29,8 @@
 #           copy+digest and derived-view kernel tests (W_TIMEOUT), bench_paths at W_SIZES (default 1.7B and 4B,
 #           W_BUDGET), bench_fused_copy and bench_close_pass (4B-like).
 #   stage f (carry as stage t): the first refit on CUDA: the demo, F_PROF (a profiling script, if given), F_TESTS (default
-#           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS).
+#           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS; F_PROFILE=1: --profile, the refit splits and
+#           a cProfile of the trainer's send, first refit minus third).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
@@ -113,8 +114,9 @@ elif [ "$stage" = f ]; then  # the first refit on CUDA (carry as stage t): demo,
   echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_first_refit.py --device cuda --settings ${F_SETTINGS:-0,3} --rounds ${ROUNDS:-2} \
-    --refits 4 --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
+    --refits 4 ${F_PROFILE:+--profile "$OUT/first_refit_profile.txt"} --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
   echo "bench_first_refit rc=$?"; grep -E "^\| " "$OUT/bench_first_refit.md" 2>/dev/null | head -12 || tail -20 "$OUT/bench_first_refit.log"
+  [ -n "${F_PROFILE:-}" ] && head -40 "$OUT/first_refit_profile.txt"
   echo "stage f: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = d ]; then
   timeout 150 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
