@@ -491,13 +491,13 @@ _WARM_SPACE = "refit-verify warm-up"
 
 @_backends.warm_path
 def _warm_first_sight(device: torch.device) -> None:
-    """On the CPU (numba) and a kernel device (CUDA), the first use of :func:`digest_now`'s paths on
+    """On the CPU and a kernel device (CUDA), the first use of :func:`digest_now`'s paths on
     throwaway tensors on ``device`` (a few small ones of each float dtype a refit pushes): a first
     sight (checked, planned, a set kept), a set expected ahead
     (:func:`~refit_verify.digest.kept.expect_layouts`), a kept set read where the tensors moved; and
     :func:`~refit_verify.digest.batch.tensor_digest` (a close's fill digests). Nothing of it is kept.
-    Other devices (and a CPU digested by the kernels): nothing."""
-    if device.type not in _backends.KERNEL_DEVICE_TYPES and (device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES):
+    Other devices: nothing."""
+    if device.type != "cpu" and device.type not in _backends.KERNEL_DEVICE_TYPES:
         return
     specs = [(f"{i}.{j}", shape, dt) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
              for j, shape in enumerate(((4, 8), (8,)))]

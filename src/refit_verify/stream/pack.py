@@ -312,12 +312,12 @@ class _Discard:
 
 @_backends.warm_path
 def _warm_pack(device: torch.device) -> None:
-    """On the CPU (numba) and a kernel device (CUDA), the first use of a verifying :class:`Packer`'s
+    """On the CPU and a kernel device (CUDA), the first use of a verifying :class:`Packer`'s
     paths (the digests ahead of the first group, the fused copy+digest of grouped tensors, the digests
     of the rest, the entries) on a few throwaway tensors of each float dtype a refit pushes, into a
     throwaway buffer on ``device``: otherwise the first refit's sender runs them for the first time.
-    Nothing is sent or kept. Other devices (and a CPU digested by the kernels): nothing."""
-    if device.type not in _backends.KERNEL_DEVICE_TYPES and (device.type != "cpu" or "cpu" in _backends.KERNEL_DEVICE_TYPES):
+    Nothing is sent or kept. Other devices: nothing."""
+    if device.type != "cpu" and device.type not in _backends.KERNEL_DEVICE_TYPES:
         return
     items = [(f"{i}.{j}", torch.zeros(shape, dtype=dt, device=device))
              for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32)) for j, shape in enumerate(((4, 8), (8,)))]

@@ -44,6 +44,9 @@ def refit_verify_receive(self, endpoint: str, options: dict[str, Any] | None = N
         of those that still hold the previous version), when verifying; ``seconds``: wall seconds of
         this worker's phases (:func:`_phase_seconds`).
 
+    A worker that does not verify (``REFIT_VERIFY=off`` here, or its model not found) answers the
+    handshake ``off`` with that reason: a sender in ``enforce`` refuses the refit before any byte moves.
+
     Verify before load: every tensor is checked against the digest the sender sent with it, at
     the model boundary, before ``load_weights`` (one synchronisation per call on CUDA); in
     ``enforce`` a corrupt one is refused and never loaded, and a fused layer with a refused part
