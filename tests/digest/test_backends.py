@@ -22,7 +22,7 @@ from refit_verify.digest import _torch as _torch_digest
 from refit_verify.digest import backends
 from refit_verify.digest import batch as digest
 from refit_verify.digest import reference
-from tests.support.warmups import forget_warmups
+from tests.support.warmups import check_warm_paths, forget_warmups
 
 nd = pytest.importorskip("refit_verify.digest._numba")
 
@@ -309,38 +309,11 @@ def test_a_kernel_variant_failing_its_warmup_leaves_the_plain_kernels_warm(fresh
 
 def test_the_refit_paths_warm_up_on_a_kernel_device_through_the_kernels(fresh_warmups, monkeypatch, caplog) -> None:
     """On a kernel device (CUDA; here the CPU through the Triton interpreter, the same code), the warm
-    paths run a verifying Packer whose grouped tensors all go through the fused COPY kernels, with and
-    without digests ahead, and digest_now's first sight / moved / expected-ahead sets: every digest is
-    the reference's, nothing logs a failure and nothing stays kept (GPU: tests/gpu/test_fused_copy_gpu.py)."""
+    paths run a verifying Packer whose grouped tensors all go through the fused COPY kernels and
+    digest_now's first sight / moved / expected-ahead sets (:func:`check_warm_paths`; GPU:
+    tests/gpu/test_fused_copy_gpu.py)."""
     kd = pytest.importorskip("refit_verify.digest.kernels.launch")
     if not kd._INTERPRETED:
         pytest.skip("CPU views need TRITON_INTERPRET=1 (CUDA: tests/gpu)")
-    from refit_verify.digest import incremental
-    from refit_verify.digest import kept as held
-    from refit_verify.stream import pack
-
     monkeypatch.setattr(backends, "KERNEL_DEVICE_TYPES", frozenset({"cuda", "cpu"}))
-    packed, sights = [], []
-    real_manifest, real_now = pack.Packer.manifest, incremental.digest_now
-
-    def manifest(self):
-        out = real_manifest(self)
-        packed.append((self.tensors, self.fused, self.ahead, out))
-        return out
-
-    def now(items, *a, **k):
-        out = real_now(items, *a, **k)
-        sights.append((k.get("space"), out))
-        return out
-
-    monkeypatch.setattr(pack.Packer, "manifest", manifest)
-    monkeypatch.setattr(incremental, "digest_now", now)
-    with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        backends.warm_paths("cpu")
-    assert [r.getMessage() for r in caplog.records if "warming" in r.getMessage()] == []
-    zeros = {f"{i}.{j}": reference.digest_bytes(bytes(torch.zeros(shape, dtype=dt).numel() * dt.itemsize), str(dt)[6:], shape)
-             for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32)) for j, shape in enumerate(((4, 8), (8,)))}
-    assert [p[:3] for p in packed] == [(6, 6, True), (6, 6, False)] and all(p[3] == zeros for p in packed)
-    warm = [out for space, out in sights if space == incremental._WARM_SPACE]
-    assert len(warm) == 3 and all(out == zeros for out in warm)
-    assert incremental._WARM_SPACE not in held._EXPECTED and not [k for k in held._HELD_SETS if k and k[0] == incremental._WARM_SPACE]
+    check_warm_paths(monkeypatch, caplog, "cpu")

@@ -114,36 +114,8 @@ def test_the_packer_copies_grouped_cuda_tensors_through_the_fused_op():
 
 def test_the_cuda_warm_up_runs_a_verifying_packer_and_first_sight_on_the_device(monkeypatch, caplog):
     """``backends.warm_paths("cuda")`` (the end of every CUDA warm-up: the trainer's ``warmup``, the
-    worker's prepare) packs throwaway CUDA tensors through a verifying Packer, with and without digests
-    ahead, every grouped one through the fused op, and digests them at first sight, moved and expected
-    ahead: the digests are tensor_digest's, nothing is logged as failed and nothing stays kept."""
-    import logging
+    worker's prepare) packs throwaway CUDA tensors through a verifying Packer, every grouped one through
+    the fused op, and digests them at first sight, moved and expected ahead (:func:`check_warm_paths`)."""
+    from tests.support.warmups import check_warm_paths
 
-    from refit_verify.digest import backends, incremental
-    from refit_verify.digest import kept as _held
-    from refit_verify.stream import pack
-
-    seen, sights = [], []
-    real_manifest, real_now = pack.Packer.manifest, incremental.digest_now
-
-    def manifest(self):
-        out = real_manifest(self)
-        seen.append((self.tensors, self.fused, self.ahead, out))
-        return out
-
-    def now(items, *a, **k):
-        out = real_now(items, *a, **k)
-        sights.append((k.get("space"), [t.device.type for _, t in items], out))
-        return out
-
-    monkeypatch.setattr(pack.Packer, "manifest", manifest)
-    monkeypatch.setattr(incremental, "digest_now", now)
-    with caplog.at_level(logging.WARNING, logger="refit_verify"):
-        backends.warm_paths("cuda")
-    assert not [r for r in caplog.records if "warming" in r.getMessage()]
-    zeros = {f"{i}.{j}": tensor_digest(torch.zeros(shape, dtype=dt)) for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32))
-             for j, shape in enumerate(((4, 8), (8,)))}
-    assert [s[:3] for s in seen] == [(6, 6, True), (6, 6, False)] and seen[0][3] == zeros and seen[1][3] == zeros
-    warm = [s for s in sights if s[0] == incremental._WARM_SPACE]
-    assert len(warm) == 3 and all(set(d) == {"cuda"} and out == zeros for _, d, out in warm)
-    assert incremental._WARM_SPACE not in _held._EXPECTED and not [k for k in _held._HELD_SETS if k and k[0] == incremental._WARM_SPACE]
+    check_warm_paths(monkeypatch, caplog, "cuda")
