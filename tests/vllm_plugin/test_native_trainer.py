@@ -7,6 +7,7 @@ said they answer it. Fakes in the shape of 0.26's classes (the real 0.26 flow ru
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -363,3 +364,25 @@ def test_a_pending_send_with_no_target_leaves_the_list_when_the_engine_it_fed_is
         with native._LOCK:
             native._prune_gone()
     assert not native._PENDING and "were never verified" in caplog.text
+
+
+def test_the_native_verdict_on_a_session_passes_only_where_every_worker_passed():
+    """``native_sender.record_verdicts``: a closed session compared on several workers is recorded as
+    passed only when every worker's report passed, whatever their order; a report without a session
+    (an update still open) records nothing."""
+    from refit_verify import verdicts
+    from refit_verify.compare import compare_manifests
+    from refit_verify.vllm_plugin.native_sender import record_verdicts
+
+    good = dataclasses.replace(compare_manifests({"a": "0" * 32}, {"a": "0" * 32}), session="native-s1")
+    bad = dataclasses.replace(compare_manifests({"a": "0" * 32}, {"a": "1" * 32}), session="native-s1")
+    assert good.ok and not bad.ok
+    for order in ([good, bad], [bad, good]):
+        verdicts.record("native-s1", True)
+        record_verdicts(order)
+        assert not verdicts.passed("native-s1") and verdicts.failed("native-s1") == "its refit failed verification"
+    record_verdicts([good, dataclasses.replace(good, session="native-s2")])
+    assert verdicts.passed("native-s1") and verdicts.passed("native-s2")
+    open_update = compare_manifests({"a": "0" * 32}, {"a": "1" * 32})
+    record_verdicts([open_update])
+    assert open_update.session is None and verdicts.failed(None) is None

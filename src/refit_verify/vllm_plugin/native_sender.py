@@ -29,7 +29,7 @@ from refit_verify.vllm_plugin.rpc_names import MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
 
-__all__ = ["FETCH_TIMEOUT_S", "NativeSendVerifier"]
+__all__ = ["FETCH_TIMEOUT_S", "NativeSendVerifier", "record_verdicts"]
 
 FETCH_TIMEOUT_S = 300.0
 """Bound, in seconds, on fetching the workers' manifests after a send."""
@@ -303,9 +303,7 @@ class NativeSendVerifier:
         self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
-        for r in reports:  # a closed session compared whole (an open one has no session yet: checked again at its close)
-            if r.session is not None:
-                verdicts.record(r.session, r.ok)
+        record_verdicts(reports)
         if all(r.ok for r in reports):
             logger.info("refit verified (native weight transfer): %d tensors on %d worker(s)", len(sender), len(reports))
         return act_on_all(reports, self.mode)
@@ -347,6 +345,18 @@ class NativeSendVerifier:
         return dataclasses.replace(r, unchecked=(
             "coverage, apply-time digests and read-back: the worker's update was still open (checked again when "
             "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",))
+
+
+def record_verdicts(reports: Iterable[VerificationReport]) -> None:
+    """Record in :mod:`refit_verify.verdicts` the verdict on each closed worker session the reports
+    compared whole: passed only where every worker's report on that session passed (a report of an
+    update still open has no session: it is checked again at its close)."""
+    closed: dict[str, bool] = {}
+    for r in reports:
+        if r.session is not None:
+            closed[r.session] = closed.get(r.session, True) and r.ok
+    for session, ok in closed.items():
+        verdicts.record(session, ok)
 
 
 class _Wrapped:
