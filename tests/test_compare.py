@@ -119,3 +119,22 @@ def test_check_digest_says_why_a_tensor_must_not_load_and_names_both_causes_of_a
     assert why.startswith(f"its digest {a} differs from the sender's {b}: ")
     assert "corrupted in staging or transit" in why and "the trainer's tensor written while it was being sent" in why
     assert check_digest(a, None) == "it carries no sender digest, so its bytes cannot be checked before loading"
+
+
+def test_replicas_of_one_rank_that_do_not_hold_the_same_tensors_differ():
+    """Data-parallel replicas of one (tp, pp) rank hold the same tensors: one a replica lacks is named
+    with the replicas that lack it (it used to be compared among its holders only, and pass)."""
+    from refit_verify.compare import compare_replicas
+    from refit_verify.manifest import EngineSnapshot, TensorState, WorkerIdentity
+
+    def ts(d):
+        return TensorState(digest=d * 32, ptr=1, dtype="bfloat16", shape=[4, 4])
+
+    a = EngineSnapshot(worker=WorkerIdentity(rank=0, dp=0), session="s", version=3, params={"w1": ts("a"), "w2": ts("b")})
+    b = EngineSnapshot(worker=WorkerIdentity(rank=0, dp=1), session="s", version=3, params={"w1": ts("a")})
+    r = compare_replicas([a, b])
+    assert not r.ok and r.compared == 1
+    assert r.differing == {"w2": f"missing on {b.worker.label()} (held by {a.worker.label()})"}
+    same = compare_replicas([a, EngineSnapshot(worker=WorkerIdentity(rank=0, dp=1), session="s", version=3,
+                                                 params={"w1": ts("a"), "w2": ts("b")})])
+    assert same.ok and same.compared == 2 and same.differing == {}

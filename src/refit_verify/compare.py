@@ -331,7 +331,8 @@ def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
     must hold identical tensors, and tensor-parallel ranks identical replicated ones.
 
     A tensor on which the holders disagree is named with the ranks that differ from the majority
-    (with two holders, both are named).
+    (with two holders, both are named); a tensor some replicas of a rank hold and others lack is named
+    with the replicas that lack it.
     """
     differing, not_comparable = {}, {}
     n = 0
@@ -343,7 +344,12 @@ def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
         if len(members) < 2:
             continue
         for name in sorted(set().union(*(m.params for m in members))):
-            checks.append((name, [(m, m.params[name]) for m in members if name in m.params]))
+            lacking = [m for m in members if name not in m.params]
+            if lacking:  # replicas of one rank hold the same tensors: one that lacks it did not get what the others did
+                differing[name] = "missing on " + ", ".join(m.worker.label() for m in lacking) + " (held by " + ", ".join(
+                    m.worker.label() for m in members if name in m.params) + ")"
+                continue
+            checks.append((name, [(m, m.params[name]) for m in members]))
     by_pp: dict[int, list[EngineSnapshot]] = {}
     for st in states:
         by_pp.setdefault(st.worker.pp, []).append(st)
