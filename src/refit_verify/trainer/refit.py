@@ -375,12 +375,10 @@ class RefitCheck:
             self.manifests.append(man)
             rep = compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
                                   sender_problems=held, undigested=undigested)
-            why = verdicts.failed(man.unchanged_since) if rep.unchanged else None
-            if why is not None:  # a partial refit vouches for the parameters it left only as far as the last session did
-                left = ("this partial refit wrote nothing, and the state it found" if not (rep.sender or rep.receiver) else
-                        f"this partial refit left {rep.unchanged} parameters unwritten, and what they hold")
-                rep = dataclasses.replace(rep, problems=(*rep.problems, f"{left} is what session {man.unchanged_since} left, "
-                                                         f"which {why} in this trainer"))
+            why = verdicts.failed(man.unchanged_since) if rep.unchanged and not (rep.sender or rep.receiver) else None
+            if why is not None:  # an empty partial refit vouches only for the state the last session left
+                rep = dataclasses.replace(rep, problems=(*rep.problems, f"this partial refit wrote nothing, and the state it "
+                                                         f"found is what session {man.unchanged_since} left, which {why} in this trainer"))
             if self.base is not None and man.base_session is not None and not verdicts.passed(man.base_session):
                 # a delta vouches for its patch over the state it applies to: that state must be one this trainer verified
                 failed = verdicts.failed(man.base_session)
