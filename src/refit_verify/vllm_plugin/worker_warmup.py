@@ -120,8 +120,8 @@ def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
     :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` (with
     ``worker``: the loaders' placements of its checkpoint's tensors learned ahead, :func:`checkpoint_specs`)
     and import the refit modules (a process whose device warm-up another caller started, a colocated
-    trainer, did not import them in it); on the CPU, then the first use of the refit's digest paths
-    (:func:`~refit_verify.digest.backends.warm_paths`); the digests of the fills learned ahead; and
+    trainer, did not import them in it); then the first use of the refit's digest paths on the device
+    (:func:`~refit_verify.digest.backends.warm_paths`: the CPU's and a kernel device's); the digests of the fills learned ahead; and
     each model handed to :data:`MODEL_HOOKS` (its modules' names: :func:`~refit_verify.vllm_plugin.quantized.remember_names`).
     Logs what it did; never raises. Returns whether ``wb`` was prepared."""
     t0 = time.perf_counter()
@@ -130,8 +130,7 @@ def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
         specs = checkpoint_specs(worker) if worker is not None else {}
         done = wb.prepare(specs={"model": specs} if specs else None)
         _import_refit_modules()
-        if device_type == "cpu":  # the first use of the refit's digest paths (the modules that register them are imported now)
-            backends.warm_paths(device_type)
+        backends.warm_paths(device_type)  # the first use of the refit's digest paths (their modules are imported now)
         _fill_digests(wb)
         for b in list(getattr(wb, "modules", {}).values()):  # e.g. the layers' names the first refit's session_of looks up
             if callable(getattr(getattr(b, "model", None), "named_modules", None)):
