@@ -16,7 +16,6 @@ Source: ``docs/digest-spec.md`` §2-§8; the fold helpers are ``_numba``'s.
 
 from __future__ import annotations
 
-
 import numpy as np
 from numba import carray, types
 from numba.core import cgutils
