@@ -416,9 +416,9 @@ def test_a_push_in_enforce_into_a_worker_that_does_not_verify_is_refused_at_the_
 
 def test_a_push_that_failed_half_way_is_never_vouched_for_by_an_audit_or_an_empty_partial_refit(engine):
     """A push whose trainer fails after some buffers landed leaves the engine holding part of it; its
-    worker session is recorded as failed in this trainer, so an audit of that state, an empty partial
-    refit over it and a certificate all fail, saying why (they used to pass: no verdict was recorded for
-    a failed send, and they only refuse a recorded failure). A full refit verifies again."""
+    worker session is recorded as failed in this trainer, so an audit of that state, a partial refit
+    over it (empty, or writing one tensor) and a certificate all fail, saying why. A full refit
+    verifies again."""
     from refit_verify.errors import RefitError
 
     llm, model, cfg = engine
@@ -444,8 +444,17 @@ def test_a_push_that_failed_half_way_is_never_vouched_for_by_an_audit_or_an_empt
     with pytest.raises(RefitError) as ei:
         with refit_verify.refit(llm, mode="enforce", partial=True):
             pass
-    assert "this partial refit wrote nothing, and the state it found is what session" in str(ei.value) and failed in str(ei.value)
+    assert "this partial refit wrote nothing, and " in str(ei.value) and failed in str(ei.value)
+    with pytest.raises(RefitError) as ei:  # one that writes a tensor vouches no more for the rest of what the failed one left
+        with refit_verify.refit(llm, mode="enforce", partial=True) as r:
+            r.add("model.norm.weight", w["model.norm.weight"])
+            model.load_weights([("model.norm.weight", w["model.norm.weight"])])
+    assert " parameters this refit did not write hold what session " in str(ei.value) and failed in str(ei.value)
+    (c,) = refit_verify.certificate(llm)
+    assert not c.ok
     assert refit_verify.push(llm, _weights(cfg, 66), config=conf).report.ok
+    (c,) = refit_verify.certificate(llm)
+    assert c.ok
 
 
 def test_a_pushed_refit_whose_read_back_raised_fails_saying_so(engine, monkeypatch):

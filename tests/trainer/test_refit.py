@@ -357,18 +357,52 @@ def test_refits_that_compare_no_tensor_fail_and_an_empty_partial_one_passes_on_w
     (rep,) = r.reports
     assert rep.ok and rep.unchanged == 3 and rep.verified == 0 and "an empty partial refit" in rep.unchecked[0]
     assert wb.manifests[r.session].unchanged_since == clean.session
-    with pytest.raises(refit_verify.RefitVerificationError, match=nothing) as ei:
+    assert wb.manifests[r.session].unchanged_by == {clean.session: 3}
+    with pytest.raises(refit_verify.RefitVerificationError, match=nothing):
         _refit(engine, "enforce", {}, version=5)  # full: every parameter unwritten
-    failed = ei.value.report.session
-    with pytest.raises(refit_verify.RefitVerificationError) as ei:  # the state it finds is what a failed session left
-        _refit(engine, "enforce", {}, version=6, partial=True)
-    assert ei.value.report.problems == (f"this partial refit wrote nothing, and the state it found is what session {failed} "
-                                        "left, which its refit failed verification in this trainer",)
+    # it failed having written nothing: the engine still holds what version 3 wrote and verified
+    r = _refit(engine, "enforce", {}, version=6, partial=True)
+    assert r.reports[0].ok and wb.manifests[r.session].unchanged_by == {clean.session: 3}
     assert _refit(engine, "enforce", w, model.load_weights, version=7).reports[0].ok
     with torch.no_grad():  # changed outside any load
         model.embed[0, 0] += 1
     with pytest.raises(refit_verify.RefitVerificationError, match="1 changed: embed"):
         _refit(engine, "enforce", {}, version=8, partial=True)
+
+
+def test_what_a_partial_refit_leaves_is_vouched_for_only_as_far_as_the_sessions_that_wrote_it(toy):
+    """A partial refit passes for the parameters it did not write only if the session that wrote each
+    of them last did not fail in this trainer: its close counts them by writer (``unchanged_by``).
+    A session that failed only for what it left still vouches for what it wrote."""
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(1)
+    good = _refit(engine, "enforce", w, model.load_weights, version=1)
+    assert good.reports[0].ok
+    w2 = toy_weights(2)
+    bad_embed = {**w2, "embed": w2["embed"] + 1}
+    with pytest.raises(refit_verify.RefitVerificationError, match="mismatched"):  # loads other bytes than it states
+        _refit(engine, "enforce", w2, lambda items: model.load_weights(list(bad_embed.items())), version=2)
+    bad = wb.last.session
+    inherited = "which its refit failed verification in this trainer (push them again, or refit in full)"
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:
+        _refit(engine, "enforce", {}, version=3, partial=True)
+    assert ei.value.report.problems == (f"this partial refit wrote nothing, and 3 parameters it found hold what session "
+                                        f"{bad!r} wrote, {inherited}",)
+    norm = {"norm": w2["norm"]}
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:  # writes one: the two others are still the failed one's
+        _refit(engine, "enforce", norm, model.load_weights, version=4, partial=True)
+    assert ei.value.report.problems == (f"2 parameters this refit did not write hold what session {bad!r} wrote, {inherited}",)
+    assert ei.value.report.verified == 1 and not ei.value.report.mismatched
+    partial_fix = ei.value.report.session
+    rest = {n: t for n, t in w2.items() if n != "norm"}
+    r = _refit(engine, "enforce", rest, model.load_weights, version=5, partial=True)
+    # what it left (norm) was written by a session that failed only for what it left: its own write verified
+    assert r.reports[0].ok and wb.manifests[r.session].unchanged_by == {partial_fix: 1}
+    (c,) = refit_verify.certificate(engine)
+    assert c.ok
+    assert r.reports[0].verified == 4 and r.reports[0].unchanged == 1
 
 
 def test_a_channel_never_answers_with_no_worker():

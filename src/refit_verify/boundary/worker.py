@@ -83,6 +83,7 @@ class WorkerBoundary:
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
         self._replicated: dict[str, bool] = {}
         self._written_version: dict[str, int | None] = {}
+        self._written_by: dict[str, str] = {}  # label -> id of the session that wrote it last
         self._lock = threading.RLock()
 
     def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
@@ -332,12 +333,12 @@ class WorkerBoundary:
                 prefix = "" if role == "model" else f"{role}:"
                 mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
-            unchanged = self._audit_unwritten(previous, written)
+            unchanged, unchanged_by = self._audit_unwritten(previous, written)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
                                   partial=s.partial, errors=errors, audits=audits, unchanged=unchanged,
-                                  unchanged_since=previous.session if unchanged else None,
+                                  unchanged_since=previous.session if unchanged else None, unchanged_by=unchanged_by,
                                   state_digest=self.baseline.state_digest() if self.baseline is not None else None,
                                   closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
@@ -432,6 +433,7 @@ class WorkerBoundary:
             prefix = "" if role == "model" else f"{role}:"
             self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
             self._written_version.update({prefix + k: s.version for k in ms.written})
+            self._written_by.update({prefix + k: s.id for k in ms.written})
             written.update(prefix + k for k in ms.written)
         if restamp is not None and self.baseline is not None:
             for label in written - restamp:
@@ -457,7 +459,7 @@ class WorkerBoundary:
             keep.update(judged.get(role, {}))
             b.region_table = keep
 
-    def _audit_unwritten(self, previous: Any, written: set[str]) -> int:
+    def _audit_unwritten(self, previous: Any, written: set[str]) -> tuple[int, dict[str, int]]:
         """Compare the parameters this session did not write with the state the last session left
         (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
         changed outside any load the new baseline unnoticed. What changed is reported with this
@@ -465,12 +467,14 @@ class WorkerBoundary:
         names an automatic audit already reported are left out.
 
         Returns:
-            int: the parameters found holding the bytes ``previous`` recorded (empty placeholders,
-            whose bytes live elsewhere, not counted); 0 when there is nothing to compare with.
+            tuple[int, dict[str, int]]: the parameters found holding the bytes ``previous`` recorded
+            (empty placeholders, whose bytes live elsewhere, not counted; 0 when there is nothing to
+            compare with), and ``{session id: how many of them it wrote last}`` (those no session
+            wrote left out).
         """
         now = self.baseline
         if now is None:
-            return 0
+            return 0, {}
         if previous is None:  # a session closed before, but its snapshot failed: nothing to compare with
             last = self.last
             unwritten = [n for n in now.params if n not in written] if last is not None else []
@@ -480,7 +484,7 @@ class WorkerBoundary:
                     trigger=CLOSE_AUDIT, tensors=len(now.params),
                     problems=[f"the engine-state snapshot at the close of session {last.session!r} failed: the "
                               f"{len(unwritten)} parameters this session did not write are not compared with what it left"]))
-            return 0
+            return 0, {}
         seen = {n for a in self.pending_audits for n in a.changed}
         compared = [(n, st) for n, st in now.params.items() if n not in written and n in previous.params]
         changed = [n for n, st in compared if n not in seen and previous.params[n].digest != st.digest]
@@ -488,7 +492,12 @@ class WorkerBoundary:
             self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
                                                    since_version=previous.version, changed=changed, moved=[],
                                                    trigger=CLOSE_AUDIT, tensors=len(now.params)))
-        return sum(1 for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest)
+        same = [n for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest]
+        by: dict[str, int] = {}
+        for n in same:
+            if (w := self._written_by.get(n)) is not None:
+                by[w] = by.get(w, 0) + 1
+        return len(same), by
 
     def abandon(self, session_id: str, why: str) -> None:
         """End an implicit session whose closing call never came (its manifest records ``why``)."""

@@ -361,6 +361,7 @@ class RefitCheck:
         held, undigested = self._sender_problems()
         reports = []
         mans = []
+        own_ok = True  # every report, but for what its session left from a failed one, is ok (its own writes verified)
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
             if data is None:
@@ -375,25 +376,45 @@ class RefitCheck:
             self.manifests.append(man)
             rep = compare_session(expected, man, session=self.session, version=self.version, partial=self.partial,
                                   sender_problems=held, undigested=undigested)
-            why = verdicts.failed(man.unchanged_since) if rep.unchanged and not (rep.sender or rep.receiver) else None
-            if why is not None:  # an empty partial refit vouches only for the state the last session left
-                rep = dataclasses.replace(rep, problems=(*rep.problems, f"this partial refit wrote nothing, and the state it "
-                                                         f"found is what session {man.unchanged_since} left, which {why} in this trainer"))
-            if self.base is not None and man.base_session is not None and not verdicts.passed(man.base_session):
+            based = self.base is not None and man.base_session is not None
+            if based and not verdicts.passed(man.base_session):
                 # a delta vouches for its patch over the state it applies to: that state must be one this trainer verified
                 failed = verdicts.failed(man.base_session)
                 why = f"failed in this trainer ({failed})" if failed else "this trainer process did not verify"
                 rep = dataclasses.replace(rep, problems=(*rep.problems, f"delta refit: it applies to the state session "
                                                          f"{man.base_session!r} left, which {why}"))
+            own_ok = own_ok and rep.ok
+            # a full refit's unwritten parameters already fail (all but those ``allow`` exempts)
+            inherited = (_inherited_failures(man, bool(rep.sender or rep.receiver), man.base_session if based else None)
+                         if self.partial or man.partial or not rep.unwritten else [])
+            if inherited:  # what this refit did not write is vouched for only as far as the sessions that wrote it
+                rep = dataclasses.replace(rep, problems=(*rep.problems, *inherited))
             reports.append(rep)
         self.reports = reports
         ok = all(r.ok for r in reports)
-        verdicts.record(self.session, ok)
+        verdicts.record(self.session, ok, writes_ok=own_ok and any(not r.ok for r in reports))
         if not ok:
             _RELEARN.add(self._key)
         if ok:
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
         return act_on_all(reports, self.mode)
+
+
+def _inherited_failures(man: SessionManifest, wrote: bool, base: str | None = None) -> list[str]:
+    """Why the parameters the session of ``man`` did not write are not the trainer's: those its
+    close found holding what a session this trainer failed wrote last, one sentence per such session.
+    ``wrote``: the session stated or loaded something (else "wrote nothing" is said); ``base``: a
+    delta's base session, judged by the delta's own check (not named twice)."""
+    out = []
+    for sid, n in (man.unchanged_by or {}).items():
+        if sid != base and (why := verdicts.failed_writes(sid)) is not None:
+            what = (f"this partial refit wrote nothing, and {n} parameters it found" if not wrote
+                    else f"{n} parameters this refit did not write")
+            out.append(f"{what} hold what session {sid!r} wrote, which {why} in this trainer (push them again, or refit in full)")
+    if man.unchanged_by is None and man.unchanged and not wrote and (why := verdicts.failed(man.unchanged_since)) is not None:
+        out.append(f"this partial refit wrote nothing, and the state it found is what session {man.unchanged_since} left, "
+                   f"which {why} in this trainer")  # a worker of an earlier release: no writers in its manifest
+    return out
 
 
 def refit(engine: Any, *, version: int | None = None, mode: VerifyMode | str | None = None, partial: bool = False,
