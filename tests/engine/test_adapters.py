@@ -89,3 +89,13 @@ def test_ledger_audit_names_never_verified_and_changed_adapters():
     assert never == [4] and changed == [] and len(problems) == 1 and "adapter 4 is active" in problems[0]
     never, changed, problems = led.audit({1: "g"})
     assert never == [] and changed == [1] and "other bytes than the ones verified at version 2" in problems[0]
+
+
+def test_ledger_keeps_what_an_adapter_verified_in_no_slot_expected_until_its_slot_is_known():
+    led = AdapterLedger()
+    led.record(3, 7, None, expected=({"a": ("d" * 32, [4, 8])}, {}))
+    assert led.expectation(3) == (7, ({"a": ("d" * 32, [4, 8])}, {}))
+    led.record(3, 7, "f3", expected=({"a": ("d" * 32, [4, 8])}, {}))  # verified in a slot: its fingerprint is enough
+    assert led.expectation(3) is None and led.get(3) == (7, "f3")
+    led.record(5, 1, None)
+    assert led.expectation(5) is None and led.expectation(9) is None

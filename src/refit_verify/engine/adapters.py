@@ -20,6 +20,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -145,6 +146,7 @@ class _Verified:
     version: int | None
     fingerprint: str | None
     at: float
+    expected: Any = None  # verified in no slot: what was expected (to check the slot it is copied into)
 
 
 class AdapterLedger:
@@ -187,9 +189,15 @@ class AdapterLedger:
                        f"at version {last.version}")
         return out
 
-    def record(self, adapter_id: int, version: int | None, fingerprint: str | None) -> None:
-        """Remember a verification that passed."""
-        self._by_id[adapter_id] = _Verified(version, fingerprint, time.time())
+    def record(self, adapter_id: int, version: int | None, fingerprint: str | None, expected: Any = None) -> None:
+        """Remember a verification that passed; ``expected``: with ``fingerprint`` None (verified in no
+        slot), what it expected, handed back by :meth:`expectation` to check the slot later."""
+        self._by_id[adapter_id] = _Verified(version, fingerprint, time.time(), expected if fingerprint is None else None)
+
+    def expectation(self, adapter_id: int) -> tuple[int | None, Any] | None:
+        """``(version, expected)`` of ``adapter_id`` when it was last verified in no slot, or None."""
+        v = self._by_id.get(adapter_id)
+        return None if v is None or v.fingerprint is not None or v.expected is None else (v.version, v.expected)
 
     def audit(self, active: Mapping[int, str | None]) -> tuple[list[int], list[int], list[str]]:
         """Check ``{adapter id: fingerprint of its slot}`` of the adapters active now.

@@ -278,20 +278,26 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     want = _EXPECTED.decode(expected)
     ident = runner.identity(self)
     mine = _SLICES.decode(slices).get(ident.rank, {})
+    man = _verify(self, adapter_id, version, want, mine)
+    return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+
+
+def _verify(self, adapter_id: int, version: int | None, want: dict, mine: dict) -> AdapterManifest:
+    """The body of :func:`refit_verify_lora_verify` on decoded arguments (``want``: ``{PEFT name:
+    (32-hex, shape)}``; ``mine``: this rank's slices); a pass is recorded in the worker's ledger."""
+    ident = runner.identity(self)
     expect = {n: d for n, (d, _) in want.items()}
     am = _manager(self)
     base = dict(worker=ident, adapter_id=adapter_id, version=version)
     if am is None:
-        man = AdapterManifest(**base, loaded=False, problems=["LoRA is not enabled in this engine (enable_lora=False): no adapter is served"])
-        return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+        return AdapterManifest(**base, loaded=False, problems=["LoRA is not enabled in this engine (enable_lora=False): no adapter is served"])
     registered = sorted(am.list_adapters())
     if adapter_id not in registered:
         before = _ledger(self).get(adapter_id)
         why = (f"adapter {adapter_id} was never loaded on this worker" if before is None else
                f"adapter {adapter_id} is not loaded on this worker now (verified at version {before[0]} before: evicted or removed since)")
-        man = AdapterManifest(**base, loaded=False, where={n: "adapter not loaded" for n in want},
-                              problems=[f"{why}: not in its LoRA manager (loaded: {registered or 'none'})"])
-        return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+        return AdapterManifest(**base, loaded=False, where={n: "adapter not loaded" for n in want},
+                               problems=[f"{why}: not in its LoRA manager (loaded: {registered or 'none'})"])
     slot = am.lora_index_to_id.index(adapter_id) if adapter_id in am.lora_index_to_id else None
     mapper = _mapper(am)
     regions: dict[str, torch.Tensor] = {}
@@ -399,12 +405,11 @@ def refit_verify_lora_verify(self, adapter_id: int, version: int | None, expecte
     led = _ledger(self)
     problems.extend(led.judge(adapter_id, version, fingerprint, ok))
     ok = ok and not problems
-    if ok:
-        led.record(adapter_id, version, fingerprint)
-    man = AdapterManifest(**base, loaded=True, slot=slot, digests=chk.digests, where=where, not_proven=not_proven,
-                          padding=chk.padding, unexpected=chk.unexpected, problems=problems, unchecked=unchecked,
-                          proven_bytes=chk.proven_bytes, fingerprint=fingerprint, ok=ok)
-    return {"rank": ident.rank, "verifying": True, "adapter": to_text(man)}
+    if ok:  # verified in no slot: what was expected is kept, to check the slot it is copied into later
+        led.record(adapter_id, version, fingerprint, expected=(want, mine) if fingerprint is None else None)
+    return AdapterManifest(**base, loaded=True, slot=slot, digests=chk.digests, where=where, not_proven=not_proven,
+                           padding=chk.padding, unexpected=chk.unexpected, problems=problems, unchecked=unchecked,
+                           proven_bytes=chk.proven_bytes, fingerprint=fingerprint, ok=ok)
 
 
 def refit_verify_lora_audit(self) -> dict[str, Any]:
@@ -432,7 +437,24 @@ def refit_verify_lora_audit(self) -> dict[str, Any]:
                                         for name, layer in am.modules.items() if _why_not_provable(am, layer) is None
                                         for s, pair in enumerate(_slot_matrices(layer, slot))
                                         for ab, m in zip(("lora_a", "lora_b"), pair)})
+    # adapters verified in no slot (their registered copy) and active now: their slot is compared with what was
+    # expected then; a pass records the slot's fingerprint, so later audits compare fingerprints
+    copied: list[int] = []
+    copy_problems: list[str] = []
+    for aid in sorted(active):
+        kept = led.expectation(aid)
+        if kept is None:
+            continue
+        version, (want, mine) = kept
+        man = _verify(self, aid, version, want, mine)
+        if not man.ok:
+            copied.append(aid)
+            bad = [n for n, d in man.digests.items() if d != want.get(n, (None,))[0]] + [n for n in want if n not in man.digests]
+            copy_problems.append(f"adapter {aid} was verified at version {version} in no LoRA slot (its registered copy); "
+                                 f"slot {am.lora_index_to_id.index(aid)} holds other bytes now"
+                                 + (f": {', '.join(sorted(bad)[:8])}" if bad else "") + "; ".join(["", *man.problems]))
     never, changed, problems = led.audit(active)
+    changed, problems = [*copied, *changed], [*copy_problems, *problems]
     idle = sorted(set(am.list_adapters()) - set(active))
     unchecked = [f"adapters registered but in no slot (not served until activated, then copied from the registered "
                  f"copy): {idle}"] if idle else []
