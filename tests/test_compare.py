@@ -138,3 +138,26 @@ def test_replicas_of_one_rank_that_do_not_hold_the_same_tensors_differ():
     same = compare_replicas([a, EngineSnapshot(worker=WorkerIdentity(rank=0, dp=1), session="s", version=3,
                                                  params={"w1": ts("a"), "w2": ts("b")})])
     assert same.ok and same.compared == 2 and same.differing == {}
+
+
+def test_replicas_compare_buffers_and_nothing_compared_is_not_a_pass():
+    """Persistent buffers are compared among replicas of one rank; one replica per rank (nothing that
+    two of them must hold alike) is never a pass (it used to be ``ok`` with 0 compared)."""
+    from refit_verify.compare import compare_replicas
+    from refit_verify.manifest import EngineSnapshot, TensorState, WorkerIdentity
+
+    def ts(d):
+        return TensorState(digest=d * 32, ptr=1, dtype="bfloat16", shape=[4, 4])
+
+    def snap(dp, tp=0, **buffers):
+        return EngineSnapshot(worker=WorkerIdentity(rank=tp, dp=dp, tp=tp), session="s", version=3, params={"w": ts("a")},
+                              buffers={n: ts(d) for n, d in buffers.items()})
+
+    r = compare_replicas([snap(0, cos="c"), snap(1, cos="d")])
+    assert not r.ok and r.compared == 2 and list(r.differing) == ["cos (buffer)"]
+    assert compare_replicas([snap(0, cos="c"), snap(1, cos="c")]).ok
+    lone = compare_replicas([snap(0, cos="c")])
+    assert not lone.ok and lone.compared == 0 and lone.differing == {}
+    assert "nothing compared" in lone.describe("replicas")
+    ranks = compare_replicas([snap(0, tp=0), snap(0, tp=1)])  # two TP ranks, nothing replicated among them
+    assert not ranks.ok and ranks.compared == 0

@@ -282,6 +282,8 @@ class StateComparison:
         not_comparable: ``{name: why}`` (empty tensors whose bytes live in a kernel-packed form,
             shapes that differ by layout).
         compared: number of tensors compared.
+
+    ``ok`` needs no difference and at least one tensor compared: nothing compared is never a pass.
     """
 
     differing: dict[str, str] = field(default_factory=dict)
@@ -290,7 +292,7 @@ class StateComparison:
 
     @property
     def ok(self) -> bool:
-        return not self.differing
+        return not self.differing and self.compared > 0
 
     def describe(self, what: str, limit: int = 20) -> str:
         extra = ""
@@ -300,6 +302,9 @@ class StateComparison:
                      + (f"; … (+{len(nc) - limit})" if len(nc) > limit else ""))
         if self.ok:
             return f"{what}: {self.compared} tensors identical{extra}"
+        if not self.differing:
+            return (f"{what}: nothing compared (no tensor that two of them must hold alike: one replica of each rank, "
+                    f"no tensor-parallel replicated tensor, or no tensor at all){extra}")
         items = list(self.differing.items())
         shown = "; ".join(f"{k}: {v}" for k, v in items[:limit]) + (f"; … (+{len(items) - limit})" if len(items) > limit else "")
         return f"{what} disagree on {len(items)} tensors: {shown}{extra}"
@@ -330,9 +335,10 @@ def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
     """Compare the engine states of replicas: every data-parallel replica of the same (tp, pp) rank
     must hold identical tensors, and tensor-parallel ranks identical replicated ones.
 
-    A tensor on which the holders disagree is named with the ranks that differ from the majority
-    (with two holders, both are named); a tensor some replicas of a rank hold and others lack is named
-    with the replicas that lack it.
+    Parameters and persistent buffers are compared among replicas of one rank, replicated parameters
+    across tensor-parallel ranks. A tensor on which the holders disagree is named with the ranks that
+    differ from the majority (with two holders, both are named); a tensor some replicas of a rank hold
+    and others lack is named with the replicas that lack it.
     """
     differing, not_comparable = {}, {}
     n = 0
@@ -343,13 +349,14 @@ def compare_replicas(states: list[EngineSnapshot]) -> StateComparison:
     for members in groups.values():
         if len(members) < 2:
             continue
-        for name in sorted(set().union(*(m.params for m in members))):
-            lacking = [m for m in members if name not in m.params]
-            if lacking:  # replicas of one rank hold the same tensors: one that lacks it did not get what the others did
-                differing[name] = "missing on " + ", ".join(m.worker.label() for m in lacking) + " (held by " + ", ".join(
-                    m.worker.label() for m in members if name in m.params) + ")"
-                continue
-            checks.append((name, [(m, m.params[name]) for m in members]))
+        for kind, suffix in (("params", ""), ("buffers", " (buffer)")):
+            for name in sorted(set().union(*(getattr(m, kind) for m in members))):
+                held = [m for m in members if name in getattr(m, kind)]
+                if len(held) < len(members):  # replicas of one rank hold the same tensors: one lacking it missed them
+                    differing[name + suffix] = ("missing on " + ", ".join(m.worker.label() for m in members if m not in held)
+                                                + " (held by " + ", ".join(m.worker.label() for m in held) + ")")
+                    continue
+                checks.append((name + suffix, [(m, getattr(m, kind)[name]) for m in members]))
     by_pp: dict[int, list[EngineSnapshot]] = {}
     for st in states:
         by_pp.setdefault(st.worker.pp, []).append(st)
