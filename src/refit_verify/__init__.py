@@ -13,7 +13,7 @@ import importlib
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
-from refit_verify import _moved
+from refit_verify import _cuda_warm, _moved
 
 try:
     __version__ = _metadata.version("refit-verify")
@@ -69,6 +69,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 _moved.install()
+_cuda_warm.install()  # a trainer's digest warm-up starts as its process initialises CUDA (torch imported first)
 
 
 def __getattr__(name: str) -> Any:

@@ -10,3 +10,7 @@ manager: :func:`~refit_verify.trainer.adapters.verify_adapter`, ``audit_adapters
 May import: ``transport`` (for ``push``), ``digest``, the foundation. Never: ``boundary``, ``engine``
 (the trainer reaches the workers by RPC only), ``vllm_plugin``.
 """
+
+from refit_verify import _cuda_warm
+
+_cuda_warm.install()  # torch imported after refit_verify: the warm-up still starts as CUDA initialises
