@@ -18,8 +18,9 @@ Settings (``--settings``: their numbers, default all):
    (:func:`refit_verify.digest.backends.warmup`, as the demo does).
 3. ``enforce, warm-up on``: the trainer as in 2; the worker warms its digests in the background from
    ``init_device`` on.
-4. ``enforce, warm-up on, trainer cold``: the worker as in 3; the trainer's warm-up starts at its
-   first push, which waits for it.
+4. ``enforce, warm-up on, trainer cold``: the worker as in 3; the trainer calls nothing, as a user's
+   does: on CUDA its warm-up starts as its process initialises CUDA (making its weights, before the
+   engine starts); on the CPU at its first push, which waits for it.
 
 Prints the median over rounds of the engine's start (s), the first, second and last refit (ms),
 the first refit over the second, and the first refit's excess over the median of the later ones
