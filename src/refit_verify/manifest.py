@@ -363,10 +363,12 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
         unchanged: parameters this session did not write that its close found holding the bytes
             session ``unchanged_since`` left (empty placeholders not counted; 0: none compared).
         unchanged_since: the session whose state the close compared them with.
-        unchanged_by: ``{session id: count}``: of those ``unchanged`` parameters, how many each
-            session wrote last on this worker (parameters no session wrote, e.g. loaded at engine
-            start, left out; None: a worker of an earlier release). A trainer vouches for them only
-            as far as it verified what those sessions wrote.
+        unchanged_by: ``{session id: labels}``: the parameters this session did not write (left
+            unchanged) or wrote in part, by the sessions whose writes their bytes are (those no session
+            wrote, e.g. loaded at engine start, left out; None: a worker of an earlier release). A
+            trainer vouches for them only as far as it verified those sessions' writes.
+        tainted: ``{why: labels}`` of those parameters whose bytes changed outside any refit (or were
+            not compared) since a session wrote them; none is vouched for until written whole.
         state_digest: :meth:`EngineSnapshot.state_digest` of the state the close left (None: the
             snapshot failed or does not run on this worker).
         closed_at: the worker's ``time.time()`` at the close, seconds.
@@ -404,7 +406,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
     audits: list[AuditResult] = []
     unchanged: int = 0
     unchanged_since: str | None = None
-    unchanged_by: dict[str, int] | None = None
+    unchanged_by: dict[str, list[str]] | None = None
+    tainted: dict[str, list[str]] = {}
     state_digest: str | None = None
     closed_at: float = 0.0
     snapshot_s: float = 0.0

@@ -10,40 +10,43 @@ transfer (a closed worker session compared whole) and the broadcast path (failur
 hold no engine-side check of the receivers' sessions).
 An audit whose baseline is a session recorded as failed fails, with the reason; a certificate is
 only good for a session recorded as passed. A later verdict on the same session id replaces the
-earlier one. A refit that writes only some parameters vouches for the others only as far as the
-sessions that wrote them last: :func:`failed_writes` says which of those failed in their own writes.
+earlier one. A refit that writes only some parameters vouches for the others only as far as this
+process verified the writes of the sessions whose bytes they hold (:func:`writes`); a failure may
+name the parameters whose bytes it found wrong (the others it wrote are the trainer's).
 """
 
 from __future__ import annotations
 
 import threading
 
-__all__ = ["MAX_KEPT", "failed", "failed_writes", "passed", "record"]
+__all__ = ["MAX_KEPT", "failed", "passed", "record", "writes"]
 
 MAX_KEPT = 1024
 """Failed sessions remembered, and passed ones (the oldest of each are forgotten first)."""
 
 _FAILED: dict[str, str] = {}
 _PASSED: dict[str, None] = {}
-_WRITES_OK: set[str] = set()  # failed sessions whose own writes verified (they failed for what they left)
+_BAD: dict[str, frozenset[str] | None] = {}  # failed session -> the parameters it wrote wrong (None: unknown, all)
 _LOCK = threading.Lock()
 
 
-def record(session: str | None, ok: bool, why: str = "its refit failed verification", *, writes_ok: bool = False) -> None:
+def record(session: str | None, ok: bool, why: str = "its refit failed verification", *,
+           bad: frozenset[str] | None = None) -> None:
     """Record the verdict on ``session``: a failure with ``why``, or a pass (either replaces an earlier one).
-    ``writes_ok``: a failure only for what the session left unwritten; what it wrote verified."""
+    ``bad``: for a failure, the parameters (worker labels) whose bytes it wrote are not the trainer's
+    (empty: every write verified; it failed for something else); None: any of them."""
     if not isinstance(session, str):
         return
     with _LOCK:
         _FAILED.pop(session, None)
         _PASSED.pop(session, None)
-        _WRITES_OK.discard(session)
+        _BAD.pop(session, None)
         kept: dict = _PASSED if ok else _FAILED
         kept[session] = None if ok else why
-        if not ok and writes_ok:
-            _WRITES_OK.add(session)
+        if not ok:
+            _BAD[session] = None if bad is None else frozenset(bad)
         while len(kept) > MAX_KEPT:
-            _WRITES_OK.discard(next(iter(kept)))
+            _BAD.pop(next(iter(kept)), None)
             kept.pop(next(iter(kept)))
 
 
@@ -53,13 +56,19 @@ def failed(session: str | None) -> str | None:
         return _FAILED.get(session) if isinstance(session, str) else None
 
 
-def failed_writes(session: str | None) -> str | None:
-    """Why what ``session`` wrote is not the trainer's, or None (it passed, its writes verified, or it
-    was not seen here)."""
+def writes(session: str) -> tuple[str, str | None, frozenset[str] | None]:
+    """How far this process vouches for the bytes ``session`` wrote: ``("passed", None, None)``,
+    ``("failed", why, bad)`` (``bad``: the parameters it wrote wrong, None: any) or ``("unknown",
+    None, None)`` (not seen here, or forgotten). A session asked about is kept as the newest of its
+    kind: the writer of parameters no later refit rewrites stays known."""
     with _LOCK:
-        if not isinstance(session, str) or session in _WRITES_OK:
-            return None
-        return _FAILED.get(session)
+        if session in _PASSED:
+            _PASSED[session] = _PASSED.pop(session)
+            return "passed", None, None
+        if session in _FAILED:
+            _FAILED[session] = why = _FAILED.pop(session)
+            return "failed", why, _BAD.get(session)
+        return "unknown", None, None
 
 
 def passed(session: str | None) -> bool:

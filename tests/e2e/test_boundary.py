@@ -449,7 +449,7 @@ def test_a_push_that_failed_half_way_is_never_vouched_for_by_an_audit_or_an_empt
         with refit_verify.refit(llm, mode="enforce", partial=True) as r:
             r.add("model.norm.weight", w["model.norm.weight"])
             model.load_weights([("model.norm.weight", w["model.norm.weight"])])
-    assert " parameters this refit did not write hold what session " in str(ei.value) and failed in str(ei.value)
+    assert " parameters this refit did not write (or wrote in part) hold what session " in str(ei.value) and failed in str(ei.value)
     (c,) = refit_verify.certificate(llm)
     assert not c.ok
     assert refit_verify.push(llm, _weights(cfg, 66), config=conf).report.ok

@@ -55,6 +55,11 @@ class _Open:
         self.base_session: tuple[str, int | None] | None = None  # (session, version) closed last on this worker at the open
 
 
+MAX_WRITERS = 64
+"""Sessions a parameter written in part is attributed to at most (beyond: not attributed, a failure
+for a partial refit that leaves it, until a refit writes it whole)."""
+
+
 class WorkerBoundary:
     """One worker's model boundaries, identity and session.
 
@@ -83,7 +88,11 @@ class WorkerBoundary:
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
         self._replicated: dict[str, bool] = {}
         self._written_version: dict[str, int | None] = {}
-        self._written_by: dict[str, str] = {}  # label -> id of the session that wrote it last
+        # label -> {session: the regions it wrote, None: whole} whose writes its bytes are (one written whole
+        # last; more when written in part since), and why a label's bytes are no session's (changed outside any
+        # refit) until written whole
+        self._basis: dict[str, dict[str, frozenset | None]] = {}
+        self._taint: dict[str, str] = {}
         self._lock = threading.RLock()
 
     def attach(self, role: str, model: torch.nn.Module | None, default_loader: Callable | None,
@@ -329,16 +338,20 @@ class WorkerBoundary:
             delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
             self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
+            partly = {("" if role == "model" else f"{role}:") + u.split(" (", 1)[0] for role, mm in modules.items()
+                      for u in mm.unwritten} & written  # written in part: their other regions hold earlier writes
             for role, mm in modules.items():  # parameters a delta wrote in part whose other regions it proved unchanged
                 prefix = "" if role == "model" else f"{role}:"
                 mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
-            unchanged, unchanged_by = self._audit_unwritten(previous, written)
+            regions = {("" if role == "model" else f"{role}:") + k: frozenset(v.items())
+                       for role, ms in sessions.items() for k, v in ms.written.items() if isinstance(v, dict)}
+            unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
                                   partial=s.partial, errors=errors, audits=audits, unchanged=unchanged,
-                                  unchanged_since=previous.session if unchanged else None, unchanged_by=unchanged_by,
+                                  unchanged_since=previous.session if unchanged else None, unchanged_by=unchanged_by, tainted=tainted,
                                   state_digest=self.baseline.state_digest() if self.baseline is not None else None,
                                   closed_at=time.time(),
                                   snapshot_s=self.baseline.digest_s if self.baseline is not None else 0.0, open_s=s.open_s,
@@ -433,7 +446,6 @@ class WorkerBoundary:
             prefix = "" if role == "model" else f"{role}:"
             self._replicated.update({prefix + k: v for k, v in ms.replicated.items()})
             self._written_version.update({prefix + k: s.version for k in ms.written})
-            self._written_by.update({prefix + k: s.id for k in ms.written})
             written.update(prefix + k for k in ms.written)
         if restamp is not None and self.baseline is not None:
             for label in written - restamp:
@@ -459,45 +471,77 @@ class WorkerBoundary:
             keep.update(judged.get(role, {}))
             b.region_table = keep
 
-    def _audit_unwritten(self, previous: Any, written: set[str]) -> tuple[int, dict[str, int]]:
-        """Compare the parameters this session did not write with the state the last session left
-        (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
+    def _audit_unwritten(self, previous: Any, written: set[str], partly: set[str], sid: str,
+                         regions: dict[str, frozenset]) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
+        """Compare the parameters closing session ``sid`` did not write with the state the last session
+        left (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
         changed outside any load the new baseline unnoticed. What changed is reported with this
         session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
-        names an automatic audit already reported are left out.
+        names an automatic audit already reported are left out. Then the labels' records move on: a
+        label written whole is ``sid``'s alone; one written in part (``partly``, its ``regions``) adds
+        ``sid`` to its writers and drops those whose regions it rewrote (the same ones or more); one
+        that changed with no write is no session's until written whole (as is one written in part
+        by more than :data:`MAX_WRITERS` sessions since).
 
         Returns:
-            tuple[int, dict[str, int]]: the parameters found holding the bytes ``previous`` recorded
-            (empty placeholders, whose bytes live elsewhere, not counted; 0 when there is nothing to
-            compare with), and ``{session id: how many of them it wrote last}`` (those no session
-            wrote left out).
+            ``(unchanged, by session, tainted)``: the parameters found holding the bytes ``previous``
+            recorded (empty placeholders, whose bytes live elsewhere, not counted; 0 when there is
+            nothing to compare with); ``{session id: labels}`` of the parameters not written, or
+            written in part, by the sessions that wrote their bytes (those no session wrote, e.g.
+            loaded at engine start, left out); ``{why: labels}`` of those whose bytes changed outside
+            any refit before.
         """
         now = self.baseline
-        if now is None:
-            return 0, {}
-        if previous is None:  # a session closed before, but its snapshot failed: nothing to compare with
+        fresh: set[str] = set()  # not written and not compared: recorded, not reported by this session
+        unchanged = 0
+        if now is not None and previous is None and self.last is not None:
+            # a session closed before, but its snapshot failed: nothing to compare with
             last = self.last
-            unwritten = [n for n in now.params if n not in written] if last is not None else []
-            if unwritten:
+            fresh = {n for n in now.params if n not in written}
+            if fresh:
                 self.pending_audits.append(AuditResult(
                     worker=self.identity, since_session=last.session, since_version=last.version, changed=[], moved=[],
                     trigger=CLOSE_AUDIT, tensors=len(now.params),
                     problems=[f"the engine-state snapshot at the close of session {last.session!r} failed: the "
-                              f"{len(unwritten)} parameters this session did not write are not compared with what it left"]))
-            return 0, {}
-        seen = {n for a in self.pending_audits for n in a.changed}
-        compared = [(n, st) for n, st in now.params.items() if n not in written and n in previous.params]
-        changed = [n for n, st in compared if n not in seen and previous.params[n].digest != st.digest]
-        if changed:
-            self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
-                                                   since_version=previous.version, changed=changed, moved=[],
-                                                   trigger=CLOSE_AUDIT, tensors=len(now.params)))
-        same = [n for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest]
-        by: dict[str, int] = {}
-        for n in same:
-            if (w := self._written_by.get(n)) is not None:
-                by[w] = by.get(w, 0) + 1
-        return len(same), by
+                              f"{len(fresh)} parameters this session did not write are not compared with what it left"]))
+                why = f"not compared with what session {last.session!r} left (its engine-state snapshot failed)"
+                self._taint.update(dict.fromkeys(fresh, why))
+        elif now is not None and previous is not None:
+            seen = {n for a in self.pending_audits for n in a.changed}
+            compared = [(n, st) for n, st in now.params.items() if n not in written and n in previous.params]
+            differ = [n for n, st in compared if previous.params[n].digest != st.digest]
+            changed = [n for n in differ if n not in seen]
+            if changed:
+                self.pending_audits.append(AuditResult(worker=self.identity, since_session=previous.session,
+                                                       since_version=previous.version, changed=changed, moved=[],
+                                                       trigger=CLOSE_AUDIT, tensors=len(now.params)))
+            unchanged = sum(1 for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest)
+            fresh = set(differ)
+            self._taint.update(dict.fromkeys(differ, f"changed outside any refit (found at the close of session {sid!r})"))
+        for n in written:
+            if n not in partly:
+                self._basis[n] = {sid: None}
+                self._taint.pop(n, None)
+                continue
+            key = regions.get(n) or None
+            kept = {w: k for w, k in self._basis.get(n, {}).items() if not (key and k and k <= key)}
+            kept[sid] = key
+            if len(kept) > MAX_WRITERS:
+                kept = {}
+                self._taint[n] = f"written in part by more than {MAX_WRITERS} refits since last written whole (not attributed)"
+            self._basis[n] = kept
+        by: dict[str, list[str]] = {}
+        tainted: dict[str, list[str]] = {}
+        labels = now.params if now is not None else ()
+        for n in labels:
+            if (n in written and n not in partly) or n in fresh:
+                continue
+            for w in sorted(self._basis.get(n, ())):
+                if w != sid:  # (written in part: the writers of its other regions)
+                    by.setdefault(w, []).append(n)
+            if (why := self._taint.get(n)) is not None:
+                tainted.setdefault(why, []).append(n)
+        return unchanged, by, tainted
 
     def abandon(self, session_id: str, why: str) -> None:
         """End an implicit session whose closing call never came (its manifest records ``why``)."""

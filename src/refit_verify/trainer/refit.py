@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from refit_verify import verdicts
@@ -361,7 +362,7 @@ class RefitCheck:
         held, undigested = self._sender_problems()
         reports = []
         mans = []
-        own_ok = True  # every report, but for what its session left from a failed one, is ok (its own writes verified)
+        bad: set[str] | None = set()  # the parameters this session wrote wrong, on any worker (None: unknown)
         for r in results:
             data = r.get("manifest") if isinstance(r, Mapping) else None
             if data is None:
@@ -383,7 +384,9 @@ class RefitCheck:
                 why = f"failed in this trainer ({failed})" if failed else "this trainer process did not verify"
                 rep = dataclasses.replace(rep, problems=(*rep.problems, f"delta refit: it applies to the state session "
                                                          f"{man.base_session!r} left, which {why}"))
-            own_ok = own_ok and rep.ok
+            if not rep.ok and bad is not None:
+                worker_bad = _wrote_wrong(expected, man, rep, held, undigested)
+                bad = None if worker_bad is None else bad | worker_bad
             # a full refit's unwritten parameters already fail (all but those ``allow`` exempts)
             inherited = (_inherited_failures(man, bool(rep.sender or rep.receiver), man.base_session if based else None)
                          if self.partial or man.partial or not rep.unwritten else [])
@@ -392,7 +395,7 @@ class RefitCheck:
             reports.append(rep)
         self.reports = reports
         ok = all(r.ok for r in reports)
-        verdicts.record(self.session, ok, writes_ok=own_ok and any(not r.ok for r in reports))
+        verdicts.record(self.session, ok, bad=None if bad is None else frozenset(bad))
         if not ok:
             _RELEARN.add(self._key)
         if ok:
@@ -400,17 +403,63 @@ class RefitCheck:
         return act_on_all(reports, self.mode)
 
 
+def _wrote_wrong(expected: dict, man: SessionManifest, rep: VerificationReport, held: list[str],
+                 undigested: list[str]) -> set[str] | None:
+    """The parameters (worker labels) the failed session of ``man`` wrote with bytes other than the
+    trainer's, when its failure names them: read-back mismatches and the parameters fed the
+    tensors that differ. None when it fails for what names no parameter (an identity or version
+    problem, an error, a rejected or unexpected tensor, a mismatch with no read-back to place it);
+    changes outside any refit its close found do not count here (the worker records them)."""
+    own = compare_session(expected, msgspec.structs.replace(man, audits=[], unsessioned=[]), session=rep.session,
+                          version=rep.version, partial=rep.unchanged > 0 or man.partial, sender_problems=held,
+                          undigested=undigested)
+    if own.problems or own.unexpected or own.rejected or own.receiver_error or own.nothing_checked:
+        return None
+    out = set(own.engine_mismatched)
+    if own.mismatched:
+        if man.engine is None:
+            return None
+        names = set(own.mismatched)
+        placed = set()
+        for label, st in man.engine.params.items():
+            role, sep, _ = label.partition(":")
+            prefix = f"{role}:" if sep and role in man.modules else ""
+            fed = {prefix + src for src, _where in st.blocks or ()} & names
+            if fed:
+                out.add(label)
+                placed |= fed
+        if placed != names:
+            return None
+    return out
+
+
 def _inherited_failures(man: SessionManifest, wrote: bool, base: str | None = None) -> list[str]:
-    """Why the parameters the session of ``man`` did not write are not the trainer's: those its
-    close found holding what a session this trainer failed wrote last, one sentence per such session.
+    """Why parameters the session of ``man`` did not write (or wrote in part) are not the trainer's,
+    one sentence per cause: bytes a session wrote that this process failed (those it names, or any)
+    or did not verify (a restarted trainer), and bytes changed outside any refit since written.
     ``wrote``: the session stated or loaded something (else "wrote nothing" is said); ``base``: a
     delta's base session, judged by the delta's own check (not named twice)."""
     out = []
-    for sid, n in (man.unchanged_by or {}).items():
-        if sid != base and (why := verdicts.failed_writes(sid)) is not None:
-            what = (f"this partial refit wrote nothing, and {n} parameters it found" if not wrote
-                    else f"{n} parameters this refit did not write")
-            out.append(f"{what} hold what session {sid!r} wrote, which {why} in this trainer (push them again, or refit in full)")
+    what = (lambda n: f"this partial refit wrote nothing, and {n} parameters it found") if not wrote else \
+        (lambda n: f"{n} parameters this refit did not write (or wrote in part)")
+    for sid, labels in (man.unchanged_by or {}).items():
+        if sid == base:
+            continue
+        state, why, wrong = verdicts.writes(sid)
+        if state == "passed":
+            continue
+        if state == "unknown":
+            out.append(f"{what(len(labels))} hold what session {sid!r} wrote, which this trainer process did not verify "
+                       "(a restarted trainer, or a refit it did not check): refit them in full once")
+            continue
+        suspect = labels if wrong is None else [n for n in labels if n in wrong]
+        if suspect:
+            shown = ", ".join(suspect[:4]) + (", …" if len(suspect) > 4 else "")
+            out.append(f"{what(len(suspect))} hold what session {sid!r} wrote, which {why} in this trainer ({shown}): "
+                       "push them again, or refit in full")
+    for why, labels in man.tainted.items():
+        shown = ", ".join(labels[:4]) + (", …" if len(labels) > 4 else "")
+        out.append(f"{what(len(labels))} hold bytes {why}, and no refit has written them whole since ({shown})")
     if man.unchanged_by is None and man.unchanged and not wrote and (why := verdicts.failed(man.unchanged_since)) is not None:
         out.append(f"this partial refit wrote nothing, and the state it found is what session {man.unchanged_since} left, "
                    f"which {why} in this trainer")  # a worker of an earlier release: no writers in its manifest
