@@ -164,6 +164,10 @@ def test_in_memory_push_each_step_verified_then_a_stale_push_named(engine, peft_
     # an older version than one verified is stale, even with its bytes matching nothing now
     (old,) = refit_verify.verify_adapter(llm, 1, step1, version=1, config=_config(peft_model), mode="log")
     assert not old.ok and any("version 1 of adapter 1 is older than version 2" in p for p in old.problems), old.problems
+    # served after verifications that failed: the audit names it (it passed before: its bytes had verified, at version 2)
+    with pytest.raises(AuditError) as ei:
+        refit_verify.audit_adapters(llm)
+    assert ei.value.changed == ["adapter 1"] and "its last verification (version 1) failed" in str(ei.value)
 
 
 def test_directory_adapter_verified_and_generates(engine, peft_model, verl_loader, tmp_path):
@@ -314,7 +318,7 @@ def test_an_adapter_verified_in_no_slot_is_checked_in_the_slot_it_is_copied_into
     llm, _ = engine
     sd = _state(peft_model)
     req = _push(llm, "evicted", 7, sd, _config(peft_model))
-    for aid in (8, 9):  # two more take both slots: 7 stays registered, in no slot
+    for aid in (18, 19):  # two more take both slots: 7 stays registered, in no slot
         _push(llm, f"other{aid}", aid, {k: v + aid for k, v in sd.items()}, _config(peft_model))
     assert not _in_slot(llm, 7) and 7 in llm.llm_engine.list_loras()
     (rep,) = refit_verify.verify_adapter(llm, req, sd, version=11)
@@ -324,7 +328,7 @@ def test_an_adapter_verified_in_no_slot_is_checked_in_the_slot_it_is_copied_into
     assert 7 not in audit.never_verified and "adapter 7" not in audit.changed, audit.describe()
     assert not any("adapter 7" in p for p in audit.problems), audit.problems
 
-    for aid in (8, 9):  # out of its slot again, verified there again, then other bytes in place under its id
+    for aid in (18, 19):  # out of its slot again, verified there again, then other bytes in place under its id
         _generate(llm, TensorLoRARequest(lora_name=f"other{aid}", lora_int_id=aid, lora_path="in-memory"))
     assert not _in_slot(llm, 7)
     assert refit_verify.verify_adapter(llm, req, sd, version=12)[0].ok

@@ -99,3 +99,14 @@ def test_ledger_keeps_what_an_adapter_verified_in_no_slot_expected_until_its_slo
     assert led.expectation(3) is None and led.get(3) == (7, "f3")
     led.record(5, 1, None)
     assert led.expectation(5) is None and led.expectation(9) is None
+
+
+def test_ledger_audit_names_an_active_adapter_whose_last_verification_failed():
+    led = AdapterLedger()
+    led.record(7, 3, "f3")
+    led.fail(7, 4)  # the push of version 4 left version 3's bytes: it failed
+    never, changed, problems = led.audit({7: "f3"})
+    assert never == [] and changed == [7] and "its last verification (version 4) failed" in problems[0]
+    assert led.audit({7: "f3"}, skip=[7]) == ([], [], [])
+    led.record(7, 4, "f4")  # a verification that passes clears it
+    assert led.audit({7: "f4"}) == ([], [], [])

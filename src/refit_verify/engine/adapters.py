@@ -155,11 +155,13 @@ class AdapterLedger:
     :meth:`judge` names, before a verification is recorded, an older version than one verified (a
     stale push) and an adapter still holding the bytes verified at an earlier version (the new
     version never replaced it: a stale adapter under a reused id). :meth:`audit` names active
-    adapters never verified and adapters whose bytes changed since they verified.
+    adapters never verified, adapters whose bytes changed since they verified and adapters whose
+    last verification failed (:meth:`fail`).
     """
 
     def __init__(self) -> None:
         self._by_id: dict[int, _Verified] = {}
+        self._failed: dict[int, int | None] = {}  # adapter id -> the version whose verification failed last
 
     def get(self, adapter_id: int) -> tuple[int | None, str | None] | None:
         """``(version, fingerprint)`` last verified for ``adapter_id``, or None."""
@@ -193,22 +195,36 @@ class AdapterLedger:
         """Remember a verification that passed; ``expected``: with ``fingerprint`` None (verified in no
         slot), what it expected, handed back by :meth:`expectation` to check the slot later."""
         self._by_id[adapter_id] = _Verified(version, fingerprint, time.time(), expected if fingerprint is None else None)
+        self._failed.pop(adapter_id, None)
+
+    def fail(self, adapter_id: int, version: int | None) -> None:
+        """Remember a verification of ``adapter_id`` at ``version`` that failed: until one passes, the
+        audit names the adapter wherever it serves (what it holds is not that version)."""
+        self._failed[adapter_id] = version
 
     def expectation(self, adapter_id: int) -> tuple[int | None, Any] | None:
         """``(version, expected)`` of ``adapter_id`` when it was last verified in no slot, or None."""
         v = self._by_id.get(adapter_id)
         return None if v is None or v.fingerprint is not None or v.expected is None else (v.version, v.expected)
 
-    def audit(self, active: Mapping[int, str | None]) -> tuple[list[int], list[int], list[str]]:
-        """Check ``{adapter id: fingerprint of its slot}`` of the adapters active now.
+    def audit(self, active: Mapping[int, str | None], skip: Iterable[int] = ()) -> tuple[list[int], list[int], list[str]]:
+        """Check ``{adapter id: fingerprint of its slot}`` of the adapters active now (but ``skip``, named
+        by the caller already).
 
         Returns:
             ``(never verified ids, changed ids, problems)``: one sentence per problem.
         """
         never, changed, problems = [], [], []
+        skip = set(skip)
         for aid, fp in sorted(active.items()):
             last = self._by_id.get(aid)
-            if last is None:
+            if aid in skip:
+                continue
+            if aid in self._failed:
+                changed.append(aid)
+                problems.append(f"adapter {aid} is active in a LoRA slot, and its last verification (version "
+                                f"{self._failed[aid]}) failed: it does not serve the trainer's adapter")
+            elif last is None:
                 never.append(aid)
                 problems.append(f"adapter {aid} is active in a LoRA slot but the trainer never verified it on this worker")
             elif fp is not None and last.fingerprint is not None and fp != last.fingerprint:

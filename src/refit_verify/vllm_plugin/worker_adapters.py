@@ -407,6 +407,8 @@ def _verify(self, adapter_id: int, version: int | None, want: dict, mine: dict) 
     ok = ok and not problems
     if ok:  # verified in no slot: what was expected is kept, to check the slot it is copied into later
         led.record(adapter_id, version, fingerprint, expected=(want, mine) if fingerprint is None else None)
+    else:
+        led.fail(adapter_id, version)
     return AdapterManifest(**base, loaded=True, slot=slot, digests=chk.digests, where=where, not_proven=not_proven,
                            padding=chk.padding, unexpected=chk.unexpected, problems=problems, unchecked=unchecked,
                            proven_bytes=chk.proven_bytes, fingerprint=fingerprint, ok=ok)
@@ -453,7 +455,7 @@ def refit_verify_lora_audit(self) -> dict[str, Any]:
             copy_problems.append(f"adapter {aid} was verified at version {version} in no LoRA slot (its registered copy); "
                                  f"slot {am.lora_index_to_id.index(aid)} holds other bytes now"
                                  + (f": {', '.join(sorted(bad)[:8])}" if bad else "") + "; ".join(["", *man.problems]))
-    never, changed, problems = led.audit(active)
+    never, changed, problems = led.audit(active, skip=copied)
     changed, problems = [*copied, *changed], [*copy_problems, *problems]
     idle = sorted(set(am.list_adapters()) - set(active))
     unchecked = [f"adapters registered but in no slot (not served until activated, then copied from the registered "
