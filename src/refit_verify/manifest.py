@@ -292,6 +292,9 @@ class EngineSnapshot(msgspec.Struct, tag="engine_snapshot", **_OPTS):
 CLOSE_AUDIT = "parameters this session did not write"
 """``AuditResult.trigger`` of the check every session close makes (see ``WorkerBoundary.close``)."""
 
+START_BYTES = "what the engine was started with (or loaded outside any refit): no refit has written them"
+"""The :attr:`SessionManifest.tainted` key of parameters no session wrote (and no full refit exempted)."""
+
 
 class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
     """A re-digest of one worker's engine state against the state left by its last session.
@@ -368,7 +371,8 @@ class SessionManifest(msgspec.Struct, tag="session_manifest", **_OPTS):
             wrote, e.g. loaded at engine start, left out; None: a worker of an earlier release). A
             trainer vouches for them only as far as it verified those sessions' writes.
         tainted: ``{why: labels}`` of those parameters whose bytes changed outside any refit (or were
-            not compared) since a session wrote them; none is vouched for until written whole.
+            not compared) since a session wrote them, or that no session wrote (key
+            :data:`START_BYTES`); none is vouched for until written whole.
         state_digest: :meth:`EngineSnapshot.state_digest` of the state the close left (None: the
             snapshot failed or does not run on this worker).
         closed_at: the worker's ``time.time()`` at the close, seconds.

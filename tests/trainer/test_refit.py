@@ -431,6 +431,35 @@ def test_what_a_partial_refit_leaves_is_vouched_for_only_as_far_as_the_writes_th
     assert _refit(engine, "enforce", {"norm": w["norm"]}, model.load_weights, version=13, partial=True).reports[0].ok
 
 
+def test_a_partial_refit_vouches_neither_for_the_start_weights_nor_for_an_allowed_part_write(toy):
+    """Parameters no refit wrote hold what the engine was started with: a partial refit leaving them
+    fails until a full refit (or ``verify_state``) covers them. ``allow`` on a fused parameter does not
+    make writing one part of it a whole write. Parts written again by later sessions drop the earlier
+    writers they cover, together."""
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(1)
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:  # the first refit, partial: the rest is the start's
+        _refit(engine, "enforce", {"norm": w["norm"]}, model.load_weights, version=1, partial=True)
+    (p,) = ei.value.report.problems
+    assert p.startswith("2 parameters this refit did not write (or wrote in part) hold what the engine was started with")
+    assert "(qkv_proj, embed)" in p
+    assert _refit(engine, "enforce", w, model.load_weights, version=2).reports[0].ok
+    assert _refit(engine, "enforce", {"norm": w["norm"]}, model.load_weights, version=3, partial=True).reports[0].ok
+
+    with pytest.raises(refit_verify.RefitVerificationError, match="mismatched"):  # k written wrong
+        _refit(engine, "enforce", w, lambda items: model.load_weights(list({**w, "k_proj": w["k_proj"] + 1}.items())), version=4)
+    with pytest.raises(refit_verify.RefitVerificationError, match="qkv_proj"):  # q only, qkv_proj exempt: still in part
+        _refit(engine, "enforce", {"q_proj": w["q_proj"]}, model.load_weights, version=5, partial=True, allow=["qkv_proj"])
+    with pytest.raises(refit_verify.RefitVerificationError, match="qkv_proj"):  # v: still the failed session's
+        _refit(engine, "enforce", {"k_proj": w["k_proj"]}, model.load_weights, version=6, partial=True)
+    # v written again too: the failed session's regions are all covered by later writes (q, k, v: three sessions)
+    assert _refit(engine, "enforce", {"v_proj": w["v_proj"]}, model.load_weights, version=7, partial=True).reports[0].ok
+    assert _refit(engine, "enforce", {"q_proj": w["q_proj"]}, model.load_weights, version=8, partial=True).reports[0].ok
+    assert len(wb._basis["qkv_proj"]) == 3  # k, v and the last q: the earlier q's writer dropped
+
+
 def test_a_channel_never_answers_with_no_worker():
     from refit_verify.trainer.channel import WorkerChannel
 

@@ -134,6 +134,7 @@ class ModuleSession:
         self.unconsumed: list[str] = []
         self.unattributed: list[str] = []
         self.written: dict[str, dict[tuple, int]] = {}  # pname -> {dest region: numel written} (see covered)
+        self.in_part: set[str] = set()  # written, not whole (filled by manifest(), ``allow`` or not)
         self.opaque: dict[str, str] = {}  # pname -> why which of its elements were written is unknown
         self.placed: dict[str, list[tuple[Copy, str | None, str]]] = {}  # pname -> [(copy, block key, source name)]
         self.inexact: dict[str, str] = {}  # pname -> why it cannot be proven bytewise
@@ -605,7 +606,10 @@ class ModuleSession:
                 got = min(total, c)
             if got >= total:
                 written += 1
-            elif not match_any(pname, allow):
+                continue
+            if got:
+                self.in_part.add(pname)
+            if not match_any(pname, allow):
                 unwritten.append(pname if got == 0 else f"{pname} ({self._slices_note(pname, p, w)}{got} of {total} elements)")
         for name in self.derived:
             if name not in self.derived_hex and name not in self.withheld:

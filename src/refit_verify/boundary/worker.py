@@ -23,7 +23,8 @@ from refit_verify.boundary.plan import replay_from_env
 from refit_verify.boundary.record import ModuleSession, match_any
 from refit_verify.boundary.regions import covered
 from refit_verify.errors import RefitConfigError, RefitProtocolError
-from refit_verify.manifest import CLOSE_AUDIT, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest, Unsessioned, WorkerIdentity
+from refit_verify.manifest import (CLOSE_AUDIT, START_BYTES, AuditResult, Certificate, ExternalDigests, Producer, SessionManifest,
+                                   Unsessioned, WorkerIdentity)
 
 logger = logging.getLogger("refit_verify")
 
@@ -338,15 +339,16 @@ class WorkerBoundary:
             delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
             self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
-            partly = {("" if role == "model" else f"{role}:") + u.split(" (", 1)[0] for role, mm in modules.items()
-                      for u in mm.unwritten} & written  # written in part: their other regions hold earlier writes
+            # written in part (``allow`` or not): their other regions hold earlier writes
+            partly = {("" if role == "model" else f"{role}:") + n for role, ms in sessions.items() for n in ms.in_part} & written
             for role, mm in modules.items():  # parameters a delta wrote in part whose other regions it proved unchanged
                 prefix = "" if role == "model" else f"{role}:"
                 mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
             regions = {("" if role == "model" else f"{role}:") + k: frozenset(v.items())
                        for role, ms in sessions.items() for k, v in ms.written.items() if isinstance(v, dict)}
-            unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions)
+            unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions,
+                                                                     adopt=() if s.partial else tuple(s.allow))
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
@@ -472,7 +474,8 @@ class WorkerBoundary:
             b.region_table = keep
 
     def _audit_unwritten(self, previous: Any, written: set[str], partly: set[str], sid: str,
-                         regions: dict[str, frozenset]) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
+                         regions: dict[str, frozenset], adopt: tuple[str, ...] = ()
+                         ) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
         """Compare the parameters closing session ``sid`` did not write with the state the last session
         left (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
         changed outside any load the new baseline unnoticed. What changed is reported with this
@@ -481,7 +484,9 @@ class WorkerBoundary:
         label written whole is ``sid``'s alone; one written in part (``partly``, its ``regions``) adds
         ``sid`` to its writers and drops those whose regions it rewrote (the same ones or more); one
         that changed with no write is no session's until written whole (as is one written in part
-        by more than :data:`MAX_WRITERS` sessions since).
+        by more than :data:`MAX_WRITERS` sessions since). A label no session wrote holds what the
+        engine was started with: reported as such, unless ``sid`` is a full refit whose ``allow``
+        patterns (``adopt``) exempt it, which then answers for it.
 
         Returns:
             ``(unchanged, by session, tainted)``: the parameters found holding the bytes ``previous``
@@ -519,13 +524,21 @@ class WorkerBoundary:
             fresh = set(differ)
             self._taint.update(dict.fromkeys(differ, f"changed outside any refit (found at the close of session {sid!r})"))
         for n in written:
+            key = regions.get(n) or None
             if n not in partly:
-                self._basis[n] = {sid: None}
+                self._basis[n] = {sid: key}
                 self._taint.pop(n, None)
                 continue
-            key = regions.get(n) or None
-            kept = {w: k for w, k in self._basis.get(n, {}).items() if not (key and k and k <= key)}
+            kept = dict(self._basis.get(n, {}))
+            kept.pop(sid, None)
             kept[sid] = key
+            later: frozenset = frozenset()  # the regions written after each writer: one they cover is dropped
+            for w in reversed(list(kept)):
+                k = kept[w]
+                if w != sid and k and later and k <= later:
+                    del kept[w]
+                elif k:
+                    later = later | k
             if len(kept) > MAX_WRITERS:
                 kept = {}
                 self._taint[n] = f"written in part by more than {MAX_WRITERS} refits since last written whole (not attributed)"
@@ -541,6 +554,12 @@ class WorkerBoundary:
                     by.setdefault(w, []).append(n)
             if (why := self._taint.get(n)) is not None:
                 tainted.setdefault(why, []).append(n)
+            elif n not in self._basis:
+                role, sep, rest = n.partition(":")
+                if adopt and match_any(rest if sep and role in self.modules else n, adopt):
+                    self._basis[n] = {sid: None}  # exempt by a full refit: it answers for what it left there
+                else:
+                    tainted.setdefault(START_BYTES, []).append(n)
         return unchanged, by, tainted
 
     def abandon(self, session_id: str, why: str) -> None:

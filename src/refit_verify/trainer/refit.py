@@ -38,7 +38,7 @@ from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_versi
 from refit_verify.digest import backends as _backends
 from refit_verify.digest.tensors import PLAIN_TYPES, dtype_name, version_of
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitTimeoutError
-from refit_verify.manifest import SessionManifest, from_wire, local_reply_token
+from refit_verify.manifest import START_BYTES, SessionManifest, from_wire, local_reply_token
 from refit_verify.report import VerificationReport
 from refit_verify.trainer.channel import WorkerChannel, require_channel
 from refit_verify.trainer.exports import StreamDigests, changed_problems
@@ -459,7 +459,11 @@ def _inherited_failures(man: SessionManifest, wrote: bool, base: str | None = No
                        "push them again, or refit in full")
     for why, labels in man.tainted.items():
         shown = ", ".join(labels[:4]) + (", …" if len(labels) > 4 else "")
-        out.append(f"{what(len(labels))} hold bytes {why}, and no refit has written them whole since ({shown})")
+        if why == START_BYTES:
+            out.append(f"{what(len(labels))} hold {why} ({shown}): push them, or check them with "
+                       "refit_verify.verify_state, once")
+        else:
+            out.append(f"{what(len(labels))} hold bytes {why}, and no refit has written them whole since ({shown})")
     if man.unchanged_by is None and man.unchanged and not wrote and (why := verdicts.failed(man.unchanged_since)) is not None:
         out.append(f"this partial refit wrote nothing, and the state it found is what session {man.unchanged_since} left, "
                    f"which {why} in this trainer")  # a worker of an earlier release: no writers in its manifest
