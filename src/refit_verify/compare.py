@@ -12,12 +12,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
+
 from refit_verify.errors import RefitInputError
 from refit_verify.manifest import CLOSE_AUDIT, EngineSnapshot, SessionManifest, TensorState
 from refit_verify.report import Manifest, VerificationReport
 
 __all__ = ["StateComparison", "check_digest", "compare_manifests", "compare_replicas", "compare_session", "compare_states",
-           "receiver_report"]
+           "receiver_report", "wrote_wrong"]
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -122,6 +124,39 @@ def receiver_report(sender_manifest: dict[str, str] | None, manifest: dict[str, 
                                    **extra)
     base = compare_manifests(sender_manifest, manifest, rejected=dict(rejected), receiver_error=error, rank=rank)
     return dataclasses.replace(base, problems=(*base.problems, *stale_problems(stale)), **extra)
+
+
+def wrote_wrong(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, rep: VerificationReport, *,
+                sender_problems: Iterable[str] = (), undigested: Iterable[str] = (),
+                producer_rank: int | None = None) -> set[str] | None:
+    """The parameters (worker labels) the failed session of ``man`` wrote with bytes other than the
+    trainer's, when its failure names them (``rep``: its report; the other arguments as
+    :func:`compare_session` got them): read-back mismatches and the parameters fed the tensors that
+    differ. None when it fails for what names no parameter (an identity or version problem, an
+    error, an unexpected tensor, a mismatch with no read-back to place it). Changes outside any
+    refit its close found do not count here (the worker records them); tensors refused before
+    loading wrote nothing."""
+    own = compare_session(expected, msgspec.structs.replace(man, audits=[], unsessioned=[]), session=rep.session,
+                          version=rep.version, partial=rep.unchanged > 0 or man.partial, producer_rank=producer_rank,
+                          sender_problems=sender_problems, undigested=undigested)
+    if own.problems or own.unexpected or own.receiver_error or own.nothing_checked:
+        return None
+    out = set(own.engine_mismatched)
+    names = set(own.mismatched) - set(rep.rejected)  # refused before loading: wrote nothing
+    if names:
+        if man.engine is None:
+            return None
+        placed: set[str] = set()
+        for label, st in man.engine.params.items():
+            role, sep, _ = label.partition(":")
+            prefix = f"{role}:" if sep and role in man.modules else ""
+            fed = {prefix + src for src, _where in st.blocks or ()} & names
+            if fed:
+                out.add(label)
+                placed |= fed
+        if placed != names:
+            return None
+    return out
 
 
 def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManifest, *, session: str | None = None,

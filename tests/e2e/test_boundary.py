@@ -277,6 +277,12 @@ def test_transport_refits_checked_before_loading_then_replayed(engine, monkeypat
     assert torch.equal(held[fused], prev[fused])  # the whole fused parameter keeps version 52
     now = engine_layout(w)
     assert all(torch.equal(held[n], now[n]) for n in now if n != fused)
+    # the failed push wrote nothing wrong (the flipped tensor was refused): a partial refit writing the
+    # parameter it left is vouched for whole (its failure used to count against every parameter it wrote)
+    state, _why, bad = refit_verify.verdicts.writes(rep.session)
+    assert (state, bad) == ("failed", frozenset())
+    parts = {n: w[n] for n in (*sibs, target)}
+    assert _sync(llm, model, parts, version=None, partial=True).reports[0].ok
 
 
 def test_a_refit_that_fails_mid_stream_while_replaying_says_what_was_put_back(engine, monkeypatch):

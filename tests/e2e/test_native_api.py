@@ -132,6 +132,8 @@ def test_corrupted_tensor_named_with_rank(engine, packed):
     assert (err.mismatched, err.missing, err.unexpected) == ([TARGET], [], [])
     assert err.report.rank == 0 and TARGET in str(err) and "worker rank 0" in str(err)
     assert verdicts.failed(err.report.session) == "its refit failed verification"  # never vouched for by an audit
+    # what it wrote wrong, for the partial refits that leave the rest: the flipped tensor's parameter only
+    assert verdicts.writes(err.report.session) == ("failed", "its refit failed verification", frozenset({TARGET}))
 
 
 @needs_trainer_api

@@ -29,11 +29,10 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import msgspec
 import torch
 
 from refit_verify import verdicts
-from refit_verify.compare import compare_session
+from refit_verify.compare import compare_session, wrote_wrong
 from refit_verify.config import RefitConfig, VerifyMode, act_on_all, check_version, mode_from_env
 from refit_verify.digest import backends as _backends
 from refit_verify.digest.tensors import PLAIN_TYPES, dtype_name, version_of
@@ -385,7 +384,7 @@ class RefitCheck:
                 rep = dataclasses.replace(rep, problems=(*rep.problems, f"delta refit: it applies to the state session "
                                                          f"{man.base_session!r} left, which {why}"))
             if not rep.ok and bad is not None:
-                worker_bad = _wrote_wrong(expected, man, rep, held, undigested)
+                worker_bad = wrote_wrong(expected, man, rep, sender_problems=held, undigested=undigested)
                 bad = None if worker_bad is None else bad | worker_bad
             # a full refit's unwritten parameters already fail (all but those ``allow`` exempts)
             inherited = (_inherited_failures(man, bool(rep.sender or rep.receiver), man.base_session if based else None)
@@ -401,36 +400,6 @@ class RefitCheck:
         if ok:
             logger.info("refit %s verified on %d worker(s)", self.session, len(reports))
         return act_on_all(reports, self.mode)
-
-
-def _wrote_wrong(expected: dict, man: SessionManifest, rep: VerificationReport, held: list[str],
-                 undigested: list[str]) -> set[str] | None:
-    """The parameters (worker labels) the failed session of ``man`` wrote with bytes other than the
-    trainer's, when its failure names them: read-back mismatches and the parameters fed the
-    tensors that differ. None when it fails for what names no parameter (an identity or version
-    problem, an error, a rejected or unexpected tensor, a mismatch with no read-back to place it);
-    changes outside any refit its close found do not count here (the worker records them)."""
-    own = compare_session(expected, msgspec.structs.replace(man, audits=[], unsessioned=[]), session=rep.session,
-                          version=rep.version, partial=rep.unchanged > 0 or man.partial, sender_problems=held,
-                          undigested=undigested)
-    if own.problems or own.unexpected or own.rejected or own.receiver_error or own.nothing_checked:
-        return None
-    out = set(own.engine_mismatched)
-    if own.mismatched:
-        if man.engine is None:
-            return None
-        names = set(own.mismatched)
-        placed = set()
-        for label, st in man.engine.params.items():
-            role, sep, _ = label.partition(":")
-            prefix = f"{role}:" if sep and role in man.modules else ""
-            fed = {prefix + src for src, _where in st.blocks or ()} & names
-            if fed:
-                out.add(label)
-                placed |= fed
-        if placed != names:
-            return None
-    return out
 
 
 def _inherited_failures(man: SessionManifest, wrote: bool, base: str | None = None) -> list[str]:

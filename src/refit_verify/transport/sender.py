@@ -23,7 +23,7 @@ import torch
 import zmq
 
 from refit_verify import verdicts
-from refit_verify.compare import receiver_report
+from refit_verify.compare import receiver_report, wrote_wrong
 from refit_verify.config import RefitConfig, VerifyMode, act_on, check_version
 from refit_verify.digest.batch import DigestBatch
 from refit_verify.errors import RefitConfigError, RefitProtocolError, RefitReceiveError, RefitTimeoutError
@@ -595,7 +595,9 @@ class RefitSender:
                                  rank=self.rank, producer_rank=self.rank, landed=done.landed if checked else None,
                                  kept=done.kept if checked else None, version=version)
         # the worker's session: the one this transfer joined, else the implicit one named after the refit
-        verdicts.record(getattr(done.session, "session", None) or rid, report.ok)
+        bad = (wrote_wrong({"model": sender_manifest or {}}, done.session, report, producer_rank=self.rank)
+               if not report.ok and done.session is not None and done.error is None else None)
+        verdicts.record(getattr(done.session, "session", None) or rid, report.ok, bad=None if bad is None else frozenset(bad))
         report = act_on(report, mode)  # enforce: raises RefitVerificationError when not ok
         if done.error is not None:
             raise RefitReceiveError(f"refit {rid}: receiver reported: {done.error}", report=report, progress=p.as_dict())

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from refit_verify import verdicts
-from refit_verify.compare import compare_manifests, compare_session
+from refit_verify.compare import compare_manifests, compare_session, wrote_wrong
 from refit_verify.config import VerifyMode, act_on_all, mode_from_env
 from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
@@ -30,6 +30,8 @@ from refit_verify.vllm_plugin.rpc_names import MANIFEST_METHOD
 logger = logging.getLogger("refit_verify")
 
 __all__ = ["FETCH_TIMEOUT_S", "NativeSendVerifier", "record_verdicts"]
+
+_BAD: dict[int, set[str] | None] = {}  # id(failed report) -> what its session wrote wrong, until record_verdicts takes it
 
 FETCH_TIMEOUT_S = 300.0
 """Bound, in seconds, on fetching the workers' manifests after a send."""
@@ -338,7 +340,11 @@ class NativeSendVerifier:
         about the names ``changed``."""
         data = w.get("session_manifest")
         if data is not None and not w.get("active"):
-            return compare_session({"model": sender}, from_wire(data), sender_problems=problems, undigested=changed)
+            man = from_wire(data)
+            rep = compare_session({"model": sender}, man, sender_problems=problems, undigested=changed)
+            if not rep.ok:  # what it wrote wrong, for the partial refits that leave the rest (verdicts.record(bad=))
+                _BAD[id(rep)] = wrote_wrong({"model": sender}, man, rep, sender_problems=problems, undigested=changed)
+            return rep
         r = compare_manifests(sender, digest_map(w.get("manifest")) or {}, rank=w.get("rank"))
         r = dataclasses.replace(r, unexpected=tuple(n for n in r.unexpected if n not in changed),
                                 problems=(*r.problems, *problems))
@@ -352,11 +358,16 @@ def record_verdicts(reports: Iterable[VerificationReport]) -> None:
     compared whole: passed only where every worker's report on that session passed (a report of an
     update still open has no session: it is checked again at its close)."""
     closed: dict[str, bool] = {}
+    bad: dict[str, set[str] | None] = {}
     for r in reports:
         if r.session is not None:
             closed[r.session] = closed.get(r.session, True) and r.ok
+            if not r.ok:
+                wrong, before = _BAD.pop(id(r), None), bad.get(r.session, set())
+                bad[r.session] = None if wrong is None or before is None else before | wrong
     for session, ok in closed.items():
-        verdicts.record(session, ok)
+        wrong = bad.get(session)
+        verdicts.record(session, ok, bad=None if wrong is None else frozenset(wrong))
 
 
 class _Wrapped:
