@@ -347,8 +347,9 @@ class WorkerBoundary:
             errors += [e for ms in sessions.values() for e in ms.errors]
             regions = {("" if role == "model" else f"{role}:") + k: frozenset(v.items())
                        for role, ms in sessions.items() for k, v in ms.written.items() if isinstance(v, dict)}
+            touched = {role for role, ms in sessions.items() if ms.written or ms.delivered}
             unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions,
-                                                                     adopt=() if s.partial else tuple(s.allow))
+                                                                     adopt=() if s.partial else tuple(s.allow), roles=touched)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
@@ -474,7 +475,7 @@ class WorkerBoundary:
             b.region_table = keep
 
     def _audit_unwritten(self, previous: Any, written: set[str], partly: set[str], sid: str,
-                         regions: dict[str, frozenset], adopt: tuple[str, ...] = ()
+                         regions: dict[str, frozenset], adopt: tuple[str, ...] = (), roles: set[str] | None = None
                          ) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
         """Compare the parameters closing session ``sid`` did not write with the state the last session
         left (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
@@ -485,7 +486,8 @@ class WorkerBoundary:
         ``sid`` to its writers and drops those whose regions it rewrote (the same ones or more); one
         that changed with no write is no session's until written whole (as is one written in part
         by more than :data:`MAX_WRITERS` sessions since). A label no session wrote holds what the
-        engine was started with: reported as such, unless ``sid`` is a full refit whose ``allow``
+        engine was started with: reported as such (in the modules ``roles`` this session wrote to; a
+        drafter no refit feeds keeps its own weights), unless ``sid`` is a full refit whose ``allow``
         patterns (``adopt``) exempt it, which then answers for it.
 
         Returns:
@@ -556,9 +558,10 @@ class WorkerBoundary:
                 tainted.setdefault(why, []).append(n)
             elif n not in self._basis:
                 role, sep, rest = n.partition(":")
-                if adopt and match_any(rest if sep and role in self.modules else n, adopt):
+                role, rest = (role, rest) if sep and role in self.modules else ("model", n)
+                if adopt and match_any(rest, adopt):
                     self._basis[n] = {sid: None}  # exempt by a full refit: it answers for what it left there
-                else:
+                elif roles is None or role in roles:
                     tainted.setdefault(START_BYTES, []).append(n)
         return unchanged, by, tainted
 
