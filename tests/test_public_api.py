@@ -139,7 +139,6 @@ MAY_IMPORT = {
     "verdicts": set(),
     "_lazy": set(),
     "_moved": set(),
-    "_cuda_warm": {"digest"},
     "errors": {"report"},
     "manifest": {"errors"},
     "config": {"errors", "report"},
@@ -152,11 +151,10 @@ MAY_IMPORT = {
     "collective": {"stream", "wire", "digest", "_lazy"} | FOUNDATION,
     "boundary": {"digest", "_lazy"} | FOUNDATION,
     "engine": {"boundary", "digest"} | FOUNDATION,
-    "trainer": {"transport", "digest", "_cuda_warm"} | FOUNDATION,
-    "vllm_plugin": {"digest", "wire", "stream", "transport", "collective", "boundary", "engine", "trainer", "testing", "_lazy",
-                    "_cuda_warm"} | FOUNDATION,
+    "trainer": {"transport", "digest"} | FOUNDATION,
+    "vllm_plugin": {"digest", "wire", "stream", "transport", "collective", "boundary", "engine", "trainer", "testing", "_lazy"} | FOUNDATION,
     "cli": {"digest", "wire", "stream", "transport", "collective", "boundary", "engine", "trainer", "vllm_plugin", "testing", "_lazy"} | FOUNDATION,
-    "<face>": {"_moved", "_cuda_warm"},
+    "<face>": {"_moved", "digest"},
 }
 
 
@@ -185,7 +183,7 @@ def test_no_module_imports_the_face_or_a_name_through_a_lazy_face():
     offenders = []
     for m, p in MODULES.items():
         for d in _imports(p):
-            if d in faces and d != m and not (m == "refit_verify" and d in ("refit_verify._moved", "refit_verify._cuda_warm")):
+            if d in faces and d != m and not (m == "refit_verify" and d == "refit_verify._moved"):
                 offenders.append(f"{m} imports {d}")
     assert offenders == []
 

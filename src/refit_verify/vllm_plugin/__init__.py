@@ -44,12 +44,12 @@ def register() -> None:
         RuntimeError: verification is requested and this vLLM has no v1 ``WorkerBase`` (older than
             the supported range).
     """
-    from refit_verify import _cuda_warm
     from refit_verify.boundary.plan import replay_from_env
     from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, check_warmup_env, mode_from_env
+    from refit_verify.digest import warm_on_cuda
     from refit_verify.vllm_plugin import patches, shims
 
-    _cuda_warm.engine_process = True  # the workers warm themselves (worker_warmup), not as a trainer
+    warm_on_cuda.engine_process = True  # the workers warm themselves (worker_warmup), not as a trainer
     mode = mode_from_env()
     replay_from_env()
     check_cuda_graphs_env()

@@ -1,6 +1,6 @@
-"""The trainer's digest warm-up is queued with torch's CUDA initialisation (``refit_verify._cuda_warm``).
+"""The trainer's digest warm-up is queued with torch's CUDA initialisation (``refit_verify.digest.warm_on_cuda``).
 
-No GPU here: torch's queue and the warm-up are replaced by recorders; tests/gpu/test_fused_copy_gpu.py
+No GPU here: torch's queue and the warm-up are replaced by recorders; tests/gpu/test_trainer_warmup_gpu.py
 runs the real thing on CUDA.
 """
 
@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from refit_verify import _cuda_warm
+from refit_verify.digest import warm_on_cuda as _cuda_warm
 
 
 @pytest.fixture
