@@ -89,7 +89,7 @@ class WorkerBoundary:
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
         self._replicated: dict[str, bool] = {}
         self._written_version: dict[str, int | None] = {}
-        # label -> {session: the regions it wrote, None: whole} whose writes its bytes are (one written whole
+        # label -> {session: the regions it wrote (None: not known)} whose writes its bytes are (one written whole
         # last; more when written in part since), and why a label's bytes are no session's (changed outside any
         # refit) until written whole
         self._basis: dict[str, dict[str, frozenset | None]] = {}
@@ -483,7 +483,7 @@ class WorkerBoundary:
         session (an :class:`~refit_verify.manifest.AuditResult` with trigger :data:`CLOSE_AUDIT`);
         names an automatic audit already reported are left out. Then the labels' records move on: a
         label written whole is ``sid``'s alone; one written in part (``partly``, its ``regions``) adds
-        ``sid`` to its writers and drops those whose regions it rewrote (the same ones or more); one
+        ``sid`` to its writers and drops those whose regions later writes cover together; one
         that changed with no write is no session's until written whole (as is one written in part
         by more than :data:`MAX_WRITERS` sessions since). A label no session wrote holds what the
         engine was started with: reported as such (in the modules ``roles`` this session wrote to; a
@@ -494,9 +494,9 @@ class WorkerBoundary:
             ``(unchanged, by session, tainted)``: the parameters found holding the bytes ``previous``
             recorded (empty placeholders, whose bytes live elsewhere, not counted; 0 when there is
             nothing to compare with); ``{session id: labels}`` of the parameters not written, or
-            written in part, by the sessions that wrote their bytes (those no session wrote, e.g.
-            loaded at engine start, left out); ``{why: labels}`` of those whose bytes changed outside
-            any refit before.
+            written in part, by the sessions that wrote their bytes; ``{why: labels}`` of those whose
+            bytes changed outside any refit before, and (key :data:`~refit_verify.manifest.START_BYTES`)
+            of those no session wrote.
         """
         now = self.baseline
         fresh: set[str] = set()  # not written and not compared: recorded, not reported by this session
