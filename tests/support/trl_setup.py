@@ -129,11 +129,13 @@ def _kernel_scan_skips_llvmlite() -> Iterator[None]:
             if ffi is not None:
                 sys.modules["llvmlite.binding.ffi"] = ffi
 
-    cls.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+    ours = classmethod(register_triton_kernel_overrides)
+    cls.register_triton_kernel_overrides = ours
     try:
         yield
-    finally:
-        cls.register_triton_kernel_overrides = raw
+    finally:  # put back only our own: the plugin's cpu-kernel-scan patch, applied meanwhile, wraps ours and stays
+        if cls.__dict__.get("register_triton_kernel_overrides") is ours:
+            cls.register_triton_kernel_overrides = raw
 
 
 @contextlib.contextmanager
