@@ -346,7 +346,7 @@ class WorkerBoundary:
                 mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
             regions = {("" if role == "model" else f"{role}:") + k: frozenset(v.items())
-                       for role, ms in sessions.items() for k, v in ms.written.items() if isinstance(v, dict)}
+                       for role, ms in sessions.items() for k, v in ms.written.items()}
             touched = {role for role, ms in sessions.items() if ms.written or ms.delivered}
             unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions,
                                                                      adopt=() if s.partial else tuple(s.allow), roles=touched)

@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from refit_verify import verdicts
@@ -30,8 +30,6 @@ from refit_verify.vllm_plugin.rpc_names import MANIFEST_METHOD
 logger = logging.getLogger("refit_verify")
 
 __all__ = ["FETCH_TIMEOUT_S", "NativeSendVerifier", "record_verdicts"]
-
-_BAD: dict[int, set[str] | None] = {}  # id(failed report) -> what its session wrote wrong, until record_verdicts takes it
 
 FETCH_TIMEOUT_S = 300.0
 """Bound, in seconds, on fetching the workers' manifests after a send."""
@@ -301,11 +299,12 @@ class NativeSendVerifier:
                     sender.pop(name, None)
             _LAST.update(key=key, sender=sender)
         problems = self._sender_problems(changed)
-        reports = [self._compare(sender, w, problems, tuple(changed)) for w in workers]
+        compared = [self._compare(sender, w, problems, tuple(changed)) for w in workers]
+        reports = [rep for rep, _ in compared]
         self.open_updates = any(w.get("active") for w in workers)
         with _LOCK:
             _LAST["reports"] = reports
-        record_verdicts(reports)
+        record_verdicts(reports, [wrong for _, wrong in compared])
         if all(r.ok for r in reports):
             logger.info("refit verified (native weight transfer): %d tensors on %d worker(s)", len(sender), len(reports))
         return act_on_all(reports, self.mode)
@@ -333,38 +332,40 @@ class NativeSendVerifier:
                                 hint="a parameter handed to the send is held until verify(); leave it untouched until then")
 
     @staticmethod
-    def _compare(sender: dict[str, str], w: dict[str, Any], problems: list[str], changed: tuple[str, ...]) -> VerificationReport:
+    def _compare(sender: dict[str, str], w: dict[str, Any], problems: list[str],
+                 changed: tuple[str, ...]) -> tuple[VerificationReport, set[str] | None]:
         """A finished update is compared as a whole session (coverage, apply-time digests, read-back);
         one still open (0.26: the send runs between start and finish) by its delivered digests, and
         the report says what it could not check yet. ``problems``: the sender's own (each a failure),
-        about the names ``changed``."""
+        about the names ``changed``. Returns the report and, for a failed closed session, what it
+        wrote wrong (:func:`~refit_verify.compare.wrote_wrong`; None: unknown, or nothing failed)."""
         data = w.get("session_manifest")
         if data is not None and not w.get("active"):
             man = from_wire(data)
             rep = compare_session({"model": sender}, man, sender_problems=problems, undigested=changed)
-            if not rep.ok:  # what it wrote wrong, for the partial refits that leave the rest (verdicts.record(bad=))
-                _BAD[id(rep)] = wrote_wrong({"model": sender}, man, rep, sender_problems=problems, undigested=changed)
-            return rep
+            wrong = None if rep.ok else wrote_wrong({"model": sender}, man, rep, sender_problems=problems, undigested=changed)
+            return rep, wrong
         r = compare_manifests(sender, digest_map(w.get("manifest")) or {}, rank=w.get("rank"))
         r = dataclasses.replace(r, unexpected=tuple(n for n in r.unexpected if n not in changed),
                                 problems=(*r.problems, *problems))
         return dataclasses.replace(r, unchecked=(
             "coverage, apply-time digests and read-back: the worker's update was still open (checked again when "
-            "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",))
+            "LLM.finish_weight_update closes it in this process; call NativeSendVerifier.verify() after finish otherwise)",)), None
 
 
-def record_verdicts(reports: Iterable[VerificationReport]) -> None:
+def record_verdicts(reports: Sequence[VerificationReport], wrong: Sequence[set[str] | None] | None = None) -> None:
     """Record in :mod:`refit_verify.verdicts` the verdict on each closed worker session the reports
     compared whole: passed only where every worker's report on that session passed (a report of an
-    update still open has no session: it is checked again at its close)."""
+    update still open has no session: it is checked again at its close). ``wrong``: per report, the
+    parameters its failed session wrote wrong (None, or no list: any)."""
     closed: dict[str, bool] = {}
     bad: dict[str, set[str] | None] = {}
-    for r in reports:
+    for r, w in zip(reports, wrong if wrong is not None else [None] * len(reports)):
         if r.session is not None:
             closed[r.session] = closed.get(r.session, True) and r.ok
             if not r.ok:
-                wrong, before = _BAD.pop(id(r), None), bad.get(r.session, set())
-                bad[r.session] = None if wrong is None or before is None else before | wrong
+                before = bad.get(r.session, set())
+                bad[r.session] = None if w is None or before is None else before | w
     for session, ok in closed.items():
         wrong = bad.get(session)
         verdicts.record(session, ok, bad=None if wrong is None else frozenset(wrong))
