@@ -59,13 +59,28 @@ def init_rank(rank: int, world: int, port: int, backend: str = "gloo", timeout_s
 
 
 def _run_rank(worker: Callable, rank: int, port: int, out_dir: str, *extra: object) -> None:
-    """In a forked rank: run the worker; an exception's traceback goes to ``out_dir/rank{rank}.error``."""
+    """In a rank (forked or spawned): run the worker; an exception's traceback goes to ``out_dir/rank{rank}.error``.
+
+    A rank whose worker returned leaves through ``os._exit(0)``: its result file is written, and a
+    spawned rank's interpreter teardown can abort in gloo's C++ destructors ("terminate called
+    without an active exception", SIGABRT: 1 in 8 runs of the broadcast's version test), which
+    failed runs whose ranks had all finished."""
     try:
         worker(rank, port, out_dir, *extra)
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawned_rank(rank: int, worker: Callable, port: int, out_dir: str, *extra: object) -> None:
+    """``torch.multiprocessing.spawn``'s entry (rank first): :func:`_run_rank`."""
+    _run_rank(worker, rank, port, out_dir, *extra)
 
 
 def _join(procs: list, out_dir: str, timeout_s: float) -> None:
@@ -112,7 +127,7 @@ def spawn_ranks(worker: Callable, world: int, out_dir: str, *extra: object, time
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(worker, args=(port, out_dir, *extra), nprocs=world, join=True)
+        mp.spawn(_spawned_rank, args=(worker, port, out_dir, *extra), nprocs=world, join=True)
     out = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
