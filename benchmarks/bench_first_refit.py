@@ -26,8 +26,11 @@ Prints the median over rounds of the engine's start (s), the first, second and l
 the first refit over the second, and the first refit's excess over the median of the later ones
 (ms); and, where it verifies, refit-verify's own work in the first and second refit (ms: the
 sender's digest and the worker's session open, model boundary and close,
-:func:`refit_verify.cli.demo.refit_split`) and its ratio, the figure #53 item 4 holds to 10 %. numba's and Triton's on-disk caches are as the machine has them (warm after any earlier
-run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
+:func:`refit_verify.cli.demo.refit_split`), its ratio (per round, median), the figure #53 item 4 holds
+to 10 %, and the same ratio of the third refit to the second as the control (what two steady refits
+differ by on this machine); then
+that split part by part, first and second refit. numba's and Triton's on-disk caches are as the
+machine has them (warm after any earlier run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
 fresh machine, where whichever process compiles first writes the cache the others read).
 
 ``--profile FILE``: each verifying run appends to FILE its refits' split (ms: the sender's digest; the
@@ -58,6 +61,10 @@ SETTINGS = {
 }
 
 
+PARTS = ("sender's digest", "worker open", "model boundary", "close", "vLLM's reload")
+"""The split of a verified refit each child reports per refit (:func:`refit_verify.cli.demo.refit_split`)."""
+
+
 def _child(device: str, model: str, refits: int) -> None:
     """One fresh engine: print ``{"start_s": s, "walls": [s, ...]}`` as the last line."""
     import torch
@@ -78,7 +85,7 @@ def _child(device: str, model: str, refits: int) -> None:
     t0 = time.perf_counter()
     llm = start_engine(d, device)
     start_s = time.perf_counter() - t0
-    walls, own = [], []
+    walls, own, parts = [], [], []
     profile = os.environ.get("BENCH_PROFILE") if os.environ["REFIT_VERIFY"] != "off" else None
     profiles: list = []
     if profile:
@@ -101,8 +108,10 @@ def _child(device: str, model: str, refits: int) -> None:
             split = refit_split(sender.last_stats or {}, res.workers) if os.environ["REFIT_VERIFY"] != "off" else None
         walls.append(res.seconds)
         own.append(None if split is None else split[0])
-        if profile and split is not None:
+        if split is not None:
             w = max((x["seconds"] for x in res.workers), key=lambda x: x["own_s"])
+            parts.append([split[1], w["open_s"], w["boundary_s"], w["close_s"], w["reload_s"]])
+        if profile and split is not None:
             lines.append(f"refit {i}: wall {res.seconds * 1e3:.1f}, sender digest {split[1] * 1e3:.2f}, worker open "
                          f"{w['open_s'] * 1e3:.2f} boundary {w['boundary_s'] * 1e3:.2f} close {w['close_s'] * 1e3:.2f}, "
                          f"reload {w['reload_s'] * 1e3:.2f}")
@@ -113,7 +122,7 @@ def _child(device: str, model: str, refits: int) -> None:
                                f"trainer {'cold' if os.environ.get('BENCH_TRAINER_COLD') else 'warmed'}", *lines, "", ""]))
     if device == "cuda":
         torch.cuda.synchronize()
-    print(json.dumps({"start_s": start_s, "walls": walls, "own": own}), flush=True)
+    print(json.dumps({"start_s": start_s, "walls": walls, "own": own, "parts": parts}), flush=True)
 
 
 def _profile_diff(first: cProfile.Profile, later: cProfile.Profile, top: int = 25) -> list[str]:
@@ -177,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
              f"{os.cpu_count()} cores), torch {torch.__version__}, {a.rounds} rounds, {a.refits} refits each (medians)"
              f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
              "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) "
-             "| own work 1st / 2nd (ms) | own 1st / 2nd |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| own work 1st / 2nd (ms) | own 1st / 2nd | control: own 3rd / 2nd |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         runs = got[n]
         first, second, last = (med([x["walls"][i] for x in runs]) for i in (0, 1, -1))
@@ -188,9 +197,17 @@ def main(argv: list[str] | None = None) -> None:
         if all(None not in x["own"] for x in runs):
             o1, o2 = (med([x["own"][i] for x in runs]) for i in (0, 1))
             row += f" {o1 * 1e3:.1f} / {o2 * 1e3:.1f} | {med([x['own'][0] / x['own'][1] for x in runs]):.2f} |"
+            row += f" {med([x['own'][2] / x['own'][1] for x in runs]):.2f} |" if a.refits >= 3 else " - |"
         else:
-            row += " - | - |"
+            row += " - | - | - |"
         lines.append(row)
+    split = [n for n in names if all(len(x.get("parts", ())) >= 2 for x in got[n])]
+    if split:
+        lines += ["", "Split of the first and second refit (ms, medians; the slowest worker's parts):", "",
+                  "| setting | " + " | ".join(f"{p} 1st / 2nd" for p in PARTS) + " |", "|---" * (len(PARTS) + 1) + "|"]
+        for n in split:
+            cells = [" / ".join(f"{med([x['parts'][i][j] for x in got[n]]) * 1e3:.2f}" for i in (0, 1)) for j in range(len(PARTS))]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     emit(lines, a.out)
 
 
