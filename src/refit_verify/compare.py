@@ -249,12 +249,12 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         unattributed += [tag(n) for n in got.unattributed]
         if not (partial or man.partial):
             unwritten += [tag(n) for n in got.unwritten]
-        else:  # a parameter written in part: the close audit compares whole parameters only
+        else:  # a parameter written in part whose other elements the close could not compare region by region
             part = [tag(n) for n in got.unwritten if n.endswith(" elements)")]
             if part:
                 unchecked.append(f"{len(part)} parameters were written in part by this partial refit; their other elements are "
-                                 "not compared with what the last session left (the close audit compares whole parameters "
-                                 f"only): {', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
+                                 "not compared with what the last session left (no region of the layout map holds them, or "
+                                 f"the last close did not read it): {', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
     if session is not None and man.session != session:
         problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
     if version is not None and man.version != version:

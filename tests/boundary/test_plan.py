@@ -396,8 +396,9 @@ def test_after_a_failed_snapshot_no_replay_and_unwritten_parameters_are_said(wri
 
 
 def test_a_partial_refit_says_what_it_does_not_compare():
-    """Only q_proj is refitted: the rest of qkv_proj is neither written nor audited (the close audit
-    compares whole parameters), and the report says so."""
+    """Only q_proj is refitted, in a session not opened as partial (so its close compares no region of
+    qkv_proj's rest), and compared as partial: the rest of qkv_proj is neither written nor audited,
+    and the report says so."""
     wb, model = _worker()
     _refit(wb, model, toy_weights(1), 1)
     w = {"q_proj": toy_weights(2)["q_proj"]}
@@ -405,8 +406,8 @@ def test_a_partial_refit_says_what_it_does_not_compare():
     assert man.modules["model"].replayed == 1
     r = compare_session({"model": digest_tensors(w.items())}, man, session="s2", version=2, partial=True)
     assert r.ok and r.unchecked == ("1 parameters were written in part by this partial refit; their other elements are not "
-                                    "compared with what the last session left (the close audit compares whole parameters "
-                                    f"only): qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)
+                                    "compared with what the last session left (no region of the layout map holds them, or the "
+                                    f"last close did not read it): qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)
 
 
 def test_a_replay_in_another_order_is_recorded_name_by_name_and_verifies_alike(writes):

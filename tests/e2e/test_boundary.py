@@ -172,6 +172,27 @@ def test_audit_names_changed_and_moved_tensors(engine):
     assert refit_verify.audit(llm, mode="enforce")[0].ok
 
 
+def test_a_partial_refit_writing_one_projection_sees_the_rest_of_qkv_changed_outside_any_refit(engine):
+    """A partial refit that writes layer 0's k_proj writes its fused qkv_proj in part: its q and v rows
+    are compared with what the last close read there, and a change to them outside any refit fails
+    the refit and the certificate until qkv_proj is written whole."""
+    llm, model, cfg = engine
+    w = _weights(cfg, 7)
+    assert _sync(llm, model, w, version=None).reports[0].ok  # unversioned: the module's other tests order their versions
+    pre = "model.layers.0.self_attn."
+    k = {pre + "k_proj.weight": _weights(cfg, 8)[pre + "k_proj.weight"]}
+    (rep,) = _sync(llm, model, k, version=None, partial=True).reports
+    assert rep.ok and rep.unchecked == ()
+    model.model.layers[0].self_attn.qkv_proj.weight.data[-1, 0] += 1  # a v row, behind the engine's back
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:
+        _sync(llm, model, k, version=None, partial=True)
+    assert f"{pre}qkv_proj.weight: rows " in str(ei.value) and f"1 changed: {pre}qkv_proj.weight" in str(ei.value)
+    assert not refit_verify.certificate(llm)[0].ok
+    qkv = {pre + n: w[pre + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+    assert _sync(llm, model, qkv, version=None, partial=True).reports[0].ok
+    assert refit_verify.certificate(llm)[0].ok
+
+
 def test_audit_after_a_failed_or_aborted_refit_is_not_a_pass(engine):
     """Nothing changed since the last session, but that session's refit failed (or was aborted) in
     this trainer: the audit fails and says why; after a verified refit it passes again."""

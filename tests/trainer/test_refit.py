@@ -460,6 +460,41 @@ def test_a_partial_refit_vouches_neither_for_the_start_weights_nor_for_an_allowe
     assert len(wb._basis["qkv_proj"]) == 3  # k, v and the last q: the earlier q's writer dropped
 
 
+def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_in_part(toy):
+    """A parameter written in part (one projection of a fused qkv): its other regions, where the
+    layout map has them and the last close read them, are compared with what that close read. A
+    change there outside any refit fails the refit (it used to pass: the close audit compared whole
+    parameters only), and every later one until the parameter is written whole; unchanged, nothing
+    is left unchecked, across refits that change the part they write."""
+    from tests.support.toy_model import KV, toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(1)
+    assert _refit(engine, "enforce", w, model.load_weights, version=1).reports[0].ok
+    for version, seed in ((2, 2), (3, 3)):  # k changes each step; q and v stay as version 1 left them
+        k = {"k_proj": toy_weights(seed)["k_proj"]}
+        (rep,) = _refit(engine, "enforce", k, model.load_weights, version=version, partial=True).reports
+        assert rep.ok and rep.unchecked == ()
+    with torch.no_grad():  # the v rows changed outside any refit
+        model.qkv_proj[-KV, 0] += 1
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:
+        _refit(engine, "enforce", {"k_proj": w["k_proj"]}, model.load_weights, version=4, partial=True)
+    found = wb.last.session
+    (p,) = ei.value.report.problems
+    assert "qkv_proj: rows " in p and "changed since the last close, and this partial refit did not write them" in p
+    assert "1 changed: qkv_proj" in p
+    assert not refit_verify.certificate(engine)[0].ok
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:  # and until written whole
+        _refit(engine, "enforce", {"v_proj": w["v_proj"]}, model.load_weights, version=5, partial=True)
+    assert ei.value.report.problems == (f"1 parameters this refit did not write (or wrote in part) hold bytes changed outside "
+                                        f"any refit (found at the close of session {found!r}), and no refit has written them "
+                                        "whole since (qkv_proj)",)
+    qkv = {n: w[n] for n in ("q_proj", "k_proj", "v_proj")}
+    assert _refit(engine, "enforce", qkv, model.load_weights, version=6, partial=True).reports[0].ok
+    assert _refit(engine, "enforce", {"k_proj": w["k_proj"]}, model.load_weights, version=7, partial=True).reports[0].ok
+    assert refit_verify.certificate(engine)[0].ok
+
+
 def test_a_channel_never_answers_with_no_worker():
     from refit_verify.trainer.channel import WorkerChannel
 

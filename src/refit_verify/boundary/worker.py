@@ -283,6 +283,8 @@ class WorkerBoundary:
             maps = self._state_maps(sessions, todos, errors, reads)
             if s.base is not None:
                 self._plan_delta(sessions, todos, reads)
+            elif s.partial:
+                self._plan_rest(sessions, reads)
             written = self._note_written(s, sessions)
             previous = self.baseline
             # read back when asked, and always when a delivered tensor is proven only where it landed
@@ -337,6 +339,9 @@ class WorkerBoundary:
                          and getattr(st.get(pre + p), "status", None) == "verified"),
                     f"session {s.id}")
             delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
+            rest: dict[str, list[str]] = {}
+            if s.base is None and s.partial:
+                rest, proven = self._rest_changed(sessions, judged, reads)
             self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             # written in part (``allow`` or not): their other regions hold earlier writes
@@ -349,7 +354,8 @@ class WorkerBoundary:
                        for role, ms in sessions.items() for k, v in ms.written.items()}
             touched = {role for role, ms in sessions.items() if ms.written or ms.delivered}
             unchanged, unchanged_by, tainted = self._audit_unwritten(previous, written, partly, s.id, regions,
-                                                                     adopt=() if s.partial else tuple(s.allow), roles=touched)
+                                                                     adopt=() if s.partial else tuple(s.allow), roles=touched,
+                                                                     rest=rest)
             audits, self.pending_audits = self.pending_audits, []
             man = SessionManifest(session=s.id, version=s.version, opened_by=s.opened_by, worker=self.identity, modules=modules,
                                   producer=s.producer, unsessioned=s.unsessioned, stale=s.stale, engine=engine,
@@ -405,6 +411,44 @@ class WorkerBoundary:
                                "they are not proven unchanged")
                 if not (changed or unknown) and got + n >= total:
                     proven.add(label)
+        return out, proven
+
+    def _plan_rest(self, sessions: dict[str, ModuleSession], reads: close_reads.CloseReads) -> None:
+        """Plan, for a partial refit's close, the layout map's regions in every parameter it writes in
+        part: :meth:`_rest_changed` compares the ones it did not write with what the last close read."""
+        for role, ms in sessions.items():
+            b = self.modules[role]
+            m, idx = b.layout, b.index(refresh=False)
+            if m is None or idx is None or m.index() is not idx:
+                continue
+            part = {p for p, w in ms.written.items() if covered(w) < ms.param_numel.get(p, 0)}
+            if part:
+                names = [n for n, rs in m.entries.items() if any(p in part for p, _g in rs)]
+                reads.plan(role, close_reads.map_regions(m, names, idx.params))
+
+    def _rest_changed(self, sessions: dict[str, ModuleSession], read: dict[str, dict],
+                      reads: close_reads.CloseReads | None = None) -> tuple[dict[str, list[str]], set[str]]:
+        """For a partial refit's close: the parameters it wrote in part whose other regions (the layout
+        map's) changed since the last close read them, ``{label: [region descriptions]}``, and those
+        whose other elements are all in such regions, found unchanged. The regions read go to
+        ``read[role]`` (kept for the next close). Regions the last close did not read, and elements in
+        no region of the map, are not compared (the report's ``unchecked`` names the parameter)."""
+        out: dict[str, list[str]] = {}
+        proven: set[str] = set()
+        for role, ms in sessions.items():
+            b = self.modules[role]
+            prefix = "" if role == "model" else f"{role}:"
+            for pname, w in ms.written.items():
+                total = ms.param_numel.get(pname, 0)
+                got = covered(w)
+                if got >= total:
+                    continue
+                n, changed, unknown, now = b.unchanged_rest(pname, w, reads)
+                read.setdefault(role, {}).update(now)
+                if changed:
+                    out[prefix + pname] = changed
+                elif not unknown and got + n >= total:
+                    proven.add(prefix + pname)
         return out, proven
 
     def _state_maps(self, sessions: dict[str, ModuleSession], todos: dict[str, dict], errors: list[str],
@@ -475,8 +519,8 @@ class WorkerBoundary:
             b.region_table = keep
 
     def _audit_unwritten(self, previous: Any, written: set[str], partly: set[str], sid: str,
-                         regions: dict[str, frozenset], adopt: tuple[str, ...] = (), roles: set[str] | None = None
-                         ) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
+                         regions: dict[str, frozenset], adopt: tuple[str, ...] = (), roles: set[str] | None = None,
+                         rest: dict[str, list[str]] | None = None) -> tuple[int, dict[str, list[str]], dict[str, list[str]]]:
         """Compare the parameters closing session ``sid`` did not write with the state the last session
         left (``previous``): a partial refit, or names exempt through ``allow``, must not make bytes that
         changed outside any load the new baseline unnoticed. What changed is reported with this
@@ -488,7 +532,8 @@ class WorkerBoundary:
         by more than :data:`MAX_WRITERS` sessions since). A label no session wrote holds what the
         engine was started with: reported as such (in the modules ``roles`` this session wrote to; a
         drafter no refit feeds keeps its own weights), unless ``sid`` is a full refit whose ``allow``
-        patterns (``adopt``) exempt it, which then answers for it.
+        patterns (``adopt``) exempt it, which then answers for it. ``rest``: labels written in part whose
+        other regions changed outside any refit (:meth:`_rest_changed`), reported and kept as those.
 
         Returns:
             ``(unchanged, by session, tainted)``: the parameters found holding the bytes ``previous``
@@ -525,6 +570,19 @@ class WorkerBoundary:
             unchanged = sum(1 for n, st in compared if 0 not in st.shape and previous.params[n].digest == st.digest)
             fresh = set(differ)
             self._taint.update(dict.fromkeys(differ, f"changed outside any refit (found at the close of session {sid!r})"))
+        if rest:
+            seen = {n for a in self.pending_audits for n in a.changed}
+            changed = [n for n in rest if n not in seen]
+            since = previous if previous is not None else self.last
+            if changed:
+                self.pending_audits.append(AuditResult(
+                    worker=self.identity, since_session=getattr(since, "session", None),
+                    since_version=getattr(since, "version", None), changed=changed,
+                    moved=[], trigger=CLOSE_AUDIT, tensors=len(now.params) if now is not None else 0,
+                    problems=[f"{n}: {', '.join(rest[n])} changed since the last close, and this partial refit did not "
+                              "write them" for n in changed]))
+            fresh |= set(rest)
+            self._taint.update(dict.fromkeys(rest, f"changed outside any refit (found at the close of session {sid!r})"))
         for n in written:
             key = regions.get(n) or None
             if n not in partly:
