@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["MAX_KEPT", "failed", "passed", "record", "writes"]
+__all__ = ["MAX_KEPT", "claim", "failed", "passed", "record", "writes"]
 
 MAX_KEPT = 1024
 """Failed sessions remembered, and passed ones (the oldest of each are forgotten first)."""
@@ -27,7 +27,21 @@ MAX_KEPT = 1024
 _FAILED: dict[str, str] = {}
 _PASSED: dict[str, None] = {}
 _BAD: dict[str, frozenset[str] | None] = {}  # failed session -> the parameters it wrote wrong (None: unknown, all)
+_CLAIMED: dict[str, None] = {}  # session ids refits of this process opened (the latest MAX_KEPT)
 _LOCK = threading.Lock()
+
+
+def claim(session: str) -> bool:
+    """Take ``session`` for a refit about to open its sessions; False when a refit of this process
+    took it before (or a verdict on it is kept): a session id names one refit, its verdict is kept
+    by id, and a pass under a reused id would replace the failure of the refit that used it first."""
+    with _LOCK:
+        if session in _CLAIMED or session in _PASSED or session in _FAILED:
+            return False
+        _CLAIMED[session] = None
+        while len(_CLAIMED) > MAX_KEPT:
+            _CLAIMED.pop(next(iter(_CLAIMED)))
+        return True
 
 
 def record(session: str | None, ok: bool, why: str = "its refit failed verification", *,

@@ -192,14 +192,14 @@ def test_a_payload_of_another_producer_than_the_one_that_must_feed_the_worker_is
     from refit_verify.manifest import Producer
 
     _, wb, model = toy_worker()
-    for expect, producer, misrouted in ((1, Producer(rank=1, device="cuda:1"), None),
+    for i, (expect, producer, misrouted) in enumerate(((1, Producer(rank=1, device="cuda:1"), None),
                                         (None, Producer(rank=3, device="cpu"), None),  # no expectation: any producer
                                         (0, None, None),  # a sender that names no rank: nothing to compare
                                         (0, Producer(rank=1, device="cuda:1"),
                                          "worker rank 0 (tp 0, pp 0) received the payload of producer rank 1 (cuda:1); it "
-                                         "must be fed by producer rank 0")):
+                                         "must be fed by producer rank 0"))):
         d = SessionDigests(wb, "transport", expect_producer=expect)
-        d.begin("r", producer)
+        d.begin(f"r{i}", producer)  # a refit id names one refit
         model.load_weights(list(toy_weights(1).items()))
         assert d.finish()[1].misrouted == misrouted
     wb.open("outer", version=1)  # a transport joining a trainer's session: checked as it joins

@@ -495,6 +495,38 @@ def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_i
     assert refit_verify.certificate(engine)[0].ok
 
 
+def test_a_session_id_names_one_refit(toy):
+    """A refit that reuses the session id of an earlier one is refused before it opens: verdicts are
+    kept by id, and a retry that passed under the id of a failed refit used to replace its failure
+    (a partial retry then vouched for the bytes the failed one wrote wrong). The workers refuse an
+    id of a session closed on them too, whoever asks (a restarted trainer)."""
+    from refit_verify import verdicts
+    from refit_verify.errors import RefitProtocolError
+    from tests.support.toy_model import ToyEngine, toy_weights, toy_worker
+
+    engine, wb, model = toy
+    w, w2 = toy_weights(1), toy_weights(2)
+    assert _refit(engine, "enforce", w, model.load_weights, version=1).reports[0].ok
+    with pytest.raises(refit_verify.RefitVerificationError, match="mismatched"):
+        _refit(engine, "enforce", w2, lambda items: model.load_weights(list({**w2, "embed": w2["embed"] + 1}.items())),
+               version=2, session_id="step-2")
+    for mode in ("enforce", "log"):
+        with pytest.raises(RefitConfigError, match="session id 'step-2' was already used by a refit in this trainer process"):
+            _refit(engine, mode, {"norm": w2["norm"]}, model.load_weights, version=2, partial=True, session_id="step-2")
+    assert wb.open_session is None and verdicts.failed("step-2") == "its refit failed verification"
+    with pytest.raises(refit_verify.RefitVerificationError, match=r"which its refit failed verification in this trainer \(embed\)"):
+        _refit(engine, "enforce", {"norm": w2["norm"]}, model.load_weights, version=3, partial=True)
+    # two replicas, one id: the second refit() is refused (its pass would replace the first one's verdict)
+    worker_b, _wb_b, model_b = toy_worker()
+    _refit(engine, "enforce", w, model.load_weights, version=4, session_id="dp-step-4")
+    with pytest.raises(RefitConfigError, match="'dp-step-4' was already used"):
+        _refit(ToyEngine(worker_b), "enforce", w, model_b.load_weights, version=4, session_id="dp-step-4")
+    # the worker refuses an id closed on it (a trainer process that does not know it)
+    with pytest.raises(RefitProtocolError, match="session id 'step-2' names a session already closed on this worker"):
+        wb.open("step-2")
+    assert wb.open_session is None
+
+
 def test_a_channel_never_answers_with_no_worker():
     from refit_verify.trainer.channel import WorkerChannel
 

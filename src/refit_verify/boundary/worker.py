@@ -145,7 +145,7 @@ class WorkerBoundary:
 
         Raises:
             RefitProtocolError: an explicit open while another explicit session is open (close it first),
-                or a bad argument.
+                ``session_id`` names a session already closed here, or a bad argument.
         """
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise RefitProtocolError(f"session version must be an int or None, got {version!r}")
@@ -179,6 +179,9 @@ class WorkerBoundary:
                     return cur.id
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {cur.id!r} (opened by {cur.opened_by}) is "
                                          f"still open; close it before opening {session_id!r}")
+            if session_id is not None and (session_id in self.manifests or any(session_id in w for w in self._basis.values())):
+                raise RefitProtocolError(f"worker rank {self.identity.rank}: session id {session_id!r} names a session already "
+                                         "closed on this worker; each refit needs an id of its own")
             t0 = time.perf_counter()
             sid = session_id or uuid.uuid4().hex[:16]
             s = _Open(sid, version, opened_by, producer, partial, tuple(allow), readback, explicit)

@@ -228,7 +228,8 @@ class RefitCheck:
             RefitConfigError: in ``enforce``, a worker does not verify (``REFIT_VERIFY`` unset there), lacks
                 refit-verify's plugin, or the engine answered for no worker; in ``log`` this is logged,
                 the refit goes unverified and :meth:`verify` returns one failing report saying why.
-            RefitConfigError: this RefitCheck's session was already verified or aborted.
+            RefitConfigError: this RefitCheck's session was already verified or aborted, or its session id
+                was used by another refit of this process.
             RefitTimeoutError: the workers did not answer within ``timeout_s``.
         """
         if self._closed:
@@ -236,6 +237,10 @@ class RefitCheck:
                                    "session (start a new refit_verify.refit(...))")
         if self._channel is None or self._opened:
             return
+        if not verdicts.claim(self.session):
+            raise RefitConfigError(f"session id {self.session!r} was already used by a refit in this trainer process: each "
+                                   "refit needs an id of its own (its verdict is kept by id); leave session_id unset for a "
+                                   "fresh random one")
         opts = {"version": self.version, "partial": self.partial, "allow": list(self.allow), "readback": self.readback,
                 "deadline": time.time() + self.timeout_s, "replay": self._key not in _RELEARN}
         if self.base is not None:  # (a worker of an older refit-verify refuses an option it does not know)
