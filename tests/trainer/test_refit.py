@@ -495,6 +495,23 @@ def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_i
     assert refit_verify.certificate(engine)[0].ok
 
 
+def test_a_delta_after_a_partial_refit_of_part_of_a_fused_parameter_passes(toy):
+    """A delta on a partial refit that wrote q and v of the fused qkv: its k rows were read by that
+    partial refit's close, so the delta proves them unchanged (it failed, "rows … were not read at
+    the last close", and the next delta with it, while the engine held the trainer's bytes)."""
+    from tests.support.toy_model import toy_weights
+
+    engine, wb, model = toy
+    w = dict(toy_weights(1))
+    assert _refit(engine, "enforce", w, model.load_weights, version=1).reports[0].ok
+    for version, kw in ((2, {"partial": True}), (3, {"base": 2}), (4, {"base": 3})):
+        w["q_proj"], w["v_proj"] = w["q_proj"] + 1, w["v_proj"] + 1
+        (rep,) = _refit(engine, "enforce", {n: w[n] for n in ("q_proj", "v_proj")}, model.load_weights, version=version,
+                        **kw).reports
+        assert rep.ok and rep.unchecked == (), (version, rep.unchecked)
+    assert torch.equal(model.qkv_proj.data, torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
+
+
 def test_a_session_id_names_one_refit(toy):
     """A refit that reuses the session id of an earlier one is refused before it opens: verdicts are
     kept by id, and a retry that passed under the id of a failed refit used to replace its failure
