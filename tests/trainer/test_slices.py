@@ -57,3 +57,29 @@ def test_a_tensor_changed_after_add_is_not_provable():
     for rep in r.reports:
         assert not rep.ok and rep.missing == ("o_proj",) and rep.mismatched == ()
         assert any("o_proj (its regions hold slices of it, and the trainer's tensor changed after r.add" in p for p in rep.problems)
+
+
+def test_a_tensor_whose_bytes_changed_after_add_unseen_by_its_version_counter_is_not_provable():
+    """Overwritten after r.add through a path its version counter does not see (numpy here; DLPack,
+    shared memory, ``.data``) and the new bytes written: the slices of what the trainer holds now match
+    the engine, but the trainer's tensor is not what r.add digested, so the name is not provable (it
+    was reported verified, with r.add's digest)."""
+    import torch
+
+    e, ms = _tp2()
+    w = sharded_weights(2)
+    with refit_verify.refit(e, version=1, mode="log") as r:
+        for n, t in w.items():
+            r.add(n, t)
+        w["o_proj"].view(torch.int16).numpy()[:] += 1
+        _write(ms, w)
+    for rep in r.reports:
+        assert not rep.ok and rep.missing == ("o_proj",) and rep.mismatched == ()
+        assert any("o_proj (its regions hold slices of it, and the trainer's tensor holds other bytes than it did at r.add"
+                   in p for p in rep.problems), rep.problems
+    w = sharded_weights(3)
+    with refit_verify.refit(e, version=2, mode="enforce") as r:  # untouched: verified
+        for n, t in w.items():
+            r.add(n, t)
+        _write(ms, w)
+    assert all(rep.ok for rep in r.reports)

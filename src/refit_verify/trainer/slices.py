@@ -15,7 +15,8 @@ judgement would have left it:
   this refit (the name ``missing``, its parameters ``unwritten``);
 * else: the name ``mismatched``, each differing region's parameter ``engine_mismatched``, and the
   report's problem names the HF name, parameter, region, slice and worker rank;
-* the trainer no longer holds the tensor (it was not kept, or changed after ``r.add``): not provable.
+* the trainer no longer holds the tensor (it was not kept, or changed after ``r.add``: its version
+  counter moved, or its bytes now differ from its digest then): not provable.
 
 A manifest with no ``state_slices`` (every TP=1 worker) is returned as it is: nothing runs.
 """
@@ -81,6 +82,11 @@ def resolve(manifests: list[SessionManifest], expected: Mapping[str, Mapping[str
                 t = kept[module][name][0].detach()
                 if not t.is_contiguous():
                     t = t.contiguous()
+                whole = ("whole", module, name)  # the tensor as it is now, against its digest at r.add
+                if whole not in keys and expected.get(module, {}).get(name) is not None:
+                    keys[whole] = str(len(keys))
+                    views.append(t)
+                    batch.add(keys[whole], t)
                 for s in slices:
                     k = (module, name, s.src[0], tuple(s.src[1]), tuple(s.src[2]))
                     if k in keys:
@@ -94,6 +100,10 @@ def resolve(manifests: list[SessionManifest], expected: Mapping[str, Mapping[str
                     views.append(v)
                     batch.add(keys[k], v)
     got = batch.hexdigests() if len(batch) else {}
+    for key, k in keys.items():
+        if key[0] == "whole" and got.get(k) != expected[key[1]][key[2]]:
+            unkept[key[1:]] = ("its regions hold slices of it, and the trainer's tensor holds other bytes than it did at r.add "
+                               "(a write its version counter did not see): its slices cannot be digested as pushed")
     return [_judged(man, expected, keys, got, unkept) for man in manifests]
 
 
