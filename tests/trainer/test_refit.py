@@ -481,7 +481,7 @@ def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_i
         _refit(engine, "enforce", {"k_proj": w["k_proj"]}, model.load_weights, version=4, partial=True)
     found = wb.last.session
     (p,) = ei.value.report.problems
-    assert "qkv_proj: rows " in p and "changed since the last close, and this partial refit did not write them" in p
+    assert "qkv_proj: rows " in p and "changed since the last close, and this refit did not write them" in p
     assert "1 changed: qkv_proj" in p
     assert not refit_verify.certificate(engine)[0].ok
     with pytest.raises(refit_verify.RefitVerificationError) as ei:  # and until written whole
@@ -493,6 +493,26 @@ def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_i
     assert _refit(engine, "enforce", qkv, model.load_weights, version=6, partial=True).reports[0].ok
     assert _refit(engine, "enforce", {"k_proj": w["k_proj"]}, model.load_weights, version=7, partial=True).reports[0].ok
     assert refit_verify.certificate(engine)[0].ok
+
+
+def test_a_full_refit_whose_allow_exempts_a_part_of_a_fused_parameter_compares_the_rest(toy):
+    """A full refit that writes q of qkv_proj and exempts the rest through ``allow``: k and v are
+    compared with what the last close read there, as for a partial refit (a change there passed, and
+    later partial refits vouched for it); unchanged, the refit passes."""
+    from tests.support.toy_model import KV, toy_weights
+
+    engine, wb, model = toy
+    w = toy_weights(1)
+    assert _refit(engine, "enforce", w, model.load_weights, version=1).reports[0].ok
+    some = {n: w[n] for n in ("q_proj", "embed", "norm")}
+    assert _refit(engine, "enforce", some, model.load_weights, version=2, allow=["qkv_proj"]).reports[0].ok
+    with torch.no_grad():
+        model.qkv_proj[-KV, 0] += 1
+    with pytest.raises(refit_verify.RefitVerificationError, match="1 changed: qkv_proj"):
+        _refit(engine, "enforce", some, model.load_weights, version=3, allow=["qkv_proj"])
+    with pytest.raises(refit_verify.RefitVerificationError, match=r"hold bytes changed outside any refit .* \(qkv_proj\)"):
+        _refit(engine, "enforce", {"q_proj": w["q_proj"]}, model.load_weights, version=4, partial=True)
+    assert not refit_verify.certificate(engine)[0].ok
 
 
 def test_a_delta_after_a_partial_refit_of_part_of_a_fused_parameter_passes(toy):

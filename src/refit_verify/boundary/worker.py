@@ -286,7 +286,7 @@ class WorkerBoundary:
             maps = self._state_maps(sessions, todos, errors, reads)
             if s.base is not None:
                 self._plan_delta(sessions, todos, reads)
-            elif s.partial:
+            else:
                 self._plan_rest(sessions, reads)
             written = self._note_written(s, sessions)
             previous = self.baseline
@@ -343,8 +343,10 @@ class WorkerBoundary:
                     f"session {s.id}")
             delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
             rest: dict[str, list[str]] = {}
-            if s.base is None and s.partial:
-                rest, proven = self._rest_changed(sessions, judged, reads)
+            if s.base is None:  # a parameter written in part: by a partial refit, or exempt through allow
+                rest, whole = self._rest_changed(sessions, judged, reads)
+                if s.partial:
+                    proven = whole
             self._keep_regions(sessions, previous, judged)
             modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             # written in part (``allow`` or not): their other regions hold earlier writes
@@ -417,8 +419,9 @@ class WorkerBoundary:
         return out, proven
 
     def _plan_rest(self, sessions: dict[str, ModuleSession], reads: close_reads.CloseReads) -> None:
-        """Plan, for a partial refit's close, the layout map's regions in every parameter it writes in
-        part: :meth:`_rest_changed` compares the ones it did not write with what the last close read."""
+        """Plan, for a close, the layout map's regions in every parameter its session wrote in part (a
+        partial refit, or a part exempt through ``allow``): :meth:`_rest_changed` compares the ones it
+        did not write with what the last close read."""
         for role, ms in sessions.items():
             b = self.modules[role]
             m, idx = b.layout, b.index(refresh=False)
@@ -431,7 +434,7 @@ class WorkerBoundary:
 
     def _rest_changed(self, sessions: dict[str, ModuleSession], read: dict[str, dict],
                       reads: close_reads.CloseReads | None = None) -> tuple[dict[str, list[str]], set[str]]:
-        """For a partial refit's close: the parameters it wrote in part whose other regions (the layout
+        """For a close: the parameters its session wrote in part whose other regions (the layout
         map's) changed since the last close read them, ``{label: [region descriptions]}``, and those
         whose other elements are all in such regions, found unchanged. The regions read go to
         ``read[role]`` (kept for the next close). Regions the last close did not read, and elements in
@@ -582,7 +585,7 @@ class WorkerBoundary:
                     worker=self.identity, since_session=getattr(since, "session", None),
                     since_version=getattr(since, "version", None), changed=changed,
                     moved=[], trigger=CLOSE_AUDIT, tensors=len(now.params) if now is not None else 0,
-                    problems=[f"{n}: {', '.join(rest[n])} changed since the last close, and this partial refit did not "
+                    problems=[f"{n}: {', '.join(rest[n])} changed since the last close, and this refit did not "
                               "write them" for n in changed]))
             fresh |= set(rest)
             self._taint.update(dict.fromkeys(rest, f"changed outside any refit (found at the close of session {sid!r})"))
