@@ -396,6 +396,22 @@ class WorkerBoundary:
             out.append(f"a delta on version {base}, but no session has closed on this worker: there is no verified state to patch")
         elif last[1] != base:
             out.append(f"a delta on version {base}, but the last session closed on this worker ({last[0]!r}) holds version {last[1]}")
+        for label, total, got, n, changed, unknown in self._rests(sessions, read, reads):
+            if changed:
+                out.append(f"{label}: {', '.join(changed)} changed since the last close, and this delta did not announce them")
+            if unknown:
+                out.append(f"{label}: {', '.join(unknown)} were not read at the last close, so they are not proven unchanged")
+            if got + n < total and not changed and not unknown:
+                out.append(f"{label}: {total - got - n} of its elements are in no region of the layout map (padding?), so "
+                           "they are not proven unchanged")
+            if not (changed or unknown) and got + n >= total:
+                proven.add(label)
+        return out, proven
+
+    def _rests(self, sessions: dict[str, ModuleSession], read: dict[str, dict], reads: close_reads.CloseReads | None):
+        """For each parameter a session wrote in part, ``(label, its elements, elements written, elements
+        in the layout map's other regions, those that changed since the last close read them, those it
+        did not read)`` (:meth:`ModelBoundary.unchanged_rest`); the regions read now go to ``read[role]``."""
         for role, ms in sessions.items():
             b = self.modules[role]
             prefix = "" if role == "model" else f"{role}:"
@@ -406,17 +422,7 @@ class WorkerBoundary:
                     continue
                 n, changed, unknown, now = b.unchanged_rest(pname, w, reads)
                 read.setdefault(role, {}).update(now)
-                label = prefix + pname
-                if changed:
-                    out.append(f"{label}: {', '.join(changed)} changed since the last close, and this delta did not announce them")
-                if unknown:
-                    out.append(f"{label}: {', '.join(unknown)} were not read at the last close, so they are not proven unchanged")
-                if got + n < total and not changed and not unknown:
-                    out.append(f"{label}: {total - got - n} of its elements are in no region of the layout map (padding?), so "
-                               "they are not proven unchanged")
-                if not (changed or unknown) and got + n >= total:
-                    proven.add(label)
-        return out, proven
+                yield prefix + pname, total, got, n, changed, unknown
 
     def _plan_rest(self, sessions: dict[str, ModuleSession], reads: close_reads.CloseReads) -> None:
         """Plan, for a close, the layout map's regions in every parameter its session wrote in part (a
@@ -441,20 +447,11 @@ class WorkerBoundary:
         no region of the map, are not compared (the report's ``unchecked`` names the parameter)."""
         out: dict[str, list[str]] = {}
         proven: set[str] = set()
-        for role, ms in sessions.items():
-            b = self.modules[role]
-            prefix = "" if role == "model" else f"{role}:"
-            for pname, w in ms.written.items():
-                total = ms.param_numel.get(pname, 0)
-                got = covered(w)
-                if got >= total:
-                    continue
-                n, changed, unknown, now = b.unchanged_rest(pname, w, reads)
-                read.setdefault(role, {}).update(now)
-                if changed:
-                    out[prefix + pname] = changed
-                elif not unknown and got + n >= total:
-                    proven.add(prefix + pname)
+        for label, total, got, n, changed, unknown in self._rests(sessions, read, reads):
+            if changed:
+                out[label] = changed
+            elif not unknown and got + n >= total:
+                proven.add(label)
         return out, proven
 
     def _state_maps(self, sessions: dict[str, ModuleSession], todos: dict[str, dict], errors: list[str],
