@@ -63,8 +63,7 @@ def _run_rank(worker: Callable, rank: int, port: int, out_dir: str, *extra: obje
 
     A rank whose worker returned leaves through ``os._exit(0)``: its result file is written, and a
     spawned rank's interpreter teardown can abort in gloo's C++ destructors ("terminate called
-    without an active exception", SIGABRT: 1 in 8 runs of the broadcast's version test), which
-    failed runs whose ranks had all finished."""
+    without an active exception", SIGABRT) after every rank has finished."""
     try:
         worker(rank, port, out_dir, *extra)
     except BaseException:

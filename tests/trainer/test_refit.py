@@ -463,9 +463,9 @@ def test_a_partial_refit_vouches_neither_for_the_start_weights_nor_for_an_allowe
 def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_in_part(toy):
     """A parameter written in part (one projection of a fused qkv): its other regions, where the
     layout map has them and the last close read them, are compared with what that close read. A
-    change there outside any refit fails the refit (it used to pass: the close audit compared whole
-    parameters only), and every later one until the parameter is written whole; unchanged, nothing
-    is left unchecked, across refits that change the part they write."""
+    change there outside any refit fails the refit, and every later one until the parameter is
+    written whole; unchanged, nothing is left unchecked, across refits that change the part they
+    write."""
     from tests.support.toy_model import KV, toy_weights
 
     engine, wb, model = toy
@@ -497,8 +497,8 @@ def test_a_partial_refit_compares_the_parts_it_leaves_of_a_parameter_it_writes_i
 
 def test_a_full_refit_whose_allow_exempts_a_part_of_a_fused_parameter_compares_the_rest(toy):
     """A full refit that writes q of qkv_proj and exempts the rest through ``allow``: k and v are
-    compared with what the last close read there, as for a partial refit (a change there passed, and
-    later partial refits vouched for it); unchanged, the refit passes."""
+    compared with what the last close read there, as for a partial refit; unchanged, the refit
+    passes."""
     from tests.support.toy_model import KV, toy_weights
 
     engine, wb, model = toy
@@ -517,8 +517,7 @@ def test_a_full_refit_whose_allow_exempts_a_part_of_a_fused_parameter_compares_t
 
 def test_a_delta_after_a_partial_refit_of_part_of_a_fused_parameter_passes(toy):
     """A delta on a partial refit that wrote q and v of the fused qkv: its k rows were read by that
-    partial refit's close, so the delta proves them unchanged (it failed, "rows … were not read at
-    the last close", and the next delta with it, while the engine held the trainer's bytes)."""
+    partial refit's close, so the delta proves them unchanged, and the next delta too."""
     from tests.support.toy_model import toy_weights
 
     engine, wb, model = toy
@@ -534,9 +533,9 @@ def test_a_delta_after_a_partial_refit_of_part_of_a_fused_parameter_passes(toy):
 
 def test_a_session_id_names_one_refit(toy):
     """A refit that reuses the session id of an earlier one is refused before it opens: verdicts are
-    kept by id, and a retry that passed under the id of a failed refit used to replace its failure
-    (a partial retry then vouched for the bytes the failed one wrote wrong). The workers refuse an
-    id of a session closed on them too, whoever asks (a restarted trainer)."""
+    kept by id, and a pass under the id of a failed refit would replace its failure (a partial
+    retry would then vouch for the bytes the failed one wrote wrong). The workers refuse an id of
+    a session closed on them too, whoever asks (a restarted trainer)."""
     from refit_verify import verdicts
     from refit_verify.errors import RefitProtocolError
     from tests.support.toy_model import ToyEngine, toy_weights, toy_worker

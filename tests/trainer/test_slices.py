@@ -62,8 +62,7 @@ def test_a_tensor_changed_after_add_is_not_provable():
 def test_a_tensor_whose_bytes_changed_after_add_unseen_by_its_version_counter_is_not_provable():
     """Overwritten after r.add through a path its version counter does not see (numpy here; DLPack,
     shared memory, ``.data``) and the new bytes written: the slices of what the trainer holds now match
-    the engine, but the trainer's tensor is not what r.add digested, so the name is not provable (it
-    was reported verified, with r.add's digest)."""
+    the engine, but the trainer's tensor is not what r.add digested, so the name is not provable."""
     import torch
 
     e, ms = _tp2()
