@@ -136,7 +136,9 @@ def wrote_wrong(expected: Mapping[str, Mapping[str, str]], man: SessionManifest,
     error, an unexpected tensor, a mismatch with no read-back to place it). Changes outside any
     refit its close found do not count here (the worker records them); tensors refused before
     loading wrote nothing."""
-    own = compare_session(expected, msgspec.structs.replace(man, audits=[], unsessioned=[]), session=rep.session,
+    # names judged by the engine state that differ count as mismatched names (placed below), not as a problem
+    judged = {k: msgspec.structs.replace(mm, by_state={}) for k, mm in man.modules.items()}
+    own = compare_session(expected, msgspec.structs.replace(man, audits=[], unsessioned=[], modules=judged), session=rep.session,
                           version=rep.version, partial=rep.unchanged > 0 or man.partial, producer_rank=producer_rank,
                           sender_problems=sender_problems, undigested=undigested)
     if own.problems or own.unexpected or own.receiver_error or own.nothing_checked:

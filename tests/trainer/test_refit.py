@@ -531,6 +531,29 @@ def test_a_delta_after_a_partial_refit_of_part_of_a_fused_parameter_passes(toy):
     assert torch.equal(model.qkv_proj.data, torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]]))
 
 
+def test_a_failed_check_of_the_state_names_what_it_found_wrong(toy):
+    """``verify_state`` that finds one projection wrong records the parameter holding it as written
+    wrong, not every parameter it judged: a partial refit leaving it fails naming it alone, and one
+    that writes it again passes."""
+    from tests.support.toy_model import KV, toy_weights
+
+    engine, wb, model = toy
+    w, w2 = toy_weights(1), toy_weights(2)
+    assert _refit(engine, "enforce", w, model.load_weights, version=1).reports[0].ok
+    with torch.no_grad():
+        model.qkv_proj[-KV, 0] += 1
+    with pytest.raises(refit_verify.RefitVerificationError, match="1 mismatched: v_proj"):
+        refit_verify.verify_state(engine, w, version=2, mode="enforce")
+    checked = wb.last.session
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:
+        _refit(engine, "enforce", {"norm": w2["norm"]}, model.load_weights, version=3, partial=True)
+    assert ei.value.report.problems == (f"1 parameters this refit did not write (or wrote in part) hold what session {checked!r} "
+                                        "wrote, which its refit failed verification in this trainer (qkv_proj): push them "
+                                        "again, or refit in full",)
+    qkv = {n: w2[n] for n in ("q_proj", "k_proj", "v_proj")}
+    assert _refit(engine, "enforce", qkv, model.load_weights, version=4, partial=True).reports[0].ok
+
+
 def test_a_session_id_names_one_refit(toy):
     """A refit that reuses the session id of an earlier one is refused before it opens: verdicts are
     kept by id, and a pass under the id of a failed refit would replace its failure (a partial
