@@ -286,7 +286,7 @@ class WorkerBoundary:
             maps = self._state_maps(sessions, todos, errors, reads)
             if s.base is not None:
                 self._plan_delta(sessions, todos, reads)
-            else:
+            elif s.partial or s.allow:  # parameters such a refit writes in part are not failures: read in the state pass
                 self._plan_rest(sessions, reads)
             written = self._note_written(s, sessions)
             previous = self.baseline
@@ -342,16 +342,16 @@ class WorkerBoundary:
                          and getattr(st.get(pre + p), "status", None) == "verified"),
                     f"session {s.id}")
             delta, proven = self._delta(s, sessions, judged, reads) if s.base is not None else ([], set())
+            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             rest: dict[str, list[str]] = {}
-            if s.base is None:  # a parameter written in part: by a partial refit, or exempt through allow
+            if s.base is None:  # the parameters written in part (``ModuleSession.in_part``, filled by the manifests)
                 rest, whole = self._rest_changed(sessions, judged, reads)
                 if s.partial:
                     proven = whole
             self._keep_regions(sessions, previous, judged)
-            modules = {role: self.modules[role].manifest(ms, s.allow) for role, ms in sessions.items()}
             # written in part (``allow`` or not): their other regions hold earlier writes
             partly = {("" if role == "model" else f"{role}:") + n for role, ms in sessions.items() for n in ms.in_part} & written
-            for role, mm in modules.items():  # parameters a delta wrote in part whose other regions it proved unchanged
+            for role, mm in modules.items():  # parameters a delta or a partial refit wrote in part whose other regions it proved unchanged
                 prefix = "" if role == "model" else f"{role}:"
                 mm.unwritten = [u for u in mm.unwritten if prefix + u.split(" (", 1)[0] not in proven]
             errors += [e for ms in sessions.values() for e in ms.errors]
@@ -408,32 +408,37 @@ class WorkerBoundary:
                 proven.add(label)
         return out, proven
 
-    def _rests(self, sessions: dict[str, ModuleSession], read: dict[str, dict], reads: close_reads.CloseReads | None):
+    def _rests(self, sessions: dict[str, ModuleSession], read: dict[str, dict], reads: close_reads.CloseReads | None,
+               manifested: bool = False):
         """For each parameter a session wrote in part, ``(label, its elements, elements written, elements
         in the layout map's other regions, those that changed since the last close read them, those it
-        did not read)`` (:meth:`ModelBoundary.unchanged_rest`); the regions read now go to ``read[role]``."""
+        did not read)`` (:meth:`ModelBoundary.unchanged_rest`); the regions read now go to ``read[role]``.
+        ``manifested``: the sessions' manifests were made (their ``in_part`` lists those parameters)."""
         for role, ms in sessions.items():
             b = self.modules[role]
             prefix = "" if role == "model" else f"{role}:"
-            for pname, w in ms.written.items():
+            for pname in (ms.in_part if manifested else ms.written):
+                w = ms.written.get(pname)
                 total = ms.param_numel.get(pname, 0)
-                got = covered(w)
-                if got >= total:
+                got = covered(w) if w else 0
+                if w is None or got >= total:
                     continue
                 n, changed, unknown, now = b.unchanged_rest(pname, w, reads)
                 read.setdefault(role, {}).update(now)
                 yield prefix + pname, total, got, n, changed, unknown
 
     def _plan_rest(self, sessions: dict[str, ModuleSession], reads: close_reads.CloseReads) -> None:
-        """Plan, for a close, the layout map's regions in every parameter its session wrote in part (a
-        partial refit, or a part exempt through ``allow``): :meth:`_rest_changed` compares the ones it
-        did not write with what the last close read."""
+        """Plan, for the close of a partial refit or one with ``allow``, the layout map's regions in the
+        parameters its session wrote in part, so the state pass reads them: those whose written regions
+        hold fewer elements than the parameter (no union computed here: one written in part by
+        overlapping writes is read after the pass); :meth:`_rest_changed` compares the regions it did
+        not write with what the last close read."""
         for role, ms in sessions.items():
             b = self.modules[role]
             m, idx = b.layout, b.index(refresh=False)
             if m is None or idx is None or m.index() is not idx:
                 continue
-            part = {p for p, w in ms.written.items() if covered(w) < ms.param_numel.get(p, 0)}
+            part = {p for p, w in ms.written.items() if sum(w.values()) < ms.param_numel.get(p, 0)}
             if part:
                 names = [n for n, rs in m.entries.items() if any(p in part for p, _g in rs)]
                 reads.plan(role, close_reads.map_regions(m, names, idx.params))
@@ -447,7 +452,7 @@ class WorkerBoundary:
         no region of the map, are not compared (the report's ``unchecked`` names the parameter)."""
         out: dict[str, list[str]] = {}
         proven: set[str] = set()
-        for label, total, got, n, changed, unknown in self._rests(sessions, read, reads):
+        for label, total, got, n, changed, unknown in self._rests(sessions, read, reads, manifested=True):
             if changed:
                 out[label] = changed
             elif not unknown and got + n >= total:
