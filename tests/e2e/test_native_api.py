@@ -186,6 +186,77 @@ def test_static_sender_flow_of_vllm_026(engine, monkeypatch):
     assert ei.value.report.unchecked == ()  # the whole session, read-back included
 
 
+class _Dying(nb.DictSource):
+    """The trainer's export dies after ``n`` tensors (a gather that ran out of memory, a NCCL error)."""
+
+    def __init__(self, weights, n: int) -> None:
+        super().__init__(weights)
+        self.n = n
+
+    def __iter__(self):
+        for i, kv in enumerate(self.weights.items()):
+            if i == self.n:
+                raise RuntimeError("the export died half way")
+            yield kv
+
+
+@needs_trainer_api
+def test_a_send_that_died_half_way_leaves_a_failed_verdict_at_its_finish(engine, caplog):
+    """The send raises after part of the update reached the engine, and the trainer closes the update
+    (``finish_weight_update``) so the engine serves again: the finish checks that session, the verdict
+    on it is a failure (logged, not raised again), and the audit of the mixed state it left fails."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import refit_verify
+
+    llm, cfg, files = engine
+    _send(llm, files, models.random_state_dict(cfg, seed=90), packed=True, buffer_bytes=160 << 10)
+    eng = WeightTransferTrainerFactory.trainer_init(
+        nb.ShmTrainerInitInfo(rank=0, directory=str(files), packed=True, buffer_bytes=160 << 10),
+        client=nb.LLMClient(llm), source=_Dying(models.random_state_dict(cfg, seed=91), 12))
+    with pytest.raises(RuntimeError, match="the export died half way"):
+        eng.send_weights()
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        llm.finish_weight_update()
+    assert "the trainer's send raised before it finished (RuntimeError: the export died half way)" in caplog.text
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and any("its refit failed verification in this trainer" in p for p in a.problems), a.problems
+    (c,) = refit_verify.certificate(llm)
+    assert not c.ok
+    (report,) = _send(llm, files, models.random_state_dict(cfg, seed=92)).refit_verify_reports
+    assert report.ok and refit_verify.audit(llm, mode="enforce")[0].ok
+
+
+def test_a_static_send_that_died_half_way_is_failed_at_its_updates_finish(engine, monkeypatch, caplog):
+    """0.26's flow: start, a static send whose iterator dies half way, finish in the caller's cleanup:
+    the session it fed is recorded as failed, and the audit of what it left fails."""
+    from dataclasses import asdict
+
+    import refit_verify
+
+    llm, cfg, files = engine
+    monkeypatch.setattr(nb.StaticShmEngine, "trainer_send_weights",
+                        native._wrap_static_sender(nb.StaticShmEngine.__dict__["trainer_send_weights"]))
+    weights = models.random_state_dict(cfg, seed=93)
+    args = {"directory": str(files), "send_mode": lambda info: llm.update_weights({"update_info": asdict(info)})}
+    llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+
+    def dying():
+        for i, kv in enumerate(weights.items()):
+            if i == 12:
+                raise RuntimeError("the export died half way")
+            yield kv
+
+    llm.start_weight_update()
+    with pytest.raises(RuntimeError, match="the export died half way"):
+        nb.StaticShmEngine.trainer_send_weights(dying(), args)
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        llm.finish_weight_update()
+    assert "the trainer's send raised before it finished" in caplog.text
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and any("its refit failed verification in this trainer" in p for p in a.problems), a.problems
+
+
 def test_static_send_of_parameters_digests_in_the_shadow_of_update_weights(engine, monkeypatch):
     """The engine core runs in another process: the sender's digest work on exported parameters runs
     in a helper thread while LLM.update_weights waits, and the finish only compares. A parameter

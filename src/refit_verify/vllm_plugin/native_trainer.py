@@ -215,6 +215,9 @@ def _instrument_trainer_engine(engine: Any) -> None:
         try:
             with verifier:
                 out = original(*args, **kwargs)
+        except BaseException as e:
+            _failed_send(verifier, e, llm)
+            raise
         finally:
             engine.source = source
         engine.refit_verify_reports = verifier.verify()
@@ -305,8 +308,12 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         llm = _shadow_target(verifier, trainer_args)
         if llm is not None:
             verifier.defer(_defer_budget(trainer_args), llm)
-        with verifier:
-            out = original(verifier.wrap(iterator), trainer_args)
+        try:
+            with verifier:
+                out = original(verifier.wrap(iterator), trainer_args)
+        except BaseException as e:
+            _failed_send(verifier, e)
+            raise
         if _deferred(verifier):  # its update's finish (or the next start) in this process checks the whole session
             verifier._stream.launch()  # the last digests read the exported tensors now, in stream order
             return out
@@ -317,6 +324,21 @@ def _wrap_static_sender(raw: staticmethod) -> staticmethod:
         return out
 
     return staticmethod(trainer_send_weights)
+
+
+def _failed_send(verifier: NativeSendVerifier, error: BaseException, llm: Any = None) -> None:
+    """A send that raised may have fed part of an update: when that update is an in-process ``LLM``'s
+    open one (``llm``: the one behind the trainer engine's client, when known), its finish checks the
+    session with the send's failure among the problems, so the verdict on it is a failure (audits of
+    the state it leaves fail). Elsewhere (a remote engine) the session closes unchecked, and the
+    certificate says its verdict is unknown. Never raises."""
+    try:
+        verifier.send_error = f"{type(error).__name__}: {error}"[:300]
+        if llm is not None:
+            verifier.target = llm
+        _deferred(verifier)
+    except Exception:  # noqa: BLE001 - the send's own error is what the caller gets
+        logger.exception("refit-verify: keeping a failed send for its update's finish failed")
 
 
 def _deferred(verifier: NativeSendVerifier) -> bool:
