@@ -814,6 +814,25 @@ class WorkerBoundary:
                 self.pending_audits.append(res)
             return res
 
+    def discarded(self, why: str) -> Any:
+        """After the engine discarded its weights on purpose (``why``: vLLM's sleep at level 2 frees them,
+        and their memory holds nothing meaningful after the wake until they are written again): the
+        engine state is compared with the last close's as after any wake, and what changed is kept as
+        changed outside any refit (until written whole: a refit leaving it fails, as do audits and
+        certificates meanwhile), not as a failed audit the next refit reports.
+
+        Returns:
+            AuditResult | None: the comparison (None: no session has closed here, or no baseline).
+        """
+        with self._lock:
+            if self.snapshotter is None or self.auditor is None or self.baseline is None:
+                return None
+            res = self.auditor(self.baseline, self.state(), "wake_up")
+            if res.changed:
+                self._taint.update(dict.fromkeys(res.changed, f"discarded by {why}, not written since"))
+                logger.info("refit-verify: %d parameters discarded by %s: the next refit must write them", len(res.changed), why)
+            return res
+
     def certificate(self) -> Certificate:
         """Which version this worker holds and whether its engine still holds what the last close left.
 

@@ -57,12 +57,14 @@ PATCHES: tuple[Patch, ...] = (
           "a reload from disk outside any session is reported as such (TRL #5312: base weights reloaded over a sync)",
           "never: it is how a reload is told apart from a refit"),
     Patch("boundary-wake-up", "vllm.v1.worker.{gpu,cpu}_worker:{Worker,CPUWorker}.wake_up",
-          "audit the engine state after a wake from sleep outside a refit (vLLM #29341: weights lost on sleep/wake)",
+          "audit the engine state after a wake from sleep outside a refit (vLLM #29341: weights lost on sleep/wake); "
+          "after a sleep at level 2 (weights discarded by design) what changed must be written by the next refit",
           "vLLM verifies restored weights itself"),
     Patch("release-on-sleep", "vllm.v1.worker.gpu_worker:Worker.sleep",
           "with REFIT_VERIFY_CUDA_GRAPHS=1 the worker holds captured graphs of kept digest plans (their work areas) "
           "and a memory pool of the reload's copies, outside vLLM's sleep allocator: released before sleep so that "
-          "sleep mode gets that memory back (kept plans capture again after the wake)",
+          "sleep mode gets that memory back (kept plans capture again after the wake); the sleep's level is kept for the "
+          "wake's audit",
           "graph replay and the copies' pool are removed, or vLLM offers a hook to release memory before sleep"),
     Patch("native-create-engine", "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.create_engine",
           "native updates (start_weight_update .. finish_weight_update) become model-boundary sessions",

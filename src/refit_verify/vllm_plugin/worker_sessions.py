@@ -119,15 +119,29 @@ def wrap_reload_weights(raw):
     return reload_weights
 
 
+_SLEPT = "_refit_verify_sleep_level"  # a worker's attribute: the level of its last sleep, until its weights wake
+
+
 def wrap_wake_up(raw):
-    """After ``wake_up`` outside a session, audit: weights lost or moved by sleep are named."""
+    """After ``wake_up`` outside a session, audit: weights lost or moved by sleep are named. After a
+    sleep at level 2, which discards the weights by design, a wake that gives their memory back
+    (``tags`` None or naming ``"weights"``) keeps what changed as changed outside any refit
+    (:meth:`WorkerBoundary.discarded <refit_verify.boundary.worker.WorkerBoundary.discarded>`): a
+    refit that writes it whole verifies, anything else fails until one does."""
 
     @functools.wraps(raw)
     def wake_up(self, *args, **kwargs):
         out = raw(self, *args, **kwargs)
+        tags = args[0] if args else kwargs.get("tags")
+        discarded = getattr(self, _SLEPT, None) == 2 and (tags is None or "weights" in tags)
+        if tags is None or "weights" in tags:
+            vars(self).pop(_SLEPT, None)
         wb = getattr(self, _ATTR, None)
         if wb is not None and wb.open_session is None:
-            wb.audit("wake_up")
+            if discarded:
+                wb.discarded("sleep(level=2)")
+            else:
+                wb.audit("wake_up")
         return out
 
     return wake_up
@@ -137,12 +151,15 @@ def wrap_sleep(raw):
     """Before ``sleep``, give back what refit-verify holds on the GPU outside vLLM's allocator: the
     captured graphs of kept digest plans with their work areas (:func:`refit_verify.digest.kernels.replay.release_all`)
     and the reload copies' pools (:func:`refit_verify.vllm_plugin.worker_copies.release_pools`); vLLM's sleep
-    then empties the cache. After the wake, kept plans capture again and a new pool is made."""
+    then empties the cache. After the wake, kept plans capture again and a new pool is made. The
+    sleep's level is kept for the wake (:func:`wrap_wake_up`)."""
 
     @functools.wraps(raw)
     def sleep(self, *args, **kwargs):
         release_gpu_holdings()
-        return raw(self, *args, **kwargs)
+        out = raw(self, *args, **kwargs)
+        setattr(self, _SLEPT, args[0] if args else kwargs.get("level", 1))  # read by the wake (wrap_wake_up)
+        return out
 
     return sleep
 
