@@ -133,9 +133,10 @@ def wrap_wake_up(raw):
     def wake_up(self, *args, **kwargs):
         out = raw(self, *args, **kwargs)
         tags = args[0] if args else kwargs.get("tags")
-        discarded = getattr(self, _SLEPT, None) == 2 and (tags is None or "weights" in tags)
-        if tags is None or "weights" in tags:
-            vars(self).pop(_SLEPT, None)
+        weights = tags is None or "weights" in tags
+        discarded = weights and getattr(self, _SLEPT, None) == 2
+        if weights and hasattr(self, _SLEPT):
+            delattr(self, _SLEPT)
         wb = getattr(self, _ATTR, None)
         if wb is not None and wb.open_session is None:
             if discarded:
@@ -158,7 +159,10 @@ def wrap_sleep(raw):
     def sleep(self, *args, **kwargs):
         release_gpu_holdings()
         out = raw(self, *args, **kwargs)
-        setattr(self, _SLEPT, args[0] if args else kwargs.get("level", 1))  # read by the wake (wrap_wake_up)
+        try:  # read by the wake (wrap_wake_up)
+            setattr(self, _SLEPT, args[0] if args else kwargs.get("level", 1))
+        except (AttributeError, TypeError):  # a worker that takes no attribute: its wake audits as after any sleep
+            pass
         return out
 
     return sleep
