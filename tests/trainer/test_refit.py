@@ -294,6 +294,12 @@ def _refit(engine, mode, weights, load=None, **kw):
     return r
 
 
+def _held_from_failed(session: str, labels: str) -> tuple[str]:
+    """The problem of a partial refit that leaves one parameter (``labels``) as failed ``session`` wrote it."""
+    return (f"1 parameters this refit did not write (or wrote in part) hold what session {session!r} wrote, which its refit "
+            f"failed verification in this trainer ({labels}): push them again, or refit in full",)
+
+
 NOT_INSTALLED = AttributeError("'CPUWorker' object has no attribute 'refit_verify_session_open'")
 NOT_VERIFYING = [{"rank": 0, "verifying": False, "reason": "REFIT_VERIFY=off in this vLLM worker"}]
 
@@ -401,9 +407,7 @@ def test_what_a_partial_refit_leaves_is_vouched_for_only_as_far_as_the_writes_th
     bad_k = wb.last.session
     with pytest.raises(refit_verify.RefitVerificationError) as ei:
         _refit(engine, "enforce", {"q_proj": w["q_proj"]}, model.load_weights, version=6, partial=True)
-    assert ei.value.report.problems == (f"1 parameters this refit did not write (or wrote in part) hold what session {bad_k!r} "
-                                        "wrote, which its refit failed verification in this trainer (qkv_proj): push them "
-                                        "again, or refit in full",)
+    assert ei.value.report.problems == _held_from_failed(bad_k, "qkv_proj")
     qkv = {n: w[n] for n in ("q_proj", "k_proj", "v_proj")}
     assert _refit(engine, "enforce", qkv, model.load_weights, version=7, partial=True).reports[0].ok
 
@@ -547,9 +551,7 @@ def test_a_failed_check_of_the_state_names_what_it_found_wrong(toy):
     checked = wb.last.session
     with pytest.raises(refit_verify.RefitVerificationError) as ei:
         _refit(engine, "enforce", {"norm": w2["norm"]}, model.load_weights, version=3, partial=True)
-    assert ei.value.report.problems == (f"1 parameters this refit did not write (or wrote in part) hold what session {checked!r} "
-                                        "wrote, which its refit failed verification in this trainer (qkv_proj): push them "
-                                        "again, or refit in full",)
+    assert ei.value.report.problems == _held_from_failed(checked, "qkv_proj")
     qkv = {n: w2[n] for n in ("q_proj", "k_proj", "v_proj")}
     assert _refit(engine, "enforce", qkv, model.load_weights, version=4, partial=True).reports[0].ok
 
