@@ -321,3 +321,23 @@ def test_a_placement_learned_ahead_that_the_real_load_contradicts_fails_the_refi
     man = wb.close("s1")
     r = compare_session({"model": digest_tensors(w.items())}, man, version=1)
     assert not r.ok and list(r.engine_mismatched) == ["qkv_proj"]
+
+
+def test_an_audit_of_the_state_a_session_with_errors_left_fails_and_an_automatic_one_is_not_kept():
+    """A session marked with an error while open (``fail_open``: a native send that raised) closes with
+    it; an audit asked for fails on that baseline whoever asks, an automatic one (a wake) is not kept
+    for the next refit (which rewrites the state), and a clean session after it audits clean."""
+    _, wb, model = toy_worker()
+    w = toy_weights(1)
+    assert not wb.fail_open("s1", "not open")
+    sid = wb.open("s1")
+    model.load_weights(list(w.items())[:2])
+    assert wb.fail_open("s1", "the trainer's send into this update raised before it finished (RuntimeError: x)")
+    assert wb.close(sid).errors == ["the trainer's send into this update raised before it finished (RuntimeError: x)"]
+    a = wb.audit()
+    assert not a.ok and a.problems == ["its baseline is the state session 's1' left, which recorded errors (the trainer's send "
+                                       "into this update raised before it finished (RuntimeError: x)): it is not verified"]
+    assert wb.audit("wake_up").ok and wb.pending_audits == []
+    sid = wb.open("s2")
+    model.load_weights(list(w.items()))
+    assert wb.close(sid).errors == [] and wb.audit().ok

@@ -227,6 +227,31 @@ def test_a_send_that_died_half_way_leaves_a_failed_verdict_at_its_finish(engine,
     assert report.ok and refit_verify.audit(llm, mode="enforce")[0].ok
 
 
+@needs_trainer_api
+def test_a_send_that_died_half_way_into_an_engine_it_cannot_see_finish_is_marked_on_the_workers(engine):
+    """The client hides the engine (as a remote one's does): this process does not see the update's
+    finish, so the workers are told the send raised; the session records it as an error, and the
+    audit of the state it leaves fails, whoever asks. A clean update after it audits clean."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import refit_verify
+
+    llm, cfg, files = engine
+    _send(llm, files, models.random_state_dict(cfg, seed=94))
+    eng = WeightTransferTrainerFactory.trainer_init(
+        nb.ShmTrainerInitInfo(rank=0, directory=str(files), packed=True, buffer_bytes=160 << 10),
+        client=nb.opaque_client(llm), source=_Dying(models.random_state_dict(cfg, seed=95), 12))
+    with pytest.raises(RuntimeError, match="the export died half way"):
+        eng.send_weights()
+    assert native._PENDING == []  # nothing left to a finish this process would see
+    llm.finish_weight_update()
+    (a,) = refit_verify.audit(llm, mode="log")
+    assert not a.ok and any("which recorded errors (the trainer's send into this update raised before it finished "
+                            "(RuntimeError: the export died half way))" in p for p in a.problems), a.problems
+    (report,) = _send(llm, files, models.random_state_dict(cfg, seed=96)).refit_verify_reports
+    assert report.ok and refit_verify.audit(llm, mode="enforce")[0].ok
+
+
 def test_a_static_send_that_died_half_way_is_failed_at_its_updates_finish(engine, monkeypatch, caplog):
     """0.26's flow: start, a static send whose iterator dies half way, finish in the caller's cleanup:
     the session it fed is recorded as failed, and the audit of what it left fails."""

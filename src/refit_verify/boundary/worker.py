@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
 import torch
 
 from refit_verify.boundary import close_reads
@@ -809,6 +810,11 @@ class WorkerBoundary:
                                    moved=[], trigger=trigger, problems=["the engine-state snapshot at that session's close "
                                                                         "failed: there is nothing to audit against"])
             res = self.auditor(self.baseline, self.state(), trigger)
+            last = self.last
+            if trigger == "rpc" and last is not None and last.errors:  # (automatic ones: the next refit rewrites it)
+                res = msgspec.structs.replace(res, problems=[*res.problems, (
+                    f"its baseline is the state session {last.session!r} left, which recorded errors ({last.errors[0]})"
+                    f"{f' and {len(last.errors) - 1} more' if len(last.errors) > 1 else ''}: it is not verified")[:1000]])
             if trigger != "rpc" and not res.ok and self.open_session is None:
                 logger.warning("refit-verify: %s", res.describe())
                 self.pending_audits.append(res)
@@ -884,6 +890,16 @@ class WorkerBoundary:
                 raise RefitProtocolError(f"worker rank {self.identity.rank}: session {self.open_session.id!r} is open; "
                                          "learn the layout before or after a refit")
             return b.layout_for(specs)[1]
+
+    def fail_open(self, session_id: str, why: str) -> bool:
+        """Record ``why`` as an error of open session ``session_id`` (its manifest fails whoever compares
+        it); False when that session is not the one open."""
+        with self._lock:
+            s = self.open_session
+            if s is None or s.id != session_id:
+                return False
+            s.errors.append(why)
+            return True
 
     def current_id(self) -> str | None:
         s = self.open_session

@@ -25,7 +25,7 @@ from refit_verify.errors import RefitConfigError, RefitProtocolError
 from refit_verify.manifest import digest_map, from_wire
 from refit_verify.report import VerificationReport
 from refit_verify.trainer.exports import changed_problems
-from refit_verify.vllm_plugin.rpc_names import MANIFEST_METHOD
+from refit_verify.vllm_plugin.rpc_names import ABANDON_METHOD, MANIFEST_METHOD
 
 logger = logging.getLogger("refit_verify")
 
@@ -210,6 +210,24 @@ class NativeSendVerifier:
             RefitConfigError: no way to reach the workers; no target and more than one in-process
                 engine could have received this send; or a worker lacks the method.
         """
+        results: list[dict[str, Any]] = []
+        for ch in self._channels():
+            results.extend(ch.call(MANIFEST_METHOD, timeout_s=FETCH_TIMEOUT_S))
+        return results
+
+    def abandon(self) -> None:
+        """Tell the workers of the update this send fed that the send raised (:attr:`send_error`): that
+        update's session records it as an error when it closes, so its state fails the audit whoever
+        asks (a remote engine, whose finish this process does not see). Never raises (logged)."""
+        try:
+            for ch in self._channels():
+                ch.call(ABANDON_METHOD, self.send_error or "the send raised", timeout_s=FETCH_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the send's own error is what the caller gets
+            logger.warning("refit-verify: could not tell the workers that this send raised; the update it fed closes "
+                           "unchecked (its certificate says so)", exc_info=True)
+
+    def _channels(self) -> list[Any]:
+        """The channels to the workers this send went to (see :meth:`fetch`, which raises what this raises)."""
         from refit_verify.trainer.channel import channel
 
         if self._target_gone():
@@ -236,10 +254,7 @@ class NativeSendVerifier:
                 "Use a client with collective_rpc, a Ray or HTTP client, an in-process LLM, or "
                 "refit_verify.vllm_plugin.native_trainer.NativeSendVerifier(target=...)."
             )
-        results: list[dict[str, Any]] = []
-        for ch in chans:
-            results.extend(ch.call(MANIFEST_METHOD, timeout_s=FETCH_TIMEOUT_S))
-        return results
+        return chans
 
     def verify(self, workers: list[dict[str, Any]] | None = None) -> list[VerificationReport]:
         """Fetch the worker manifests, compare each with the sender's, act on the mode.

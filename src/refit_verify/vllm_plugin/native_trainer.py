@@ -330,13 +330,14 @@ def _failed_send(verifier: NativeSendVerifier, error: BaseException, llm: Any = 
     """A send that raised may have fed part of an update: when that update is an in-process ``LLM``'s
     open one (``llm``: the one behind the trainer engine's client, when known), its finish checks the
     session with the send's failure among the problems, so the verdict on it is a failure (audits of
-    the state it leaves fail). Elsewhere (a remote engine) the session closes unchecked, and the
-    certificate says its verdict is unknown. Never raises."""
+    the state it leaves fail). Elsewhere (a remote engine) the workers are told
+    (:meth:`NativeSendVerifier.abandon`): the session records it as an error when it closes. Never raises."""
     try:
         verifier.send_error = f"{type(error).__name__}: {error}"[:300]
         if llm is not None:
             verifier.target = llm
-        _deferred(verifier)
+        if not _deferred(verifier) and verifier.mode.verifies:
+            verifier.abandon()
     except Exception:  # noqa: BLE001 - the send's own error is what the caller gets
         logger.exception("refit-verify: keeping a failed send for its update's finish failed")
 

@@ -27,11 +27,11 @@ from typing import Any
 from refit_verify.config import check_version, mode_from_env
 from refit_verify.manifest import digest_map_text, to_text
 from refit_verify.vllm_plugin import worker_sessions as sessions
-from refit_verify.vllm_plugin.rpc_names import FINISH_METHOD, MANIFEST_METHOD, VERSION_METHOD
+from refit_verify.vllm_plugin.rpc_names import ABANDON_METHOD, FINISH_METHOD, MANIFEST_METHOD, VERSION_METHOD
 
 logger = logging.getLogger("refit_verify")
 
-METHODS = (MANIFEST_METHOD, FINISH_METHOD, VERSION_METHOD)
+METHODS = (MANIFEST_METHOD, FINISH_METHOD, VERSION_METHOD, ABANDON_METHOD)
 _ENGINE_ATTR = "_refit_verify_native"
 
 
@@ -193,6 +193,22 @@ def refit_verify_native_version(self, version: int | None) -> dict[str, Any]:
                            else f"REFIT_VERIFY={mode_from_env().value} in this vLLM worker")}
     state.next_version = version
     return {"rank": getattr(self, "rank", None), "verifying": True, "version": version}
+
+
+def refit_verify_native_abandon(self, why: str) -> dict[str, Any]:
+    """Worker method: the trainer's send into this worker's open native update raised (``why``); the
+    update's session records it as an error, so the state it leaves is failed whoever compares it,
+    and an audit of that state fails (:meth:`WorkerBoundary.audit <refit_verify.boundary.worker.WorkerBoundary.audit>`).
+
+    Returns:
+        dict: ``rank``, ``verifying``, ``marked`` (False: no native update was open here).
+    """
+    engine = getattr(self, "weight_transfer_engine", None)
+    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    wb = state.boundary() if state is not None else None
+    marked = bool(state is not None and state.active and wb is not None and state.session is not None
+                  and wb.fail_open(state.session, f"the trainer's send into this update raised before it finished ({why})"[:500]))
+    return {"rank": getattr(self, "rank", None), "verifying": state is not None, "marked": marked}
 
 
 def refit_verify_native_finish(self) -> dict[str, Any]:
