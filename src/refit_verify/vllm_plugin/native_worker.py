@@ -52,6 +52,12 @@ class _EngineState:
         return sessions.boundary_for_model(self.model)
 
 
+def _engine_state(worker: Any) -> tuple[Any, _EngineState | None]:
+    """The worker's weight-transfer engine and what its updates were (None: no engine, or not instrumented)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine, getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+
+
 def wrap_create_engine(raw: classmethod) -> classmethod:
     original = raw.__func__
 
@@ -144,8 +150,7 @@ def refit_verify_native_manifest(self) -> dict[str, Any]:
         :func:`~refit_verify.manifest.digest_map`): vLLM's multiprocess ``collective_rpc`` decodes a
         dictionary object by object, a string in one step.
     """
-    engine = getattr(self, "weight_transfer_engine", None)
-    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    engine, state = _engine_state(self)
     out: dict[str, Any] = {"rank": getattr(self, "rank", None), "verifying": state is not None, "finish_rpc": True}
     if state is None:
         out["reason"] = ("no weight-transfer engine (LLM(..., weight_transfer_config=...) not set)" if engine is None
@@ -185,8 +190,7 @@ def refit_verify_native_version(self, version: int | None) -> dict[str, Any]:
         RefitConfigError: ``version`` is neither None nor an int >= 0.
     """
     version = check_version(version)
-    engine = getattr(self, "weight_transfer_engine", None)
-    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    engine, state = _engine_state(self)
     if state is None:
         return {"rank": getattr(self, "rank", None), "verifying": False,
                 "reason": ("no weight-transfer engine (LLM(..., weight_transfer_config=...) not set)" if engine is None
@@ -203,8 +207,7 @@ def refit_verify_native_abandon(self, why: str) -> dict[str, Any]:
     Returns:
         dict: ``rank``, ``verifying``, ``marked`` (False: no native update was open here).
     """
-    engine = getattr(self, "weight_transfer_engine", None)
-    state = getattr(engine, _ENGINE_ATTR, None) if engine is not None else None
+    engine, state = _engine_state(self)
     wb = state.boundary() if state is not None else None
     marked = bool(state is not None and state.active and wb is not None and state.session is not None
                   and wb.fail_open(state.session, f"the trainer's send into this update raised before it finished ({why})"[:500]))
