@@ -10,6 +10,7 @@ weight from the layer's GEMM on the identity and compares, up to the sign of zer
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from refit_verify.boundary.worker import WorkerBoundary, identity_of
@@ -68,6 +69,31 @@ def test_rebuild_gives_the_weight_in_bounded_blocks():
 
     got = forward.rebuild(gemm, (24, 40), torch.bfloat16, block_bytes=(24 + 40) * 2 * 7)
     assert torch.equal(got, w) and calls == [7, 7, 7, 7, 7, 5]
+
+
+@pytest.mark.parametrize("k, block_rows", [(40, 7), (40, 8), (40, 40), (5, 7)])
+def test_warming_runs_each_gemm_shape_the_proof_will_run_once_and_writes_nothing(k, block_rows):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, k, generator=g).bfloat16()
+    before = w.clone()
+    shapes, warmed = [], []
+
+    def gemm(into):
+        def apply(x):
+            into.append(tuple(x.shape))
+            return (x.float() @ w.float().t()).bfloat16()
+        return apply
+
+    block = (24 + k) * 2 * block_rows
+    forward.rebuild(gemm(shapes), (24, k), torch.bfloat16, block_bytes=block)
+    n = forward.warm(gemm(warmed), (24, k), torch.bfloat16, block_bytes=block)
+    assert set(warmed) == set(shapes) and len(warmed) == len(set(shapes)) == n
+    assert torch.equal(w, before)
+
+
+def test_warming_a_gemm_that_gives_another_shape_raises_as_the_proof_would():
+    with pytest.raises(ValueError, match="expected"):
+        forward.warm(lambda x: x[:, :3], (24, 40), torch.bfloat16)
 
 
 def test_clean_repack_is_proven_through_the_forward():

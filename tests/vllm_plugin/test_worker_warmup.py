@@ -108,6 +108,25 @@ def test_after_the_model_loads_a_cpu_worker_prepares_its_first_session_in_the_ba
     assert set(worker_warmup.REFIT_MODULES) <= sys.modules.keys()
 
 
+def test_load_hooks_run_on_each_watched_model_in_the_loading_thread_and_a_failing_one_stops_nothing(monkeypatch):
+    from tests.support.toy_model import toy_worker
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    worker, wb, _ = toy_worker()
+    worker.device = torch.device("cpu")
+    seen = []
+
+    def broken(model):
+        raise RuntimeError("a kernel refused")
+
+    monkeypatch.setattr(worker_warmup, "LOAD_HOOKS", [broken, lambda model: seen.append((model, threading.get_ident()))])
+    th = worker_warmup.after_load(worker, wb)
+    assert seen == [(wb.modules["model"].model, threading.get_ident())]  # before after_load returned, in this thread
+    assert th is not None
+    th.join(120)
+    assert wb.modules["model"]._index.kept["set"][0] is not None  # the prepare ran regardless
+
+
 def test_a_cuda_worker_prepares_in_compile_or_warm_up_model_before_vllms_capture(monkeypatch):
     from tests.support.toy_model import toy_worker
 

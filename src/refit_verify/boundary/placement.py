@@ -136,10 +136,13 @@ class _CopyRecorder(TorchDispatchMode):
         self.tainted: set[int] = {self.src_ptr} if self.src_ptr not in (None, 0) else set()
         self.read_scalar = False  # the loader read a Python number out of such a storage (``.item()``)
         self.lost: str | None = None  # why those storages could no longer be followed (every later fill value unknown)
+        self.ops_s = 0.0  # seconds in the loader's tensor ops themselves (the loader's work, which runs without the tap too)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        t0 = time.perf_counter()
         out = func(*args, **kwargs)
+        self.ops_s += time.perf_counter() - t0
         if self.tainted and args and self.lost is None:
             try:
                 self._taint(func, args, out)
@@ -346,7 +349,7 @@ class LoaderTap:
         self._ahead_thread: int | None = None  # the thread learning ahead (its calls only: a load elsewhere is a load)
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
         self.enabled = True
-        self.own_s = 0.0  # host seconds of ours in tapped calls, so far (a placement learned: the whole call)
+        self.own_s = 0.0  # host seconds of ours in tapped calls, so far (the loader itself, and its tensor ops when learning, excluded)
         self._tokens = itertools.count()  # one per wrapper: a placement is learned per wrapped loader
 
     def install(self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
@@ -489,10 +492,11 @@ class LoaderTap:
                 self.ahead_used += 1
                 if not placement.exact:
                     self.loader_of[pname] = loader_names(original)[0]
-        if placement is None:  # learning it: the whole call counts as ours (the loader runs under the recorder)
+        if placement is None:  # learning it: the loader runs under the recorder, whose work around its tensor ops is ours
             rec = _CopyRecorder(param, loaded)
             with rec:
                 out = original(*args, **kwargs)
+            inner = rec.ops_s
             with PLAIN():
                 placement = judged(rec.placement(), original, param, loaded)
                 own = _storage_ptr(param)

