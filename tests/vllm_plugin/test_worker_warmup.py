@@ -114,17 +114,25 @@ def test_load_hooks_run_on_each_watched_model_in_the_loading_thread_and_a_failin
     monkeypatch.setenv("REFIT_VERIFY", "enforce")
     worker, wb, _ = toy_worker()
     worker.device = torch.device("cpu")
-    seen = []
+    seen, built = [], []
 
-    def broken(model):
+    def broken(boundary, specs):
         raise RuntimeError("a kernel refused")
 
-    monkeypatch.setattr(worker_warmup, "LOAD_HOOKS", [broken, lambda model: seen.append((model, threading.get_ident()))])
+    def hook(boundary, specs):
+        seen.append((boundary, threading.get_ident()))
+        built.append(specs())
+
+    monkeypatch.setattr(worker_warmup, "checkpoint_specs", lambda w: {"w": ((2, 3), "float32")})
+    monkeypatch.setattr(worker_warmup, "LOAD_HOOKS", [broken, hook, lambda boundary, specs: built.append(specs())])
+    handed = []
+    monkeypatch.setattr(worker_warmup, "prepare", lambda *a: handed.append(a[3]))
     th = worker_warmup.after_load(worker, wb)
-    assert seen == [(wb.modules["model"].model, threading.get_ident())]  # before after_load returned, in this thread
+    assert seen == [(wb.modules["model"], threading.get_ident())]  # before after_load returned, in this thread
     assert th is not None
     th.join(120)
-    assert wb.modules["model"]._index.kept["set"][0] is not None  # the prepare ran regardless
+    assert built == [{"w": ((2, 3), "float32")}] * 2 and built[0] is built[1]  # built once
+    assert handed == [built[0]]  # and handed on to the prepare
 
 
 def test_a_cuda_worker_prepares_in_compile_or_warm_up_model_before_vllms_capture(monkeypatch):

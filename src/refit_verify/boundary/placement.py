@@ -345,6 +345,7 @@ class LoaderTap:
         # wrapper of the same loader (vLLM's layerwise reload calls the meta copies' ones) finds them here
         self.ahead: dict[tuple, Placement] = {}
         self.ahead_used = 0  # loader calls that took a placement learned ahead instead of learning it
+        self.learned = 0  # loader calls that learned a placement (ran under the recorder), ahead or not
         self.callable_ahead: Callable[[Callable], bool] = stock_loader  # the loaders learning ahead may call
         self._ahead_thread: int | None = None  # the thread learning ahead (its calls only: a load elsewhere is a load)
         self.loader_of: dict[str, str] = {}  # parameter -> the name of a loader that wrote it other than by a plain copy
@@ -497,6 +498,7 @@ class LoaderTap:
             with rec:
                 out = original(*args, **kwargs)
             inner = rec.ops_s
+            self.learned += 1
             with PLAIN():
                 placement = judged(rec.placement(), original, param, loaded)
                 own = _storage_ptr(param)

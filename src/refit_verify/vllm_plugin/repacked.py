@@ -16,12 +16,14 @@ identity): its weight stays ``not_proven`` with the reason.
 At engine start (:data:`~refit_verify.vllm_plugin.worker_warmup.LOAD_HOOKS`, in the worker's thread
 right after the model is loaded, before vLLM runs a forward) each distinct GEMM shape the close's
 proof will call is run once on a layer the engine repacked (:func:`warm_forward`): a kernel that
-compiles per input shape (oneDNN) does so then, not inside the first refit's close.
+compiles per input shape (oneDNN) does so then, not inside the first refit's close; and the loaders'
+placements of the repacked weights are learned ahead as the reload will load them (:func:`learn_ahead`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +32,9 @@ import torch
 from refit_verify.vllm_plugin import worker_warmup
 from refit_verify.vllm_plugin.shims import in_session, record_into
 
-__all__ = ["linear_apply", "patch_module", "warm_forward", "wrap_process"]
+logger = logging.getLogger("refit_verify")
+
+__all__ = ["learn_ahead", "linear_apply", "patch_module", "warm_forward", "wrap_process"]
 
 TARGET = "vllm.model_executor.layers.linear"
 """The module of ``UnquantizedLinearMethod``."""
@@ -113,12 +117,80 @@ def warm_forward(model: torch.nn.Module) -> int:
     from refit_verify.engine.forward import warm
 
     calls = 0
-    for (n, k, dtype), layer in repacked_layers(model).items():
+    shapes = repacked_layers(model)
+    for (n, k, dtype), layer in shapes.items():
         try:
             calls += warm(lambda x, _l=layer: linear_apply(_l, x), (n, k), dtype, layer.weight.device)
         except (RuntimeError, ValueError, TypeError):
             continue
+    if shapes:
+        logger.info("refit-verify: the forward proof of repacked linear weights warmed: %d GEMM calls over %d shapes",
+                    calls, len(shapes))
     return calls
 
 
-worker_warmup.LOAD_HOOKS.append(warm_forward)
+def _emptied(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``[(module name, layer)]`` of ``model``'s layers whose weight the engine handed to its GEMM kernel
+    (``layer.cpu_linear`` set, an empty ``weight`` left)."""
+    out = []
+    for name, layer in model.named_modules():
+        w = layer._parameters.get("weight")
+        if w is not None and w.numel() == 0 and getattr(layer, "cpu_linear", None) is not None:
+            out.append((name, layer))
+    return out
+
+
+def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ...], str]]]) -> int:
+    """Learn ahead the loaders' placements of the weights the engine repacked, as its layerwise reload
+    will load them (run in the worker's thread before vLLM's first forward).
+
+    A refit's reload gives each such layer back the parameter recorded at load time (a meta copy, its
+    ``weight_loader`` tapped: :func:`~refit_verify.vllm_plugin.shims.layerwise_restore_params`) and
+    materializes it; the dry learn of the worker's prepare sees only the empty parameter left, so
+    the first refit learned these placements with the loader tap's recorder. Here each empty weight is
+    replaced for the moment by a materialized copy of that meta parameter (fresh memory, vLLM's
+    ``materialize_meta_tensor`` and ``restore_layer_refs``, as the reload makes it), the checkpoint's tensors (``specs()``) are learned dry over the model
+    as the reload will have it (:meth:`ModelBoundary.learn_ahead
+    <refit_verify.boundary.model.ModelBoundary.learn_ahead>`: no write reaches the model), and the
+    empty parameters are put back. Returns the placements kept ahead; 0 when nothing was repacked or
+    this vLLM has no layerwise reload.
+    """
+    from refit_verify.vllm_plugin import shims
+
+    model = boundary.model
+    layers = _emptied(model) if model is not None else []
+    if not layers:
+        return 0
+    try:
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    except ImportError:  # pragma: no cover - a vLLM without layerwise reload keeps the loaded weights' loaders
+        return 0
+    metas = dict(shims.layerwise_restore_params(model))
+    saved: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    try:
+        for name, layer in layers:
+            meta, live = metas.get(f"{name}.weight" if name else "weight"), layer._parameters["weight"]
+            if meta is None or not meta.is_meta or meta.dim() != 2:
+                continue
+            with torch.device(live.device):  # its own attributes' copy, bound to the layer as the reload binds them
+                stand_in = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            saved.append((layer, live))
+            layer._parameters["weight"] = stand_in
+        if not saved or not specs():
+            return 0
+        before = len(boundary.tap.ahead)
+        boundary.learn_ahead(specs())
+        got = len(boundary.tap.ahead) - before
+        logger.info("refit-verify: %d loader placements learned ahead over stand-ins of %d repacked weights (as the "
+                    "reload restores them)", got, len(saved))
+        return got
+    finally:
+        for layer, live in saved:
+            layer._parameters["weight"] = live
+        if saved:
+            boundary.index()  # the model's own tensors again
+
+
+worker_warmup.LOAD_HOOKS.append(lambda boundary, specs: warm_forward(boundary.model))
+worker_warmup.LOAD_HOOKS.append(learn_ahead)

@@ -64,13 +64,20 @@ def after_load(worker: Any, wb: Any) -> threading.Thread | None:
     try:
         if not warmup_enabled() or wb is None:
             return None
-        _load_hooks(wb)
+        built: dict[str, Any] = {}
+
+        def specs() -> dict[str, tuple[tuple[int, ...], str]]:
+            if "specs" not in built:
+                built["specs"] = checkpoint_specs(worker)
+            return built["specs"]
+
+        _load_hooks(wb, specs)
         device = runner.device(worker)
         if device is not None and getattr(device, "type", None) == "cuda":
             setattr(worker, _PENDING, wb)
             return None
-        th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu"), worker), name="refit-verify-prepare",
-                              daemon=True)
+        th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu"), worker, built.get("specs")),
+                              name="refit-verify-prepare", daemon=True)
         th.start()
         return th
     except Exception:  # noqa: BLE001 - the worker starts regardless; the first close builds them
@@ -114,18 +121,20 @@ def _fill_digests(wb: Any) -> None:
 
 
 LOAD_HOOKS: list = []
-"""Callables ``hook(model)`` run on each watched model in the worker's own thread right after it is
-loaded (:func:`after_load`), before vLLM runs any forward: work that must not run beside vLLM's
-(a forward of one of its layers; a module registers its own at import)."""
+"""Callables ``hook(boundary, specs)`` run on each watched model's
+:class:`~refit_verify.boundary.model.ModelBoundary` in the worker's own thread right after the model
+is loaded (:func:`after_load`), before vLLM runs any forward: work that must not run beside vLLM's (a
+forward of one of its layers, a parameter swapped for a moment). ``specs()`` gives the checkpoint's
+``{name: (shape, dtype name)}`` (:func:`checkpoint_specs`, built at the first call and handed on to
+:func:`prepare`). A module registers its own at import."""
 
 
-def _load_hooks(wb: Any) -> None:
+def _load_hooks(wb: Any, specs: Any) -> None:
     for b in list(getattr(wb, "modules", {}).values()):
-        model = getattr(b, "model", None)
-        if callable(getattr(model, "modules", None)):
+        if callable(getattr(getattr(b, "model", None), "modules", None)):
             for hook in list(LOAD_HOOKS):
                 try:
-                    hook(model)
+                    hook(b, specs)
                 except Exception:  # noqa: BLE001 - the first refit does that work instead
                     logger.warning("refit-verify: a warm-up hook failed after load", exc_info=True)
 
@@ -135,7 +144,8 @@ MODEL_HOOKS: list = []
 other plugin modules that the first refit would do otherwise; a module registers its own at import)."""
 
 
-def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
+def prepare(wb: Any, device_type: str = "cpu", worker: Any = None,
+            specs: dict[str, tuple[tuple[int, ...], str]] | None = None) -> bool:
     """Wait for the digest warm-up of ``device_type`` (bounded: ``backends.WARMUP_WAIT_S``), then
     :meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>` (with
     ``worker``: the loaders' placements of its checkpoint's tensors learned ahead, :func:`checkpoint_specs`)
@@ -143,11 +153,13 @@ def prepare(wb: Any, device_type: str = "cpu", worker: Any = None) -> bool:
     trainer, did not import them in it); then the first use of the refit's digest paths on the device
     (:func:`~refit_verify.digest.backends.warm_paths`: the CPU's and a kernel device's); the digests of the fills learned ahead; and
     each model handed to :data:`MODEL_HOOKS` (its modules' names: :func:`~refit_verify.vllm_plugin.quantized.remember_names`).
-    Logs what it did; never raises. Returns whether ``wb`` was prepared."""
+    ``specs``: the checkpoint's tensors when the caller built them already. Logs what it did; never
+    raises. Returns whether ``wb`` was prepared."""
     t0 = time.perf_counter()
     try:
         backends.wait_for_warmup(device_type)
-        specs = checkpoint_specs(worker) if worker is not None else {}
+        if specs is None:
+            specs = checkpoint_specs(worker) if worker is not None else {}
         done = wb.prepare(specs={"model": specs} if specs else None)
         _import_refit_modules()
         backends.warm_paths(device_type)  # the first use of the refit's digest paths (their modules are imported now)
