@@ -148,8 +148,8 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
     ``weight_loader`` tapped: :func:`~refit_verify.vllm_plugin.shims.layerwise_restore_params`) and
     materializes it; the dry learn of the worker's prepare sees only the empty parameter left, so
     the first refit learned these placements with the loader tap's recorder. Here each empty weight is
-    replaced for the moment by a materialized copy of that meta parameter (fresh memory, vLLM's
-    ``materialize_meta_tensor`` and ``restore_layer_refs``, as the reload makes it), the checkpoint's tensors (``specs()``) are learned dry over the model
+    replaced for the moment by a stand-in made from that meta parameter as the reload makes it
+    (:func:`~refit_verify.vllm_plugin.shims.layerwise_stand_in`), the checkpoint's tensors (``specs()``) are learned dry over the model
     as the reload will have it (:meth:`ModelBoundary.learn_ahead
     <refit_verify.boundary.model.ModelBoundary.learn_ahead>`: no write reaches the model), and the
     empty parameters are put back. Returns the placements kept ahead; 0 when nothing was repacked or
@@ -161,11 +161,6 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
     layers = _emptied(model) if model is not None else []
     if not layers:
         return 0
-    try:
-        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    except ImportError:  # pragma: no cover - a vLLM without layerwise reload keeps the loaded weights' loaders
-        return 0
     metas = dict(shims.layerwise_restore_params(model))
     saved: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
     try:
@@ -173,8 +168,9 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
             meta, live = metas.get(f"{name}.weight" if name else "weight"), layer._parameters["weight"]
             if meta is None or not meta.is_meta or meta.dim() != 2:
                 continue
-            with torch.device(live.device):  # its own attributes' copy, bound to the layer as the reload binds them
-                stand_in = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            stand_in = shims.layerwise_stand_in(meta, layer, live.device)
+            if stand_in is None:
+                break
             saved.append((layer, live))
             layer._parameters["weight"] = stand_in
         if not saved or not specs():

@@ -215,6 +215,22 @@ def layerwise_restore_params(model: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def layerwise_stand_in(meta: Any, layer: Any, device: Any) -> Any:
+    """A parameter on ``device`` (fresh, uninitialised memory) as vLLM's layerwise reload makes it from
+    the meta copy ``meta`` of a parameter of ``layer`` (:func:`layerwise_restore_params`): its class and
+    a copy of its attributes, loader methods bound to ``layer`` (vLLM's ``materialize_meta_tensor`` and
+    ``restore_layer_refs``); ``meta`` is left as it is. None for a vLLM without layerwise reload."""
+    try:
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    except ImportError:
+        return None
+    import torch
+
+    with torch.device(device):
+        return restore_layer_refs(materialize_meta_tensor(meta), layer)
+
+
 def _layers_for(name: str, modules: dict[str, Any], packed: dict[str, list[str]]) -> list[str]:
     """Module paths of the layers a delivered (checkpoint) name is meant for.
 
