@@ -99,14 +99,13 @@ def repacked_layers(model: torch.nn.Module, cls: type | None = None) -> dict[tup
     out: dict[tuple[int, int, torch.dtype], torch.nn.Module] = {}
     if cls is None:
         return out
-    for layer in model.modules():
-        w, qm = layer._parameters.get("weight"), getattr(layer, "quant_method", None)
-        if (w is None or w.numel() != 0 or getattr(layer, "cpu_linear", None) is None or not isinstance(qm, cls)
-                or getattr(type(qm), "apply", None) is not getattr(cls, "apply", None)):
+    for _name, layer in _emptied(model):
+        qm = getattr(layer, "quant_method", None)
+        if not isinstance(qm, cls) or getattr(type(qm), "apply", None) is not getattr(cls, "apply", None):
             continue
         n, k = getattr(layer, "output_size_per_partition", None), getattr(layer, "input_size_per_partition", None)
         if isinstance(n, int) and isinstance(k, int) and n > 0 and k > 0:
-            out.setdefault((n, k, w.dtype), layer)
+            out.setdefault((n, k, layer._parameters["weight"].dtype), layer)
     return out
 
 
@@ -146,11 +145,11 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
 
     A refit's reload gives each such layer back the parameter recorded at load time (a meta copy, its
     ``weight_loader`` tapped: :func:`~refit_verify.vllm_plugin.shims.layerwise_restore_params`) and
-    materializes it; the dry learn of the worker's prepare sees only the empty parameter left, so
-    the first refit learned these placements with the loader tap's recorder. Here each empty weight is
+    materializes it; the dry learn of the worker's prepare sees only the empty parameter left (no
+    loader), which leaves these placements to the first refit's recorder. Here each empty weight is
     replaced for the moment by a stand-in made from that meta parameter as the reload makes it
-    (:func:`~refit_verify.vllm_plugin.shims.layerwise_stand_in`), the checkpoint's tensors (``specs()``) are learned dry over the model
-    as the reload will have it (:meth:`ModelBoundary.learn_ahead
+    (:func:`~refit_verify.vllm_plugin.shims.layerwise_stand_in`), the checkpoint's tensors
+    (``specs()``) are learned dry over the model as the reload will have it (:meth:`ModelBoundary.learn_ahead
     <refit_verify.boundary.model.ModelBoundary.learn_ahead>`: no write reaches the model), and the
     empty parameters are put back. Returns the placements kept ahead; 0 when nothing was repacked or
     this vLLM has no layerwise reload.
