@@ -895,10 +895,9 @@ class WorkerBoundary:
         """Record ``why`` as an error of open session ``session_id`` (its manifest fails whoever compares
         it); False when that session is not the one open."""
         with self._lock:
-            s = self.open_session
-            if s is None or s.id != session_id:
+            if self.current_id() != session_id:
                 return False
-            s.errors.append(why)
+            self.note_error(why)
             return True
 
     def current_id(self) -> str | None:
