@@ -29,7 +29,9 @@ sender's digest and the worker's session open, model boundary and close,
 :func:`refit_verify.cli.demo.refit_split`), its ratio (per round, median), the figure #53 item 4 holds
 to 10 %, and the same ratio of the third refit to the second as the control (what two steady refits
 differ by on this machine); then
-that split part by part, first and second refit. numba's and Triton's on-disk caches are as the
+that split part by part, first and second refit, with the sender's staging ahead (the first staging
+buffer allocated and its pages touched while the sender waits for the receiver's ``Welcome``:
+transport, not in the own work). numba's and Triton's on-disk caches are as the
 machine has them (warm after any earlier run); ``--fresh-caches`` gives each run empty ones (``NUMBA_CACHE_DIR``, ``TRITON_CACHE_DIR``: a
 fresh machine, where whichever process compiles first writes the cache the others read).
 
@@ -61,7 +63,7 @@ SETTINGS = {
 }
 
 
-PARTS = ("sender's digest", "worker open", "model boundary", "close", "vLLM's reload")
+PARTS = ("sender's digest", "sender's staging ahead", "worker open", "model boundary", "close", "vLLM's reload")
 """The split of a verified refit each child reports per refit (:func:`refit_verify.cli.demo.refit_split`)."""
 
 
@@ -110,9 +112,10 @@ def _child(device: str, model: str, refits: int) -> None:
         own.append(None if split is None else split[0])
         if split is not None:
             w = max((x["seconds"] for x in res.workers), key=lambda x: x["own_s"])
-            parts.append([split[1], w["open_s"], w["boundary_s"], w["close_s"], w["reload_s"]])
+            parts.append([split[1], float((sender.last_stats or {}).get("stage_s", 0.0)), w["open_s"], w["boundary_s"], w["close_s"], w["reload_s"]])
         if profile and split is not None:
-            lines.append(f"refit {i}: wall {res.seconds * 1e3:.1f}, sender digest {split[1] * 1e3:.2f}, worker open "
+            lines.append(f"refit {i}: wall {res.seconds * 1e3:.1f}, sender digest {split[1] * 1e3:.2f}, staging ahead "
+                         f"{parts[-1][1] * 1e3:.2f} (Welcome after {sender.last_stats['welcome_s'] * 1e3:.2f}), worker open "
                          f"{w['open_s'] * 1e3:.2f} boundary {w['boundary_s'] * 1e3:.2f} close {w['close_s'] * 1e3:.2f}, "
                          f"reload {w['reload_s'] * 1e3:.2f}")
     if profile:

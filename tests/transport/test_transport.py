@@ -827,3 +827,53 @@ def test_fused_copy_and_digest_round_trip_verifies_and_a_corrupted_staged_byte_i
             assert_received(rx.result()["got"], [(n, t) for n, t in tensors if n != target])
         finally:
             rx.close()
+
+
+# ---------------------------------------------------------------- staging ahead of the first group
+
+
+def _shm_bytes_allocated(buf) -> int:
+    """Bytes tmpfs holds for a CPU staging buffer's shared-memory file (pages touched so far)."""
+    return os.stat(os.path.join("/dev/shm", buf._name)).st_blocks * 512
+
+
+def test_stage_ahead_touches_exactly_the_first_groups_pages():
+    from refit_verify.transport.send_state import SendState
+
+    st = SendState(send=None, settle=None, requested=None, mode=None, progress=None, capacity=1 << 20, device=None)
+    items = [("a", torch.zeros(40_000, dtype=torch.uint8)), ("b", torch.zeros(10_000, dtype=torch.float32)),
+             ("c", torch.zeros(300_000, dtype=torch.float32)), ("d", torch.zeros(8))]  # c (1.2 MB) does not fit: stop there
+    try:
+        staged = st.stage_ahead(items, 512)
+        assert staged == 40_448 + 40_448  # a and b, each rounded up to 512
+        assert st.stage_s > 0 and st.pool[1] is None
+        held = _shm_bytes_allocated(st.pool[0])
+        assert 80_896 <= held <= 80_896 + 2 * 4096 and held < st.capacity // 8  # the first group's pages, not the buffer's
+        assert st.stage_ahead(items, 512) == 0  # the buffer is there already: nothing more
+    finally:
+        st.free_pool()
+
+
+@pytest.mark.parametrize("items", [[], [("big", torch.zeros(2 << 20, dtype=torch.uint8))], ["junk", ("a", torch.zeros(4))],
+                                   [("m", torch.empty(4, device="meta"))]],
+                         ids=["empty", "first-too-large", "not-a-pair", "meta"])
+def test_stage_ahead_does_nothing_for_what_it_cannot_stage(items):
+    from refit_verify.transport.send_state import SendState
+
+    st = SendState(send=None, settle=None, requested=None, mode=None, progress=None, capacity=1 << 20, device=None)
+    assert st.stage_ahead(items, 512) == 0  # never raises: the packer reports bad items
+    assert st.pool == [None, None] and st.stage_s == 0.0
+
+
+@pytest.mark.parametrize("mode", ["enforce", "off"])
+def test_sender_stages_the_first_group_while_waiting_for_welcome(mode):
+    tensors = [(f"t{i}", torch.randn(1000 + i)) for i in range(6)]
+    got: dict = {}
+    with RefitSender(config=RefitConfig.build(mode=mode, timeout_s=5.0)) as tx:
+        report, _ = _run_pair(tx, tensors, load=lambda b: got.update((n, t.clone()) for n, t in b))
+    st = tx.last_stats
+    if mode == "enforce":
+        assert report.ok and 0 < st["stage_s"] <= st["welcome_s"]
+    else:  # the Welcome is taken while the first group is packed: nothing staged ahead
+        assert report is None and st["stage_s"] == 0.0 == st["welcome_s"]
+    assert list(got) == [n for n, _ in tensors] and all(torch.equal(got[n], t) for n, t in tensors)

@@ -7,17 +7,22 @@ is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from refit_verify.config import VerifyMode
+from refit_verify.stream.items import round_up
 from refit_verify.transport import staging as _staging
 from refit_verify.wire.fields import Entry
 
 __all__ = ["Progress", "SendState"]
+
+PAGE_BYTES = 4096
+"""The stride at which :meth:`SendState.stage_ahead` touches CPU staging (one write per page)."""
 
 
 class PackCounts(Protocol):
@@ -71,6 +76,7 @@ class SendState:
         in_flight: ``{seq: (entries, last name)}`` of sent, unacknowledged buffers.
         pool: the two ping-pong staging buffers (allocated on first use); cur: the one being packed.
         dedicated: an oversized tensor's own buffer while it is in flight.
+        stage_s: seconds :meth:`stage_ahead` took (0.0 when it did nothing).
     """
 
     send: Callable[[SendState, _staging.StagingBuffer, list[Entry], int], None]
@@ -88,6 +94,7 @@ class SendState:
     pool: list[_staging.StagingBuffer | None] = field(default_factory=lambda: [None, None])
     cur: int = 0
     dedicated: _staging.StagingBuffer | None = None
+    stage_s: float = 0.0
 
     # -- PackSink ---------------------------------------------------------------------------------
 
@@ -100,6 +107,31 @@ class SendState:
         if self.pool[self.cur] is None:
             self.pool[self.cur] = _staging.allocate(self.capacity, self._device_for(like))
         return self.pool[self.cur].tensor
+
+    def stage_ahead(self, items: Sequence, alignment: int) -> int:
+        """Allocate the first staging buffer for ``items`` (a refit given as a sequence) and, on the
+        CPU, touch every page its first group will fill (one byte each): the kernel's page faults of
+        fresh shared memory are taken here, while the sender waits for the receiver's ``Welcome``,
+        instead of inside the first group's copy. Returns the bytes staged (0: nothing done, e.g. an
+        empty refit, a first tensor too large for a group, or an item that is not a
+        ``(name, tensor)`` pair, which the packer then reports). Never raises for bad items."""
+        t0 = time.perf_counter()
+        n, like = 0, None
+        for item in items:
+            t = item[1] if isinstance(item, tuple) and len(item) == 2 else None
+            if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_meta:
+                break
+            a = round_up(t.numel() * t.element_size(), alignment)
+            if n + a > self.capacity:
+                break
+            n, like = n + a, like if like is not None else t
+        if like is None or n == 0 or self.pool[self.cur] is not None:
+            return 0
+        buf = self.buffer(like)
+        if buf.device.type == "cpu":
+            buf[:n:PAGE_BYTES].fill_(0)
+        self.stage_s = time.perf_counter() - t0
+        return n
 
     def post(self, entries: list[Entry], used: int) -> None:
         self.send(self, self.pool[self.cur], entries, used)

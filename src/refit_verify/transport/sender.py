@@ -78,11 +78,18 @@ class RefitStats(StreamStats):
     when a ``log`` sender met a receiver that cannot verify —, ``tensors``, ``bytes``, ``digest_s``,
     ``wall_s`` from ``Hello`` to ``Done``, ``receiver_digest_s`` from ``Done``), ``buffers``:
     ``Buffer`` messages sent (oversized tensors included), and ``hello_sent``: ``Hello`` messages
-    sent (more than 1 when an unanswered one was sent again, :data:`HELLO_RETRY_S`).
+    sent (more than 1 when an unanswered one was sent again, :data:`HELLO_RETRY_S`); ``stage_s``:
+    seconds spent, after ``Hello`` and before its ``Welcome`` was taken, allocating the first staging
+    buffer and touching its pages (:meth:`SendState.stage_ahead
+    <refit_verify.transport.send_state.SendState.stage_ahead>`; transport, not digest work); ``welcome_s``:
+    seconds from ``Hello`` to its ``Welcome`` taken, ``stage_s`` included (0.0 in ``off``, where it is
+    taken while the first group is packed).
     """
 
     buffers: int
     hello_sent: int
+    stage_s: float
+    welcome_s: float
 
 
 class RefitSender:
@@ -531,6 +538,7 @@ class RefitSender:
         self._peer_gave_up = False
         self._last_reply_t = None
         packer: Packer | None = None
+        welcome_s = 0.0
         try:
             st.hello_sent = True
             self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
@@ -538,7 +546,11 @@ class RefitSender:
                                  version=version), None)
             st.welcome_pending = True
             if st.requested.verifies:
+                t_hello = time.perf_counter()
+                if isinstance(named_tensors, (list, tuple)):
+                    st.stage_ahead(named_tensors, cfg.alignment)  # while the receiver opens its session
                 self._take_welcome(st)  # agree before any digest work (one round trip)
+                welcome_s = time.perf_counter() - t_hello
             # In off mode the Welcome is taken lazily, while the first group is packed.
             # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
@@ -568,7 +580,7 @@ class RefitSender:
             st.free_pool()
         self.last_stats = RefitStats(
             refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
-            digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
+            stage_s=st.stage_s, welcome_s=welcome_s, digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
         )
         return self._verdict(st.mode, sender_manifest, done, version)
 
