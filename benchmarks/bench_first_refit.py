@@ -28,7 +28,9 @@ the first refit over the second, and the first refit's excess over the median of
 sender's digest and the worker's session open, model boundary and close,
 :func:`refit_verify.cli.demo.refit_split`), its ratio (per round, median), the figure #53 item 4 holds
 to 10 %, and the same ratio of the third refit to the second as the control (what two steady refits
-differ by on this machine); then
+differ by on this machine); the same for the own work on the critical path (less the sender's digest
+seconds run while the receiver worked: ``digest_shadow_s``, and ``digest_before_welcome_s``, the first
+group's, while it opened its session); then
 that split part by part, first and second refit, with the sender's staging ahead (the first staging
 buffer allocated and its pages touched while the sender waits for the receiver's ``Welcome``:
 transport, not in the own work). numba's and Triton's on-disk caches are as the
@@ -63,7 +65,7 @@ SETTINGS = {
 }
 
 
-PARTS = ("sender's digest", "sender's staging ahead", "worker open", "model boundary", "close", "vLLM's reload")
+PARTS = ("sender's digest", "of it before the Welcome", "sender's staging ahead", "worker open", "model boundary", "close", "vLLM's reload")
 """The split of a verified refit each child reports per refit (:func:`refit_verify.cli.demo.refit_split`)."""
 
 
@@ -87,7 +89,7 @@ def _child(device: str, model: str, refits: int) -> None:
     t0 = time.perf_counter()
     llm = start_engine(d, device)
     start_s = time.perf_counter() - t0
-    walls, own, parts = [], [], []
+    walls, own, crit, parts = [], [], [], []
     profile = os.environ.get("BENCH_PROFILE") if os.environ["REFIT_VERIFY"] != "off" else None
     profiles: list = []
     if profile:
@@ -110,12 +112,16 @@ def _child(device: str, model: str, refits: int) -> None:
             split = refit_split(sender.last_stats or {}, res.workers) if os.environ["REFIT_VERIFY"] != "off" else None
         walls.append(res.seconds)
         own.append(None if split is None else split[0])
+        st = sender.last_stats or {}
+        hidden = float(st.get("digest_shadow_s", 0.0)) + float(st.get("digest_before_welcome_s", 0.0))
+        crit.append(None if split is None else split[0] - hidden)
         if split is not None:
             w = max((x["seconds"] for x in res.workers), key=lambda x: x["own_s"])
-            parts.append([split[1], float((sender.last_stats or {}).get("stage_s", 0.0)), w["open_s"], w["boundary_s"], w["close_s"], w["reload_s"]])
+            parts.append([split[1], float(st.get("digest_before_welcome_s", 0.0)), float(st.get("stage_s", 0.0)), w["open_s"], w["boundary_s"], w["close_s"], w["reload_s"]])
         if profile and split is not None:
             lines.append(f"refit {i}: wall {res.seconds * 1e3:.1f}, sender digest {split[1] * 1e3:.2f}, staging ahead "
-                         f"{parts[-1][1] * 1e3:.2f} (Welcome after {sender.last_stats['welcome_s'] * 1e3:.2f}), worker open "
+                         f"{parts[-1][2] * 1e3:.2f} (Welcome taken after {st['welcome_s'] * 1e3:.2f}, digest before it "
+                         f"{parts[-1][1] * 1e3:.2f}), worker open "
                          f"{w['open_s'] * 1e3:.2f} boundary {w['boundary_s'] * 1e3:.2f} close {w['close_s'] * 1e3:.2f}, "
                          f"reload {w['reload_s'] * 1e3:.2f}")
     if profile:
@@ -125,7 +131,7 @@ def _child(device: str, model: str, refits: int) -> None:
                                f"trainer {'cold' if os.environ.get('BENCH_TRAINER_COLD') else 'warmed'}", *lines, "", ""]))
     if device == "cuda":
         torch.cuda.synchronize()
-    print(json.dumps({"start_s": start_s, "walls": walls, "own": own, "parts": parts}), flush=True)
+    print(json.dumps({"start_s": start_s, "walls": walls, "own": own, "crit": crit, "parts": parts}), flush=True)
 
 
 def _profile_diff(first: cProfile.Profile, later: cProfile.Profile, top: int = 25) -> list[str]:
@@ -189,20 +195,24 @@ def main(argv: list[str] | None = None) -> None:
              f"{os.cpu_count()} cores), torch {torch.__version__}, {a.rounds} rounds, {a.refits} refits each (medians)"
              f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
              "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) "
-             "| own work 1st / 2nd (ms) | own 1st / 2nd | control: own 3rd / 2nd |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| own work 1st / 2nd (ms) | own 1st / 2nd | control: own 3rd / 2nd | own on the critical path 1st / 2nd (ms) "
+             "| critical 1st / 2nd | control: critical 3rd / 2nd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in names:
         runs = got[n]
         first, second, last = (med([x["walls"][i] for x in runs]) for i in (0, 1, -1))
         excess = med([x["walls"][0] - med(x["walls"][1:]) for x in runs])
         row = (f"| {n} | {med([x['start_s'] for x in runs]):.1f} | {first * 1e3:.1f} | {second * 1e3:.1f} | {last * 1e3:.1f} | "
                f"{first / second:.2f} | {excess * 1e3:+.1f} |")
-        if all(None not in x["own"] for x in runs):
+        if all(None not in x["own"] and None not in x.get("crit", [None]) for x in runs):
             o1, o2 = (med([x["own"][i] for x in runs]) for i in (0, 1))
             row += f" {o1 * 1e3:.1f} / {o2 * 1e3:.1f} | {med([x['own'][0] / x['own'][1] for x in runs]):.2f} |"
             row += f" {med([x['own'][2] / x['own'][1] for x in runs]):.2f} |" if a.refits >= 3 else " - |"
+            c1, c2 = (med([x["crit"][i] for x in runs]) for i in (0, 1))
+            row += f" {c1 * 1e3:.1f} / {c2 * 1e3:.1f} | {med([x['crit'][0] / x['crit'][1] for x in runs]):.2f} |"
+            row += f" {med([x['crit'][2] / x['crit'][1] for x in runs]):.2f} |" if a.refits >= 3 else " - |"
         else:
-            row += " - | - | - |"
+            row += " - | - | - | - | - | - |"
         lines.append(row)
     split = [n for n in names if all(len(x.get("parts", ())) >= 2 for x in got[n])]
     if split:

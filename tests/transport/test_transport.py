@@ -555,18 +555,25 @@ def test_a_receiver_that_does_not_verify_gives_its_own_reason_at_the_handshake()
             RefitReceiver("ipc:///tmp/never-bound", **bad)
 
 
-def test_log_sender_vs_receiver_that_cannot_verify_runs_unverified_with_warning(caplog):
+def test_log_sender_vs_receiver_that_cannot_verify_runs_unverified_with_warning(caplog, monkeypatch):
+    """The first group is digested while the receiver answers Hello (the sender does not know yet);
+    once it answers off, nothing more is digested and the plain wire carries the rest."""
     out: dict = {}
-    tensors = [("a", torch.randn(8)), ("b", torch.randn(8))]
-    with RefitSender(config=RefitConfig.build(mode="log", timeout_s=10.0)) as tx:
+    digested: list[str] = []
+    for attr in ("add", "add_copy"):
+        orig = getattr(digest_mod.DigestBatch, attr)
+        monkeypatch.setattr(digest_mod.DigestBatch, attr, lambda self, name, *a, _o=orig, **k: (digested.append(name), _o(self, name, *a, **k))[1])
+    tensors = [(f"t{i}", torch.randn(100)) for i in range(12)]  # 4 per 2 KiB buffer: 3 groups
+    with RefitSender(config=RefitConfig.build(mode="log", timeout_s=10.0, buffer_bytes=4096)) as tx:
         th = _receiver_thread(tx.endpoint, out, verify=False)
         with caplog.at_level(logging.WARNING, logger="refit_verify"):
             report = tx.send(tensors)
         th.join(10)
-    assert report is None and tx.last_stats["mode"] == "off" and tx.last_stats["digest_s"] == 0.0
+    assert report is None and tx.last_stats["mode"] == "off"
+    assert digested == ["t0", "t1", "t2", "t3"]  # the first group only
     assert any("UNVERIFIED" in r.getMessage() and "cannot verify" in r.getMessage() for r in caplog.records)
     assert out["result"].ok and out["result"].mode.value == "off" and out["result"].manifest is None
-    assert out["loaded"] == ["a", "b"]
+    assert out["loaded"] == [n for n, _ in tensors]
 
 
 def test_receiver_whose_digest_code_is_unavailable_cannot_verify():
@@ -710,7 +717,8 @@ def test_rest_of_the_list_is_digested_while_the_receiver_reads_an_oversized_firs
         th.join(10)
         stats = tx.last_stats
     assert report.ok and report.verified == 3 and out["loaded"] == ["embed", "a", "b"]
-    assert order[:7] == ["Hello", "wait Welcome (packed 0)", "digest embed", "DigestBuffer", "digest a,b", "wait Ack (packed 0)",
+    # the first tensor is digested while the receiver answers Hello; its Buffer goes once the Welcome is taken
+    assert order[:7] == ["Hello", "digest embed", "wait Welcome (packed 0)", "DigestBuffer", "digest a,b", "wait Ack (packed 0)",
                          "DigestBuffer"]
     assert 0.0 < stats["digest_shadow_s"] < stats["digest_s"]
 
@@ -873,7 +881,7 @@ def test_sender_stages_the_first_group_while_waiting_for_welcome(mode):
         report, _ = _run_pair(tx, tensors, load=lambda b: got.update((n, t.clone()) for n, t in b))
     st = tx.last_stats
     if mode == "enforce":
-        assert report.ok and 0 < st["stage_s"] <= st["welcome_s"]
-    else:  # the Welcome is taken while the first group is packed: nothing staged ahead
-        assert report is None and st["stage_s"] == 0.0 == st["welcome_s"]
+        assert report.ok and 0 < st["stage_s"] <= st["welcome_s"] and 0 <= st["digest_before_welcome_s"] <= st["digest_s"]
+    else:  # nothing staged ahead, nothing digested
+        assert report is None and st["stage_s"] == 0.0 == st["digest_before_welcome_s"] == st["digest_s"] and st["welcome_s"] > 0
     assert list(got) == [n for n, _ in tensors] and all(torch.equal(got[n], t) for n, t in tensors)

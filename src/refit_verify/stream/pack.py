@@ -281,6 +281,14 @@ class Packer:
             self.digests.discard_queued()
         self._rest = None
 
+    def stop_digests(self) -> None:
+        """Digest nothing from here on (the refit turned out unverified): what is added next is copied
+        plainly, its entries carry no digest, and :meth:`manifest` returns None. Call it between groups
+        (nothing queued since the last one was sent)."""
+        if self.digests is not None:
+            self.digests.discard_queued()
+        self.digests, self.ahead, self._rest = None, False, None
+
     def manifest(self) -> dict[str, str] | None:
         """Return the sender's manifest ``{name: 32-hex}`` (``None`` when not verifying)."""
         if self.digests is None:

@@ -26,10 +26,13 @@ PAGE_BYTES = 4096
 
 
 class PackCounts(Protocol):
-    """What :class:`Progress` reads of the refit's :class:`~refit_verify.stream.pack.Packer`."""
+    """What :class:`Progress` and :class:`SendState` use of the refit's :class:`~refit_verify.stream.pack.Packer`."""
 
     tensors: int
     last_name: str | None
+    digest_s: float
+
+    def stop_digests(self) -> None: ...
 
 
 @dataclass
@@ -71,12 +74,15 @@ class SendState:
         send: ``(state, buffer, entries, used bytes)``: sends one filled buffer (the sender's ``_post``).
         settle: ``(state)``: takes the reply of the buffer in flight (the sender's ``_settle``).
         requested / mode: the configured and the agreed mode. progress: counts for errors.
-        welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (``off``: taken lazily).
+        welcome_pending: ``Hello`` sent, its ``Welcome`` not taken yet (taken as the first group is posted).
         outstanding: seq of the unanswered ``Buffer`` (``None``: nothing outstanding).
         in_flight: ``{seq: (entries, last name)}`` of sent, unacknowledged buffers.
         pool: the two ping-pong staging buffers (allocated on first use); cur: the one being packed.
         dedicated: an oversized tensor's own buffer while it is in flight.
         stage_s: seconds :meth:`stage_ahead` took (0.0 when it did nothing).
+        hello_t: ``time.perf_counter()`` when ``Hello`` went. welcome_s: seconds from then until
+            its ``Welcome`` was taken. packer: the refit's packer, once made.
+        before_welcome_s: the packer's ``digest_s`` when the ``Welcome`` was taken, if it had not arrived by then, else 0.0.
     """
 
     send: Callable[[SendState, _staging.StagingBuffer, list[Entry], int], None]
@@ -95,6 +101,10 @@ class SendState:
     cur: int = 0
     dedicated: _staging.StagingBuffer | None = None
     stage_s: float = 0.0
+    hello_t: float = 0.0
+    welcome_s: float = 0.0
+    packer: PackCounts | None = None
+    before_welcome_s: float = 0.0
 
     # -- PackSink ---------------------------------------------------------------------------------
 

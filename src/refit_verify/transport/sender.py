@@ -82,14 +82,18 @@ class RefitStats(StreamStats):
     seconds spent, after ``Hello`` and before its ``Welcome`` was taken, allocating the first staging
     buffer and touching its pages (:meth:`SendState.stage_ahead
     <refit_verify.transport.send_state.SendState.stage_ahead>`; transport, not digest work); ``welcome_s``:
-    seconds from ``Hello`` to its ``Welcome`` taken, ``stage_s`` included (0.0 in ``off``, where it is
-    taken while the first group is packed).
+    seconds from ``Hello`` to its ``Welcome`` taken, as the first group is posted (the first group's
+    staging, digests and packing included); ``digest_before_welcome_s``: of ``digest_s``, the seconds
+    spent before the ``Welcome`` was taken when it had not arrived by then (run while the receiver
+    opened its session, off the refit's critical path; 0.0 when it was already waiting, since how
+    long it waited is not known).
     """
 
     buffers: int
     hello_sent: int
     stage_s: float
     welcome_s: float
+    digest_before_welcome_s: float
 
 
 class RefitSender:
@@ -443,10 +447,15 @@ class RefitSender:
     # -- sequencing (strict REQ/REP lockstep: at most one request outstanding) --------------------
 
     def _take_welcome(self, st: SendState) -> None:
+        early = not self._sock.poll(0)  # not arrived yet: everything done since Hello ran while the receiver opened
         welcome = self._take_reply(Welcome)
         st.welcome_pending = False
+        st.welcome_s = time.perf_counter() - st.hello_t
+        st.before_welcome_s = st.packer.digest_s if early and st.packer is not None else 0.0
         st.mode = self._agree(st.requested, welcome)
         st.progress.mode = st.mode.value
+        if st.requested.verifies and not st.mode.verifies and st.packer is not None:
+            st.packer.stop_digests()  # log, and the receiver cannot verify: no more digest work for this refit
 
     def _settle(self, st: SendState) -> None:
         """Take every reply due: the lazy ``Welcome`` (``off``), then the outstanding ``Ack``."""
@@ -466,6 +475,8 @@ class RefitSender:
         self._settle(st)
         seq = st.next_seq
         kind = DigestBuffer if st.mode.verifies else Buffer  # off: the protocol-2 message, no digests
+        if not st.mode.verifies and st.requested.verifies:  # log, and the receiver cannot verify: the plain wire
+            entries = [Entry(name=e.name, dtype=e.dtype, shape=e.shape, offset=e.offset, nbytes=e.nbytes) for e in entries]
         self._exchange(kind(seq=seq, handle=buf.handle(), entries=entries, used_bytes=used), buf.tensor)
         st.outstanding = seq
         st.in_flight[seq] = (len(entries), entries[-1].name if entries else None)
@@ -538,23 +549,21 @@ class RefitSender:
         self._peer_gave_up = False
         self._last_reply_t = None
         packer: Packer | None = None
-        welcome_s = 0.0
         try:
             st.hello_sent = True
             self._exchange(Hello(protocol=PROTOCOL_VERSION, refit_id=refit_id, mode=st.requested.value, alignment=cfg.alignment,
                                  producer_rank=self.rank, producer_device=None if self.device is None else str(self.device),
                                  version=version), None)
-            st.welcome_pending = True
-            if st.requested.verifies:
-                t_hello = time.perf_counter()
-                if isinstance(named_tensors, (list, tuple)):
-                    st.stage_ahead(named_tensors, cfg.alignment)  # while the receiver opens its session
-                self._take_welcome(st)  # agree before any digest work (one round trip)
-                welcome_s = time.perf_counter() - t_hello
-            # In off mode the Welcome is taken lazily, while the first group is packed.
+            st.welcome_pending, st.hello_t = True, time.perf_counter()
+            # The Welcome is taken lazily, as the first group is posted: the first group is staged, digested and packed
+            # while the receiver opens its session. Nothing is sent before it; a mode the receiver cannot agree to
+            # raises there (enforce), or turns the refit into off (log: the digests made are not sent).
+            if st.requested.verifies and isinstance(named_tensors, (list, tuple)):
+                st.stage_ahead(named_tensors, cfg.alignment)
             # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
-                                       digests=DigestBatch() if st.mode.verifies else None, digests_ahead=st.mode.verifies)
+                                       digests=DigestBatch() if st.requested.verifies else None, digests_ahead=st.requested.verifies)
+            st.packer = packer
             if isinstance(named_tensors, (list, tuple)):
                 packer.digest_first(named_tensors)  # the first group's digests now, the rest's once it is sent (two synchronisations per refit)
             packer.add_all(named_tensors)
@@ -580,7 +589,7 @@ class RefitSender:
             st.free_pool()
         self.last_stats = RefitStats(
             refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
-            stage_s=st.stage_s, welcome_s=welcome_s, digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
+            stage_s=st.stage_s, welcome_s=st.welcome_s, digest_before_welcome_s=st.before_welcome_s, digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
         )
         return self._verdict(st.mode, sender_manifest, done, version)
 
