@@ -30,7 +30,7 @@ sender's digest and the worker's session open, model boundary and close,
 to 10 %, and the same ratio of the third refit to the second as the control (what two steady refits
 differ by on this machine); the same for the own work on the critical path (less the sender's digest
 seconds run while the receiver worked: ``digest_shadow_s``, and ``digest_before_welcome_s``, the first
-group's, while it opened its session); then
+group's, while it answered ``Hello``); then
 that split part by part, first and second refit, with the sender's staging ahead (the first staging
 buffer allocated and its pages touched while the sender waits for the receiver's ``Welcome``:
 transport, not in the own work). numba's and Triton's on-disk caches are as the

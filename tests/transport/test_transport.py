@@ -522,21 +522,31 @@ def _receiver_thread(endpoint, out, **kw):
 
 
 def test_enforce_sender_vs_receiver_that_cannot_verify_fails_at_handshake(monkeypatch):
-    """Never a silent unverified refit: the handshake fails, saying why, before any buffer moves
-    or any digest is computed; the receiver is told (Abort) and stops at once."""
-    adds = []
-    monkeypatch.setattr(digest_mod.DigestBatch, "add", lambda self, name, t: adds.append(name))
+    """Never a silent unverified refit: the handshake fails, saying why, before any buffer moves (the
+    first group was staged and digested while the receiver answered Hello: only it); the receiver
+    is told (Abort) and stops; nothing is loaded."""
+    digested: list[str] = []
+    for attr in ("add", "add_copy"):
+        orig = getattr(digest_mod.DigestBatch, attr)
+        monkeypatch.setattr(digest_mod.DigestBatch, attr, lambda self, name, *a, _o=orig, **k: (digested.append(name), _o(self, name, *a, **k))[1])
+    from refit_verify.transport import send_state
+
+    staged: list[str] = []
+    allocate = send_state._staging.allocate
+    monkeypatch.setattr(send_state._staging, "allocate", lambda *a, **k: (b := allocate(*a, **k), staged.append(b._name))[0])
     out: dict = {}
-    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0)) as tx:
+    tensors = [(f"t{i}", torch.randn(100)) for i in range(12)]  # 4 per 2 KiB buffer: 3 groups
+    with RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=10.0, buffer_bytes=4096)) as tx:
         th = _receiver_thread(tx.endpoint, out, verify=False)
         with pytest.raises(RefitProtocolError) as ei:
-            tx.send([("a", torch.randn(8)), ("b", torch.randn(8))])
+            tx.send(tensors)
         th.join(10)
         assert tx._progress.buffers_sent == 0
     msg = str(ei.value)
     assert "mode agreement failed" in msg and "enforce" in msg and "cannot verify" in msg and "verify=False" in msg
-    assert adds == [] and "loaded" not in out
+    assert digested == ["t0", "t1", "t2", "t3"] and "loaded" not in out
     assert isinstance(out["error"], RefitAbortedError) and "cannot verify" in out["error"].reason
+    assert len(staged) == 1 and not set(staged) & set(os.listdir("/dev/shm"))  # the one staged buffer was freed
 
 
 def test_a_receiver_that_does_not_verify_gives_its_own_reason_at_the_handshake():

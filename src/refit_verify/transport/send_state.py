@@ -121,8 +121,8 @@ class SendState:
     def stage_ahead(self, items: Sequence, alignment: int) -> int:
         """Allocate the first staging buffer for ``items`` (a refit given as a sequence) and, on the
         CPU, touch every page its first group will fill (one byte each): the kernel's page faults of
-        fresh shared memory are taken here, while the sender waits for the receiver's ``Welcome``,
-        instead of inside the first group's copy. Returns the bytes staged (0: nothing done, e.g. an
+        fresh shared memory are taken here, after ``Hello`` and before the receiver's ``Welcome`` is
+        taken, instead of inside the first group's copy. Returns the bytes staged (0: nothing done, e.g. an
         empty refit, a first tensor too large for a group, or an item that is not a
         ``(name, tensor)`` pair, which the packer then reports). Never raises for bad items."""
         t0 = time.perf_counter()

@@ -85,8 +85,8 @@ class RefitStats(StreamStats):
     seconds from ``Hello`` to its ``Welcome`` taken, as the first group is posted (the first group's
     staging, digests and packing included); ``digest_before_welcome_s``: of ``digest_s``, the seconds
     spent before the ``Welcome`` was taken when it had not arrived by then (run while the receiver
-    opened its session, off the refit's critical path; 0.0 when it was already waiting, since how
-    long it waited is not known).
+    read ``Hello`` and answered it, off the refit's critical path; 0.0 when it was already waiting,
+    since how long it waited is not known).
     """
 
     buffers: int
@@ -458,7 +458,7 @@ class RefitSender:
             st.packer.stop_digests()  # log, and the receiver cannot verify: no more digest work for this refit
 
     def _settle(self, st: SendState) -> None:
-        """Take every reply due: the lazy ``Welcome`` (``off``), then the outstanding ``Ack``."""
+        """Take every reply due: the ``Welcome`` (taken as the first group is posted), then the outstanding ``Ack``."""
         p = st.progress
         if st.welcome_pending:
             self._take_welcome(st)
@@ -556,8 +556,8 @@ class RefitSender:
                                  version=version), None)
             st.welcome_pending, st.hello_t = True, time.perf_counter()
             # The Welcome is taken lazily, as the first group is posted: the first group is staged, digested and packed
-            # while the receiver opens its session. Nothing is sent before it; a mode the receiver cannot agree to
-            # raises there (enforce), or turns the refit into off (log: the digests made are not sent).
+            # while the receiver reads Hello and answers it. Nothing is sent before it; a mode the receiver cannot agree
+            # to raises there (enforce), or turns the refit into off (log: the digests made are not sent).
             if st.requested.verifies and isinstance(named_tensors, (list, tuple)):
                 st.stage_ahead(named_tensors, cfg.alignment)
             # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
