@@ -26,7 +26,7 @@ PAGE_BYTES = 4096
 
 
 class PackCounts(Protocol):
-    """What :class:`Progress` and :class:`SendState` use of the refit's :class:`~refit_verify.stream.pack.Packer`."""
+    """What :class:`Progress` reads of the refit's :class:`~refit_verify.stream.pack.Packer`, and the sender uses."""
 
     tensors: int
     last_name: str | None
@@ -81,7 +81,7 @@ class SendState:
         dedicated: an oversized tensor's own buffer while it is in flight.
         stage_s: seconds :meth:`stage_ahead` took (0.0 when it did nothing).
         hello_t: ``time.perf_counter()`` when ``Hello`` went. welcome_s: seconds from then until
-            its ``Welcome`` was taken. packer: the refit's packer, once made.
+            its ``Welcome`` was taken.
         before_welcome_s: the packer's ``digest_s`` when the ``Welcome`` was taken, if it had not arrived by then, else 0.0.
     """
 
@@ -103,7 +103,6 @@ class SendState:
     stage_s: float = 0.0
     hello_t: float = 0.0
     welcome_s: float = 0.0
-    packer: PackCounts | None = None
     before_welcome_s: float = 0.0
 
     # -- PackSink ---------------------------------------------------------------------------------

@@ -447,15 +447,16 @@ class RefitSender:
     # -- sequencing (strict REQ/REP lockstep: at most one request outstanding) --------------------
 
     def _take_welcome(self, st: SendState) -> None:
-        early = not self._sock.poll(0)  # not arrived yet: everything done since Hello ran while the receiver opened
+        early = not self._sock.poll(0)  # not arrived yet: what was done since Hello ran while the receiver answered it
         welcome = self._take_reply(Welcome)
         st.welcome_pending = False
         st.welcome_s = time.perf_counter() - st.hello_t
-        st.before_welcome_s = st.packer.digest_s if early and st.packer is not None else 0.0
+        packer = st.progress.packer
+        st.before_welcome_s = packer.digest_s if early and packer is not None else 0.0
         st.mode = self._agree(st.requested, welcome)
         st.progress.mode = st.mode.value
-        if st.requested.verifies and not st.mode.verifies and st.packer is not None:
-            st.packer.stop_digests()  # log, and the receiver cannot verify: no more digest work for this refit
+        if st.requested.verifies and not st.mode.verifies and packer is not None:
+            packer.stop_digests()  # log, and the receiver cannot verify: no more digest work for this refit
 
     def _settle(self, st: SendState) -> None:
         """Take every reply due: the ``Welcome`` (taken as the first group is posted), then the outstanding ``Ack``."""
@@ -563,7 +564,6 @@ class RefitSender:
             # verifying: each entry carries its digest, so the receiver checks every tensor before loading it
             packer = p.packer = Packer(st, capacity=st.capacity, alignment=cfg.alignment,
                                        digests=DigestBatch() if st.requested.verifies else None, digests_ahead=st.requested.verifies)
-            st.packer = packer
             if isinstance(named_tensors, (list, tuple)):
                 packer.digest_first(named_tensors)  # the first group's digests now, the rest's once it is sent (two synchronisations per refit)
             packer.add_all(named_tensors)
