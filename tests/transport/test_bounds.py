@@ -420,3 +420,40 @@ def test_a_large_done_is_not_dropped_by_the_receivers_close():
             rx.join(TIMEOUT_S)
             assert err is None and rx.error is None, f"refit {i}: sender {err!r}; receiver {rx.error!r}"
             assert report.ok and report.verified == len(tensors)
+
+
+def test_a_receiver_gone_after_its_welcome_is_named_at_once():
+    """A receiver that answers Hello and closes before the first Buffer goes: the sender says
+    "receiver disconnected" at once instead of waiting ``timeout_s`` for a peer to take the Buffer."""
+    import zmq
+
+    from refit_verify.wire.staged import Buffer, decode_request
+
+    class Slow(RefitSender):  # the receiver's close is seen before the first Buffer leaves
+        def _exchange(self, msg, staging=None):
+            if isinstance(msg, Buffer):
+                time.sleep(0.5)
+            return super()._exchange(msg, staging)
+
+    tx = Slow(config=RefitConfig.build(mode="enforce", timeout_s=TIMEOUT_S, **SMALL))
+
+    def answer_then_close():
+        ctx = zmq.Context()
+        rep = ctx.socket(zmq.REP)
+        rep.setsockopt(zmq.LINGER, 0)
+        rep.connect(tx.endpoint)
+        try:
+            assert rep.poll(int(TIMEOUT_S * 1000)) and isinstance(decode_request(rep.recv()), Hello)
+            rep.send(encode(Welcome(protocol=PROTOCOL_VERSION, mode="enforce", reason=None)))
+        finally:
+            rep.close()
+            ctx.term()
+
+    with tx:
+        peer = threading.Thread(target=answer_then_close, daemon=True)
+        peer.start()
+        _report, err, secs = timed_send(tx)
+        peer.join(5)
+    assert isinstance(err, RefitTimeoutError) and err.progress["reason"] == "receiver disconnected", err
+    assert "answered the last request disconnected" in str(err) and err.progress["buffers_sent"] == 0
+    assert secs < 0.5 + SLACK_S < TIMEOUT_S

@@ -231,6 +231,9 @@ class RefitSender:
         w.drain()
         hello = isinstance(msg, Hello)
         self._one_receiver(grace=SECOND_PEER_GRACE_S if hello else 0.0)
+        if not hello and self._carrier_dropped() and not w.established():  # sending would wait for a peer that is gone
+            raise self._timeout(f"could not send {type(msg).__name__}: the receiver that answered the last request "
+                                "disconnected and none is connected", "receiver disconnected")
         if hello:
             self._last_hello = data
         self._carriers = w.established_serials()
