@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         excess = med([x["walls"][0] - med(x["walls"][1:]) for x in runs])
         row = (f"| {n} | {med([x['start_s'] for x in runs]):.1f} | {first * 1e3:.1f} | {second * 1e3:.1f} | {last * 1e3:.1f} | "
                f"{first / second:.2f} | {excess * 1e3:+.1f} |")
-        if all(None not in x["own"] and None not in x.get("crit", [None]) for x in runs):
+        if all(None not in x["own"] and None not in x["crit"] for x in runs):
             o1, o2 = (med([x["own"][i] for x in runs]) for i in (0, 1))
             row += f" {o1 * 1e3:.1f} / {o2 * 1e3:.1f} | {med([x['own'][0] / x['own'][1] for x in runs]):.2f} |"
             row += f" {med([x['own'][2] / x['own'][1] for x in runs]):.2f} |" if a.refits >= 3 else " - |"

@@ -7,6 +7,7 @@ is the refit's REQ/REP sequencing and its two ping-pong staging buffers, and the
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from refit_verify.wire.fields import Entry
 
 __all__ = ["Progress", "SendState"]
 
-PAGE_BYTES = 4096
+PAGE_BYTES = mmap.PAGESIZE
 """The stride at which :meth:`SendState.stage_ahead` touches CPU staging (one write per page)."""
 
 
@@ -133,7 +134,7 @@ class SendState:
             a = round_up(t.numel() * t.element_size(), alignment)
             if n + a > self.capacity:
                 break
-            n, like = n + a, like if like is not None else t
+            n, like = n + a, t if like is None else like
         if like is None or n == 0 or self.pool[self.cur] is not None:
             return 0
         buf = self.buffer(like)

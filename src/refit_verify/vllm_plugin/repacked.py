@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from refit_verify.vllm_plugin import worker_warmup
+from refit_verify.vllm_plugin import shims
 from refit_verify.vllm_plugin.shims import in_session, record_into
 
 logger = logging.getLogger("refit_verify")
@@ -49,8 +51,6 @@ def patch_module(module: Any, session_of: Callable[[torch.nn.Module], Any]) -> N
     """Wrap ``UnquantizedLinearMethod.process_weights_after_loading`` of vLLM's linear module (idempotent);
     ``session_of(layer)``: ``(module session, label prefix, qualified name)`` of the open verifying session
     watching ``layer``, or None (:func:`refit_verify.vllm_plugin.quantized.session_of`)."""
-    from refit_verify.vllm_plugin import shims
-
     cls = getattr(module, "UnquantizedLinearMethod", None)
     if cls is not None and "process_weights_after_loading" in vars(cls):
         shims.patch(cls, "process_weights_after_loading", functools.partial(wrap_process, session_of=session_of, cls=cls))
@@ -93,8 +93,6 @@ def repacked_layers(model: torch.nn.Module, cls: type | None = None) -> dict[tup
     kernel (``layer.cpu_linear`` set, an empty ``weight`` left) and whose quant method runs ``cls``'s own
     ``apply`` (default: vLLM's ``UnquantizedLinearMethod``, when that module is imported)."""
     if cls is None:
-        import sys
-
         cls = getattr(sys.modules.get(TARGET), "UnquantizedLinearMethod", None)
     out: dict[tuple[int, int, torch.dtype], torch.nn.Module] = {}
     if cls is None:
@@ -154,8 +152,6 @@ def learn_ahead(boundary: Any, specs: Callable[[], dict[str, tuple[tuple[int, ..
     empty parameters are put back. Returns the placements kept ahead; 0 when nothing was repacked or
     this vLLM has no layerwise reload.
     """
-    from refit_verify.vllm_plugin import shims
-
     model = boundary.model
     layers = _emptied(model) if model is not None else []
     if not layers:
