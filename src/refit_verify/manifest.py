@@ -331,7 +331,8 @@ class AuditResult(msgspec.Struct, tag="audit", **_OPTS):
 
     def describe(self, limit: int = 20) -> str:
         """One sentence naming what changed since the baseline."""
-        since = f"since session {self.since_session} (version {self.since_version})"
+        since = (f"since session {self.since_session} (version {self.since_version})" if self.since_session is not None
+                 else "since the engine's start (its state when refit-verify prepared the first session)")
         unseen = ""
         if self.unseen:
             unseen = (f"; {len(self.unseen)} of them are empty placeholders whose bytes live in a kernel-packed form and "

@@ -792,3 +792,172 @@ def test_a_transport_sessions_outcome_takes_the_replayed_plans_records_whole(wri
             assert m.replayed == 5 and writes == []
     plan = wb.modules["model"].plan
     assert plan is not None and plan._whole is not None  # taken whole at the outcome of refits 2 and 3
+
+
+# -- the first session: a plan learned dry at prepare, its close audit against prepare's snapshot ----------
+
+
+def _specs(device: str = "cpu") -> dict:
+    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in toy_weights(0, device=device).items()}
+
+
+def _prepared(device: str = "cpu", specs: dict | None = None) -> tuple[WorkerBoundary, ToyModel]:
+    """A worker as the plugin leaves it after the model loaded: prepared with the checkpoint's specs."""
+    wb, model = _worker(device)
+    wb.modules["model"].tap.callable_ahead = lambda f: True  # the toy's loaders stand in for vLLM's own
+    assert wb.prepare(specs={"model": _specs(device) if specs is None else specs}) is True
+    return wb, model
+
+
+def _plan_records(plan) -> tuple:
+    return (plan.spec, plan.nbytes, {n: [(p, c, k if k is None or k.startswith("whole:") else "block", n_) for p, c, k, n_ in w]
+                                     for n, w in plan.writes.items()}, plan.regions, plan.params)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_plan_learned_dry_is_the_one_a_watched_first_session_learns(device):
+    """prepare's dry learn (placeholders, every write blocked) gives the plan a watched first
+    session of the same checkpoint learns: the same names, geometry, writes, regions and parameters."""
+    wb, _ = _prepared(device)
+    dry = wb.modules["model"].plan
+    assert dry is not None and len(dry) == 5 and wb.start is not None
+    plain, model = _worker(device)
+    _refit(plain, model, toy_weights(1, device=device), 1, replay=False)
+    watched = plain.modules["model"].plan
+    assert watched is not None and _plan_records(dry) == _plan_records(watched)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_param", [False, True], ids=["bucket", "per-param"])
+def test_a_prepared_first_session_replays_the_plan_learned_dry(writes, per_param, device):
+    """The first refit after prepare replays with the tap off; its verdict and manifest are a watched
+    first session's, and prepare's snapshot is dropped at its close."""
+    wb, model = _prepared(device)
+    w1 = toy_weights(1, device=device)
+    writes.clear()
+    man = _refit(wb, model, w1, 1, per_param=per_param)
+    m = man.modules["model"]
+    assert writes == [] and m.replayed == 5 and m.replay_left is None and wb.start is None
+    r = _ok(w1, man, 1)
+    assert r.ok and r.verified == 5 and not r.problems and r.proven_bytes == ALL and man.engine.proven_bytes == ALL
+    assert man.audits == [] and man.tainted == {}
+    plain, plain_model = _worker(device)
+    ref = _refit(plain, plain_model, w1, 1, per_param=per_param)
+    assert m.digests == ref.modules["model"].digests and man.state_digest == ref.state_digest
+    assert man.engine.params == ref.engine.params and sorted(m.in_place) == sorted(ref.modules["model"].in_place)
+    w2 = toy_weights(2, device=device)
+    writes.clear()
+    man2 = _refit(wb, model, w2, 2, per_param=per_param)
+    assert writes == [] and man2.modules["model"].replayed == 5 and _ok(w2, man2, 2).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fault", ["skip norm", "swap k and v", "flipped byte"])
+def test_a_first_replay_catches_a_wrong_load(device, fault):
+    """The loader bugs a watched first session fails on fail a replayed one too (by what landed)."""
+    wb, model = _prepared(device)
+    w = toy_weights(1, device=device)
+    sent = w
+    if fault == "skip norm":
+        model.skip = {"norm"}
+    elif fault == "swap k and v":
+        model.swap_halves_after = 0
+    else:
+        sent = dict(w, embed=w["embed"].clone())
+        sent["embed"].view(-1).view(torch.uint8)[3] ^= 0x01
+    man = _refit(wb, model, sent, 1)
+    assert man.modules["model"].replayed == 5
+    r = _ok(w, man, 1)
+    want = {"skip norm": ["norm"], "swap k and v": ["k_proj", "v_proj"], "flipped byte": ["embed"]}[fault]
+    assert not r.ok and sorted(r.mismatched) == want
+
+
+def test_a_first_replay_reports_a_write_outside_the_plan_against_the_engine_start():
+    """A partial first refit (norm not pushed) whose load also changes norm in place: the close audit
+    compares norm with prepare's snapshot and reports it as changed since the engine's start."""
+    wb, model = _prepared()
+    model.scribble = True
+    w1 = {n: t for n, t in toy_weights(1).items() if n != "norm"}
+    man = _refit(wb, model, w1, 1)
+    assert man.modules["model"].replayed == 4
+    assert [a.changed for a in man.audits] == [["norm"]] and man.audits[0].since_session is None
+    assert "since the engine's start" in man.audits[0].describe()
+    r = compare_session({"model": digest_tensors(w1.items())}, man, session="s1", version=1, partial=True)
+    assert not r.ok and any("norm" in p for p in r.problems)
+    model.scribble = False  # the same partial refit on a worker whose load leaves norm alone: nothing changed
+    wb, model = _prepared()
+    man = _refit(wb, model, w1, 1)
+    assert man.modules["model"].replayed == 4 and man.audits == [] and man.unchanged == 1
+
+
+def test_the_first_session_is_watched_when_prepare_read_another_state_or_learned_nothing(writes):
+    """No replay in the first session (every load watched, as unprepared) after a load outside any
+    session since prepare, after the engine discarded its weights, with replay=False, or when the
+    dry learn placed nothing (no specs)."""
+    w1 = toy_weights(1)
+    cases = {}
+    wb, model = _prepared()
+    model.load_weights(list(toy_weights(7).items()))  # the engine loaded weights itself, outside any session
+    cases["loaded outside"] = (wb, model, True)
+    wb, model = _prepared()
+    wb.discarded("sleep(level=2)")
+    cases["discarded"] = (wb, model, True)
+    wb, model = _prepared()
+    cases["replay=False"] = (wb, model, False)
+    wb, model = _worker()
+    assert wb.prepare() is True and wb.modules["model"].plan is None
+    cases["no specs"] = (wb, model, True)
+    for case, (wb, model, replay) in cases.items():
+        writes.clear()
+        man = _refit(wb, model, w1, 1, replay=replay)
+        assert man.modules["model"].replayed == 0 and len(writes) == 5, case
+        r = _ok(w1, man, 1)
+        assert man.audits == [] and r.verified == 5 and not r.mismatched, case
+        assert r.ok == (case != "loaded outside"), (case, r.problems)  # a load outside any session is a problem of its own
+
+
+def test_no_plan_is_learned_dry_for_a_model_that_quantizes_on_load(writes):
+    """A module with a quant method other than an unquantized one: the loaders' output is processed
+    after loading (what a dry learn cannot see), so the first session is watched."""
+    wb, model = _worker()
+    model.quant_holder = torch.nn.Module()
+    model.quant_holder.quant_method = type("Fp8OnlineLinearMethod", (), {})()
+    wb.modules["model"].tap.callable_ahead = lambda f: True
+    assert wb.prepare(specs={"model": _specs()}) is True
+    b = wb.modules["model"]
+    assert b.plan is None and "Fp8OnlineLinearMethod" in b.plan_why
+    writes.clear()
+    assert _refit(wb, model, toy_weights(1), 1).modules["model"].replayed == 0 and len(writes) == 5
+    model.quant_holder.quant_method = type("UnquantizedLinearMethod", (), {})()
+    wb, model2 = _worker()
+    model2.quant_holder = model.quant_holder
+    wb.modules["model"].tap.callable_ahead = lambda f: True
+    assert wb.prepare(specs={"model": _specs()}) is True and wb.modules["model"].plan is not None
+
+
+def test_names_the_dry_learn_did_not_place_whole_are_watched_in_the_first_session(writes):
+    """Prepared for a checkpoint whose norm is announced in float32 (the loader converts it: not
+    exact, left out of the plan): the first session replays the other four names, then watches
+    the call that delivers norm; the verdict is a watched session's."""
+    specs = dict(_specs(), norm=((HIDDEN,), "float32"))
+    wb, model = _prepared(specs=specs)
+    assert sorted(wb.modules["model"].plan.spec) == ["embed", "k_proj", "q_proj", "v_proj"]
+    w1 = toy_weights(1)
+    writes.clear()
+    man = _refit(wb, model, w1, 1, per_param=True)
+    m = man.modules["model"]
+    assert m.replayed == 4 and m.replay_left == "'norm' is not a name of the plan" and writes == ["norm"]
+    assert _ok(w1, man, 1).ok
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_first_session_checked_before_loading_replays_the_plan_learned_dry(writes, device):
+    """Digests ahead of the bytes (our transport): the first session's calls are checked, then replayed."""
+    wb, model = _prepared(device)
+    staging = {n: torch.empty_like(t) for n, t in toy_weights(0, device=device).items()}
+    w1 = toy_weights(1, device=device)
+    writes.clear()
+    man = _refit_ahead(wb, model, w1, 1, staging=staging)
+    m = man.modules["model"]
+    assert writes == [] and m.replayed == 5 and m.replay_left is None
+    assert _ok(w1, man, 1).ok and sorted(m.in_place) == sorted(w1)

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from refit_verify.boundary.close_reads import RegionBatch
 from refit_verify.boundary.placement import WHOLE, Copy
+from refit_verify.boundary.plan import spec_of
 from refit_verify.digest.tensors import PLAIN, Geometry, as_view, check_tensor, dtype_name
 
 __all__ = ["LayoutMap", "Region", "SliceRegion", "describe_region", "describe_slice", "dry_learn", "judge", "learn_session",
@@ -372,6 +373,7 @@ def dry_learn(boundary: Any, specs: dict[str, tuple[tuple[int, ...], str]], reco
                 t = torch.empty(tuple(shape), dtype=dtype, device=device)
             call = ms.begin_call(lazy=False)
             ms.deliver(name, t, call, "dry")  # recorded, not digested: a placeholder's bytes mean nothing
+            ms.spec[name] = spec_of(t)  # what the first session's replay of a plan learned here matches (plan.learn_dry)
             try:
                 with guard:
                     load([(name, t)])

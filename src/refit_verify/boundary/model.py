@@ -27,7 +27,7 @@ from refit_verify.boundary.close_reads import session_regions
 from refit_verify.boundary.layout import LayoutMap, Region, describe_region, dry_learn, judge, learn_session, read_regions
 from refit_verify.boundary.model_index import ModelIndex
 from refit_verify.boundary.placement import LoaderTap
-from refit_verify.boundary.plan import RefitPlan, learn, replay_call, spec_of
+from refit_verify.boundary.plan import RefitPlan, learn, learn_dry, replay_call, spec_of
 from refit_verify.boundary.record import ModuleSession
 from refit_verify.compare import check_digest
 from refit_verify.digest.batch import MANY_MIN, DigestBatch
@@ -332,7 +332,8 @@ class ModelBoundary:
         learning them. The check before loading expects ``specs`` in their order, as the CPU's fresh
         copies of a staged refit are handed to the model (:func:`~refit_verify.digest.kept.expect_layouts`:
         its first call reads through a set planned from that layout, once it found the tensors of it).
-        Nothing else is kept (no layout map, no record). Returns ``(placements kept ahead,
+        Before any session closed it keeps the plan the first session replays (:func:`~refit_verify.boundary.plan.learn_dry`;
+        none for a model that quantizes layers on load); no layout map or record is kept. Returns ``(placements kept ahead,
         {name: why it was not learned}, regions)``: ``regions`` (``[(parameter name, (offset, shape,
         strides))]``) are those a close's read-back of such a refit reads that are not whole parameters
         (:func:`~refit_verify.boundary.close_reads.session_regions` of the dry record): a plan of what to
@@ -345,6 +346,9 @@ class ModelBoundary:
             ms, failed = dry_learn(self, specs, lambda: ModuleSession(self, sessioned=True))
         idx = self._index
         regions = session_regions(ms, idx.params) if idx is not None else []
+        if idx is not None and self.plan is None:  # the first session replays what the dry learn placed whole
+            why = _quantizing(self.model)
+            self.plan, self.plan_why = (None, why) if why else learn_dry(ms, idx, failed)
         if idx is not None:  # the fills such a refit's loaders write (vocab padding): their digests are computed ahead
             self.fills_ahead = list(dict.fromkeys(
                 (idx.params[p].dtype, tuple(c.dest[1]), c.value) for p, placed in ms.placed.items() if p in idx.params
@@ -521,6 +525,17 @@ class ModelBoundary:
         self.outside = ModuleSession(self, sessioned=False)
         self._bind()
         return rec
+
+
+def _quantizing(model: Any) -> str | None:
+    """Why the loads of ``model`` may be quantized or repacked after its loaders ran (a module with a
+    ``quant_method`` that is not an unquantized one: vLLM's convention), or None. A dry learn sees
+    only the loaders, so no plan is learned dry for such a model: its first session is watched."""
+    for mod in (model.modules() if model is not None else ()):
+        qm = getattr(mod, "quant_method", None)
+        if qm is not None and not type(qm).__name__.startswith("Unquantized"):
+            return f"a layer has the quant method {type(qm).__name__}: the first session is watched"
+    return None
 
 
 def _numel(shape) -> int:

@@ -49,7 +49,7 @@ import torch
 from refit_verify.boundary import placement as _placement  # its DERIVE_DEVICE_TYPES read at each use (tests widen it)
 from refit_verify.errors import RefitConfigError
 
-__all__ = ["REPLAY_ENV_VAR", "RefitPlan", "expand", "learn", "replay_call", "replay_from_env", "spec_of"]
+__all__ = ["REPLAY_ENV_VAR", "RefitPlan", "expand", "learn", "learn_dry", "replay_call", "replay_from_env", "spec_of"]
 
 REPLAY_ENV_VAR = "REFIT_VERIFY_REPLAY"
 
@@ -120,6 +120,60 @@ def learn(ms: Any, index: Any) -> tuple[RefitPlan | None, str]:
     spec = {n: ms.spec[n] for n in names}
     nbytes = {n: ms.nbytes[n] for n in names}
     return RefitPlan(index, spec, nbytes, {n: tuple(w) for n, w in writes.items()}, regions, params), ""
+
+
+def learn_dry(ms: Any, index: Any, failed: dict[str, str]) -> tuple[RefitPlan | None, str]:
+    """The plan of a dry learn's record ``ms`` (:func:`~refit_verify.boundary.layout.dry_learn`: the
+    model's ``load_weights`` on contiguous placeholders on its device, every write blocked) for
+    the first session to replay, or ``(None, why not)``.
+
+    A name enters it only where a watched session's plan would hold it: learned (not in
+    ``failed``), consumed by a loader, copied whole and exactly into regions of parameters of
+    ``index`` (by their index names, whose dtype and geometry the record saw), on a device type of
+    :data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`, into parameters nothing inexact
+    or opaque wrote. Other names are left out: delivered in a session, they end its replay before
+    their call runs. Its replay is proven as any other's (the close's read-back of the plan's
+    regions; the close audit against the state read when the plan was learned)."""
+    if ms.errors:
+        return None, "the dry learn recorded errors"
+    params = index.params
+    bad_params = set(ms.inexact) | set(ms.opaque) | set(ms.unexplained)
+    skipped = set(ms.unconsumed) | set(ms.unattributed) | set(failed)
+    by_name: dict[str, list] = {}
+    for pname, entries in ms.placed.items():
+        for c, key, src in entries:
+            by_name.setdefault(src, []).append((pname, c, key))
+    names = []
+    for name, d in ms.delivered.items():
+        sp = ms.spec.get(name)
+        writes = by_name.get(name, ())
+        if (name in skipped or sp is None or sp[4].type not in _placement.DERIVE_DEVICE_TYPES or d.other or not d.regions
+                or not writes):
+            continue
+        ok = True
+        for pname, c, key in writes:
+            live = params.get(pname)
+            if (live is None or pname in bad_params or (c.fill and c.value is None) or (not c.fill and key != _placement.WHOLE + name)
+                    or ms.param_dtype.get(pname) != live.dtype or ms.param_numel.get(pname) != live.numel()
+                    or ms.param_geometry.get(pname) != (tuple(live.shape), live.stride(), live.storage_offset())):
+                ok = False
+                break
+        if ok:
+            names.append(name)
+    if not names:
+        return None, "the dry learn placed no name whole and exactly"
+    keep = set(names)
+    writes: dict[str, list] = {n: [] for n in names}
+    for pname, entries in ms.placed.items():
+        for c, key, src in entries:
+            if src in keep:
+                writes[src].append((pname, c, key, c.numel()))
+    written = {p for n in names for p, *_ in writes[n]}
+    plan_params = {p: (ms.param_numel[p], ms.param_dtype[p], ms.param_geometry[p], ms.replicated.get(p, False)) for p in written}
+    regions = {n: list(ms.delivered[n].regions) for n in names}
+    spec = {n: ms.spec[n] for n in names}
+    nbytes = {n: ms.delivered[n].nbytes for n in names}
+    return RefitPlan(index, spec, nbytes, {n: tuple(w) for n, w in writes.items()}, regions, plan_params), ""
 
 
 def _unlearnable(ms: Any) -> str | None:

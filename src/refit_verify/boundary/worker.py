@@ -87,6 +87,7 @@ class WorkerBoundary:
         self.snapshotter: Callable[..., Any] | None = None  # engine_state.snapshot (its arguments, sessions= too), set by the plugin
         self.auditor: Callable[..., Any] | None = None  # engine_state.audit
         self.baseline: Any = None  # EngineSnapshot left by the last closed session
+        self.start: Any = None  # EngineSnapshot read by prepare: the first session's close audit when it replays
         self.pending_audits: list[Any] = []  # failed automatic audits since the last session
         self._replicated: dict[str, bool] = {}
         self._written_version: dict[str, int | None] = {}
@@ -191,12 +192,17 @@ class WorkerBoundary:
             s.base, s.state = base, state
             s.base_session = (self.last.session, self.last.version) if self.last is not None else None
             derive = readback and self.readback is not None
-            # the close audit must be able to see a write outside the plan: a snapshot now, and the last one
-            replay = replay and derive and self.snapshotter is not None and self.baseline is not None and replay_from_env()
             for b in self.modules.values():
                 rec = b.take_unsessioned()
                 if rec is not None:
                     s.unsessioned.append(rec)
+            if self.last is None and s.unsessioned:
+                self.start = None  # loaded outside any session since prepare read it: not the state it was started with
+            # the close audit must be able to see a write outside the plan: a snapshot at the close, and the
+            # last close's (the first session: prepare's, the engine as it was started)
+            base = self.baseline if self.last is not None else self.start
+            replay = replay and derive and self.snapshotter is not None and base is not None and replay_from_env()
+            for b in self.modules.values():
                 b.begin(derive=derive, replay=replay)
             self.open_session = s
             s.open_s = time.perf_counter() - t0
@@ -291,6 +297,9 @@ class WorkerBoundary:
                 self._plan_rest(sessions, reads)
             written = self._note_written(s, sessions)
             previous = self.baseline
+            if self.last is None and any(ms.replayed for ms in sessions.values()):
+                previous = self.start  # a first session that replayed a plan learned dry: compared with the state prepare read
+            self.start = None
             # read back when asked, and always when a delivered tensor is proven only where it landed
             reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
             if reading:
@@ -742,8 +751,11 @@ class WorkerBoundary:
         """Build now, before any refit, what a session's close would otherwise build at the first
         refit and keep after it: each model's index (:meth:`ModelBoundary.index`) and the engine-state
         kept set, read once (the snapshot's :class:`~refit_verify.digest.kept.DigestSet`, planned and
-        checked once per index: :func:`refit_verify.engine.state.snapshot`). Nothing of the
-        verification's state changes: the snapshot read here is dropped (it is no audit baseline).
+        checked once per index: :func:`refit_verify.engine.state.snapshot`). The snapshot read here
+        is kept as :attr:`start`: no audit or certificate compares with it, only the close of a first
+        session that replays a plan learned ahead (its close audit: what changed since, outside the
+        plan's writes, is reported), and it is dropped at the first close, or at the first open after
+        a load outside any session (or when the engine discards its weights: :meth:`discarded`).
 
         ``specs``: ``{role: {name: (shape, dtype name)}}``, the tensors a refit of that module is expected
         to push: the loaders' placements for them are learned ahead
@@ -770,7 +782,7 @@ class WorkerBoundary:
             if self.snapshotter is None:
                 self._refresh_indexes()
             else:  # as the close calls it (indexes checked inside, the state and planned regions read through one kept set)
-                self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=reads)
+                self.start = self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=reads)
             return True
         finally:
             self._lock.release()
@@ -831,6 +843,7 @@ class WorkerBoundary:
             AuditResult | None: the comparison (None: no session has closed here, or no baseline).
         """
         with self._lock:
+            self.start = None  # not what the engine holds now: the first session replays nothing
             if self.snapshotter is None or self.auditor is None or self.baseline is None:
                 return None
             res = self.auditor(self.baseline, self.state(), "wake_up")
