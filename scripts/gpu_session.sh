@@ -30,7 +30,8 @@
 #           W_BUDGET), bench_fused_copy and bench_close_pass (4B-like).
 #   stage f (carry as stage t): the first refit on CUDA: the demo, F_PROF (a profiling script, if given), F_TESTS (default
 #           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS; F_PROFILE=1: --profile, the refit splits and
-#           a cProfile of the trainer's send, first refit minus third).
+#           a cProfile of the trainer's send, first refit minus third; F_PROFILE_ROUNDS=N: that profile from N more rounds of
+#           setting 3 after the timed ones, which then stay unprofiled).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
@@ -117,6 +118,11 @@ elif [ "$stage" = f ]; then  # the first refit on CUDA (carry as stage t): demo,
     --refits 4 ${F_PROFILE:+--profile "$OUT/first_refit_profile.txt"} --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
   echo "bench_first_refit rc=$?"; grep -E "^\| " "$OUT/bench_first_refit.md" 2>/dev/null | head -12 || tail -20 "$OUT/bench_first_refit.log"
   [ -n "${F_PROFILE:-}" ] && head -40 "$OUT/first_refit_profile.txt"
+  if [ -n "${F_PROFILE_ROUNDS:-}" ]; then  # then a profiled run of setting 3 alone (the timed rounds above stay unprofiled)
+    timeout ${F_PROFILE_TIMEOUT:-120} python3 benchmarks/bench_first_refit.py --device cuda --settings 3 --rounds "$F_PROFILE_ROUNDS" \
+      --refits 4 --profile "$OUT/first_refit_profile.txt" --out "$OUT/bench_first_refit_profiled.md" >"$OUT/bench_first_refit_profiled.log" 2>&1
+    echo "bench_first_refit (profiled) rc=$?"; head -34 "$OUT/first_refit_profile.txt"
+  fi
   echo "stage f: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = d ]; then
   timeout 150 python3 -m pytest -n 0 -q -m "gpu or not gpu" tests/gpu/test_direct_launch_gpu.py tests/gpu/test_graph_replay_gpu.py \
