@@ -961,3 +961,31 @@ def test_a_first_session_checked_before_loading_replays_the_plan_learned_dry(wri
     m = man.modules["model"]
     assert writes == [] and m.replayed == 5 and m.replay_left is None
     assert _ok(w1, man, 1).ok and sorted(m.in_place) == sorted(w1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prepare_builds_what_the_first_replayed_close_keeps(device):
+    """With a plan learned ahead, prepare also builds the read-back program a whole replay's close
+    keeps, the snapshot's one launch over the state and its regions, and the layout map: the first
+    close uses them as they are (one pass over the engine) and its verdict is an unprepared worker's."""
+    wb, model = _prepared(device)
+    b = wb.modules["model"]
+    idx = b._index
+    plan, prog = idx.kept["read_back"]
+    close_set = idx.kept["close_set"]
+    layout = b.layout
+    assert plan is b.plan and prog.pre is None and close_set[1] is prog and close_set[2] is not None
+    assert layout is not None and sorted(layout.entries) == sorted(toy_weights(0))
+    w1 = toy_weights(1, device=device)
+    man = _refit(wb, model, w1, 1)
+    assert man.modules["model"].replayed == 5 and _ok(w1, man, 1).ok
+    assert idx.kept["read_back"][1] is prog and idx.kept["close_set"] is close_set and b._index is idx
+    assert b.layout is layout and man.reads.passes == 1 and man.reads.why == []
+    plain, plain_model = _worker(device)
+    ref = _refit(plain, plain_model, w1, 1)
+    assert man.engine.params == ref.engine.params and man.state_digest == ref.state_digest
+    assert man.engine.proven_bytes == ref.engine.proven_bytes == ALL
+    w = toy_weights(2, device=device)  # a wrong landing is still found through the program built ahead
+    model.swap_halves_after = model.qkv_loads
+    r = _ok(w, _refit(wb, model, w, 2), 2)
+    assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]

@@ -349,11 +349,27 @@ class ModelBoundary:
         if idx is not None and self.plan is None:  # the first session replays what the dry learn placed whole
             why = _quantizing(self.model)
             self.plan, self.plan_why = (None, why) if why else learn_dry(ms, idx, failed)
+            if self.plan is not None and self.layout is None:  # what its close would learn from the replayed plan's records
+                self.layout = learn_session(None, ms, idx, "dry learn at engine start", None, self.tap.loader_of)
         if idx is not None:  # the fills such a refit's loaders write (vocab padding): their digests are computed ahead
             self.fills_ahead = list(dict.fromkeys(
                 (idx.params[p].dtype, tuple(c.dest[1]), c.value) for p, placed in ms.placed.items() if p in idx.params
                 for c, _k, _s in placed if c.fill and c.value is not None))
         return len(self.tap.ahead), failed, regions
+
+    def rehearsal(self) -> ModuleSession | None:
+        """A closed-looking record of a session that replayed the whole plan in its order (its records
+        the plan's, nothing delivered), for a close's steps to build ahead what they keep for the next
+        such session (:meth:`WorkerBoundary.prepare <refit_verify.boundary.worker.WorkerBoundary.prepare>`);
+        None without a plan of the current index. Nothing of the module changes."""
+        plan, idx = self.plan, self._index
+        if plan is None or idx is None or plan.index() is not idx:
+            return None
+        ms = ModuleSession(self, sessioned=True, derive=True, plan=plan)
+        ms.replayed = dict.fromkeys(plan.order)
+        ms.unexpanded = list(plan.order)
+        ms.expand(whole=True)
+        return ms
 
     def state_map(self, s: ModuleSession, announced: dict[str, tuple[str, tuple[int, ...], str]]) -> LayoutMap | None:
         """The layout map for names ``announced`` (``{name: (trainer's 32-hex, shape, dtype name)}``),

@@ -783,9 +783,35 @@ class WorkerBoundary:
                 self._refresh_indexes()
             else:  # as the close calls it (indexes checked inside, the state and planned regions read through one kept set)
                 self.start = self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=reads)
+                self._rehearse()
             return True
         finally:
             self._lock.release()
+
+    def _rehearse(self) -> None:
+        """For modules with a plan (learned ahead), build what the close of a session replaying it
+        whole keeps for the next one: its read-back program (run once: the comparisons of a scratch
+        record, dropped), then the snapshot's one launch over the state and the program's regions,
+        run twice (a kept plan's direct launches are checked at its second run). The state read
+        last is :attr:`start`. A failure leaves the first close to build them."""
+        def rehearsals() -> dict[str, ModuleSession]:  # fresh each time: a read-back fills in its record
+            return {role: ms for role, b in self.modules.items() if (ms := b.rehearsal()) is not None}
+
+        if self.readback is None or self.start is None or not rehearsals():
+            return
+        try:
+            self.readback(rehearsals(), self.modules, known={k: v.digest for k, v in self.start.params.items()})
+            for _ in range(2):
+                self.start = self.snapshotter(self.modules, self.identity, None, None, {}, {}, sessions=rehearsals(),
+                                              refresh=True)
+        except Exception:  # noqa: BLE001 - only work done ahead: the first close does it instead
+            logger.warning("refit-verify: building the first close's read-back program ahead failed", exc_info=True)
+        finally:
+            for b in self.modules.values():
+                idx = b.index(refresh=False)
+                kept = idx.kept.get("read_back") if idx is not None else None
+                if kept is not None:
+                    kept[1].pre = None  # the scratch record's digests: no close takes them
 
     def own_seconds(self) -> float:
         """Host seconds this worker's boundaries spent in their own code during loads, so far (monotonic;
