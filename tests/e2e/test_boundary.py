@@ -697,3 +697,48 @@ def test_the_check_before_loading_planned_at_engine_start_changes_no_verdict(eng
     if case.startswith("checkpoint"):
         assert got[True][0][:2] == (True, 21), got[True][0]
     assert _sync(llm, model, _weights(cfg, v0 + 3), version=v0 + 3).reports[0].ok  # the engine holds the whole model again
+
+
+def test_the_plan_learned_dry_from_vllms_loaders_is_the_one_a_watched_refit_learns(engine, monkeypatch):
+    """What a worker's prepare learns for the first session (``plan.learn_dry`` over a dry learn: vLLM's
+    own ``load_weights`` and loaders on placeholders, every write blocked, the tap's placements learned
+    afresh) is the plan a watched refit of the same checkpoint leaves: the same names, geometry, writes,
+    regions and parameters (the fused q/k/v and gate/up blocks, the padded vocab). The tied ``lm_head``
+    the model skips is in neither."""
+    from refit_verify.boundary.layout import dry_learn
+    from refit_verify.boundary.plan import learn_dry
+    from refit_verify.boundary.record import ModuleSession
+    from refit_verify.vllm_plugin.worker_sessions import boundary_of
+
+    monkeypatch.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
+    llm, model, cfg = engine
+    wb = boundary_of(llm.llm_engine.model_executor.driver_worker.worker)
+    b = wb.modules["model"]
+    w = _weights(cfg, 70)
+    sid = wb.open("dry-vs-watched", replay=False)
+    model.load_weights(list(w.items()))
+    assert wb.close(sid).modules["model"].replayed == 0
+    watched = b.plan
+    assert watched is not None and len(watched) == 21
+    saved = dict(b.tap.placements), dict(b.tap.ahead)
+    b.tap.placements.clear()
+    b.tap.ahead.clear()
+    try:
+        specs = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in w.items()}
+        learned = b.tap.learned
+        with b.tap.learning_ahead():
+            ms, failed = dry_learn(b, specs, lambda: ModuleSession(b, sessioned=True))
+        assert failed == {} and b.tap.learned - learned == 21  # every loader call recorded anew (none taken from a cache)
+        dry, why = learn_dry(ms, b.index(refresh=False), failed)
+    finally:
+        b.tap.placements.clear()
+        b.tap.placements.update(saved[0])
+        b.tap.ahead.clear()
+        b.tap.ahead.update(saved[1])
+
+    def records(plan):
+        return (plan.spec, plan.nbytes, {n: [(p, c, k, m) for p, c, k, m in ws] for n, ws in plan.writes.items()}, plan.regions,
+                plan.params)
+
+    assert dry is not None, why
+    assert records(dry) == records(watched)
