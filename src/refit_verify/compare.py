@@ -256,7 +256,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
             if part:
                 unchecked.append(f"{len(part)} parameters were written in part by this partial refit; their other elements are "
                                  "not compared with what the last session left (no region of the layout map holds them, or "
-                                 f"the last close did not read it): {', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
+                                 "the last close did not read it; before any close, prepare at engine start did not): "
+                                 f"{', '.join(part[:6])}" + (", …" if len(part) > 6 else ""))
     if session is not None and man.session != session:
         problems.append(f"the manifest is of session {man.session!r}, not {session!r}")
     if version is not None and man.version != version:
@@ -270,8 +271,8 @@ def compare_session(expected: Mapping[str, Mapping[str, str]], man: SessionManif
         problems.append(f"{u.tensors} tensors were loaded into {u.module} outside any session ({u.calls} {u.where} calls "
                         f"before this session): {shown}")
     for a in man.audits:
-        when = ("since the last session, in parameters this session did not write" if a.trigger == CLOSE_AUDIT
-                else "outside any refit before this session")
+        when = ((f"since {'the last session' if a.since_session is not None else 'the engine started'}, in parameters "
+                 "this session did not write") if a.trigger == CLOSE_AUDIT else "outside any refit before this session")
         problems.append(f"the engine's state changed {when} ({a.describe()})")
     if producer_rank is not None and man.producer is not None and man.producer.rank != producer_rank:
         problems.append(f"the worker received the payload of producer rank {man.producer.rank}, not of rank {producer_rank}")

@@ -407,7 +407,8 @@ def test_a_partial_refit_says_what_it_does_not_compare():
     r = compare_session({"model": digest_tensors(w.items())}, man, session="s2", version=2, partial=True)
     assert r.ok and r.unchecked == ("1 parameters were written in part by this partial refit; their other elements are not "
                                     "compared with what the last session left (no region of the layout map holds them, or the "
-                                    f"last close did not read it): qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)
+                                    "last close did not read it; before any close, prepare at engine start did not): "
+                                    f"qkv_proj ({Q * HIDDEN} of {(Q + 2 * KV) * HIDDEN} elements)",)
 
 
 def test_a_replay_in_another_order_is_recorded_name_by_name_and_verifies_alike(writes):
@@ -989,3 +990,98 @@ def test_prepare_builds_what_the_first_replayed_close_keeps(device):
     model.swap_halves_after = model.qkv_loads
     r = _ok(w, _refit(wb, model, w, 2), 2)
     assert not r.ok and sorted(r.mismatched) == ["k_proj", "v_proj"]
+
+
+class _RestScribbler(ToyModel):
+    """Its q loader also changes v's rows of qkv_proj (outside what q_proj's plan entry writes)."""
+
+    scribble_rest = False
+
+    def _qkv_loader(self, param, loaded_weight, shard_id):
+        super()._qkv_loader(param, loaded_weight, shard_id)
+        if self.scribble_rest and shard_id == "q":
+            param.data[Q + KV:] += 1
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["replayed", "watched"])
+def test_a_partial_first_refit_whose_load_changes_the_rest_of_a_parameter_fails(monkeypatch, prepared):
+    """A partial first refit (q, embed, norm: every parameter written at least in part) whose q loader
+    also changes v's rows of qkv_proj: the trainer's refit() fails it, replayed or watched. Replayed,
+    the close compares the rows it did not write with what prepare read there at engine start
+    (``region_start``); without that it passed with an "unchecked" line (regression: a review's probe)."""
+    import refit_verify
+    from refit_verify.vllm_plugin import worker_sessions
+    from tests.support.toy_model import ToyEngine, toy_worker
+
+    monkeypatch.setattr(worker_sessions, "attach_models", lambda *a, **k: None)
+    worker, wb, model = toy_worker(_RestScribbler())
+    if prepared:
+        assert wb.prepare(specs={"model": _specs()}) is True and wb.modules["model"].region_start
+    before = model.qkv_proj.detach()[Q + KV:].clone()
+    model.scribble_rest = True
+    sent = {n: t for n, t in toy_weights(1).items() if n in ("q_proj", "embed", "norm")}
+    with pytest.raises(refit_verify.RefitVerificationError) as ei:
+        with refit_verify.refit(ToyEngine(worker), mode="enforce", partial=True, version=1) as r:
+            for n, t in sent.items():
+                r.add(n, t)
+            model.load_weights(list(sent.items()))
+    assert not torch.equal(model.qkv_proj.detach()[Q + KV:], before)
+    man = wb.last
+    assert man.modules["model"].replayed == (3 if prepared else 0)
+    if prepared:
+        assert any("qkv_proj" in p and "changed since the engine started" in p for p in ei.value.report.problems), \
+            ei.value.report.problems
+    assert wb.modules["model"].region_start == {}  # dropped at the first close
+
+
+def test_a_discard_inside_the_first_replayed_session_keeps_its_baseline():
+    """The engine discards its weights (a level-2 sleep's wake) while the first session is open: the
+    session keeps the baseline it opened with, so its close audit still runs (a load's write into a
+    parameter it did not push is reported)."""
+    wb, model = _prepared()
+    sent = {n: t for n, t in toy_weights(1).items() if n != "norm"}
+    sid = wb.open("s1", version=1)
+    wb.discarded("sleep(level=2)")
+    model.scribble = True
+    model.load_weights(list(sent.items()))
+    man = wb.close(sid)
+    assert man.modules["model"].replayed == 4 and [a.changed for a in man.audits] == [["norm"]]
+    assert not compare_session({"model": digest_tensors(sent.items())}, man, session="s1", version=1, partial=True).ok
+
+
+class _RaisesAfterLoad(ToyModel):
+    """load_weights raises after norm's loader copied it, while ``refuse`` is set."""
+
+    refuse = False
+
+    def load_weights(self, weights):
+        out = super().load_weights(weights)
+        if self.refuse and "norm" in out:
+            raise ValueError("norm: refused after loading")
+        return out
+
+
+def test_a_name_the_dry_learn_failed_on_is_neither_in_the_plan_nor_in_the_layout_map():
+    wb = WorkerBoundary(identity_of(rank=0, device="cpu"))
+    wb.readback, wb.snapshotter, wb.auditor = engine_state.read_back, engine_state.snapshot, engine_state.audit
+    model = _RaisesAfterLoad()
+    model.refuse = True
+    wb.attach("model", model, default_weight_loader)
+    wb.modules["model"].tap.callable_ahead = lambda f: True
+    assert wb.prepare(specs={"model": _specs()}) is True
+    b = wb.modules["model"]
+    assert "norm" not in b.plan.spec and "norm" not in b.layout.entries and "norm" in b.layout.unlearned
+    assert sorted(b.plan.spec) == sorted(b.layout.entries) == ["embed", "k_proj", "q_proj", "v_proj"]
+
+
+def test_a_bad_replay_setting_raises_at_the_first_open_before_anything_is_taken(monkeypatch):
+    """``REFIT_VERIFY_REPLAY`` is read before the open takes the record of loads outside any session:
+    the open that raises loses nothing, and the next one reports them."""
+    wb, model = _prepared()
+    model.load_weights(list(toy_weights(7).items()))  # outside any session
+    monkeypatch.setenv("REFIT_VERIFY_REPLAY", "yes")
+    with pytest.raises(RefitConfigError, match="REFIT_VERIFY_REPLAY"):
+        wb.open("s1", version=1)
+    monkeypatch.setenv("REFIT_VERIFY_REPLAY", "1")
+    man = _refit(wb, model, toy_weights(1), 1)
+    assert [u.tensors for u in man.unsessioned] == [5] and man.modules["model"].replayed == 0

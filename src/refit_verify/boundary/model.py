@@ -85,6 +85,8 @@ class ModelBoundary:
         self.landed_kept: tuple | None = None  # (regions, DigestSet) of the last open-update check (delivery.landed_now)
         self.layout: LayoutMap | None = None  # which trainer tensor each parameter region holds (boundary.layout)
         self.region_table: dict[Region, str] = {}  # (parameter, dest) -> 32-hex of what it held at the last close
+        # the same as read at engine start (WorkerBoundary.prepare, with a plan learned ahead), until the first close
+        self.region_start: dict[Region, str] = {}
         self.fills_ahead: list[tuple[torch.dtype, tuple[int, ...], Any]] = []  # (dtype, shape, value) of fills learned ahead
         self.own_s = 0.0  # host seconds in the load_weights wrapper outside the model's own (own_seconds)
         self.inner_s = 0.0  # host seconds in the model's own load_weights under the wrapper
@@ -333,7 +335,8 @@ class ModelBoundary:
         copies of a staged refit are handed to the model (:func:`~refit_verify.digest.kept.expect_layouts`:
         its first call reads through a set planned from that layout, once it found the tensors of it).
         Before any session closed it keeps the plan the first session replays (:func:`~refit_verify.boundary.plan.learn_dry`;
-        none for a model that quantizes layers on load); no layout map or record is kept. Returns ``(placements kept ahead,
+        none for a model that quantizes layers on load) and, with it, the layout map of the same record
+        (what that session's close would learn; names it failed on unlearned). Returns ``(placements kept ahead,
         {name: why it was not learned}, regions)``: ``regions`` (``[(parameter name, (offset, shape,
         strides))]``) are those a close's read-back of such a refit reads that are not whole parameters
         (:func:`~refit_verify.boundary.close_reads.session_regions` of the dry record): a plan of what to
@@ -350,7 +353,13 @@ class ModelBoundary:
             why = _quantizing(self.model)
             self.plan, self.plan_why = (None, why) if why else learn_dry(ms, idx, failed)
             if self.plan is not None and self.layout is None:  # what its close would learn from the replayed plan's records
-                self.layout = learn_session(None, ms, idx, "dry learn at engine start", None, self.tap.loader_of)
+                m = learn_session(None, ms, idx, "dry learn at engine start", None, self.tap.loader_of)
+                for n, why in failed.items():  # as layout_for: a name the dry learn failed on is not mapped
+                    if m is not None:
+                        m.entries.pop(n, None)
+                        m.slices.pop(n, None)
+                        m.unlearned[n] = why
+                self.layout = m
         if idx is not None:  # the fills such a refit's loaders write (vocab padding): their digests are computed ahead
             self.fills_ahead = list(dict.fromkeys(
                 (idx.params[p].dtype, tuple(c.dest[1]), c.value) for p, placed in ms.placed.items() if p in idx.params
@@ -401,7 +410,8 @@ class ModelBoundary:
 
     def unchanged_rest(self, pname: str, written: Iterable[tuple], reads: Any = None) -> tuple[int, list[str], list[str], dict[Region, str]]:
         """For parameter ``pname`` written in part: the layout map's other regions in it read now and
-        compared with :attr:`region_table` (what the last close read there). Returns ``(elements
+        compared with :attr:`region_table` (what the last close read there; before any close,
+        :attr:`region_start`, what prepare read there at engine start). Returns ``(elements
         they cover, descriptions of those that changed, descriptions of those the last close did not
         read, {region: 32-hex} read now)``."""
         m, idx = self.layout, self.index(refresh=False)
@@ -412,9 +422,10 @@ class ModelBoundary:
         rest = list(dict.fromkeys(g for p, g in mapped if p == pname and g not in done))
         read = read_regions(idx.params, [(pname, g) for g in rest], reads)
         shape = m.params.get(pname, (tuple(idx.params[pname].shape),))[0]
-        changed = [describe_region(g, shape) for g in rest if (pname, g) in read and self.region_table.get((pname, g)) not in
+        table = self.region_table or self.region_start
+        changed = [describe_region(g, shape) for g in rest if (pname, g) in read and table.get((pname, g)) not in
                    (None, read[(pname, g)])]
-        unknown = [describe_region(g, shape) for g in rest if (pname, g) not in read or (pname, g) not in self.region_table]
+        unknown = [describe_region(g, shape) for g in rest if (pname, g) not in read or (pname, g) not in table]
         n = sum(_numel(g[1]) for g in rest)
         return n, changed, unknown, read
 

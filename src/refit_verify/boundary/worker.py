@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from refit_verify.boundary import close_reads
+from refit_verify.boundary.layout import read_regions
 from refit_verify.boundary.model import ModelBoundary
 from refit_verify.boundary.plan import replay_from_env
 from refit_verify.boundary.record import ModuleSession, match_any
@@ -55,6 +56,7 @@ class _Open:
         self.base: int | None = None  # a delta refit: the version it patches (SessionManifest.base)
         self.state = False  # a check of the state (verify_state): nothing is pushed
         self.base_session: tuple[str, int | None] | None = None  # (session, version) closed last on this worker at the open
+        self.start: Any = None  # a first session: the engine state prepare read (its close audit's baseline when it replays)
 
 
 MAX_WRITERS = 64
@@ -192,16 +194,20 @@ class WorkerBoundary:
             s.base, s.state = base, state
             s.base_session = (self.last.session, self.last.version) if self.last is not None else None
             derive = readback and self.readback is not None
+            # the close audit must be able to see a write outside the plan: a snapshot at the close, and the
+            # last close's (the first session: prepare's, the engine as it was started); the environment is
+            # read before anything of the worker changes (a bad value raises)
+            replay = (replay and derive and self.snapshotter is not None
+                      and (self.baseline if self.last is not None else self.start) is not None and replay_from_env())
             for b in self.modules.values():
                 rec = b.take_unsessioned()
                 if rec is not None:
                     s.unsessioned.append(rec)
             if self.last is None and s.unsessioned:
-                self.start = None  # loaded outside any session since prepare read it: not the state it was started with
-            # the close audit must be able to see a write outside the plan: a snapshot at the close, and the
-            # last close's (the first session: prepare's, the engine as it was started)
-            base = self.baseline if self.last is not None else self.start
-            replay = replay and derive and self.snapshotter is not None and base is not None and replay_from_env()
+                self._drop_start()  # loaded outside any session since prepare read it: not the state it was started with
+            if self.last is None:
+                s.start = self.start  # this session's baseline, whatever happens to the worker's meanwhile
+                replay = replay and s.start is not None
             for b in self.modules.values():
                 b.begin(derive=derive, replay=replay)
             self.open_session = s
@@ -297,9 +303,8 @@ class WorkerBoundary:
                 self._plan_rest(sessions, reads)
             written = self._note_written(s, sessions)
             previous = self.baseline
-            if self.last is None and any(ms.replayed for ms in sessions.values()):
-                previous = self.start  # a first session that replayed a plan learned dry: compared with the state prepare read
-            self.start = None
+            if self.last is None and s.start is not None and any(ms.replayed for ms in sessions.values()):
+                previous = s.start  # a first session that replayed a plan learned dry: compared with the state prepare read
             # read back when asked, and always when a delivered tensor is proven only where it landed
             reading = self.readback is not None and (s.readback or any(ms.derived for ms in sessions.values()))
             if reading:
@@ -390,6 +395,7 @@ class WorkerBoundary:
             while len(self.manifests) > MAX_KEPT_MANIFESTS:
                 self.manifests.pop(next(iter(self.manifests)))
             self.last = man
+            self._drop_start()  # (the first close's rest comparisons are done)
             man.close_s = time.perf_counter() - t0
             return man
 
@@ -597,8 +603,9 @@ class WorkerBoundary:
                     worker=self.identity, since_session=getattr(since, "session", None),
                     since_version=getattr(since, "version", None), changed=changed,
                     moved=[], trigger=CLOSE_AUDIT, tensors=len(now.params) if now is not None else 0,
-                    problems=[f"{n}: {', '.join(rest[n])} changed since the last close, and this refit did not "
-                              "write them" for n in changed]))
+                    problems=[f"{n}: {', '.join(rest[n])} changed since "
+                              f"{'the last close' if getattr(since, 'session', None) is not None else 'the engine started'}, "
+                              "and this refit did not write them" for n in changed]))
             fresh |= set(rest)
             self._taint.update(dict.fromkeys(rest, f"changed outside any refit (found at the close of session {sid!r})"))
         for n in written:
@@ -754,8 +761,11 @@ class WorkerBoundary:
         checked once per index: :func:`refit_verify.engine.state.snapshot`). The snapshot read here
         is kept as :attr:`start`: no audit or certificate compares with it, only the close of a first
         session that replays a plan learned ahead (its close audit: what changed since, outside the
-        plan's writes, is reported), and it is dropped at the first close, or at the first open after
-        a load outside any session (or when the engine discards its weights: :meth:`discarded`).
+        plan's writes, is reported; the session keeps the reference it opened with), and it is dropped
+        at the first close, or at the first open after a load outside any session (or when the engine
+        discards its weights: :meth:`discarded`). With such a plan, the layout map's regions inside
+        parameters are read too (``ModelBoundary.region_start``): a partial first session compares the
+        regions it did not write with them, as later ones compare with the last close's.
 
         ``specs``: ``{role: {name: (shape, dtype name)}}``, the tensors a refit of that module is expected
         to push: the loaders' placements for them are learned ahead
@@ -784,9 +794,30 @@ class WorkerBoundary:
             else:  # as the close calls it (indexes checked inside, the state and planned regions read through one kept set)
                 self.start = self.snapshotter(self.modules, self.identity, None, None, {}, {}, refresh=True, reads=reads)
                 self._rehearse()
+                self._remember_regions()
             return True
         finally:
             self._lock.release()
+
+    def _drop_start(self) -> None:
+        """Forget what prepare read at engine start (:attr:`start`, each module's ``region_start``)."""
+        self.start = None
+        for b in self.modules.values():
+            b.region_start = {}
+
+    def _remember_regions(self) -> None:
+        """For modules with a plan and a layout map learned ahead, read the map's regions inside
+        parameters now (``ModelBoundary.region_start``): what a partial first session that replays
+        compares the regions it did not write with (:meth:`ModelBoundary.unchanged_rest`)."""
+        for b in self.modules.values():
+            m, idx = b.layout, b.index(refresh=False)
+            if b.plan is None or m is None or idx is None or m.index() is not idx:
+                continue
+            try:
+                b.region_start = read_regions(idx.params, close_reads.map_regions(m, list(m.entries), idx.params))
+            except Exception:  # noqa: BLE001 - not compared then (the report's unchecked names them), as without it
+                logger.warning("refit-verify: reading the layout map's regions at engine start failed", exc_info=True)
+                b.region_start = {}
 
     def _rehearse(self) -> None:
         """For modules with a plan (learned ahead), build what the close of a session replaying it
@@ -869,7 +900,7 @@ class WorkerBoundary:
             AuditResult | None: the comparison (None: no session has closed here, or no baseline).
         """
         with self._lock:
-            self.start = None  # not what the engine holds now: the first session replays nothing
+            self._drop_start()  # not what the engine holds now: the first session replays nothing
             if self.snapshotter is None or self.auditor is None or self.baseline is None:
                 return None
             res = self.auditor(self.baseline, self.state(), "wake_up")
