@@ -11,6 +11,8 @@ the :class:`~refit_verify.boundary.placement.LoaderTap` stays off, each list han
 checked against the plan (every name known, none delivered yet in this session, same geometry)
 and recorded with the plan's regions, and the read-back at close digests those regions, as it
 does after a session the tap watched (:data:`~refit_verify.boundary.placement.DERIVE_DEVICE_TYPES`).
+The first session replays a plan learned dry at engine start (:func:`learn_dry`), its close audit
+against the engine state read then (``WorkerBoundary.start``).
 
 Why a replayed session proves what a watched one does:
 
