@@ -21,17 +21,15 @@ import refit_verify  # noqa: E402
 from refit_verify import RefitVerificationError  # noqa: E402
 from refit_verify.manifest import from_wire  # noqa: E402
 from refit_verify.testing import models  # noqa: E402
+from tests.support.engine_utils import TINY_LLAMA_BYTES, in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-TOTAL_BYTES = 853248  # the tiny Llama's 21 bf16 tensors
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("CPU engine test; tests/gpu/test_gpu_e2e.py checks the first refit on CUDA")
-    from tests.support.engine_utils import in_process_engine
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("refit_verify.boundary.placement.DERIVE_DEVICE_TYPES", frozenset({"cpu", "cuda"}))
         with in_process_engine(tmp_path_factory, "cpu") as got:
@@ -65,7 +63,7 @@ def test_the_first_refit_of_a_fresh_engine_replays_the_plan_learned_at_its_start
         res = refit_verify.push(llm, w, config=conf)
         man = _manifest(llm)
         m = man.modules["model"]
-        assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TOTAL_BYTES, res.report
+        assert res.report.ok and res.report.verified == 21 and res.report.proven_bytes == TINY_LLAMA_BYTES, res.report
         assert m.replayed == 21 and m.replay_left is None and len(m.in_place) == 21, (v, m.replayed, m.replay_left)
         assert man.audits == [] and man.reads.passes == 1, (man.audits, man.reads)
     assert wb.start is None  # dropped at the first close

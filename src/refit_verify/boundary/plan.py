@@ -148,12 +148,12 @@ def learn_dry(ms: Any, index: Any, failed: dict[str, str]) -> tuple[RefitPlan | 
     names = []
     for name, d in ms.delivered.items():
         sp = ms.spec.get(name)
-        writes = by_name.get(name, ())
+        placed = by_name.get(name, ())
         if (name in skipped or sp is None or sp[4].type not in _placement.DERIVE_DEVICE_TYPES or d.other or not d.regions
-                or not writes):
+                or not placed):
             continue
         ok = True
-        for pname, c, key in writes:
+        for pname, c, key in placed:
             live = params.get(pname)
             if (live is None or pname in bad_params or (c.fill and c.value is None) or (not c.fill and key != _placement.WHOLE + name)
                     or ms.param_dtype.get(pname) != live.dtype or ms.param_numel.get(pname) != live.numel()
