@@ -1008,7 +1008,7 @@ def test_a_partial_first_refit_whose_load_changes_the_rest_of_a_parameter_fails(
     """A partial first refit (q, embed, norm: every parameter written at least in part) whose q loader
     also changes v's rows of qkv_proj: the trainer's refit() fails it, replayed or watched. Replayed,
     the close compares the rows it did not write with what prepare read there at engine start
-    (``region_start``); without that it passed with an "unchecked" line (regression: a review's probe)."""
+    (``region_start``): with the tap off, nothing else sees that write."""
     import refit_verify
     from refit_verify.vllm_plugin import worker_sessions
     from tests.support.toy_model import ToyEngine, toy_worker

@@ -828,10 +828,11 @@ class WorkerBoundary:
         def rehearsals() -> dict[str, ModuleSession]:  # fresh each time: a read-back fills in its record
             return {role: ms for role, b in self.modules.items() if (ms := b.rehearsal()) is not None}
 
-        if self.readback is None or self.start is None or not rehearsals():
+        first = rehearsals() if self.readback is not None and self.start is not None else {}
+        if not first:
             return
         try:
-            self.readback(rehearsals(), self.modules, known={k: v.digest for k, v in self.start.params.items()})
+            self.readback(first, self.modules, known={k: v.digest for k, v in self.start.params.items()})
             for _ in range(2):
                 self.start = self.snapshotter(self.modules, self.identity, None, None, {}, {}, sessions=rehearsals(),
                                               refresh=True)
