@@ -1,7 +1,7 @@
 """First verified refit against the second on a fresh engine, with the digest warm-up on and off.
 
     python benchmarks/bench_first_refit.py [--rounds 3] [--refits 3] [--device auto|cuda|cpu] [--model tiny-llama]
-        [--settings 1,3] [--fresh-caches] [--profile FILE] [--out FILE]
+        [--settings 1,3] [--fresh-caches] [--profile FILE] [--timers FILE] [--out FILE]
 
 Each round runs every setting in a fresh child process: the trainer starts a fresh vLLM engine (the
 packaged tiny Llama the demo uses, dummy weights; ``--model qwen3-0.6b-like`` for the 310-tensor
@@ -41,6 +41,10 @@ fresh machine, where whichever process compiles first writes the cache the other
 worker's open, boundary, close and vLLM's reload) and a cProfile of the trainer's send
 (``RefitSender._send_refit``, in the thread that runs it): the functions whose own time differs most
 between the first refit and the third, the first refit's excess in the trainer process.
+
+``--timers FILE``: each verifying run appends to FILE the wall-clock timers of ``benchmarks/_paths_ext.py``
+(the trainer's and the worker's functions, the worker's read through a ``worker_extension_cls``) per refit,
+ms and calls: the rows where the first three refits differ, the first refit's excess function by function.
 """
 
 from __future__ import annotations
@@ -86,9 +90,21 @@ def _child(device: str, model: str, refits: int) -> None:
     weights = models.random_state_dict(cfg, seed=0, device=device)
     if os.environ["REFIT_VERIFY"] != "off" and not os.environ.get("BENCH_TRAINER_COLD"):
         backends.warmup(device)  # as the demo does, before the engine starts
+    timers = os.environ.get("BENCH_TIMERS") if os.environ["REFIT_VERIFY"] != "off" else None
     t0 = time.perf_counter()
-    llm = start_engine(d, device)
+    if timers:  # the worker process times itself (benchmarks/_paths_ext.py), read through collective_rpc
+        from refit_verify.vllm_plugin.engine import start_dummy_engine
+
+        llm = start_dummy_engine(d, device, worker_extension_cls="benchmarks._paths_ext.WorkerProfile")
+    else:
+        llm = start_engine(d, device)
     start_s = time.perf_counter() - t0
+    timed: list[dict] = []
+    if timers:
+        from _paths_ext import TIMED_TRAINER, install_timers, read_timers
+
+        install_timers(TIMED_TRAINER)
+        llm.collective_rpc("bench_profile", args=("timers",))
     walls, own, crit, parts = [], [], [], []
     profile = os.environ.get("BENCH_PROFILE") if os.environ["REFIT_VERIFY"] != "off" else None
     profiles: list = []
@@ -107,9 +123,15 @@ def _child(device: str, model: str, refits: int) -> None:
     for i in range(refits):
         if profile:
             profiles.append(cProfile.Profile())
+        if timers:  # what ran since the last read (the engine's start, the last manifest) is not this refit's
+            read_timers()
+            llm.collective_rpc("bench_profile", args=("read",))
         with RefitSender(device=device) as sender:  # a sender per push, as push() makes when handed none
             res = push(llm, weights, sender=sender, options={"timeout_s": 300.0})
             split = refit_split(sender.last_stats or {}, res.workers) if os.environ["REFIT_VERIFY"] != "off" else None
+        if timers:
+            timed.append({**{f"trainer: {k}": v for k, v in read_timers().items()},
+                          **{f"worker: {k}": v for k, v in llm.collective_rpc("bench_profile", args=("read",))[0].items()}})
         walls.append(res.seconds)
         own.append(None if split is None else split[0])
         st = sender.last_stats or {}
@@ -129,6 +151,10 @@ def _child(device: str, model: str, refits: int) -> None:
         with open(profile, "a", encoding="utf-8") as f:
             f.write("\n".join([f"## {os.environ['REFIT_VERIFY']}, warm-up {os.environ['REFIT_VERIFY_WARMUP']}, "
                                f"trainer {'cold' if os.environ.get('BENCH_TRAINER_COLD') else 'warmed'}", *lines, "", ""]))
+    if timers:
+        with open(timers, "a", encoding="utf-8") as f:
+            f.write("\n".join([f"## {os.environ['REFIT_VERIFY']}, warm-up {os.environ['REFIT_VERIFY_WARMUP']}, "
+                               f"trainer {'cold' if os.environ.get('BENCH_TRAINER_COLD') else 'warmed'}", *_timer_rows(timed), "", ""]))
     if device == "cuda":
         torch.cuda.synchronize()
     print(json.dumps({"start_s": start_s, "walls": walls, "own": own, "crit": crit, "parts": parts}), flush=True)
@@ -147,10 +173,31 @@ def _profile_diff(first: cProfile.Profile, later: cProfile.Profile, top: int = 2
     return out
 
 
-def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool, profile: str | None = None) -> dict:
+def _timer_rows(timed: list[dict], at_least_ms: float = 0.03) -> list[str]:
+    """Per timer: ms (calls) in each refit, where the first three differ by at least ``at_least_ms``;
+    sorted by the first refit's excess over the third."""
+    n = min(3, len(timed))
+    keys = sorted({k for t in timed[:n] for k in t})
+    rows = []
+    for k in keys:
+        got = [t.get(k, [0.0, 0]) for t in timed[:n]]
+        if max(g[0] for g in got) - min(g[0] for g in got) >= at_least_ms / 1e3 or len({g[1] for g in got}) > 1:
+            rows.append((got[0][0] - got[-1][0], k, got))
+    out = [f"timer: ms (calls) in refits 1..{n}, first minus last"]
+    for diff, k, got in sorted(rows, key=lambda r: -r[0]):
+        out.append(f"    {diff * 1e3:+8.3f}  " + "  ".join(f"{g[0] * 1e3:8.3f} ({int(g[1])})" for g in got) + f"  {k}")
+    return out
+
+
+def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool, profile: str | None = None,
+               timers: str | None = None) -> dict:
     env = {**os.environ, **SETTINGS[setting]}
     if profile:
         env["BENCH_PROFILE"] = profile
+    if timers:
+        here = str(Path(__file__).resolve().parent)  # _paths_ext: the child imports it as a module, the worker as benchmarks._paths_ext
+        env["BENCH_TIMERS"] = timers
+        env["PYTHONPATH"] = os.pathsep.join([here, str(Path(here).parent), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     if "BENCH_TRAINER_COLD" not in SETTINGS[setting]:
         env.pop("BENCH_TRAINER_COLD", None)
     if fresh_caches:
@@ -172,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                  ap.add_argument("--settings", default=None),
                                                                  ap.add_argument("--fresh-caches", action="store_true"),
                                                                  ap.add_argument("--profile", default=None),
+                                                                 ap.add_argument("--timers", default=None),
                                                                  ap.add_argument("--child", action="store_true")))
     if a.child:
         _child(device, a.model, a.refits)
@@ -184,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     got: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[: r % len(names)]:
-            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile))
+            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile, a.timers))
             w, o = got[n][-1]["walls"], got[n][-1]["own"]
             own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
             print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",

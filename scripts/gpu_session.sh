@@ -31,7 +31,8 @@
 #   stage f (carry as stage t): the first refit on CUDA: the demo, F_PROF (a profiling script, if given), F_TESTS (default
 #           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS; F_PROFILE=1: --profile, the refit splits and
 #           a cProfile of the trainer's send, first refit minus third; F_PROFILE_ROUNDS=N: that profile from N more rounds of
-#           setting 3 after the timed ones, which then stay unprofiled).
+#           setting 3 after the timed ones, which then stay unprofiled; F_TIMERS=1: --timers, per-function timers of both
+#           processes, refit by refit; F_TESTS=none, F_DEMO=0: skip those).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
@@ -109,14 +110,20 @@ elif [ "$stage" = w ]; then  # short-budget session (carry as stage t): demo, su
   echo "bench_close_pass rc=$?"; tail -8 "$OUT/bench_close_pass.md" 2>/dev/null || tail -12 "$OUT/bench_close_pass.log"
   echo "stage w: $(( $(date +%s) - t0 )) s"
 elif [ "$stage" = f ]; then  # the first refit on CUDA (carry as stage t): demo, a profile of the first refits, F_TESTS, bench_first_refit
-  timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error|first verified|own work" "$OUT/demo-cuda.log" | head -12
+  if [ "${F_DEMO:-1}" != 0 ]; then
+    timeout 150 refit-verify demo >"$OUT/demo-cuda.log" 2>&1; echo "demo rc=$?"; grep -E "verified|caught|proven|PASS|FAIL|Error|first verified|own work" "$OUT/demo-cuda.log" | head -12
+  fi
   [ -f "${F_PROF:-}" ] && { timeout 150 python3 "$F_PROF" cuda "$OUT/prof" >"$OUT/prof-first.log" 2>&1; echo "profile rc=$?"; grep -E "^REFIT" "$OUT/prof-first.log"; }
-  timeout ${U_TIMEOUT:-200} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${F_TESTS:-tests/gpu} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  if [ "${F_TESTS:-}" != none ]; then
+    timeout ${U_TIMEOUT:-200} python3 -m pytest -n 0 -q -m "gpu or not gpu" ${F_TESTS:-tests/gpu} -p no:cacheprovider --durations=8 >"$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "passed|failed|^E |^FAILED|^ERROR" "$OUT/gpu-tests.log" | head -24; echo "gpu tests: $(( $(date +%s) - t0 )) s"
+  fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1
   timeout ${BENCH_TIMEOUT:-200} python3 benchmarks/bench_first_refit.py --device cuda --settings ${F_SETTINGS:-0,3} --rounds ${ROUNDS:-2} \
-    --refits 4 ${F_PROFILE:+--profile "$OUT/first_refit_profile.txt"} --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
+    --refits 4 ${F_PROFILE:+--profile "$OUT/first_refit_profile.txt"} ${F_TIMERS:+--timers "$OUT/first_refit_timers.txt"} \
+    --out "$OUT/bench_first_refit.md" >"$OUT/bench_first_refit.log" 2>&1
   echo "bench_first_refit rc=$?"; grep -E "^\| " "$OUT/bench_first_refit.md" 2>/dev/null | head -12 || tail -20 "$OUT/bench_first_refit.log"
+  [ -n "${F_TIMERS:-}" ] && head -${F_TIMERS_LINES:-45} "$OUT/first_refit_timers.txt"
   [ -n "${F_PROFILE:-}" ] && head -40 "$OUT/first_refit_profile.txt"
   if [ -n "${F_PROFILE_ROUNDS:-}" ]; then  # then a profiled run of setting 3 alone (the timed rounds above stay unprofiled)
     timeout ${F_PROFILE_TIMEOUT:-120} python3 benchmarks/bench_first_refit.py --device cuda --settings 3 --rounds "$F_PROFILE_ROUNDS" \
