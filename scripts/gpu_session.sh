@@ -32,7 +32,8 @@
 #           tests/gpu), bench_first_refit --device cuda (F_SETTINGS, ROUNDS; F_PROFILE=1: --profile, the refit splits and
 #           a cProfile of the trainer's send, first refit minus third; F_PROFILE_ROUNDS=N: that profile from N more rounds of
 #           setting 3 after the timed ones, which then stay unprofiled; F_TIMERS=1: --timers, per-function timers of both
-#           processes, refit by refit; F_TESTS=none, F_DEMO=0: skip those).
+#           processes, refit by refit; F_TESTS=none, F_DEMO=0: skip those; keep the demo on a fresh machine: it fills the
+#           Triton and vLLM caches, without it the bench's first engine starts in about 2 minutes, not 45 s).
 #   stage d (carry as stage t): the direct-launch and kept-set GPU tests, bench_host_ops (JIT vs direct launches), then
 #           bench_paths as stage p (ROUNDS, BENCH_ARGS, BENCH_TIMEOUT).
 #   stage b (carry as stage k; replaces it when the kernels did not change): lay vLLM, the toy-model boundary tests on
