@@ -42,6 +42,9 @@ worker's open, boundary, close and vLLM's reload) and a cProfile of the trainer'
 (``RefitSender._send_refit``, in the thread that runs it): the functions whose own time differs most
 between the first refit and the third, the first refit's excess in the trainer process.
 
+``--out FILE`` is written again after every run (the table so far), so a run cut short by its caller's
+bound still leaves one.
+
 ``--timers FILE``: each verifying run appends to FILE the wall-clock timers of ``benchmarks/_paths_ext.py``
 (the trainer's and the worker's functions, the worker's read through a ``worker_extension_cls``) per refit,
 ms and calls: the rows where the first three refits differ, the first refit's excess function by function.
@@ -210,37 +213,19 @@ def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches:
     return json.loads(lines[-1])
 
 
-def main(argv: list[str] | None = None) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _tables import emit, parse
-
-    a, device = parse(__doc__, argv, rounds=3, extra=lambda ap: (ap.add_argument("--refits", type=int, default=3),
-                                                                 ap.add_argument("--model", default="tiny-llama"),
-                                                                 ap.add_argument("--settings", default=None),
-                                                                 ap.add_argument("--fresh-caches", action="store_true"),
-                                                                 ap.add_argument("--profile", default=None),
-                                                                 ap.add_argument("--timers", default=None),
-                                                                 ap.add_argument("--child", action="store_true")))
-    if a.child:
-        _child(device, a.model, a.refits)
-        return
+def _table(got: dict[str, list[dict]], names: list[str], a, device: str) -> list[str]:
+    """The report's lines over the runs in ``got`` so far (medians of each setting's runs; a setting
+    with none yet left out; "rounds": the most runs of any setting)."""
     import platform
 
     import torch
 
-    names = [list(SETTINGS)[int(i)] for i in a.settings.split(",")] if a.settings else list(SETTINGS)
-    got: dict[str, list[dict]] = {n: [] for n in names}
-    for r in range(a.rounds):
-        for n in names[r % len(names):] + names[: r % len(names)]:
-            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile, a.timers))
-            w, o = got[n][-1]["walls"], got[n][-1]["own"]
-            own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
-            print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",
-                  flush=True)
+    names = [n for n in names if got[n]]
+    rounds = max((len(got[n]) for n in names), default=0)
     med = statistics.median
     lines = [f"First vs second verified refit, fresh engine per run: {a.model}, {device} "
              f"({torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}, "
-             f"{os.cpu_count()} cores), torch {torch.__version__}, {a.rounds} rounds, {a.refits} refits each (medians)"
+             f"{os.cpu_count()} cores), torch {torch.__version__}, {rounds} rounds, {a.refits} refits each (medians)"
              f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
              "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) "
              "| own work 1st / 2nd (ms) | own 1st / 2nd | control: own 3rd / 2nd | own on the critical path 1st / 2nd (ms) "
@@ -269,7 +254,35 @@ def main(argv: list[str] | None = None) -> None:
         for n in split:
             cells = [" / ".join(f"{med([x['parts'][i][j] for x in got[n]]) * 1e3:.2f}" for i in (0, 1)) for j in range(len(PARTS))]
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    emit(lines, a.out)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _tables import emit, parse
+
+    a, device = parse(__doc__, argv, rounds=3, extra=lambda ap: (ap.add_argument("--refits", type=int, default=3),
+                                                                 ap.add_argument("--model", default="tiny-llama"),
+                                                                 ap.add_argument("--settings", default=None),
+                                                                 ap.add_argument("--fresh-caches", action="store_true"),
+                                                                 ap.add_argument("--profile", default=None),
+                                                                 ap.add_argument("--timers", default=None),
+                                                                 ap.add_argument("--child", action="store_true")))
+    if a.child:
+        _child(device, a.model, a.refits)
+        return
+    names = [list(SETTINGS)[int(i)] for i in a.settings.split(",")] if a.settings else list(SETTINGS)
+    got: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(a.rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile, a.timers))
+            w, o = got[n][-1]["walls"], got[n][-1]["own"]
+            own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
+            print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",
+                  flush=True)
+            if a.out:  # the table so far: a run cut short by its caller's bound still leaves one
+                Path(a.out).write_text("\n".join(_table(got, names, a, device)) + "\n")
+    emit(_table(got, names, a, device), a.out)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,26 @@ def test_rows_differing_by_time_or_calls_sorted_by_the_first_refits_excess():
 def test_fewer_than_three_refits_compare_what_there_is():
     rows = _timer_rows([{"a": [0.002, 1]}, {"a": [0.001, 1]}])
     assert rows[0].endswith("refits 1..2, first minus last") and rows[1].split()[:5] == ["+1.000", "2.000", "(1)", "1.000", "(1)"]
+
+
+def _run(own: list[float], walls: list[float]) -> dict:
+    return {"start_s": 40.0, "walls": walls, "own": own, "crit": own, "parts": [[0.001] * 7, [0.0005] * 7]}
+
+
+def test_the_table_so_far_holds_the_settings_with_runs_and_their_medians():
+    from types import SimpleNamespace
+
+    from bench_first_refit import _table
+
+    a = SimpleNamespace(model="tiny-llama", refits=4, fresh_caches=False)
+    names = ["enforce, warm-up on", "enforce, warm-up on, trainer cold"]
+    got = {names[0]: [_run([0.005, 0.004, 0.002, 0.002], [0.020, 0.016, 0.015, 0.015]),
+                      _run([0.006, 0.004, 0.003, 0.002], [0.024, 0.018, 0.016, 0.014])],
+           names[1]: []}  # the call's bound came before its first run
+    lines = _table(got, names, a, "cpu")
+    assert "2 rounds, 4 refits each" in lines[0]
+    rows = [x for x in lines if x.startswith("| enforce")]
+    assert len(rows) == 2 and all(names[1] + " |" not in r for r in rows)  # its table row and its split row, none for the other
+    cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+    # medians: 1st 22.0, 2nd 17.0, last 14.5 ms; own 5.5 / 4.0 ms, per-run ratio median (1.25 + 1.5) / 2, control (0.5 + 0.75) / 2
+    assert cells[2:5] == ["22.0", "17.0", "14.5"] and cells[7:10] == ["5.5 / 4.0", "1.38", "0.62"]
