@@ -123,6 +123,13 @@ TIMED_WORKER = (
     "refit_verify.engine.state:_snapshot_launch",
     "refit_verify.engine.state:_snapshot_collect",
     "refit_verify.engine.readback:_evaluate",
+    "refit_verify.engine.readback:read_back",
+    # the CPU's proof of repacked linear weights through their layers' forward
+    "refit_verify.engine.forward:settle",
+    "refit_verify.engine.forward:prove",
+    "refit_verify.engine.forward:rebuild",
+    "refit_verify.engine.forward:_identity_block",
+    "refit_verify.engine.forward:_digests",
     "refit_verify.boundary.worker:WorkerBoundary._refresh_indexes",
     "refit_verify.boundary.model:ModelBoundary.index",  # the close checks the index inside snapshot(refresh=True)
     "refit_verify.boundary.worker:WorkerBoundary._audit_unwritten",
