@@ -80,10 +80,11 @@ def _child(device: str, model: str, refits: int) -> None:
     """One fresh engine: print ``{"start_s": s, "walls": [s, ...]}`` as the last line."""
     import torch
 
-    from refit_verify.cli.demo import _env_defaults, refit_split, start_engine
+    from refit_verify.cli.demo import _env_defaults, refit_split
     from refit_verify.digest import backends
     from refit_verify.testing import models
     from refit_verify.trainer.push import push
+    from refit_verify.vllm_plugin.engine import start_dummy_engine
     from refit_verify.transport.sender import RefitSender
 
     _env_defaults(device)
@@ -95,12 +96,8 @@ def _child(device: str, model: str, refits: int) -> None:
         backends.warmup(device)  # as the demo does, before the engine starts
     timers = os.environ.get("BENCH_TIMERS") if os.environ["REFIT_VERIFY"] != "off" else None
     t0 = time.perf_counter()
-    if timers:  # the worker process times itself (benchmarks/_paths_ext.py), read through collective_rpc
-        from refit_verify.vllm_plugin.engine import start_dummy_engine
-
-        llm = start_dummy_engine(d, device, worker_extension_cls="benchmarks._paths_ext.WorkerProfile")
-    else:
-        llm = start_engine(d, device)
+    # with timers, the worker process times itself (benchmarks/_paths_ext.py), read through collective_rpc
+    llm = start_dummy_engine(d, device, **({"worker_extension_cls": "benchmarks._paths_ext.WorkerProfile"} if timers else {}))
     start_s = time.perf_counter() - t0
     timed: list[dict] = []
     if timers:

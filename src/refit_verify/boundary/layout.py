@@ -102,6 +102,12 @@ class LayoutMap:
         self.unlearned: dict[str, str] = {}
         self.source: dict[str, str] = {}
 
+    def unlearn(self, name: str, why: str) -> None:
+        """Map ``name`` nowhere (no entry, no slices), ``why`` (one sentence) kept for :meth:`why_not`."""
+        self.entries.pop(name, None)
+        self.slices.pop(name, None)
+        self.unlearned[name] = why
+
     def why_not(self, name: str) -> str:
         """Why ``name`` has no entry (one sentence)."""
         for table in (self.sliced, self.unlearned):

@@ -316,9 +316,7 @@ class ModelBoundary:
             m = learn_session(m, dry, idx, "dry learn", None, self.tap.loader_of) or m or LayoutMap(idx)
             for n, why in failed.items():
                 if n not in m.entries or n in todo:
-                    m.entries.pop(n, None)
-                    m.slices.pop(n, None)
-                    m.unlearned[n] = why
+                    m.unlearn(n, why)
             got = sum(1 for n in todo if n in m.entries or n in m.slices)
             notes.append(f"dry learn of {len(todo)} names (the model's load_weights on placeholders, no write reaching the "
                          f"engine): {got} mapped" + (f", {len(todo) - got} not" if got < len(todo) else ""))
@@ -354,11 +352,8 @@ class ModelBoundary:
             self.plan, self.plan_why = (None, why) if why else learn_dry(ms, idx, failed)
             if self.plan is not None and self.layout is None:  # what its close would learn from the replayed plan's records
                 m = learn_session(None, ms, idx, "dry learn at engine start", None, self.tap.loader_of)
-                for n, why in failed.items():  # as layout_for: a name the dry learn failed on is not mapped
-                    if m is not None:
-                        m.entries.pop(n, None)
-                        m.slices.pop(n, None)
-                        m.unlearned[n] = why
+                for n, why in failed.items() if m is not None else ():  # as layout_for: a name the dry learn failed on is not mapped
+                    m.unlearn(n, why)
                 self.layout = m
         if idx is not None:  # the fills such a refit's loaders write (vocab padding): their digests are computed ahead
             self.fills_ahead = list(dict.fromkeys(
