@@ -23,6 +23,8 @@ def _plain(monkeypatch):
     monkeypatch.setenv(CUDA_GRAPHS_ENV_VAR, "0")
     monkeypatch.delenv(DIRECT_LAUNCH_ENV_VAR, raising=False)
     monkeypatch.setattr(direct, "_OFF", None)
+    monkeypatch.setattr(direct, "_KNOWN", {})  # each test starts with no kind checked (no warm-up ran)
+    monkeypatch.setattr(direct, "_NO_KINDS", [False])
 
 
 @pytest.fixture
@@ -171,5 +173,52 @@ def test_the_warmup_makes_the_direct_launch_check_and_a_direct_launch(monkeypatc
     monkeypatch.setattr(direct, "run", spy_run)
     monkeypatch.setattr(direct, "direct", spy_direct)
     backends._warmup_kernels(torch.device("cuda", torch.cuda.current_device()))
-    assert len(checked) == 1 and checked[0].runs == backends._WARM_RUNS
-    assert len(launched) == 2  # the check's run into its probe, then the third run's launches
+    # the plain plan checked at its second run; the COPY and gather plans: their new kinds checked at theirs
+    assert [p.runs for p in checked] == [backends._WARM_RUNS, direct.MIN_RUNS, direct.MIN_RUNS]
+    assert len(launched) == 4  # the plain plan's check and third run, the variants' checks
+    fns = {k[0].__name__ for k in direct._KNOWN}
+    assert fns == {"_leaf_fast_kernel", "_digest_leaf_kernel", "_digest_upper_kernel", "_digest_chain_kernel",
+                   "_digest_gather_kernel"}
+    assert {dict(k[2]).get("COPY") for k in direct._KNOWN if k[0].__name__ == "_leaf_fast_kernel"} == {False, True}
+
+
+def test_after_the_warmup_a_new_plan_launches_directly_from_its_first_run(jit_calls):
+    """Plans of other sizes, counts and dtypes than the warm-up's (other integers, other plan tensors):
+    no JIT dispatch at their first run, and the reference digests, run after run."""
+    from refit_verify.digest import backends
+
+    backends._warmup_kernels(torch.device("cuda", torch.cuda.current_device()))
+    for seed, n in ((11, 5), (12, 3), (13, 1)):
+        ts = _tensors(seed)[-n:]
+        s = DigestSet(ts)
+        for r in range(3):
+            ts[0].view(-1)[0] += 1
+            jit_calls.clear()
+            assert s.digest() == _reference(ts), f"{n} tensors, run {r + 1}"
+            assert jit_calls == [], f"{n} tensors, run {r + 1} went through the JIT"
+        assert _plan_of(s).direct
+
+
+def test_integers_are_not_what_triton_specialises_on(monkeypatch):
+    """What the kinds rest on: Triton's JIT gives plans of other counts and offsets the same compiled
+    kernel for the same function, constexprs and options (every run through the JIT here)."""
+    monkeypatch.setenv(DIRECT_LAUNCH_ENV_VAR, "0")
+    seen = []
+    real = direct.jit
+
+    def recording(launches):
+        compiled = real(launches)
+        seen.extend(zip(launches, compiled))
+        return compiled
+
+    monkeypatch.setattr(direct, "jit", recording)
+    for seed, n in ((21, 5), (22, 2), (23, 1)):
+        ts = _tensors(seed)[-n:]
+        assert DigestSet(ts).digest() == _reference(ts)
+    kernels, ints = {}, {}
+    for la, ck in seen:
+        key = (la.fn, la.consts, tuple(sorted((la.options or {}).items())))
+        kernels.setdefault(key, set()).add(id(ck))
+        ints.setdefault(key, set()).add(tuple(a for a in la.args if isinstance(a, int)))
+    assert len(kernels) >= 4 and all(len(v) == 1 for v in kernels.values())
+    assert all(len(v) > 1 for v in ints.values())  # other integers did reach every kernel

@@ -320,16 +320,18 @@ def _device(device: torch.device | str | None) -> torch.device:
 
 _WARM_RUNS = 3
 """Runs of the kernel warm-up's plain plan: its first compiles, its second makes the one-time check
-of a plan's direct launches (``kernels.direct.MIN_RUNS``: a device comparison whose kernels load at
-a process's first use, tens of milliseconds) and its third launches directly."""
+of its kinds of launch (``kernels.direct.MIN_RUNS``: a device comparison whose kernels load at a
+process's first use, tens of milliseconds) and its third launches directly."""
 
 
 def _warmup_kernels(dev: torch.device) -> None:
     """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back:
     the plain leaf kernels, their COPY variants (a sender's fused copy into staging,
     ``DigestBatch.add_copy``) and the gather of derived views (a close's regions beside their fused
-    parameter), so none of them compiles inside a refit. The plain plan runs :data:`_WARM_RUNS` times,
-    so a kept plan's direct-launch check and first direct launch come at no refit's first cost either."""
+    parameter), so none of them compiles inside a refit. The plain plan runs :data:`_WARM_RUNS` times
+    and the variants twice, so every kind of launch a refit makes is checked for direct launches
+    (``kernels.direct``): a refit's kept plans launch directly from their first run."""
+    from refit_verify.digest.kernels import direct as _direct
     from refit_verify.digest.kernels import launch as kd
     from refit_verify.digest.kernels._mix import MID_N
 
@@ -351,7 +353,9 @@ def _warmup_kernels(dev: torch.device) -> None:
         for what, run in (("COPY", lambda: kd.plan_views(views, seeds(views), dsts=[out[:k], out[k + 8 : k + 8 + 104]])),
                           ("derived-view gather", lambda: kd.plan_views(pair, seeds(pair), derive=True))):
             try:  # the variants: one failing here leaves the plain kernels warm and says so
-                kd.run_plan(run()).cpu()
+                planned = run()
+                for _ in range(_direct.MIN_RUNS if dev.type == "cuda" else 1):  # checked: direct launches at once
+                    kd.run_plan(planned).cpu()
             except Exception as e:  # noqa: BLE001 - logged; the first refit that needs it compiles it
                 logger.warning("refit-verify: warming the %s digest kernels on %s failed (%s: %s); the first refit "
                                "that uses them compiles them", what, dev, type(e).__name__, e)

@@ -1,6 +1,7 @@
 """The bookkeeping of direct launches (``refit_verify.digest.kernels.direct``) with stand-in kernels on the CPU:
 the check at a plan's second run, a missed or wrong launch caught by it, a launcher that raises, the
-switch, misaligned scratch. The real kernels launched directly are in
+switch, misaligned scratch; kinds of launch checked once and launched directly from a later plan's
+first run, and Triton's parameters as the kinds read them. The real kernels launched directly are in
 ``tests/gpu/test_direct_launch_gpu.py`` (bit-identical digests, no JIT dispatch after the check)."""
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class _Plan:
 def _fresh(monkeypatch):
     monkeypatch.setattr(direct, "_OFF", None)
     monkeypatch.setattr(direct, "_LOGGED", set())
+    monkeypatch.setattr(direct, "_KNOWN", {})
+    monkeypatch.setattr(direct, "_NO_KINDS", [False])
     monkeypatch.setattr(direct, "_stream", lambda device: 7)
     monkeypatch.setattr(direct, "_on_device", lambda device: _CURRENT[0] == device)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -257,3 +260,89 @@ def test_a_run_while_another_device_is_current_goes_through_the_jit():
     log.clear()
     _run(p, launches, work, out)
     assert [e[0] for e in log] == ["direct", "direct"]
+
+
+def test_a_plan_whose_launches_are_of_checked_kinds_launches_directly_from_its_first_run():
+    """Another plan of the same kernels, constexprs, options and argument types (other tensors, same
+    integers: the stand-ins have no Triton parameter list, so their integers are kept by value)."""
+    log = []
+    src, work, out, launches, p = _checked(log)
+    src2 = torch.arange(8, dtype=torch.int64) * 2
+    work2, out2 = torch.zeros(8, dtype=torch.int64), torch.zeros((1, 2), dtype=torch.int64)
+    second = [launches[0]._replace(args=(src2, work2)), launches[1]._replace(args=(work2, out2))]
+    q = _Plan()
+    log.clear()
+    assert _run(q, second, work2, out2).tolist() == [[168, 168]]
+    assert log == [("direct", "leaf", 7), ("direct", "chain", 7)] and q.direct
+    # a kind never checked (another constexpr): JIT at the first run, checked at the second
+    third = [launches[0]._replace(args=(src2, work2), consts=(("SCALE", 5),)), launches[1]._replace(args=(work2, out2))]
+    r = _Plan()
+    log.clear()
+    assert _run(r, third, work2, out2).tolist() == [[280, 280]]
+    assert [e[0] for e in log] == ["jit", "jit"] and r.direct is None
+
+
+def test_a_failed_check_teaches_no_kind():
+    log = []
+    src, work, out, launches = _setup(log, leaf_compiled=leaf_wrong)
+    p = _Plan()
+    _run(p, launches, work, out)
+    _run(p, launches, work, out)
+    assert p.direct is False and direct._KNOWN == {}
+    q = _Plan()
+    log.clear()
+    assert _run(q, launches, work, out).tolist() == [[84, 84]]
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
+def test_triton_giving_another_kernel_for_a_known_kind_empties_the_table(caplog):
+    """The kinds must be at least as fine as Triton's cache key: a JIT launch of a known kind that
+    returns another compiled kernel ends launching plans directly before their own check."""
+    log = []
+    src, work, out, launches, p = _checked(log)
+    assert len(direct._KNOWN) == 2
+    launches[0].fn.compiled = _Compiled(leaf, log)  # Triton now picks another kernel for the same kind
+    q = _Plan()
+    with caplog.at_level(logging.WARNING, logger="refit_verify"):
+        direct.run(q, [launches[0]._replace(options={"num_warps": 8}), launches[1]], work, out)  # a JIT run...
+        assert direct._KNOWN  # ...of another kind: nothing compared
+        direct.run(q, launches, work, out)  # q went direct from its first run: no JIT run to compare
+    r = _Plan()
+    r.direct = False  # stays on the JIT: its runs are compared with the table
+    direct.run(r, launches, work, out)
+    assert direct._KNOWN == {} and direct._NO_KINDS[0]
+    assert "another compiled kernel for a kind of digest launch" in caplog.text
+    s_ = _Plan()
+    log.clear()
+    _run(s_, launches, work, out)
+    assert [e[0] for e in log] == ["jit", "jit"] and s_.direct is None  # checked at its own second run again
+    _run(s_, launches, work, out)
+    assert s_.direct and direct._KNOWN == {}
+
+
+class _Param:
+    def __init__(self, do_not_specialize=False, is_constexpr=False):
+        self.do_not_specialize, self.is_constexpr = do_not_specialize, is_constexpr
+
+
+class _Fn:
+    def __init__(self, *params):
+        self.params = list(params)
+
+
+def test_a_kind_keeps_what_triton_specialises_on():
+    dev = torch.device("cuda", 0)
+    fn = _Fn(_Param(), _Param(do_not_specialize=True), _Param(), _Param(is_constexpr=True))
+    t = torch.zeros(4, dtype=torch.int64)
+    kind = lambda *args, consts=(), options=None: direct._kind(direct.Launch(fn, (1,), args, consts, options), dev)  # noqa: E731
+    base = kind(t, 5, 7)
+    assert base == (fn, 0, (), (), ((torch.int64, True), "i32", ("=", 7)))
+    assert kind(torch.ones(4, dtype=torch.int64), 2**31 - 1, 7) == base  # another tensor, an i32 count: same kind
+    assert kind(t, 2**31, 7)[-1][1] == "i64" and kind(t, -(2**31) - 1, 7)[-1][1] == "i64"
+    assert kind(t, 2**63, 7)[-1][1] == "u64" and kind(t, -(2**31), 7)[-1][1] == "i32"
+    assert kind(t, 2**64, 7) is None and kind(t, True, 7) is None and kind(t, 1.5, 7) is None
+    assert kind(t, 5, 8) != base  # a specialised integer: its value
+    assert kind(t.to(torch.int32), 5, 7) != base and kind(torch.zeros(9, dtype=torch.int64)[1:], 5, 7) != base
+    assert kind(t, 5, 7, consts=(("B", 1),)) != base and kind(t, 5, 7, options={"num_warps": 2}) != base
+    assert kind(t, 5, 7, 1) is None  # a positional argument at a constexpr parameter
+    assert direct._kind(direct.Launch(fn, (1,), (t, 5, 7)), torch.device("cuda", 1)) != base

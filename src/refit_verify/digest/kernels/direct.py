@@ -8,10 +8,14 @@ arguments, specialises each one, builds the cache key, looks the compiled kernel
 kernel's globals before it launches: about 0.4 ms of host time per run of a plan on an H200 host,
 however few bytes the plan reads.
 
-Here a plan's launches are checked at its second run and go, from its third run on, straight to the
-compiled kernels its JIT runs returned (``JITFunction.run`` returns the ``CompiledKernel`` it launched): ``compiled[grid](*args,
-stream=...)``, Triton's own launcher of a compiled kernel (``CompiledKernel.__getitem__``), which
-takes every argument in signature order, ``constexpr`` ones included (the launcher skips them).
+Here a plan's launches go straight to compiled kernels (``JITFunction.run`` returns the
+``CompiledKernel`` it launched): ``compiled[grid](*args, stream=...)``, Triton's own launcher of a
+compiled kernel (``CompiledKernel.__getitem__``), which takes every argument in signature order,
+``constexpr`` ones included (the launcher skips them). A plan whose every launch is of a kind
+checked before in the process (:func:`_kind`: the same function, ``constexpr`` values, options and
+argument types on the same device; the digest warm-up checks every kind a refit launches) launches
+directly from its first run; any other plan is checked at its second run and launches directly
+from its third.
 
 Why the compiled kernel is still the right one:
 
@@ -25,14 +29,23 @@ Why the compiled kernel is still the right one:
   pointer argument only through its dtype and 16-byte alignment. Every direct run checks that the
   scratch tensors are 16-byte aligned (the caching allocator gives at least 512); otherwise that
   run goes through ``JITFunction.run``.
-* **Checked once per plan.** At the plan's second run, the JIT launches run first (their result is
-  the one returned). Then the work area is filled with a sentinel and the direct launches run into an
-  output block filled with the same sentinel. The two outputs are compared on the device
-  (``torch.equal``: one synchronisation, once per plan). A mismatch keeps that plan on JIT launches
-  (logged, each time). So does a launcher that raises (then direct launches are off for the whole
-  process, logged once: a Triton whose launcher takes other arguments). A missed launch cannot pass
-  the check: a missed leaf or upper launch leaves sentinel words in the work area for the chain to
-  read, a missed chain launch leaves the sentinel output block.
+* **Checked once per kind of launch.** At the second run of a plan with a launch of a kind not
+  checked yet, the JIT launches run first (their result is the one returned). Then the work area is
+  filled with a sentinel and the direct launches run into an output block filled with the same
+  sentinel. The two outputs are compared on the device (``torch.equal``: one synchronisation). A
+  mismatch keeps that plan on JIT launches (logged, each time). So does a launcher that raises (then
+  direct launches are off for the whole process, logged once: a Triton whose launcher takes other
+  arguments). A missed launch cannot pass the check: a missed leaf or upper launch leaves sentinel
+  words in the work area for the chain to read, a missed chain launch leaves the sentinel output
+  block. A passed check makes its launches' kinds known (:data:`_KNOWN`), with their compiled kernels.
+* **What a kind is.** Plans of one kind differ only in argument values (their plan tensor's address,
+  counts, offsets), which a direct launch passes as it gets them. Triton picks a compiled kernel by
+  the function, ``constexpr`` values, options, each pointer's dtype and 16-byte alignment and each
+  integer's type (its range: i32, i64, u64; no value, every integer being ``do_not_specialize``):
+  :func:`_kind` keeps all of them, and an integer's value itself where Triton may specialise on it.
+  Every JIT launch whose kind is known is compared with it: Triton returning another compiled kernel
+  for a known kind (a Triton whose cache key holds more) empties the table for the process (logged
+  once), and plans are then checked one by one as above.
 * Launch hooks (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, e.g. a profiler)
   still run: the compiled kernel's launcher calls them as ``JITFunction.run`` does.
 
@@ -72,6 +85,9 @@ the kernels and may be the plan's only one)."""
 _SENTINEL = -0x3C3C3C3C3C3C3C3D  # fills the work area and the direct output block at the check
 _OFF: str | None = None  # why direct launches are off for the process (a launcher raised), None while they are not
 _LOGGED: set[str] = set()
+_KNOWN: dict[tuple, Any] = {}
+"""A checked kind of launch (:func:`_kind`) -> the compiled kernel its check launched."""
+_NO_KINDS: list[bool] = [False]  # True once Triton gave another compiled kernel for a known kind: plans checked one by one
 
 
 class Launch(NamedTuple):
@@ -146,6 +162,80 @@ def _shape(launches: Sequence[Launch], work: torch.Tensor, out: torch.Tensor | N
                    for a in la.args)) for la in launches]
 
 
+_I32, _I64, _U64 = 1 << 31, 1 << 63, 1 << 64
+
+
+def _int_kind(v: int) -> str | None:
+    """Triton's type of a non-specialised integer argument (its range), None outside every type."""
+    return "i32" if -_I32 <= v < _I32 else "i64" if -_I64 <= v < _I64 else "u64" if 0 <= v < _U64 else None
+
+
+def _kind(la: Launch, device: torch.device) -> tuple | None:
+    """What picks launch ``la``'s compiled kernel on ``device``, as Triton's cache key does, without
+    argument values where Triton does not specialise on them: the function, ``constexpr`` values,
+    options, each tensor's dtype and 16-byte alignment, each integer's type where its parameter is
+    ``do_not_specialize`` (its value elsewhere, and for a function without Triton's parameter list).
+    None: an argument of another type, or a positional argument at a ``constexpr`` parameter."""
+    params = getattr(la.fn, "params", None)
+    out: list = []
+    for i, a in enumerate(la.args):
+        kp = params[i] if params is not None and i < len(params) else None
+        if kp is not None and getattr(kp, "is_constexpr", False):
+            return None
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool) or not isinstance(a, int):
+            return None
+        elif kp is not None and getattr(kp, "do_not_specialize", False):
+            k = _int_kind(a)
+            if k is None:
+                return None
+            out.append(k)
+        else:
+            out.append(("=", a))
+    return (la.fn, device.index, la.consts, tuple(sorted((la.options or {}).items())), tuple(out))
+
+
+def _known(launches: Sequence[Launch], device: torch.device) -> list | None:
+    """The compiled kernel of every launch when all their kinds were checked, else None."""
+    if not _KNOWN or _NO_KINDS[0]:
+        return None
+    out = []
+    for la in launches:
+        k = _kind(la, device)
+        ck = None if k is None else _KNOWN.get(k)
+        if ck is None:
+            return None
+        out.append(ck)
+    return out
+
+
+def _learn(launches: Sequence[Launch], compiled: Sequence[Any], device: torch.device) -> None:
+    """Make the kinds of checked ``launches`` known, with their ``compiled`` kernels."""
+    if not _NO_KINDS[0]:
+        for la, ck in zip(launches, compiled, strict=True):
+            k = _kind(la, device)
+            if k is not None:
+                _KNOWN[k] = ck
+
+
+def _agree(launches: Sequence[Launch], compiled: Sequence[Any], device: torch.device) -> None:
+    """JIT launches of known kinds must have returned the known compiled kernels; else the kinds are
+    coarser than Triton's cache key: the table is emptied for the process (logged once)."""
+    if not _KNOWN or _NO_KINDS[0]:
+        return
+    for la, ck in zip(launches, compiled):
+        k = _kind(la, device)
+        known = None if k is None else _KNOWN.get(k)
+        if known is not None and known is not ck:
+            _NO_KINDS[0] = True
+            _KNOWN.clear()
+            _log_once("kinds", "refit-verify: Triton launched another compiled kernel for a kind of digest launch "
+                      "checked before (%s); each plan is checked at its second run from now on in this process",
+                      getattr(la.fn, "__name__", la.fn))
+            return
+
+
 def _on_device(device: torch.device) -> bool:
     """True iff ``device`` is the current CUDA device (the compiled kernels were loaded there)."""
     return torch.cuda.current_device() == device.index
@@ -157,8 +247,8 @@ def _aligned(*ts: torch.Tensor | None) -> bool:
 
 def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tensor | None) -> None:
     """Run plan ``p``'s ``launches`` (CUDA, current stream, the current device being ``p.device``):
-    directly when ``p`` was checked, else through ``JITFunction.run`` (and check at the plan's
-    second run). ``p.runs`` (counted by the caller) and ``p.direct`` (None: not checked yet, False:
+    directly when ``p`` was checked or every launch is of a checked kind, else through
+    ``JITFunction.run`` (and check at the plan's second run). ``p.runs`` (counted by the caller) and ``p.direct`` (None: not checked yet, False:
     JIT only, else ``(compiled kernels, their launches' shape)``) are kept up to date here. A run
     whose launches differ from the checked ones (:func:`_shape`) goes through the JIT.
 
@@ -172,8 +262,12 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     through the JIT instead, and direct launches are off for the process).
     """
     d = p.direct
-    if (d and out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out)
-            and _shape(launches, work, out) == d[1] and _on_device(p.device)):
+    usable = out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out)
+    if d is None and usable and _on_device(p.device):
+        known = _known(launches, p.device)
+        if known is not None:  # every launch of a checked kind: direct from this run
+            d = p.direct = (known, _shape(launches, work, out))
+    if d and usable and _shape(launches, work, out) == d[1] and _on_device(p.device):
         try:
             direct(d[0], launches, _stream(p.device))
             return
@@ -181,6 +275,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
             _turn_off(p, e)
             # the direct launches before the one that raised only wrote scratch: the JIT run redoes them all
     compiled = jit(launches)
+    _agree(launches, compiled, p.device)
     if (d is not None or out is None or p.runs < MIN_RUNS or _OFF is not None or not direct_launch_enabled()
             or not _aligned(work, out) or not _on_device(p.device)):
         return
@@ -209,6 +304,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
         return
     if same:
         p.direct = (compiled, _shape(launches, work, out))
+        _learn(launches, compiled, p.device)
     else:
         p.direct = False
         logger.warning("refit-verify: a digest plan (%d tensors, %d chunks) read twice at its check gave other words "
