@@ -116,6 +116,8 @@ TIMED_WORKER = (
     "refit_verify.digest.kept:DigestSet.collect",
     "refit_verify.digest.kernels.direct:run",  # a CUDA plan's launches (JIT or straight to its compiled kernels)
     "refit_verify.digest.kernels.direct:jit",  # those that went through Triton's JIT dispatch
+    "refit_verify.digest.kernels.launch:_device_plan",  # a plan built and sent to the device (a pinned block), or found
+    "refit_verify.digest.kernels.launch:_run",  # a plan's launches, scratch allocated
     "refit_verify.digest.kernels.launch:digest_views",
     "refit_verify.digest.kernels.launch:to_hex",
     "refit_verify.digest.batch:_hexes",  # a device's words to hex: the device-to-host copy (its wait) and the formatting
@@ -174,6 +176,11 @@ TIMED_TRAINER = (
     "refit_verify.digest.kept:DigestSet.collect",
     "refit_verify.digest.kernels.direct:run",
     "refit_verify.digest.kernels.direct:jit",
+    "refit_verify.digest.kernels.launch:_device_plan",
+    "refit_verify.digest.kernels.launch:_run",
+    "refit_verify.digest.batch:DigestBatch._launch_copies",  # the sender's fused copies into staging
+    "refit_verify.digest.batch:DigestBatch.hexdigests",
+    "refit_verify.stream.pack:Packer.flush",
     "refit_verify.digest.kernels.launch:to_hex",
     "refit_verify.digest.batch:_hexes",
     "refit_verify.digest.incremental:HeldBatch.add",

@@ -35,3 +35,25 @@ def test_a_trainer_process_warms_its_digests_when_it_initialises_cuda():
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"started": True, "done": True, "backend": "triton", "error": "None"}, out.stderr[-3000:]
+
+
+def test_after_the_warmup_plans_of_new_sizes_pin_no_host_memory():
+    """Every plan goes to the device through a pinned block (``kernels.launch._device_plan``): after
+    the warm-up's blocks (``backends._warm_pinned``), first plans of other sizes up to 1 MiB make no
+    ``cudaHostAlloc`` (torch's caching host allocator reuses them, one list per power of two)."""
+    from refit_verify.digest import backends
+    from refit_verify.digest import reference as ref
+    from refit_verify.digest.kernels import launch as kd
+
+    backends._warm_pinned()
+    before = torch.cuda.host_memory_stats()["num_host_alloc"]
+    sizes = []
+    for n in (3, 21, 300, 2000):
+        views = [torch.full((1000 + i,), i % 251, dtype=torch.uint8, device="cuda") for i in range(n)]
+        seeds = [ref.seed("uint8", (v.numel(),), v.numel()) for v in views]
+        p = kd.plan_views(views, seeds)
+        sizes.append(p.plan.numel() * 8)
+        got = kd.to_hex(kd.run_plan(p))  # synchronises: the block is free again for the next plan
+        assert got[2] == ref.digest_bytes(views[2].cpu().numpy().tobytes(), "uint8", (views[2].numel(),))
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == before
+    assert min(sizes) < 4096 and 65536 < max(sizes) <= 1 << 20  # the bins it went through

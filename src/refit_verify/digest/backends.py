@@ -324,8 +324,24 @@ of its kinds of launch (``kernels.direct.MIN_RUNS``: a device comparison whose k
 process's first use, tens of milliseconds) and its third launches directly."""
 
 
+PINNED_BINS = range(9, 21)
+"""log2 of the pinned host block sizes the CUDA warm-up caches (512 B to 1 MiB, :func:`_warm_pinned`)."""
+
+
+def _warm_pinned() -> None:
+    """Leave two pinned host blocks of each size in :data:`PINNED_BINS` in torch's caching host
+    allocator (about 4 MiB): every launch plan goes to the device through a pinned block
+    (``kernels.launch._device_plan``), and the allocator keeps one list per power of two, so the
+    first plan of a size the process had not pinned before pays a ``cudaHostAlloc`` (a system call
+    that page-locks the block) inside a refit's first digests. Plans above 1 MiB (models of
+    thousands of tensors) still pin their first block when first planned."""
+    held = [torch.empty(1 << k, dtype=torch.uint8, pin_memory=True) for k in PINNED_BINS for _ in range(2)]
+    del held
+
+
 def _warmup_kernels(dev: torch.device) -> None:
-    """One run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back:
+    """On CUDA, pinned host blocks for plans of every size up to 1 MiB (:func:`_warm_pinned`); then one
+    run of every Triton launch ``run_plan`` makes, on ``dev``, synchronised by the read-back:
     the plain leaf kernels, their COPY variants (a sender's fused copy into staging,
     ``DigestBatch.add_copy``) and the gather of derived views (a close's regions beside their fused
     parameter), so none of them compiles inside a refit. The plain plan runs :data:`_WARM_RUNS` times
@@ -335,6 +351,8 @@ def _warmup_kernels(dev: torch.device) -> None:
     from refit_verify.digest.kernels import launch as kd
     from refit_verify.digest.kernels._mix import MID_N
 
+    if dev.type == "cuda":
+        _warm_pinned()
     seeds = lambda views: [_ref.seed("uint8", (v.numel(),), v.numel()) for v in views]  # noqa: E731
     # A view of 16 * MID_N + 1 whole lanes and 5 bytes: one chunk, its first leaf program fast (big,
     # aligned, no partial lane), its second general (holds the partial lane); a view at an odd
