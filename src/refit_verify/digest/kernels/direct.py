@@ -226,7 +226,7 @@ def _agree(launches: Sequence[Launch], compiled: Sequence[Any], device: torch.de
         return
     for la, ck in zip(launches, compiled):
         k = _kind(la, device)
-        known = None if k is None else _KNOWN.get(k)
+        known = None if k is None or ck is None else _KNOWN.get(k)
         if known is not None and known is not ck:
             _NO_KINDS[0] = True
             _KNOWN.clear()
@@ -248,9 +248,10 @@ def _aligned(*ts: torch.Tensor | None) -> bool:
 def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tensor | None) -> None:
     """Run plan ``p``'s ``launches`` (CUDA, current stream, the current device being ``p.device``):
     directly when ``p`` was checked or every launch is of a checked kind, else through
-    ``JITFunction.run`` (and check at the plan's second run). ``p.runs`` (counted by the caller) and ``p.direct`` (None: not checked yet, False:
-    JIT only, else ``(compiled kernels, their launches' shape)``) are kept up to date here. A run
-    whose launches differ from the checked ones (:func:`_shape`) goes through the JIT.
+    ``JITFunction.run`` (and check at the plan's second run). ``p.runs`` (counted by the caller) and
+    ``p.direct`` (None: not checked yet, False: JIT only, else ``(compiled kernels, their launches'
+    shape)``) are kept up to date here. A run whose launches differ from the checked ones
+    (:func:`_shape`) goes through the JIT.
 
     Args:
         p: a CUDA :class:`~refit_verify.digest.kernels.launch.Planned`.
