@@ -241,6 +241,22 @@ def test_a_launch_shaped_otherwise_than_at_the_check_goes_through_the_jit():
     assert [e[0] for e in log] == ["direct", "direct"]  # the checked shape again: direct
 
 
+def test_a_jit_run_while_another_device_is_current_is_not_compared_with_the_kinds():
+    """The JIT loads its kernels for the current device: other objects than the plan's device's,
+    which must not empty the table."""
+    log = []
+    src, work, out, launches, p = _checked(log)
+    _CURRENT[0] = torch.device("meta")
+    try:
+        launches[0].fn.compiled = _Compiled(leaf, log)  # what the other device's JIT hands back
+        q = _Plan()
+        q.direct = False
+        direct.run(q, launches, work, out)
+    finally:
+        _CURRENT[0] = torch.device("cpu")
+    assert len(direct._KNOWN) == 2 and not direct._NO_KINDS[0]
+
+
 def test_a_run_while_another_device_is_current_goes_through_the_jit():
     """The compiled kernels were loaded on the plan's device: with another device current, the JIT
     (which loads for the current device) runs them; nothing is checked there either."""
@@ -307,11 +323,17 @@ def test_triton_giving_another_kernel_for_a_known_kind_empties_the_table(caplog)
         direct.run(q, [launches[0]._replace(options={"num_warps": 8}), launches[1]], work, out)  # a JIT run...
         assert direct._KNOWN  # ...of another kind: nothing compared
         direct.run(q, launches, work, out)  # q went direct from its first run: no JIT run to compare
+        assert q.direct and q.direct[2]  # from the table
     r = _Plan()
     r.direct = False  # stays on the JIT: its runs are compared with the table
     direct.run(r, launches, work, out)
     assert direct._KNOWN == {} and direct._NO_KINDS[0]
     assert "another compiled kernel for a kind of digest launch" in caplog.text
+    assert p.direct and not p.direct[2]  # checked on its own: stays direct
+    log.clear()
+    q.runs = direct.MIN_RUNS
+    direct.run(q, launches, work, out)  # direct from the table emptied since: JIT, and its own check now
+    assert [e[0] for e in log] == ["jit", "jit", "direct", "direct"] and q.direct and not q.direct[2]
     s_ = _Plan()
     log.clear()
     _run(s_, launches, work, out)

@@ -45,13 +45,13 @@ Why the compiled kernel is still the right one:
   :func:`_kind` keeps all of them, and an integer's value itself where Triton may specialise on it.
   Every JIT launch whose kind is known is compared with it: Triton returning another compiled kernel
   for a known kind (a Triton whose cache key holds more) empties the table for the process (logged
-  once), and plans are then checked one by one as above.
+  once): plans are then checked one by one as above, those that went direct from the table too.
 * Launch hooks (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``, e.g. a profiler)
   still run: the compiled kernel's launcher calls them as ``JITFunction.run`` does.
 
 What a direct launch does not re-evaluate, unlike ``JITFunction.run`` at every launch: Triton
-settings changed after the plan's check (``knobs.runtime.debug``, the instrumentation mode), the
-function's pre-run hooks, and the check that the kernel's globals did not change since it was
+settings changed after the check of the plan or of its kinds (``knobs.runtime.debug``, a launch's
+``debug``, the instrumentation mode), the function's pre-run hooks, and the check that the kernel's globals did not change since it was
 compiled. None of them changes a digest (the kernels' globals are module constants); a process
 that changes Triton's debug settings midway and wants them applied to kept plans sets
 :data:`~refit_verify.config.DIRECT_LAUNCH_ENV_VAR` to ``0``. The caller makes ``p.device`` the
@@ -250,7 +250,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     directly when ``p`` was checked or every launch is of a checked kind, else through
     ``JITFunction.run`` (and check at the plan's second run). ``p.runs`` (counted by the caller) and
     ``p.direct`` (None: not checked yet, False: JIT only, else ``(compiled kernels, their launches'
-    shape)``) are kept up to date here. A run whose launches differ from the checked ones
+    shape, whether they came from the kinds table)``) are kept up to date here. A run whose launches differ from the checked ones
     (:func:`_shape`) goes through the JIT.
 
     Args:
@@ -263,11 +263,13 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
     through the JIT instead, and direct launches are off for the process).
     """
     d = p.direct
+    if d and d[2] and _NO_KINDS[0]:  # direct from a table emptied since: this plan is checked on its own
+        d = p.direct = None
     usable = out is not None and _OFF is None and direct_launch_enabled() and _aligned(work, out)
     if d is None and usable and _on_device(p.device):
         known = _known(launches, p.device)
         if known is not None:  # every launch of a checked kind: direct from this run
-            d = p.direct = (known, _shape(launches, work, out))
+            d = p.direct = (known, _shape(launches, work, out), True)
     if d and usable and _shape(launches, work, out) == d[1] and _on_device(p.device):
         try:
             direct(d[0], launches, _stream(p.device))
@@ -276,7 +278,8 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
             _turn_off(p, e)
             # the direct launches before the one that raised only wrote scratch: the JIT run redoes them all
     compiled = jit(launches)
-    _agree(launches, compiled, p.device)
+    if _on_device(p.device):  # the JIT launched for the current device: another's kernels are other objects
+        _agree(launches, compiled, p.device)
     if (d is not None or out is None or p.runs < MIN_RUNS or _OFF is not None or not direct_launch_enabled()
             or not _aligned(work, out) or not _on_device(p.device)):
         return
@@ -304,7 +307,7 @@ def run(p: Any, launches: Sequence[Launch], work: torch.Tensor, out: torch.Tenso
         p.direct = False
         return
     if same:
-        p.direct = (compiled, _shape(launches, work, out))
+        p.direct = (compiled, _shape(launches, work, out), False)
         _learn(launches, compiled, p.device)
     else:
         p.direct = False

@@ -276,8 +276,9 @@ class Planned:
         runs: how often :func:`run_plan` ran it chained on CUDA.
         graph: on CUDA, its captured graph once it ran twice (:mod:`~refit_verify.digest.kernels.replay`),
             False when its capture could not be set up or its first replay differed from plain launches, else None.
-        direct: on CUDA, ``(compiled kernels, launch shape)`` its launches go to once it ran twice and they were
-            checked (:mod:`~refit_verify.digest.kernels.direct`), False when it stays on JIT launches, else None.
+        direct: on CUDA, ``(compiled kernels, launch shape, from the kinds table)`` its launches go to once they
+            were checked, as its own or as kinds checked before (:mod:`~refit_verify.digest.kernels.direct`),
+            False when it stays on JIT launches, else None.
         copy: every run also copies each view's bytes to its destination (:func:`plan_views` ``dsts``).
     """
 
