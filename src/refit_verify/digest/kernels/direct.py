@@ -51,8 +51,8 @@ Why the compiled kernel is still the right one:
 
 What a direct launch does not re-evaluate, unlike ``JITFunction.run`` at every launch: Triton
 settings changed after the check of the plan or of its kinds (``knobs.runtime.debug``, a launch's
-``debug``, the instrumentation mode), the function's pre-run hooks, and the check that the kernel's globals did not change since it was
-compiled. None of them changes a digest (the kernels' globals are module constants); a process
+``debug``, the instrumentation mode), the function's pre-run hooks, and the check that the kernel's
+globals did not change since it was compiled. None of them changes a digest (the kernels' globals are module constants); a process
 that changes Triton's debug settings midway and wants them applied to kept plans sets
 :data:`~refit_verify.config.DIRECT_LAUNCH_ENV_VAR` to ``0``. The caller makes ``p.device`` the
 current device (both :func:`~refit_verify.digest.kernels.launch.run_plan` and
