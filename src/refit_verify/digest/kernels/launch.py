@@ -36,6 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+import refit_verify.digest.kernels._plan_numba as _plan_numba
 import refit_verify.digest.kernels.direct as _direct
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.tensors import first_overlap
@@ -58,7 +59,19 @@ FastLaunch = Callable[[torch.Tensor, torch.Tensor, int, int, int, int], list]
 # ---------------------------------------------------------------------------------------------
 def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
           align: int = 8, parents: list[int] | None = None, dsts: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
-    """Build the int64 plan read by all kernels (one host-to-device copy).
+    """Build the int64 plan read by all kernels (one host-to-device copy): :func:`_plan_numpy`'s,
+    from one compiled call (:mod:`~refit_verify.digest.kernels._plan_numba`) when no view can be
+    derived (``parents`` None) and numba is there."""
+    if parents is None and len(sizes) < 1 << 24:
+        got = _plan_numba.plan(addrs, sizes, seeds, align, dsts)
+        if got is not None:
+            return got
+    return _plan_numpy(addrs, sizes, seeds, align, parents, dsts)
+
+
+def _plan_numpy(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
+                align: int = 8, parents: list[int] | None = None, dsts: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
+    """Build the int64 plan read by all kernels (one host-to-device copy), with numpy.
 
     Layout (V views, P leaf programs of which F fast, C chunks): ``[r*V:(r+1)*V]`` for r =
     0 address, 1 nbytes, 2 copy destination address (``dsts``; 0: none), 3 first global chunk, 4 seed0, 5 seed1 (int64 bits), 6-7 unused;

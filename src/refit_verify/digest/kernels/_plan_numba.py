@@ -1,0 +1,124 @@
+"""The kernels' launch plan without derived views, built by one compiled call (numba).
+
+:func:`refit_verify.digest.kernels.launch._plan` builds the plan with about three dozen numpy calls;
+on arrays of a few dozen views each call costs more than its arithmetic (110-130 µs for 21 views on
+an H100 host, 190-580 µs in a thread's first call). :func:`plan` is the same plan, entry for entry,
+from one compiled loop over the views (tests: ``tests/digest/kernels/test_plan_numba.py`` compares
+the two). Derived views (``parents``) stay on the numpy path.
+
+Compiled (``cache=True`` where a cache directory is writable: ``_numba._jit``) at the first plan, which
+the digest warm-up makes; :func:`plan` gives None where numba cannot be imported.
+
+Source: the plan's layout is :func:`~refit_verify.digest.kernels.launch._plan`'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from refit_verify.digest import reference as _ref
+from refit_verify.digest.kernels._mix import MID_N
+
+__all__ = ["plan"]
+
+_CL = _ref.CHUNK_LANES
+_SB_LANES = 65536  # lanes of one leaf program of a big chunk
+
+
+def _build(ad, nb, ds, s0, s1, align):  # pragma: no cover - compiled; its Python twin is launch._plan
+    V = nb.shape[0]
+    P = 0
+    C = 0
+    F = 0
+    for v in range(V):
+        nl = (nb[v] + 7) // 8
+        nch = (nl + _CL - 1) // _CL
+        C += nch
+        if nch == 0:
+            continue
+        last = nl - (nch - 1) * _CL
+        nb0 = (last + MID_N - 1) // MID_N
+        P += (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
+    plan = np.zeros(8 * V + P + C, dtype=np.int64)
+    codes = np.empty(P, dtype=np.int64)
+    fast = np.empty(P, dtype=np.bool_)
+    p = 0
+    c = 0
+    for v in range(V):
+        n = nb[v]
+        nl = (n + 7) // 8
+        nch = (nl + _CL - 1) // _CL
+        plan[v] = ad[v]
+        plan[V + v] = n
+        plan[2 * V + v] = ds[v]
+        plan[3 * V + v] = c
+        plan[4 * V + v] = s0[v]
+        plan[5 * V + v] = s1[v]
+        if nch == 0:
+            continue
+        for k in range(nch):
+            plan[8 * V + P + c + k] = v
+        c += nch
+        last = nl - (nch - 1) * _CL
+        nb0 = (last + MID_N - 1) // MID_N
+        nprog = (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
+        aligned = ad[v] % align == 0
+        full = n // 8
+        for q in range(nprog):
+            lo = q // 16 * _CL
+            end = min(nl, lo + _CL)
+            f = aligned and end - lo > 15 * MID_N and min(end, lo + q % 16 * _SB_LANES + _SB_LANES) <= full
+            codes[p] = (q << 24) | v
+            fast[p] = f
+            F += 1 if f else 0
+            p += 1
+    i = 8 * V
+    j = 8 * V + F
+    for k in range(P):
+        if fast[k]:
+            plan[i] = codes[k]
+            i += 1
+        else:
+            plan[j] = codes[k]
+            j += 1
+    return plan, P, F, C
+
+
+_BUILD: list[Callable | None] = []  # the compiled _build once asked for (None: no numba here)
+
+
+def _compiled() -> Callable | None:
+    if not _BUILD:
+        try:
+            from refit_verify.digest._numba import _jit
+
+            _BUILD.append(_jit()(_build))
+        except Exception:  # noqa: BLE001 - no numba here: the numpy plan
+            _BUILD.append(None)
+    return _BUILD[0]
+
+
+def _bits(xs) -> np.ndarray:
+    """Python ints in [0, 2**64) (or in int64's range) as the int64 array of their 64-bit patterns."""
+    try:
+        return np.asarray(xs, dtype=np.uint64).view(np.int64)
+    except OverflowError:  # a negative int64 among them
+        return np.asarray([x % (1 << 64) for x in xs], dtype=np.uint64).view(np.int64)
+
+
+def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align: int,
+         dsts: list[int] | None) -> tuple[np.ndarray, int, int, int] | None:
+    """``launch._plan(addrs, sizes, seeds, align, None, dsts)``, or None without numba (the caller
+    takes the numpy path). Same arguments and result; ``align`` a power of two."""
+    build = _compiled()
+    if build is None:
+        return None
+    V = len(sizes)
+    ad = _bits(addrs)
+    nb = np.asarray(sizes, dtype=np.int64)
+    ds = np.zeros(V, dtype=np.int64) if dsts is None else _bits(dsts)
+    sd = _bits([s for pair in seeds for s in pair]).reshape(V, 2) if V else np.zeros((0, 2), dtype=np.int64)
+    out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align)
+    return out, int(P), int(F), int(C)
