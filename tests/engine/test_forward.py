@@ -179,3 +179,19 @@ def test_a_forward_that_raises_leaves_it_not_proven_with_why():
     st = man.engine.params["layer.weight"]
     assert st.status == "not_coverable" and "raised RuntimeError: no kernel" in st.why
     assert r.ok and list(r.not_proven) == ["layer.weight"] and man.engine.unproven_bytes == W_BYTES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_finite_is_isfinite_all_without_its_temporary(dtype):
+    """``finite`` agrees with ``isfinite(t).all()``: a NaN, +Inf or -Inf anywhere (first, middle, last
+    element), a finite tensor, an empty one, the largest finite values and negative zeros."""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for pos in (0, 4099, -1):
+            t = torch.randn(96, 130).to(dtype)
+            t.view(-1)[pos] = bad
+            assert forward.finite(t) is False and not bool(torch.isfinite(t).all())
+    big = torch.full((3, 5), torch.finfo(dtype).max, dtype=dtype)
+    big[1, 2] = torch.finfo(dtype).min
+    big[0, 0] = -0.0
+    assert forward.finite(big) is True and forward.finite(torch.randn(7, 9).to(dtype)) is True
+    assert forward.finite(torch.empty(0, 4, dtype=dtype)) is True

@@ -35,7 +35,7 @@ from refit_verify.digest.batch import DigestBatch
 from refit_verify.digest.tensors import Geometry, as_view
 from refit_verify.manifest import ParamState
 
-__all__ = ["BLOCK_BYTES", "THROUGH_FORWARD", "Probe", "canonical", "prove", "rebuild", "settle", "warm"]
+__all__ = ["BLOCK_BYTES", "THROUGH_FORWARD", "Probe", "canonical", "finite", "prove", "rebuild", "settle", "warm"]
 
 BLOCK_BYTES = 16 << 20
 """At most this many bytes of identity rows plus their outputs per call of the layer's GEMM."""
@@ -81,6 +81,16 @@ class Probe:
 def canonical(t: torch.Tensor) -> torch.Tensor:
     """A copy of floating tensor ``t`` (any shape) with every ``-0.0`` made ``+0.0``; other values as they are."""
     return torch.where(t == 0, torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
+def finite(t: torch.Tensor) -> bool:
+    """True iff floating ``t`` (any shape) holds no NaN and no Inf: one ``aminmax`` pass (NaN
+    propagates to both ends, an Inf is an end), no temporary of ``t``'s size (``isfinite(t).all()``
+    makes one and reads twice: 20-50x slower on a CPU)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _digests(w: torch.Tensor, regions: list[Geometry]) -> tuple[str, list[str]]:
@@ -147,7 +157,7 @@ def warm(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int], 
         for r0, m in blocks:
             _identity_block(apply, n, k, r0, m, dtype, device)
         z = torch.zeros((n, k), dtype=dtype, device=device)
-        bool(torch.isfinite(z).all())  # settle's and prove's checks (a first call of it is slow)
+        finite(z)  # settle's and prove's checks (a first call of it is slow)
         _digests(z, [])
     return len(blocks)
 
@@ -179,7 +189,7 @@ def settle(ms: Any, prefix: str, pname: str, landed: torch.Tensor, layer: Any,
         ms.inexact[pname] = f"{what}; its loaded weight ({landed.dtype}, shape {list(landed.shape)}) is not a contiguous " \
                             "floating matrix: its layer's forward cannot rebuild it"
         return "not_coverable"
-    if not bool(torch.isfinite(landed).all()):
+    if not finite(landed):
         ms.unexplained[pname] = (f"{what}; the delivered weight holds NaN or Inf: the layer's forward cannot reproduce it "
                                  "(a NaN or Inf poisons its whole row), so what the kernel computes with is not proven")
         return "mismatch"
@@ -209,9 +219,8 @@ def prove(probe: Probe, device: torch.device | str = "cpu") -> ParamState:
     except Exception as e:  # noqa: BLE001 - the kernel's copy is then not proven: said, never passed
         return ParamState("not_coverable", f"{probe.what}; running its layer's forward on the identity raised "
                           f"{type(e).__name__}: {e}"[:400], probe.nbytes, blocks)
-    bad = ~torch.isfinite(w)
-    if bool(bad.any()):
-        rows = bad.any(dim=1).nonzero().flatten().tolist()
+    if not finite(w):
+        rows = (~torch.isfinite(w)).any(dim=1).nonzero().flatten().tolist()
         return ParamState("mismatch", f"{probe.what}; its layer's forward gives NaN or Inf in {len(rows)} rows (first: row "
                           f"{rows[0]}): the kernel computes with other weights than were loaded", probe.nbytes, blocks)
     whole, hexes = _digests(w, [g for _s, g, _h in probe.regions])
