@@ -195,3 +195,19 @@ def test_finite_is_isfinite_all_without_its_temporary(dtype):
     big[0, 0] = -0.0
     assert forward.finite(big) is True and forward.finite(torch.randn(7, 9).to(dtype)) is True
     assert forward.finite(torch.empty(0, 4, dtype=dtype)) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_canonical_makes_negative_zeros_positive_and_keeps_every_other_bit(dtype):
+    """Against the mask-and-select it replaces: the same bytes for -0.0, +0.0, subnormals, the largest
+    finite values, +-Inf and ordinary values; the input is left as it was."""
+    fi = torch.finfo(dtype)
+    t = torch.randn(64, 33).to(dtype)
+    special = torch.tensor([-0.0, 0.0, fi.tiny / 4, -fi.tiny / 4, fi.max, fi.min, float("inf"), float("-inf")], dtype=dtype)
+    t.view(-1)[: special.numel()] = special
+    before = t.clone()
+    got = forward.canonical(t)
+    want = torch.where(t == 0, torch.zeros((), dtype=dtype), t)
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+    assert torch.equal(got.view(bits), want.view(bits)) and not torch.signbit(got.view(-1)[0])
+    assert torch.equal(t.view(bits), before.view(bits))
