@@ -207,6 +207,9 @@ def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches:
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{setting}: child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    said = dict.fromkeys(line.strip() for line in p.stderr.splitlines() if "refit-verify:" in line)
+    for line in said:  # what refit-verify warned of in the run (a warm-up that failed, direct launches turned off)
+        print(f"  {setting}: {line[-400:]}", flush=True)
     return json.loads(lines[-1])
 
 
