@@ -66,3 +66,16 @@ def test_negative_int64_addresses_are_their_bit_patterns() -> None:
     got = pn.plan(signed, [64, 64], [(1, 2), (3, 4)], 8, None)
     assert np.array_equal(got[0], pn.plan(a, [64, 64], [(1, 2), (3, 4)], 8, None)[0])
     assert got[0][0] == signed[0] and got[0][1] == signed[1]
+
+
+def test_a_plan_that_cannot_compile_falls_back_to_numpy_once(monkeypatch, caplog) -> None:
+    """numba compiles at the first call: one that raises there leaves every later plan to numpy (logged once)."""
+    def broken(*args):
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(pn, "_BUILD", [broken])
+    assert pn.plan([4096], [64], [(1, 2)], 8, None) is None
+    assert pn._BUILD == [None] and "made with numpy" in caplog.text
+    want = kd._plan_numpy([4096], [64], [(1, 2)], 8)
+    got = kd._plan([4096], [64], [(1, 2)], 8)
+    assert got[1:] == want[1:] and np.array_equal(got[0], want[0])

@@ -14,6 +14,7 @@ Source: the plan's layout is :func:`~refit_verify.digest.kernels.launch._plan`'s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +23,8 @@ from refit_verify.digest import reference as _ref
 from refit_verify.digest.kernels._mix import MID_N
 
 __all__ = ["plan"]
+
+logger = logging.getLogger("refit_verify")
 
 _CL = _ref.CHUNK_LANES
 _SB_LANES = 65536  # lanes of one leaf program of a big chunk
@@ -120,5 +123,13 @@ def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align
     nb = np.asarray(sizes, dtype=np.int64)
     ds = np.zeros(V, dtype=np.int64) if dsts is None else _bits(dsts)
     sd = _bits([s for pair in seeds for s in pair]).reshape(V, 2) if V else np.zeros((0, 2), dtype=np.int64)
-    out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align)
+    try:
+        out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align)
+    except Exception:  # noqa: BLE001 - numba could not compile it here (its first call compiles): the numpy plan from now on
+        if not getattr(build, "signatures", None):
+            _BUILD[0] = None
+            logger.warning("refit-verify: the compiled launch plan could not be built; launch plans are made with numpy",
+                           exc_info=True)
+            return None
+        raise
     return out, int(P), int(F), int(C)
