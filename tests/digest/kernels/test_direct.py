@@ -329,6 +329,7 @@ def test_triton_giving_another_kernel_for_a_known_kind_empties_the_table(caplog)
     direct.run(r, launches, work, out)
     assert direct._KNOWN == {} and direct._NO_KINDS[0]
     assert "another compiled kernel for a kind of digest launch" in caplog.text
+    assert "Kind (" in caplog.text and "the checked kernel" in caplog.text  # what tells them apart, for the report
     assert p.direct and not p.direct[2]  # checked on its own: stays direct
     log.clear()
     q.runs = direct.MIN_RUNS

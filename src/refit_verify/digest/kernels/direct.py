@@ -231,9 +231,18 @@ def _agree(launches: Sequence[Launch], compiled: Sequence[Any], device: torch.de
             _NO_KINDS[0] = True
             _KNOWN.clear()
             _log_once("kinds", "refit-verify: Triton launched another compiled kernel for a kind of digest launch "
-                      "checked before (%s); each plan is checked at its second run from now on in this process",
-                      getattr(la.fn, "__name__", la.fn))
+                      "checked before (%s); each plan is checked at its second run from now on in this process. "
+                      "Kind %s; the checked kernel %s, Triton's %s", getattr(la.fn, "__name__", la.fn), k[2:],
+                      _describe(known), _describe(ck))
             return
+
+
+def _describe(ck: Any) -> str:
+    """What tells two compiled kernels apart, for the log: hash, signature, constants, attributes."""
+    src = getattr(ck, "src", None)
+    got = {"hash": getattr(ck, "hash", None), "signature": getattr(src, "signature", None),
+           "constants": getattr(src, "constants", None), "attrs": getattr(src, "attrs", None)}
+    return repr({k: v for k, v in got.items() if v is not None})[:600]
 
 
 def _on_device(device: torch.device) -> bool:
