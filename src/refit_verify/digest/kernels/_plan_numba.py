@@ -15,6 +15,7 @@ Source: the plan's layout is :func:`~refit_verify.digest.kernels.launch._plan`'s
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -92,14 +93,19 @@ def _build(ad, nb, ds, s0, s1, align):  # pragma: no cover - compiled; its Pytho
 _BUILD: list[Callable | None] = []  # the compiled _build once asked for (None: no numba here)
 
 
+_LOCK = threading.Lock()
+
+
 def _compiled() -> Callable | None:
     if not _BUILD:
-        try:
-            from refit_verify.digest._numba import _jit
+        with _LOCK:
+            if not _BUILD:
+                try:
+                    from refit_verify.digest._numba import _jit
 
-            _BUILD.append(_jit()(_build))
-        except Exception:  # noqa: BLE001 - no numba here: the numpy plan
-            _BUILD.append(None)
+                    _BUILD.append(_jit()(_build))
+                except Exception:  # noqa: BLE001 - no numba here: the numpy plan
+                    _BUILD.append(None)
     return _BUILD[0]
 
 
