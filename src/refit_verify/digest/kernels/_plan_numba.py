@@ -1,15 +1,16 @@
 """The kernels' launch plan without derived views, built by one compiled call (numba).
 
-:func:`refit_verify.digest.kernels.launch._plan` builds the plan with about three dozen numpy calls;
-on arrays of a few dozen views each call costs more than its arithmetic (110-130 µs for 21 views on
-an H100 host, 190-580 µs in a thread's first call). :func:`plan` is the same plan, entry for entry,
-from one compiled loop over the views (tests: ``tests/digest/kernels/test_plan_numba.py`` compares
-the two). Derived views (``parents``) stay on the numpy path.
+:func:`refit_verify.digest.kernels.launch._plan_numpy` builds the plan with about three dozen numpy
+calls; on arrays of a few dozen views each call costs more than its arithmetic, and a refit makes a
+plan the first time it sees its tensors (``docs/performance.md``, First refit). :func:`plan` is the
+same plan, entry for entry, from one compiled loop over the views
+(``tests/digest/kernels/test_plan_numba.py`` compares the two). Derived views (``parents``) stay on
+the numpy path.
 
 Compiled (``cache=True`` where a cache directory is writable: ``_numba._jit``) at the first plan, which
-the digest warm-up makes; :func:`plan` gives None where numba cannot be imported.
+the digest warm-up makes; :func:`plan` gives None where numba cannot be imported or compile it.
 
-Source: the plan's layout is :func:`~refit_verify.digest.kernels.launch._plan`'s docstring.
+Source: the plan's layout, :func:`~refit_verify.digest.kernels.launch._plan_numpy`'s docstring.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ the arithmetic in ``_mix.py``):
 The FAST launch can be replaced for measurements (``_launch(..., fast=...)``): the variants it was
 chosen from live in ``benchmarks/digest_variants.py`` (timed by ``benchmarks/bench_variants.py``).
 
-Host work per call: one pass over the views (address, length), a numpy plan and one pinned
-host-to-device copy of it (memoised per view set), <= 4 launches (a gather launch more with derived views).
+Host work per call: one pass over the views (address, length), a plan (one numba call; numpy with
+derived views: ``_plan``) and one pinned host-to-device copy of it (memoised per view set), <= 4
+launches (a gather launch more with derived views).
 
 Lanes are loaded as 64-bit words. Views that start off an 8-byte boundary, and the program that
 holds a view's partial last lane, use a funnel-shift loader: it reads the 8-byte-aligned words
