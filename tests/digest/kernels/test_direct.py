@@ -369,3 +369,21 @@ def test_a_kind_keeps_what_triton_specialises_on():
     assert kind(t, 5, 7, consts=(("B", 1),)) != base and kind(t, 5, 7, options={"num_warps": 2}) != base
     assert kind(t, 5, 7, 1) is None  # a positional argument at a constexpr parameter
     assert direct._kind(direct.Launch(fn, (1,), (t, 5, 7)), torch.device("cuda", 1)) != base
+
+
+def test_describing_a_kernel_for_the_log_never_raises():
+    """The warning that empties the table describes both kernels; an attribute that raises leaves a
+    placeholder, never an error in the launch path."""
+    class Raising:
+        @property
+        def src(self):
+            raise RuntimeError("driver gone")
+
+    class Src:
+        signature, constants, attrs = {"tab_ptr": "*i64", "V": "i32"}, {}, {}
+
+    class Kernel:
+        hash, src = "abc123", Src()
+
+    assert direct._describe(Raising()) == "<not described: RuntimeError>"
+    assert "'hash': 'abc123'" in direct._describe(Kernel()) and "'V': 'i32'" in direct._describe(Kernel())

@@ -79,3 +79,17 @@ def test_a_plan_that_cannot_compile_falls_back_to_numpy_once(monkeypatch, caplog
     want = kd._plan_numpy([4096], [64], [(1, 2)], 8)
     got = kd._plan([4096], [64], [(1, 2)], 8)
     assert got[1:] == want[1:] and np.array_equal(got[0], want[0])
+
+
+def test_bad_lists_are_refused_before_the_compiled_call() -> None:
+    """The compiled loop does no bounds checks: lists of other lengths, a seed that is no pair, or a
+    value outside 64 bits raise here (as the numpy plan raises), never read or write past an array."""
+    with pytest.raises(ValueError, match="one address, seed pair and destination per view"):
+        pn.plan([4096], [64, 64], [(1, 2), (3, 4)], 8, None)
+    with pytest.raises(ValueError, match="one address, seed pair and destination per view"):
+        pn.plan([4096, 8192], [64, 64], [(1, 2), (3, 4)], 8, [0])
+    with pytest.raises(ValueError, match="one address, seed pair and destination per view"):
+        pn.plan([4096], [64], [(1, 2, 3)], 8, None)
+    for bad in (1 << 64, -(1 << 63) - 1):
+        with pytest.raises(OverflowError):
+            pn.plan([bad], [64], [(1, 2)], 8, None)

@@ -22,29 +22,30 @@ from collections.abc import Callable
 import numpy as np
 
 from refit_verify.digest import reference as _ref
-from refit_verify.digest.kernels._mix import MID_N
+from refit_verify.digest.kernels import _mix
 
 __all__ = ["plan"]
 
 logger = logging.getLogger("refit_verify")
 
-_CL = _ref.CHUNK_LANES
 _SB_LANES = 65536  # lanes of one leaf program of a big chunk
 
 
-def _build(ad, nb, ds, s0, s1, align):  # pragma: no cover - compiled; its Python twin is launch._plan
+def _build(ad, nb, ds, s0, s1, align, cl, mid):  # pragma: no cover - compiled; its twin is launch._plan_numpy
+    # cl (reference.CHUNK_LANES) and mid (_mix.MID_N) come as arguments: numba's on-disk cache
+    # notices changes to this file only, never to another module's constants
     V = nb.shape[0]
     P = 0
     C = 0
     F = 0
     for v in range(V):
         nl = (nb[v] + 7) // 8
-        nch = (nl + _CL - 1) // _CL
+        nch = (nl + cl - 1) // cl
         C += nch
         if nch == 0:
             continue
-        last = nl - (nch - 1) * _CL
-        nb0 = (last + MID_N - 1) // MID_N
+        last = nl - (nch - 1) * cl
+        nb0 = (last + mid - 1) // mid
         P += (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
     plan = np.zeros(8 * V + P + C, dtype=np.int64)
     codes = np.empty(P, dtype=np.int64)
@@ -54,7 +55,7 @@ def _build(ad, nb, ds, s0, s1, align):  # pragma: no cover - compiled; its Pytho
     for v in range(V):
         n = nb[v]
         nl = (n + 7) // 8
-        nch = (nl + _CL - 1) // _CL
+        nch = (nl + cl - 1) // cl
         plan[v] = ad[v]
         plan[V + v] = n
         plan[2 * V + v] = ds[v]
@@ -66,15 +67,15 @@ def _build(ad, nb, ds, s0, s1, align):  # pragma: no cover - compiled; its Pytho
         for k in range(nch):
             plan[8 * V + P + c + k] = v
         c += nch
-        last = nl - (nch - 1) * _CL
-        nb0 = (last + MID_N - 1) // MID_N
+        last = nl - (nch - 1) * cl
+        nb0 = (last + mid - 1) // mid
         nprog = (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
         aligned = ad[v] % align == 0
         full = n // 8
         for q in range(nprog):
-            lo = q // 16 * _CL
-            end = min(nl, lo + _CL)
-            f = aligned and end - lo > 15 * MID_N and min(end, lo + q % 16 * _SB_LANES + _SB_LANES) <= full
+            lo = q // 16 * cl
+            end = min(nl, lo + cl)
+            f = aligned and end - lo > 15 * mid and min(end, lo + q % 16 * _SB_LANES + _SB_LANES) <= full
             codes[p] = (q << 24) | v
             fast[p] = f
             F += 1 if f else 0
@@ -111,10 +112,16 @@ def _compiled() -> Callable | None:
 
 
 def _bits(xs) -> np.ndarray:
-    """Python ints in [0, 2**64) (or in int64's range) as the int64 array of their 64-bit patterns."""
+    """Python ints in [-2**63, 2**64) as the int64 array of their 64-bit patterns.
+
+    Raises:
+        OverflowError: a value outside that range (as numpy's ``uint64`` conversion does).
+    """
     try:
         return np.asarray(xs, dtype=np.uint64).view(np.int64)
     except OverflowError:  # a negative int64 among them
+        if any(not -(1 << 63) <= x < 1 << 64 for x in xs):
+            raise
         return np.asarray([x % (1 << 64) for x in xs], dtype=np.uint64).view(np.int64)
 
 
@@ -126,17 +133,23 @@ def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align
     if build is None:
         return None
     V = len(sizes)
+    if len(addrs) != V or len(seeds) != V or (dsts is not None and len(dsts) != V) or any(len(p) != 2 for p in seeds):
+        raise ValueError(f"a plan takes one address, seed pair and destination per view: {len(addrs)} addresses, "
+                         f"{V} sizes, {len(seeds)} seed pairs, {'no' if dsts is None else len(dsts)} destinations")
     ad = _bits(addrs)
     nb = np.asarray(sizes, dtype=np.int64)
     ds = np.zeros(V, dtype=np.int64) if dsts is None else _bits(dsts)
     sd = _bits([s for pair in seeds for s in pair]).reshape(V, 2) if V else np.zeros((0, 2), dtype=np.int64)
     try:
-        out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align)
+        out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align,
+                             _ref.CHUNK_LANES, _mix.MID_N)
     except Exception:  # noqa: BLE001 - numba could not compile it here (its first call compiles): the numpy plan from now on
         if not getattr(build, "signatures", None):
-            _BUILD[0] = None
-            logger.warning("refit-verify: the compiled launch plan could not be built; launch plans are made with numpy",
-                           exc_info=True)
+            with _LOCK:
+                if _BUILD[0] is build:
+                    _BUILD[0] = None
+                    logger.warning("refit-verify: the compiled launch plan could not be built; launch plans are made "
+                                   "with numpy", exc_info=True)
             return None
         raise
     return out, int(P), int(F), int(C)

@@ -239,10 +239,13 @@ def _agree(launches: Sequence[Launch], compiled: Sequence[Any], device: torch.de
 
 def _describe(ck: Any) -> str:
     """What tells two compiled kernels apart, for the log: hash, signature, constants, attributes."""
-    src = getattr(ck, "src", None)
-    got = {"hash": getattr(ck, "hash", None), "signature": getattr(src, "signature", None),
-           "constants": getattr(src, "constants", None), "attrs": getattr(src, "attrs", None)}
-    return repr({k: v for k, v in got.items() if v is not None})[:600]
+    try:
+        src = getattr(ck, "src", None)
+        got = {"hash": getattr(ck, "hash", None), "signature": getattr(src, "signature", None),
+               "constants": getattr(src, "constants", None), "attrs": getattr(src, "attrs", None)}
+        return repr({k: v for k, v in got.items() if v is not None})[:600]
+    except Exception as e:  # noqa: BLE001 - a log line never fails a launch
+        return f"<not described: {type(e).__name__}>"
 
 
 def _on_device(device: torch.device) -> bool:
