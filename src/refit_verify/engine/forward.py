@@ -145,8 +145,8 @@ def _identity_block(apply: Callable[[torch.Tensor], torch.Tensor], n: int, k: in
 def warm(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int], dtype: torch.dtype,
          device: torch.device | str = "cpu", block_bytes: int = BLOCK_BYTES) -> int:
     """Run once, on an engine's live layer, each GEMM call shape :func:`rebuild` of a ``[N, K]`` weight
-    makes (the first block's rows and the last's), and the digest path :func:`prove` takes on an
-    ``[N, K]`` result, discarding what they give: a GEMM kernel that builds (JIT-compiles) its code per
+    makes (the first block's rows and the last's) with its transposed store into an ``[N, K]`` buffer,
+    and the checks and digest path :func:`prove` takes on an ``[N, K]`` result, discarding what they give: a GEMM kernel that builds (JIT-compiles) its code per
     input shape at the first call (oneDNN) does so here, not in a refit's close. Reads the layer's
     weights only. Returns the GEMM calls made.
 
@@ -157,9 +157,10 @@ def warm(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int], 
     rows = _block_rows(shape, dtype, block_bytes)
     blocks = [(0, rows)] + ([(k - k % rows, k % rows)] if k % rows and k > rows else [])
     with torch.no_grad():
-        for r0, m in blocks:
-            _identity_block(apply, n, k, r0, m, dtype, device)
         z = torch.zeros((n, k), dtype=dtype, device=device)
+        for r0, m in blocks:
+            z[:, r0:r0 + m].copy_(_identity_block(apply, n, k, r0, m, dtype, device).t())  # as rebuild stores it
+        z.zero_()
         finite(z)  # settle's and prove's checks (a first call of it is slow)
         _digests(z, [])
     return len(blocks)
