@@ -146,9 +146,9 @@ def warm(apply: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, int], 
          device: torch.device | str = "cpu", block_bytes: int = BLOCK_BYTES) -> int:
     """Run once, on an engine's live layer, each GEMM call shape :func:`rebuild` of a ``[N, K]`` weight
     makes (the first block's rows and the last's) with its transposed store into an ``[N, K]`` buffer,
-    and the checks and digest path :func:`prove` takes on an ``[N, K]`` result, discarding what they give: a GEMM kernel that builds (JIT-compiles) its code per
-    input shape at the first call (oneDNN) does so here, not in a refit's close. Reads the layer's
-    weights only. Returns the GEMM calls made.
+    and the checks and digest path :func:`prove` takes on an ``[N, K]`` result, discarding what they
+    give: a GEMM kernel that builds (JIT-compiles) its code per input shape at the first call (oneDNN)
+    does so here, not in a refit's close. Reads the layer's weights only. Returns the GEMM calls made.
 
     Raises:
         ValueError: ``apply`` gave an output of another shape than ``[rows, N]`` (as :func:`rebuild`).

@@ -127,8 +127,14 @@ def _bits(xs) -> np.ndarray:
 
 def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align: int,
          dsts: list[int] | None) -> tuple[np.ndarray, int, int, int] | None:
-    """``launch._plan(addrs, sizes, seeds, align, None, dsts)``, or None without numba (the caller
-    takes the numpy path). Same arguments and result; ``align`` a power of two."""
+    """``launch._plan_numpy(addrs, sizes, seeds, align, None, dsts)``, or None without numba (the caller
+    takes the numpy path). Same arguments and result: an int64 plan array and P, F, C; ``addrs``,
+    ``dsts`` byte addresses and ``seeds`` 64-bit pairs, per view; ``sizes`` bytes; ``align`` 8 or 16.
+
+    Raises:
+        ValueError: lists of other lengths than ``sizes``, or a seed that is no pair.
+        OverflowError: an address, destination or seed outside [-2**63, 2**64).
+    """
     build = _compiled()
     if build is None:
         return None
