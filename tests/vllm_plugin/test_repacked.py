@@ -165,3 +165,33 @@ def test_nothing_is_learned_ahead_where_no_weight_was_emptied():
     b = wb.modules["model"]
     asked = []
     assert repacked.learn_ahead(b, lambda: asked.append(1) or {}) == 0 and asked == [] and b.tap.learned == 0
+
+
+def test_recording_what_the_engine_did_after_loading_counts_as_the_boundarys_own_work():
+    """``shims.record_into`` runs inside vLLM's load or finalize, yet it is refit-verify's work: its
+    seconds go to the module boundary's ``record_s`` and ``own_seconds`` (a worker's ``boundary_s``),
+    also when the record fails (then the session holds the error)."""
+    import time
+
+    from refit_verify.boundary.worker import WorkerBoundary, identity_of
+    from refit_verify.vllm_plugin import shims
+    from tests.support.toy_model import ToyModel, default_weight_loader
+
+    wb = WorkerBoundary(identity_of(0))
+    wb.attach("model", ToyModel("cpu"), default_weight_loader)
+    b = wb.modules["model"]
+    sid = wb.open("s1", version=1)
+    ms = b.session
+    before, t0 = b.own_seconds(), time.perf_counter()
+    shims.record_into(ms, "repack", "layer", lambda: time.sleep(0.05))
+    took = time.perf_counter() - t0
+    assert 0.05 <= b.record_s <= took and b.own_seconds() - before == pytest.approx(b.record_s)
+
+    def fails():
+        time.sleep(0.03)
+        raise RuntimeError("no")
+
+    shims.record_into(ms, "quantization", "other", fails)
+    assert b.record_s >= 0.08
+    assert ms.errors == ["refit-verify could not record the quantization of other: RuntimeError: no"]
+    wb.close(sid)

@@ -90,6 +90,8 @@ class ModelBoundary:
         self.fills_ahead: list[tuple[torch.dtype, tuple[int, ...], Any]] = []  # (dtype, shape, value) of fills learned ahead
         self.own_s = 0.0  # host seconds in the load_weights wrapper outside the model's own (own_seconds)
         self.inner_s = 0.0  # host seconds in the model's own load_weights under the wrapper
+        # host seconds recording what the engine did to loaded weights, inside its load or finalize (shims.record_into)
+        self.record_s = 0.0
         self._bind()
 
     @property
@@ -233,9 +235,11 @@ class ModelBoundary:
 
     def own_seconds(self) -> float:
         """Host seconds this boundary spent in its own code during loads, so far (monotonic): the wrapper
-        of ``load_weights`` outside the model's own (digests checked first, bookkeeping) and the loader
-        tap's (:attr:`LoaderTap.own_s <refit_verify.boundary.placement.LoaderTap.own_s>`)."""
-        return self.own_s + self.tap.own_s
+        of ``load_weights`` outside the model's own (digests checked first, bookkeeping), the loader
+        tap's (:attr:`LoaderTap.own_s <refit_verify.boundary.placement.LoaderTap.own_s>`), and the
+        records of what the engine did to loaded weights (``record_s``: a repacked or quantized
+        weight read back inside vLLM's ``process_weights_after_loading``)."""
+        return self.own_s + self.tap.own_s + self.record_s
 
     def _replayed(self, target: ModuleSession, original: Callable, args: tuple, kwargs: dict) -> Any:
         """Run one ``load_weights`` call the plan described (recorded already): no tap, no digests."""

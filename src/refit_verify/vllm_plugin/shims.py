@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -382,7 +383,12 @@ def hide_llvmlite_ffi(raw: Any) -> Any:
 def record_into(ms: Any, what: str, mname: str, record: Callable[[], None]) -> None:
     """Run ``record`` (what a wrapped ``process_weights_after_loading`` did to layer ``mname``, into
     module session ``ms``) with plain tensor ops. It never raises into vLLM's load: an error is logged
-    and kept in ``ms.errors`` ("could not record the <what> of <mname>"), which fails the session."""
+    and kept in ``ms.errors`` ("could not record the <what> of <mname>"), which fails the session.
+
+    Its wall seconds are refit-verify's own work, though they run inside vLLM's load or finalize:
+    they are added to the module boundary's ``record_s`` (``ms.module``, counted by
+    :meth:`ModelBoundary.own_seconds <refit_verify.boundary.model.ModelBoundary.own_seconds>`)."""
+    t0 = time.perf_counter()
     try:
         from refit_verify.digest.tensors import PLAIN
 
@@ -391,6 +397,10 @@ def record_into(ms: Any, what: str, mname: str, record: Callable[[], None]) -> N
     except Exception as e:  # noqa: BLE001 - the session reports it
         logger.exception("refit-verify: recording the %s of %s failed", what, mname)
         ms.errors.append(f"refit-verify could not record the {what} of {mname}: {type(e).__name__}: {e}"[:500])
+    finally:
+        module = getattr(ms, "module", None)
+        if isinstance(getattr(module, "record_s", None), float):
+            module.record_s += time.perf_counter() - t0
 
 
 def in_session(raw: Callable, session_of: Callable[[Any], Any], body: Callable) -> Callable:

@@ -102,7 +102,8 @@ def _phase_seconds(digests: Any, load_s: float, boundary_s: float) -> dict[str, 
 
     ``open_s``: the session's open; ``boundary_s``: the model boundary's own code during the loads and
     vLLM's finalize (digests checked before loading, the loader tap, a placement learned: the whole
-    loader call); ``close_s``: the close (coverage, read-back, engine-state snapshot, manifest) —
+    loader call; the read-back of weights vLLM repacked or quantized after loading, though it runs
+    inside vLLM's processing); ``close_s``: the close (coverage, read-back, engine-state snapshot, manifest) —
     together ``own_s``. ``reload_s``: the rest of ``model.load_weights`` and of vLLM's layerwise
     reload (start, per-layer processing, finalize), with the copies it keeps (:func:`owned_copies`):
     what the same refit costs with ``REFIT_VERIFY=off``. Zero where the worker does not verify.
