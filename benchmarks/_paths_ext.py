@@ -128,6 +128,9 @@ TIMED_WORKER = (
     "refit_verify.engine.readback:read_back",
     # the CPU's proof of repacked linear weights through their layers' forward
     "refit_verify.engine.forward:settle",
+    "refit_verify.engine.readback:read_now",  # settle's read-back of the weight just loaded
+    "refit_verify.engine.readback:_program",
+    "refit_verify.engine.forward:finite",
     "refit_verify.engine.forward:prove",
     "refit_verify.engine.forward:rebuild",
     "refit_verify.engine.forward:_identity_block",
