@@ -3,13 +3,16 @@ fake layers shaped as vLLM's, no engine): each distinct GEMM shape the close's p
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
 import torch
 
+from refit_verify.boundary.worker import WorkerBoundary, identity_of
 from refit_verify.engine import forward
-from refit_verify.vllm_plugin import repacked, worker_warmup
+from refit_verify.vllm_plugin import repacked, shims, worker_warmup
+from tests.support.toy_model import ToyModel, default_weight_loader
 
 
 class Method:
@@ -171,12 +174,6 @@ def test_recording_what_the_engine_did_after_loading_counts_as_the_boundarys_own
     """``shims.record_into`` runs inside vLLM's load or finalize, yet it is refit-verify's work: its
     seconds go to the module boundary's ``record_s`` and ``own_seconds`` (a worker's ``boundary_s``),
     also when the record fails (then the session holds the error)."""
-    import time
-
-    from refit_verify.boundary.worker import WorkerBoundary, identity_of
-    from refit_verify.vllm_plugin import shims
-    from tests.support.toy_model import ToyModel, default_weight_loader
-
     wb = WorkerBoundary(identity_of(0))
     wb.attach("model", ToyModel("cpu"), default_weight_loader)
     b = wb.modules["model"]
