@@ -28,12 +28,10 @@ __all__ = ["plan"]
 
 logger = logging.getLogger("refit_verify")
 
-_SB_LANES = 65536  # lanes of one leaf program of a big chunk
-
-
 def _build(ad, nb, ds, s0, s1, align, cl, mid):  # pragma: no cover - compiled; its twin is launch._plan_numpy
     # cl (reference.CHUNK_LANES) and mid (_mix.MID_N) come as arguments: numba's on-disk cache
     # notices changes to this file only, never to another module's constants
+    sb = 16 * mid  # lanes of one leaf program of a big chunk: one superblock (16 of them per chunk)
     V = nb.shape[0]
     P = 0
     C = 0
@@ -46,7 +44,7 @@ def _build(ad, nb, ds, s0, s1, align, cl, mid):  # pragma: no cover - compiled; 
             continue
         last = nl - (nch - 1) * cl
         nb0 = (last + mid - 1) // mid
-        P += (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
+        P += (nch - 1) * 16 + ((last + sb - 1) // sb if nb0 >= 16 else nb0)
     plan = np.zeros(8 * V + P + C, dtype=np.int64)
     codes = np.empty(P, dtype=np.int64)
     fast = np.empty(P, dtype=np.bool_)
@@ -69,13 +67,13 @@ def _build(ad, nb, ds, s0, s1, align, cl, mid):  # pragma: no cover - compiled; 
         c += nch
         last = nl - (nch - 1) * cl
         nb0 = (last + mid - 1) // mid
-        nprog = (nch - 1) * 16 + ((last + _SB_LANES - 1) // _SB_LANES if nb0 >= 16 else nb0)
+        nprog = (nch - 1) * 16 + ((last + sb - 1) // sb if nb0 >= 16 else nb0)
         aligned = ad[v] % align == 0
         full = n // 8
         for q in range(nprog):
             lo = q // 16 * cl
             end = min(nl, lo + cl)
-            f = aligned and end - lo > 15 * mid and min(end, lo + q % 16 * _SB_LANES + _SB_LANES) <= full
+            f = aligned and end - lo > 15 * mid and min(end, lo + q % 16 * sb + sb) <= full
             codes[p] = (q << 24) | v
             fast[p] = f
             F += 1 if f else 0
@@ -129,7 +127,8 @@ def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align
          dsts: list[int] | None) -> tuple[np.ndarray, int, int, int] | None:
     """``launch._plan_numpy(addrs, sizes, seeds, align, None, dsts)``, or None without numba (the caller
     takes the numpy path). Same arguments and result: an int64 plan array and P, F, C; ``addrs``,
-    ``dsts`` byte addresses and ``seeds`` 64-bit pairs, per view; ``sizes`` bytes; ``align`` 8 or 16.
+    ``dsts`` byte addresses and ``seeds`` 64-bit pairs, per view; ``sizes`` bytes; ``align`` 8 or 16;
+    fewer than ``2**24`` views (checked by ``launch._plan``).
 
     Raises:
         ValueError: lists of other lengths than ``sizes``, or a seed that is no pair.

@@ -62,8 +62,14 @@ def _plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]],
           align: int = 8, parents: list[int] | None = None, dsts: list[int] | None = None) -> tuple[np.ndarray, int, int, int]:
     """Build the int64 plan read by all kernels (one host-to-device copy): :func:`_plan_numpy`'s,
     from one compiled call (:mod:`~refit_verify.digest.kernels._plan_numba`) when no view can be
-    derived (``parents`` None) and numba is there."""
-    if parents is None and len(sizes) < 1 << 24:
+    derived (``parents`` None) and numba is there.
+
+    Raises:
+        ValueError: ``2**24`` views or more (a leaf program's code holds its view in 24 bits).
+    """
+    if len(sizes) >= 1 << 24:
+        raise ValueError(f"at most {(1 << 24) - 1} views per call, got {len(sizes)}")
+    if parents is None:
         got = _plan_numba.plan(addrs, sizes, seeds, align, dsts)
         if got is not None:
             return got
@@ -98,9 +104,7 @@ def _plan_numpy(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]]
     Returns:
         (plan, P, F, C): plan is a 1-D int64 numpy array.
     """
-    V = len(sizes)
-    if V >= 1 << 24:
-        raise ValueError(f"at most {(1 << 24) - 1} views per call, got {V}")
+    V = len(sizes)  # < 2**24: checked by _plan
     nb = np.asarray(sizes, dtype=np.int64)
     ad = np.asarray(addrs, dtype=np.uint64).view(np.int64)
     nl = (nb + 7) // 8
