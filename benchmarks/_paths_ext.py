@@ -391,12 +391,34 @@ def _calibration() -> dict[str, list[float]]:
     return out
 
 
+_RUSAGE = (("ru_minflt", "minor page faults"), ("ru_majflt", "major page faults"),
+           ("ru_nvcsw", "voluntary context switches"), ("ru_nivcsw", "involuntary context switches"))
+_RUSAGE_LAST: dict[str, int] = {}
+
+
+def _rusage_counts() -> dict[str, list[float]]:
+    """This process's page faults and context switches since the last read (``getrusage``), as
+    ``{"process: <what> (count)": [0.0, n]}`` rows: memory a refit touches for the first time shows as
+    minor faults; a process that waits or is preempted, as switches. The first read records only."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    now = {label: int(getattr(ru, key)) for key, label in _RUSAGE}
+    out = {f"process: {label} (count)": [0.0, n - _RUSAGE_LAST[label]] for label, n in now.items() if label in _RUSAGE_LAST}
+    _RUSAGE_LAST.update(now)
+    return out
+
+
 def read_timers() -> dict[str, list[float]]:
     """``{attr path: [seconds, calls]}`` since the last read (then reset), with the CUDA allocator's
-    counters since then (:func:`_allocator_counts`), the calibration (:func:`_calibration`) and the threads alive."""
+    counters since then (:func:`_allocator_counts`), this process's page faults and context switches
+    (:func:`_rusage_counts`), the calibration (:func:`_calibration`) and the threads alive."""
     out = {k: v[:2] for k, v in _TIMES.items() if v[1]}
     for v in _TIMES.values():
         v[0], v[1] = 0.0, 0
+    out.update(_rusage_counts())
+    import gc  # objects the collector leaves alone (gc.freeze: vLLM freezes its startup heap) and the young ones
+    out["gc: frozen objects at the read (count)"] = [0.0, gc.get_freeze_count()]
     out.update(_allocator_counts())
     out.update(_calibration())
     import threading  # other Python threads of the process contend for the GIL at every call that releases it

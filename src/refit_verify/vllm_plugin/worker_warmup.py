@@ -18,6 +18,11 @@ once in a background thread from the moment the device is set, so the first refi
   learned there too, dry (no write reaches the model); tensors pushed with other names, shapes or
   dtypes, the refit plan and the layout map are learned at the first verified refit, or dry on
   request (``refit_verify_layout_map``).
+* ``CPUWorker.compile_or_warm_up_model`` is wrapped (:func:`wrap_cpu_compile_or_warm_up_model`):
+  vLLM's GPU ``Worker`` freezes its startup heap there (``vllm.utils.gc_utils.freeze_gc_heap``) so
+  the garbage collector stops scanning static objects; ``CPUWorker`` overrides the method without
+  it. Once vLLM's own method returned and the first session's prepare ended (bounded), the same
+  freeze runs in a CPU worker (:func:`freeze_heap`).
 
 Nothing starts with ``REFIT_VERIFY=off`` or ``REFIT_VERIFY_WARMUP=0``.
 """
@@ -49,6 +54,7 @@ def _import_refit_modules() -> None:
 
 
 _PENDING = "_refit_verify_prepare"  # a CUDA worker's attribute: its boundary, prepared in compile_or_warm_up_model
+_THREAD = "_refit_verify_prepare_thread"  # a CPU worker's attribute: the thread preparing its first session
 
 
 def after_load(worker: Any, wb: Any) -> threading.Thread | None:
@@ -79,6 +85,7 @@ def after_load(worker: Any, wb: Any) -> threading.Thread | None:
         th = threading.Thread(target=prepare, args=(wb, getattr(device, "type", "cpu"), worker, built.get("specs")),
                               name="refit-verify-prepare", daemon=True)
         th.start()
+        setattr(worker, _THREAD, th)
         return th
     except Exception:  # noqa: BLE001 - the worker starts regardless; the first close builds them
         logger.warning("refit-verify: preparing the first session could not start", exc_info=True)
@@ -215,5 +222,50 @@ def wrap_compile_or_warm_up_model(raw):
             delattr(self, _PENDING)  # before the capture: none of its launches or allocations lands inside one
             prepare(wb, getattr(device, "type", "cuda"), self)
         return raw(self, *args, **kwargs)
+
+    return compile_or_warm_up_model
+
+
+def freeze_heap(worker: Any, timeout_s: float | None = None) -> int | None:
+    """Freeze the process's heap as vLLM's GPU ``Worker`` does after its warm-up
+    (``vllm.utils.gc_utils.freeze_gc_heap``: collect every generation, then ``gc.freeze()``), once the
+    thread preparing ``worker``'s first session (:func:`after_load`) ended, waited for at most
+    ``timeout_s`` (default ``backends.WARMUP_WAIT_S``); its objects are startup objects too. Nothing
+    with the warm-up off or where vLLM has no ``freeze_gc_heap``; never raises.
+
+    Returns:
+        the number of objects frozen (``gc.get_freeze_count()``), or None when nothing was done.
+    """
+    try:
+        if not warmup_enabled():
+            return None
+        try:
+            from vllm.utils.gc_utils import freeze_gc_heap
+        except ImportError:  # a vLLM without the policy: its heap is left as it is
+            return None
+        import gc
+
+        th = getattr(worker, _THREAD, None)
+        t0 = time.perf_counter()
+        if th is not None:
+            th.join(backends.WARMUP_WAIT_S if timeout_s is None else timeout_s)
+        t1 = time.perf_counter()
+        freeze_gc_heap()
+        n = gc.get_freeze_count()
+        logger.info("refit-verify: worker heap frozen after the warm-up, as vLLM's GPU worker does: %d objects "
+                    "(waited %.3f s for the first session's prepare%s, froze in %.3f s)", n, t1 - t0,
+                    ", still running" if th is not None and th.is_alive() else "", time.perf_counter() - t1)
+        return n
+    except Exception:  # noqa: BLE001 - the worker starts regardless; its collections scan the whole startup heap
+        logger.warning("refit-verify: freezing the worker heap failed", exc_info=True)
+        return None
+
+
+def wrap_cpu_compile_or_warm_up_model(raw):
+    @functools.wraps(raw)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = raw(self, *args, **kwargs)
+        freeze_heap(self)
+        return out
 
     return compile_or_warm_up_model
