@@ -417,7 +417,7 @@ def read_timers() -> dict[str, list[float]]:
     for v in _TIMES.values():
         v[0], v[1] = 0.0, 0
     out.update(_rusage_counts())
-    import gc  # objects the collector leaves alone (gc.freeze: vLLM freezes its startup heap) and the young ones
+    import gc  # objects the collector leaves alone (gc.freeze: vLLM's freeze of a worker's startup heap)
     out["gc: frozen objects at the read (count)"] = [0.0, gc.get_freeze_count()]
     out.update(_allocator_counts())
     out.update(_calibration())

@@ -30,6 +30,7 @@ Nothing starts with ``REFIT_VERIFY=off`` or ``REFIT_VERIFY_WARMUP=0``.
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import logging
 import threading
@@ -243,8 +244,6 @@ def freeze_heap(worker: Any, timeout_s: float | None = None) -> int | None:
             from vllm.utils.gc_utils import freeze_gc_heap
         except ImportError:  # a vLLM without the policy: its heap is left as it is
             return None
-        import gc
-
         th = getattr(worker, _THREAD, None)
         t0 = time.perf_counter()
         if th is not None:
