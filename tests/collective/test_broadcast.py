@@ -13,6 +13,7 @@ loaded: the transfer itself "corrupted" them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -123,10 +124,13 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
         return RefitConfig(mode=mode, buffer_bytes=BUFFER)
 
     def step(key: str, mode: str, *, flip: dict[int, str] | None = None, load_error: dict[int, str] | None = None,
-             items=None, label: int | None = None, late: str | None = None) -> None:
+             items=None, label: int | None = None, late: str | None = None, count_left: bool = False) -> None:
         cap.records.clear()
         if rank == SRC:
             failed_before = len(verdicts._FAILED)
+            if count_left:  # what the send leaves to the cyclic collector: counted with the collector off
+                gc.collect()
+                gc.disable()
             try:
                 if late is not None:  # a copy of the list, one tensor of it written while the refit is sent
                     items = [(n, t.clone()) for n, t in tensors]
@@ -141,8 +145,12 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
                 finally:
                     Packer._fuses = fuses
                 out[key] = {"reports": _reports(res)}
+                if count_left:
+                    out[key]["sends_left"] = sum(type(o).__name__ == "_BroadcastSend" for o in gc.get_objects())
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": _err(e)}
+            finally:
+                gc.enable()
             out[key]["logs"] = list(cap.records)
             out[key]["failed_recorded"] = len(verdicts._FAILED) - failed_before  # this trainer's verdicts (audits read them)
             return
@@ -169,7 +177,7 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
             out[key] = {"error": _err(e)}
 
     others = [r for r in range(1, world) if r != fault_rank]
-    step("clean_enforce", "enforce")
+    step("clean_enforce", "enforce", count_left=True)
     step("fault_enforce", "enforce", flip={fault_rank: "model.layers.0.mlp.w_int8"})
     step("fault_log", "log", flip={fault_rank: "model.embed_tokens.weight"})
     step("fault_oversized", "enforce", flip={fault_rank: "lm_head.weight"})
@@ -248,6 +256,7 @@ ALL = [n for n, _ in named_tensors()]
 def check_clean(ranks: list[dict], world: int) -> None:
     reps = ranks[SRC]["clean_enforce"]["reports"]
     assert sorted(reps) == list(range(1, world))
+    assert ranks[SRC]["clean_enforce"]["sends_left"] == 0  # the send's state (bucket, digest buffers) freed as it returned
     for r in range(1, world):
         assert reps[r]["ok"] and reps[r]["verified"] == len(ALL) and reps[r]["rank"] == r
         # what the digests before load cannot see is said, in the report and its text

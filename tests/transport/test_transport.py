@@ -895,3 +895,25 @@ def test_sender_stages_the_first_group_while_waiting_for_welcome(mode):
     else:  # nothing staged ahead, nothing digested
         assert report is None and st["stage_s"] == 0.0 == st["digest_before_welcome_s"] == st["digest_s"] and st["welcome_s"] > 0
     assert list(got) == [n for n, _ in tensors] and all(torch.equal(got[n], t) for n, t in tensors)
+
+
+def test_a_finished_sender_is_freed_by_reference_counting_and_keeps_its_counts():
+    """After a verified refit the sender's progress keeps the packing counts, not the packer (which refers
+    back to the sender): dropping the sender frees it, its sockets and digest buffers at once, with the
+    cyclic collector off."""
+    import gc
+    import weakref
+
+    tx = RefitSender(config=RefitConfig.build(mode="enforce", timeout_s=5.0))
+    with tx:
+        report, out = _run_pair(tx, [("a", torch.randn(5)), ("b", torch.randn(6))])
+    assert report is not None and report.ok and out.get("error") is None
+    assert (tx._progress.tensors_packed, tx._progress.last_name) == (2, "b")
+    assert tx.last_stats["tensors"] == 2 and tx.last_stats["digest_s"] > 0
+    gone = weakref.ref(tx)
+    gc.disable()
+    try:
+        del tx
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -360,6 +360,8 @@ class BroadcastSender:
                 except Exception:  # noqa: BLE001 - the original error matters more
                     logger.exception("could not broadcast abort")
             raise
+        finally:
+            st.packer = None  # the packer refers to st (its sink): no cycle keeps the bucket and digest buffers after the send
         results = [g for g in gathered if g is not None]
         self.last_stats = BroadcastStats(
             refit_id=refit_id, mode=mode.value, tensors=packer.tensors, bytes=packer.bytes, buckets=st.progress["buckets"],

@@ -36,6 +36,20 @@ class PackCounts(Protocol):
     def stop_digests(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class PackedCounts:
+    """A finished refit's :class:`PackCounts`, kept by :class:`Progress` in place of its packer: the
+    packer refers back to the sender (through the send state's ``send`` and ``settle``), so holding
+    it would keep a finished sender, its sockets and digest buffers alive until a garbage collection."""
+
+    tensors: int
+    last_name: str | None
+    digest_s: float
+
+    def stop_digests(self) -> None:
+        """Nothing to stop: the refit ended."""
+
+
 @dataclass
 class Progress:
     """How far the current refit got (``RefitTimeoutError.progress``); packing counts come from the packer."""

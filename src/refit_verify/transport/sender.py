@@ -32,7 +32,7 @@ from refit_verify.stream.items import MAX_ERROR_CHARS, StreamStats
 from refit_verify.stream.pack import Packer
 from refit_verify.transport import staging as _staging
 from refit_verify.transport.guard import LAST_WORDS_S, EndpointLock, PeerWatch, bind_exclusive, check_private_dir, close_zmq, ms, private_endpoint
-from refit_verify.transport.send_state import Progress, SendState
+from refit_verify.transport.send_state import PackedCounts, Progress, SendState
 from refit_verify.wire.fields import MAX_MESSAGE_BYTES, Entry, encode
 from refit_verify.wire.staged import (
     ABORT_SEQ,
@@ -590,6 +590,8 @@ class RefitSender:
             raise
         finally:
             st.free_pool()
+            if packer is not None:  # the counts stay readable; the packer (and through it this sender) is let go
+                p.packer = PackedCounts(packer.tensors, packer.last_name, packer.digest_s)
         self.last_stats = RefitStats(
             refit_id=refit_id, mode=st.mode.value, tensors=packer.tensors, bytes=p.bytes_sent, buffers=p.buffers_sent, hello_sent=p.hello_sent,
             stage_s=st.stage_s, welcome_s=st.welcome_s, digest_before_welcome_s=st.before_welcome_s, digest_s=packer.digest_s, digest_shadow_s=packer.digest_shadow_s, wall_s=time.perf_counter() - t_start, receiver_digest_s=float(done.digest_s),
