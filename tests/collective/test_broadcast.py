@@ -150,7 +150,8 @@ def run_scenarios(rank: int, world: int, device: torch.device, fault_rank: int, 
             except Exception as e:  # noqa: BLE001
                 out[key] = {"error": _err(e)}
             finally:
-                gc.enable()
+                if count_left:
+                    gc.enable()
             out[key]["logs"] = list(cap.records)
             out[key]["failed_recorded"] = len(verdicts._FAILED) - failed_before  # this trainer's verdicts (audits read them)
             return
