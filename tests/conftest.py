@@ -16,6 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from refit_verify.digest import warm_start  # noqa: E402 - after TRITON_INTERPRET
+
+warm_start.at_import = False  # no warm-up thread starting at a random moment of a test; tests/digest/test_warm_start.py runs it
+
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: one worker per core, at most 4 (each worker may run a vLLM engine of its own)."""

@@ -14,7 +14,7 @@ from importlib import metadata as _metadata
 from typing import TYPE_CHECKING, Any
 
 from refit_verify import _moved
-from refit_verify.digest import warm_on_cuda as _warm_on_cuda
+from refit_verify.digest import warm_start as _warm_start
 
 try:
     __version__ = _metadata.version("refit-verify")
@@ -70,7 +70,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 _moved.install()
-_warm_on_cuda.install()  # a trainer's digest warm-up starts as its process initialises CUDA (torch imported first)
+_warm_start.install()  # a trainer's digest warm-up starts ahead of its first refit (torch imported first)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""A trainer process's digest warm-up starts as it initialises CUDA (``refit_verify.digest.warm_on_cuda``), so
+"""A trainer process's digest warm-up starts as it initialises CUDA (``refit_verify.digest.warm_start``), so
 its first refit finds the kernels loaded. Run in a fresh Python process (this one has CUDA initialised
 already). Needs a CUDA GPU."""
 

@@ -11,6 +11,6 @@ May import: ``transport`` (for ``push``), ``digest``, the foundation. Never: ``b
 (the trainer reaches the workers by RPC only), ``vllm_plugin``.
 """
 
-from refit_verify.digest import warm_on_cuda
+from refit_verify.digest import warm_start
 
-warm_on_cuda.install()  # torch imported after refit_verify: the warm-up still starts as CUDA initialises
+warm_start.install()  # torch imported after refit_verify: the warm-up still starts ahead of the first refit

@@ -46,10 +46,10 @@ def register() -> None:
     """
     from refit_verify.boundary.plan import replay_from_env
     from refit_verify.config import check_cuda_graphs_env, check_direct_launch_env, check_warmup_env, mode_from_env
-    from refit_verify.digest import warm_on_cuda
+    from refit_verify.digest import warm_start
     from refit_verify.vllm_plugin import patches, shims
 
-    warm_on_cuda.engine_process = True  # the workers warm themselves (worker_warmup), not as a trainer
+    warm_start.engine_process = True  # the workers warm themselves (worker_warmup), not as a trainer
     mode = mode_from_env()
     replay_from_env()
     check_cuda_graphs_env()

@@ -1,0 +1,127 @@
+"""The trainer's digest warm-up, started ahead of its first refit.
+
+A trainer's first verified refit would otherwise start the warm-up itself (``refit``, ``push``) and
+wait for it: numba loading (or compiling) the CPU digests, Triton loading and launching each CUDA
+kernel for the first time in the process; hundreds of milliseconds on a CPU host, tens on CUDA.
+:func:`install` (run by ``import refit_verify`` and by ``refit_verify.trainer``) arranges two starts
+of :func:`~refit_verify.digest.backends.start_warmup`, each in a thread of its own, while the trainer
+builds its model and starts its engine:
+
+* the CPU's, :data:`CPU_SETTLE_S` after the import (every trainer digests host tensors on the CPU);
+* the current CUDA device's, as the process initialises CUDA (``torch.cuda._lazy_call``; at once
+  when it already is).
+
+Nothing starts when torch is not imported yet (the next ``install``, or the first refit, starts it),
+in a vLLM process (the plugin's ``register()`` sets :data:`engine_process`; its workers warm
+themselves), with :data:`at_import` false, unless ``REFIT_VERIFY`` is ``log`` or ``enforce`` in the
+trainer's environment (unset is ``off``), or with ``REFIT_VERIFY_WARMUP=0``.
+Never raises: a failure is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+__all__ = ["install"]
+
+logger = logging.getLogger("refit_verify")
+
+SETTLE_S = 0.05
+"""Seconds the CUDA starter waits after CUDA's initialisation before reading the current device:
+``torch.cuda.set_device(d)`` initialises CUDA first, then selects ``d``."""
+
+CPU_SETTLE_S = 1.0
+"""Seconds between ``import refit_verify`` and the start of the CPU's warm-up. A vLLM process imports
+the package through its plugin entry point and calls the plugin's ``register()`` (which sets
+:data:`engine_process`) right after loading its plugins, well within this; a first refit sooner than
+this starts the warm-up itself and waits for it, as without the start at import."""
+
+_installed = False
+_cpu_queued = False
+_cpu_starter: list[threading.Thread] = []  # the thread that starts the CPU's warm-up (it ends after CPU_SETTLE_S)
+engine_process = False
+"""Set by the vLLM plugin's ``register()``: this process is vLLM's (its workers warm themselves)."""
+
+at_import = True
+"""False: nothing starts from :func:`install` (the test session sets it: its processes warm the CPU
+digests in its own order, ``tests/conftest.py``)."""
+
+
+def install() -> bool:
+    """Arrange the trainer's digest warm-up (module docstring); once per process.
+
+    Returns:
+        bool: True iff a start was arranged by this call (torch imported; the CPU's starter thread
+        started, or the CUDA start queued with torch).
+    """
+    global _installed, _cpu_queued
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    arranged = False
+    if not _cpu_queued:
+        try:
+            th = threading.Thread(target=_start_cpu, name="refit-verify-warmup-start", daemon=True)
+            th.start()
+            _cpu_queued = arranged = True
+            _cpu_starter[:] = [th]
+        except Exception:  # noqa: BLE001 - never in the way of import: the first refit warms up instead
+            logger.debug("refit-verify: could not start the CPU digest warm-up's starter", exc_info=True)
+    lazy = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
+    if not _installed and lazy is not None:
+        try:
+            lazy(_cuda_started)
+            _installed = arranged = True
+        except Exception:  # noqa: BLE001 - never in the way of import: the first refit warms up instead
+            logger.debug("refit-verify: could not queue the digest warm-up with torch.cuda", exc_info=True)
+    return arranged
+
+
+def _wanted() -> bool:
+    """Whether a start arranged here goes ahead: not in a vLLM process, and ``REFIT_VERIFY`` set to a
+    verifying mode (unset is ``off``: no digest code runs; a bad value is the first refit's error)."""
+    if not at_import or engine_process:
+        return False
+    try:
+        from refit_verify.config import mode_from_env
+
+        return mode_from_env().verifies
+    except Exception:  # noqa: BLE001 - a bad REFIT_VERIFY: the refit itself reports it
+        return False
+
+
+def _start_cpu() -> None:
+    time.sleep(CPU_SETTLE_S)
+    if not _wanted():
+        return
+    try:
+        from refit_verify.digest import backends
+
+        backends.start_warmup("cpu")
+    except Exception:  # noqa: BLE001 - logged; the first refit starts the warm-up itself
+        logger.warning("refit-verify: the trainer's CPU digest warm-up could not start", exc_info=True)
+
+
+def _cuda_started() -> None:
+    """Called inside torch's CUDA initialisation (its lock held): only starts a thread, never raises."""
+    try:
+        threading.Thread(target=_start, name="refit-verify-warmup-start", daemon=True).start()
+    except Exception:  # noqa: BLE001 - an exception here would fail the trainer's CUDA initialisation
+        pass
+
+
+def _start() -> None:
+    time.sleep(SETTLE_S)
+    if not _wanted():
+        return
+    try:
+        import torch
+
+        from refit_verify.digest import backends
+
+        backends.start_warmup(torch.device("cuda", torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - logged; the first refit starts the warm-up itself
+        logger.warning("refit-verify: the trainer's digest warm-up could not start", exc_info=True)
