@@ -1,12 +1,17 @@
 """First verified refit against the second on a fresh engine, with the digest warm-up on and off.
 
     python benchmarks/bench_first_refit.py [--rounds 3] [--refits 3] [--device auto|cuda|cpu] [--model tiny-llama]
-        [--settings 1,3] [--fresh-caches] [--profile FILE] [--timers FILE] [--out FILE]
+        [--settings 1,3] [--rollouts TOKENS] [--fresh-caches] [--profile FILE] [--timers FILE] [--out FILE]
 
 Each round runs every setting in a fresh child process: the trainer starts a fresh vLLM engine (the
 packaged tiny Llama the demo uses, dummy weights; ``--model qwen3-0.6b-like`` for the 310-tensor
 set) and pushes the same weights ``--refits`` times through :func:`refit_verify.push`, the first
 push as soon as ``LLM(...)`` returned. The order of the settings rotates from round to round.
+
+``--rollouts TOKENS``: before every push (the first included), the engine generates ``TOKENS`` tokens
+for each of 8 prompts (``llm.generate``, sampling, EOS ignored), as an RL loop generates rollouts
+between refits: every refit then finds the caches the engine's generation left, not the ones the
+refit just before it warmed. Default 0: the pushes run back to back.
 
 Settings (``--settings``: their numbers, default all):
 
@@ -99,6 +104,12 @@ def _child(device: str, model: str, refits: int) -> None:
     # with timers, the worker process times itself (benchmarks/_paths_ext.py), read through collective_rpc
     llm = start_dummy_engine(d, device, **({"worker_extension_cls": "benchmarks._paths_ext.WorkerProfile"} if timers else {}))
     start_s = time.perf_counter() - t0
+    rollouts = int(os.environ.get("BENCH_ROLLOUTS", "0"))
+    if rollouts:
+        from vllm import SamplingParams
+
+        prompts = [{"prompt_token_ids": [1 + i, 5 + i, 9 + i, 13 + i]} for i in range(8)]
+        sampling = SamplingParams(max_tokens=rollouts, temperature=1.0, ignore_eos=True, detokenize=False, seed=0)
     timed: list[dict] = []
     if timers:
         from _paths_ext import TIMED_TRAINER, install_timers, read_timers
@@ -123,6 +134,8 @@ def _child(device: str, model: str, refits: int) -> None:
     for i in range(refits):
         if profile:
             profiles.append(cProfile.Profile())
+        if rollouts:  # an RL loop's rollouts before the refit
+            llm.generate(prompts, sampling, use_tqdm=False)
         if timers:  # what ran since the last read (the engine's start, the last manifest) is not this refit's
             read_timers()
             llm.collective_rpc("bench_profile", args=("read",))
@@ -190,8 +203,8 @@ def _timer_rows(timed: list[dict], at_least_ms: float = 0.03) -> list[str]:
 
 
 def _run_child(setting: str, device: str, model: str, refits: int, fresh_caches: bool, profile: str | None = None,
-               timers: str | None = None) -> dict:
-    env = {**os.environ, **SETTINGS[setting]}
+               timers: str | None = None, rollouts: int = 0) -> dict:
+    env = {**os.environ, **SETTINGS[setting], "BENCH_ROLLOUTS": str(rollouts)}
     if profile:
         env["BENCH_PROFILE"] = profile
     if timers:
@@ -226,7 +239,8 @@ def _table(got: dict[str, list[dict]], names: list[str], a, device: str) -> list
     lines = [f"First vs second verified refit, fresh engine per run: {a.model}, {device} "
              f"({torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores), torch {torch.__version__}, {rounds} rounds, {a.refits} refits each (medians)"
-             f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}", "",
+             f"{', fresh numba and Triton caches per run' if a.fresh_caches else ''}"
+             f"{f', {a.rollouts} tokens x 8 prompts generated before every push' if a.rollouts else ', pushes back to back'}", "",
              "| setting | engine start (s) | 1st refit (ms) | 2nd refit (ms) | last refit (ms) | 1st / 2nd | 1st − later (ms) "
              "| own work 1st / 2nd (ms) | own 1st / 2nd | control: own 3rd / 2nd | own on the critical path 1st / 2nd (ms) "
              "| critical 1st / 2nd | control: critical 3rd / 2nd |",
@@ -265,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                  ap.add_argument("--model", default="tiny-llama"),
                                                                  ap.add_argument("--settings", default=None),
                                                                  ap.add_argument("--fresh-caches", action="store_true"),
+                                                                 ap.add_argument("--rollouts", type=int, default=0),
                                                                  ap.add_argument("--profile", default=None),
                                                                  ap.add_argument("--timers", default=None),
                                                                  ap.add_argument("--child", action="store_true")))
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     got: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[: r % len(names)]:
-            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile, a.timers))
+            got[n].append(_run_child(n, device, a.model, a.refits, a.fresh_caches, a.profile, a.timers, a.rollouts))
             w, o = got[n][-1]["walls"], got[n][-1]["own"]
             own = f"; own work {', '.join(f'{x * 1e3:.1f}' for x in o)} ms" if None not in o else ""
             print(f"round {r}: {n}: start {got[n][-1]['start_s']:.1f} s, refits {', '.join(f'{x * 1e3:.1f}' for x in w)} ms{own}",

@@ -64,11 +64,13 @@ def test_screen_shows_the_table_and_the_verdicts(demo):
     assert walls, out
     # each refit's wall split: refit-verify's own work (sender digest + the worker's open, model boundary and
     # close) apart from vLLM's own reload
-    split = re.search(r"refit-verify's own work (\d+\.\d) ms, then (\d+\.\d) ms \(sender digest (\d+\.\d), (\d+\.\d); worker "
+    split = re.search(r"refit-verify's own work (\d+\.\d) ms, then (\d+\.\d) ms \(first / second (\d+\.\d\d); sender digest "
+                      r"(\d+\.\d), (\d+\.\d); worker "
                       r"(\d+\.\d), (\d+\.\d): session open, model boundary, close\); vLLM's reload (\d+\.\d) ms, then "
                       r"(\d+\.\d) ms; the rest is staging, transport and vLLM's RPC", out)
     assert split, out
-    own, own2, send, send2, work, work2, reload, reload2 = map(float, split.groups())
+    own, own2, ratio, send, send2, work, work2, reload, reload2 = map(float, split.groups())
+    assert ratio == pytest.approx(own / own2, abs=0.04)  # the first refit's own work against the second's
     assert own == pytest.approx(send + work, abs=0.15) and own2 == pytest.approx(send2 + work2, abs=0.15)
     assert min(send, send2, work, work2, reload, reload2) > 0
     for part, wall in ((own + reload, walls.group(1)), (own2 + reload2, walls.group(2))):

@@ -425,7 +425,8 @@ def _run(console, work: Path, cfg: dict, device: str, seed: int, timeout_s: floa
         split = refit_split(stats, workers), refit_split(stats2, workers2)
         if None not in split:
             (own, send, work, reload), (own2, send2, work2, reload2) = split
-            console.print(f"  refit-verify's own work {own * 1e3:.1f} ms, then {own2 * 1e3:.1f} ms (sender digest {send * 1e3:.1f}, "
+            console.print(f"  refit-verify's own work {own * 1e3:.1f} ms, then {own2 * 1e3:.1f} ms (first / second "
+                          f"{own / own2 if own2 > 0 else float('inf'):.2f}; sender digest {send * 1e3:.1f}, "
                           f"{send2 * 1e3:.1f}; worker {work * 1e3:.1f}, {work2 * 1e3:.1f}: session open, model boundary, close); "
                           f"vLLM's reload {reload * 1e3:.1f} ms, then {reload2 * 1e3:.1f} ms; the rest is staging, transport and "
                           "vLLM's RPC", soft_wrap=True)
