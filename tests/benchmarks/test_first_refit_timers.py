@@ -41,13 +41,15 @@ def test_the_table_so_far_holds_the_settings_with_runs_and_their_medians():
 
     from bench_first_refit import _table
 
-    a = SimpleNamespace(model="tiny-llama", refits=4, fresh_caches=False)
+    a = SimpleNamespace(model="tiny-llama", refits=4, fresh_caches=False, rollouts=0)
     names = ["enforce, warm-up on", "enforce, warm-up on, trainer cold"]
     got = {names[0]: [_run([0.005, 0.004, 0.002, 0.002], [0.020, 0.016, 0.015, 0.015]),
                       _run([0.006, 0.004, 0.003, 0.002], [0.024, 0.018, 0.016, 0.014])],
            names[1]: []}  # the call's bound came before its first run
     lines = _table(got, names, a, "cpu")
-    assert "2 rounds, 4 refits each" in lines[0]
+    assert "2 rounds, 4 refits each (medians), pushes back to back" in lines[0]
+    assert _table(got, names, SimpleNamespace(**{**vars(a), "rollouts": 64}), "cpu")[0].endswith(
+        ", 64 tokens x 8 prompts generated before every push")
     rows = [x for x in lines if x.startswith("| enforce")]
     assert len(rows) == 2 and all(names[1] + " |" not in r for r in rows)  # its table row and its split row, none for the other
     cells = [c.strip() for c in rows[0].split("|")[1:-1]]
