@@ -23,10 +23,10 @@ from refit_verify.digest import warm_start
 def queued(monkeypatch):
     calls, started = [], []
     done = threading.Event()
-    for th in warm_start._cpu_starter:  # the starter of this process's import ends before anything is patched
-        th.join(10)
+    if warm_start._cpu_starter is not None:  # the starter of this process's import ends before anything is patched
+        warm_start._cpu_starter.join(10)
     monkeypatch.setattr(warm_start, "_installed", False)
-    monkeypatch.setattr(warm_start, "_cpu_queued", True)  # the CPU's start: test_the_cpu_warm_up_*
+    monkeypatch.setattr(warm_start, "_cpu_starter", threading.current_thread())  # no CPU start: tested on its own below
     monkeypatch.setattr(warm_start, "engine_process", False)
     monkeypatch.setattr(warm_start, "at_import", True)
     monkeypatch.setattr(warm_start, "SETTLE_S", 0.0)
@@ -44,16 +44,16 @@ def queued(monkeypatch):
 
 def test_the_warm_up_starts_on_the_current_device_when_cuda_initialises(queued, monkeypatch):
     calls, started, done = queued
-    monkeypatch.setenv("REFIT_VERIFY", "enforce")
+    monkeypatch.delenv("REFIT_VERIFY", raising=False)  # a trainer may pass its mode to refit() instead
     assert warm_start.install() and not warm_start.install()  # queued once per process
     assert calls == [warm_start._cuda_started] and started == []
     calls[0]()  # torch initialises CUDA
     assert done.wait(10) and started == [torch.device("cuda", 3)]
 
 
-@pytest.mark.parametrize("engine, env, at_import", [(True, "enforce", True), (False, "off", True), (False, None, True),
-                                                    (False, "Enforce", True), (False, "log", False)])
-def test_no_warm_up_in_a_vllm_process_without_verification_or_switched_off(queued, monkeypatch, engine, env, at_import):
+@pytest.mark.parametrize("engine, env, at_import", [(True, "enforce", True), (False, "off", True), (False, " OFF ", True),
+                                                    (False, "log", False)])
+def test_no_warm_up_in_a_vllm_process_with_verification_off_or_switched_off(queued, monkeypatch, engine, env, at_import):
     calls, started, done = queued
     monkeypatch.setattr(warm_start, "engine_process", engine)
     monkeypatch.setattr(warm_start, "at_import", at_import)
@@ -69,7 +69,7 @@ def test_no_warm_up_in_a_vllm_process_without_verification_or_switched_off(queue
 def test_a_torch_without_the_queue_still_starts_the_cpu_warm_up(queued, monkeypatch):
     calls, started, done = queued
     monkeypatch.setenv("REFIT_VERIFY", "log")
-    monkeypatch.setattr(warm_start, "_cpu_queued", False)
+    monkeypatch.setattr(warm_start, "_cpu_starter", None)
     monkeypatch.setattr(warm_start, "CPU_SETTLE_S", 0.0)
     monkeypatch.delattr(torch.cuda, "_lazy_call")
     assert warm_start.install() and not warm_start.install()
@@ -78,9 +78,9 @@ def test_a_torch_without_the_queue_still_starts_the_cpu_warm_up(queued, monkeypa
 
 def test_nothing_before_torch_is_imported(monkeypatch):
     monkeypatch.setattr(warm_start, "_installed", False)
-    monkeypatch.setattr(warm_start, "_cpu_queued", False)
+    monkeypatch.setattr(warm_start, "_cpu_starter", None)
     monkeypatch.delitem(sys.modules, "torch")
-    assert not warm_start.install() and not warm_start._cpu_queued
+    assert not warm_start.install() and warm_start._cpu_starter is None and not warm_start._installed
 
 
 _TRAINER = """
@@ -99,11 +99,11 @@ print(json.dumps({"started_s": time.perf_counter() - t0, "backend": w and w.back
 """
 
 
-@pytest.mark.parametrize("env", [{"REFIT_VERIFY": "enforce"}, {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "0"},
-                                 {"REFIT_VERIFY": "off"}, {}])
+@pytest.mark.parametrize("env", [{"REFIT_VERIFY": "enforce"}, {}, {"REFIT_VERIFY": "enforce", "REFIT_VERIFY_WARMUP": "0"},
+                                 {"REFIT_VERIFY": "off"}])
 def test_the_cpu_warm_up_starts_in_a_fresh_trainer_process_after_import(env):
     full = {k: v for k, v in os.environ.items() if k not in ("REFIT_VERIFY", "REFIT_VERIFY_WARMUP")} | env
-    starts = env == {"REFIT_VERIFY": "enforce"}
+    starts = env in ({"REFIT_VERIFY": "enforce"}, {})
     script = _TRAINER.replace("< 30", "< 30" if starts else "< 3")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=full)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -13,14 +13,14 @@ builds its model and starts its engine:
 
 Nothing starts when torch is not imported yet (the next ``install``, or the first refit, starts it),
 in a vLLM process (the plugin's ``register()`` sets :data:`engine_process`; its workers warm
-themselves), with :data:`at_import` false, unless ``REFIT_VERIFY`` is ``log`` or ``enforce`` in the
-trainer's environment (unset is ``off``), or with ``REFIT_VERIFY_WARMUP=0``.
-Never raises: a failure is logged.
+themselves), with :data:`at_import` false, or with ``REFIT_VERIFY=off`` or ``REFIT_VERIFY_WARMUP=0``
+in the trainer's environment. Never raises: a failure is logged.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -40,8 +40,7 @@ the package through its plugin entry point and calls the plugin's ``register()``
 this starts the warm-up itself and waits for it, as without the start at import."""
 
 _installed = False
-_cpu_queued = False
-_cpu_starter: list[threading.Thread] = []  # the thread that starts the CPU's warm-up (it ends after CPU_SETTLE_S)
+_cpu_starter: threading.Thread | None = None  # the thread that starts the CPU's warm-up (it ends after CPU_SETTLE_S)
 engine_process = False
 """Set by the vLLM plugin's ``register()``: this process is vLLM's (its workers warm themselves)."""
 
@@ -57,17 +56,16 @@ def install() -> bool:
         bool: True iff a start was arranged by this call (torch imported; the CPU's starter thread
         started, or the CUDA start queued with torch).
     """
-    global _installed, _cpu_queued
+    global _installed, _cpu_starter
     torch = sys.modules.get("torch")
     if torch is None:
         return False
     arranged = False
-    if not _cpu_queued:
+    if _cpu_starter is None:
         try:
             th = threading.Thread(target=_start_cpu, name="refit-verify-warmup-start", daemon=True)
             th.start()
-            _cpu_queued = arranged = True
-            _cpu_starter[:] = [th]
+            _cpu_starter, arranged = th, True
         except Exception:  # noqa: BLE001 - never in the way of import: the first refit warms up instead
             logger.debug("refit-verify: could not start the CPU digest warm-up's starter", exc_info=True)
     lazy = getattr(getattr(torch, "cuda", None), "_lazy_call", None)
@@ -81,16 +79,9 @@ def install() -> bool:
 
 
 def _wanted() -> bool:
-    """Whether a start arranged here goes ahead: not in a vLLM process, and ``REFIT_VERIFY`` set to a
-    verifying mode (unset is ``off``: no digest code runs; a bad value is the first refit's error)."""
-    if not at_import or engine_process:
-        return False
-    try:
-        from refit_verify.config import mode_from_env
-
-        return mode_from_env().verifies
-    except Exception:  # noqa: BLE001 - a bad REFIT_VERIFY: the refit itself reports it
-        return False
+    """Whether a start arranged here goes ahead: not in a vLLM process, not switched off (:data:`at_import`),
+    and ``REFIT_VERIFY`` not ``off`` (a trainer may pass its mode to ``refit`` instead of setting it)."""
+    return at_import and not engine_process and os.environ.get("REFIT_VERIFY", "").strip().lower() != "off"
 
 
 def _start_cpu() -> None:
