@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from refit_verify.digest import _numba_lock
 from refit_verify.digest import reference as _ref
 
 __all__ = ["Backend", "Warmup", "backend_for", "choose", "cpu_backend", "hexes", "hexes_many", "start_warmup",
@@ -142,28 +143,34 @@ def _pick(device_type: str, kernel: bool) -> Backend:
                           "roughly 100x slower on a GPU and synchronises once per tensor")
         return Backend("triton", None, kd.digest_views, _kernel_roots, plan_views=kd.plan_views, run_plan=kd.run_plan)
     if device_type == "cpu":
-        try:
-            from refit_verify.digest import _numba as nd
-
-            probe = torch.arange(13, dtype=torch.uint8)  # one partial lane after a whole one
-            seeds = _ref.seed("uint8", (13,), 13)
-            want = _ref.chain_and_finalise(seeds, [(_ref.chunk_root(0, _ref.lanes(bytes(range(13)))),
-                                                    _ref.chunk_root(1, _ref.lanes(bytes(range(13)))))])
-            got = nd.digest_words(probe, seeds)
-            if got != want:
-                raise RuntimeError(f"probe digest {got} differs from the reference {want}")
-            from refit_verify.digest import _numba_many as nm
-
-            aligned = torch.arange(16, dtype=torch.uint8)[:13].clone()  # its own (aligned) allocation
-            if aligned.data_ptr() % 8 == 0 and nm.digest_words_many([(aligned.data_ptr(), 13, seeds)]) != [want]:
-                raise RuntimeError("the batched probe digest differs from the reference")
-        except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
-            return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
-                          "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
-        return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nm.digest_arrays_many,
-                       many_max_bytes=nm.MANY_MAX_BYTES, plan_many=nm.plan_many, run_many=nm.run_many,
-                       copy_many=_numba_copy(want, seeds))
+        with _numba_lock.held(WARMUP_WAIT_S):  # the first use of the numba digests, one process at a time
+            return _pick_numba()
     return _torch(None)  # no faster implementation exists for this device type
+
+
+def _pick_numba() -> Backend:
+    """The numba backend, its probes compared with the reference; the torch path (with its reason) otherwise."""
+    try:
+        from refit_verify.digest import _numba as nd
+
+        probe = torch.arange(13, dtype=torch.uint8)  # one partial lane after a whole one
+        seeds = _ref.seed("uint8", (13,), 13)
+        want = _ref.chain_and_finalise(seeds, [(_ref.chunk_root(0, _ref.lanes(bytes(range(13)))),
+                                                _ref.chunk_root(1, _ref.lanes(bytes(range(13)))))])
+        got = nd.digest_words(probe, seeds)
+        if got != want:
+            raise RuntimeError(f"probe digest {got} differs from the reference {want}")
+        from refit_verify.digest import _numba_many as nm
+
+        aligned = torch.arange(16, dtype=torch.uint8)[:13].clone()  # its own (aligned) allocation
+        if aligned.data_ptr() % 8 == 0 and nm.digest_words_many([(aligned.data_ptr(), 13, seeds)]) != [want]:
+            raise RuntimeError("the batched probe digest differs from the reference")
+    except Exception as e:  # noqa: BLE001 - missing, unusable or wrong: the torch path, loudly
+        return _torch(f"numba is unavailable ({type(e).__name__}: {e}); the torch path is about 60x slower "
+                      "(0.2-0.3 GB/s against 14-33 GB/s with numba on 2 cores): install numba, a declared dependency")
+    return Backend("numba", nd.digest_words, None, nd.chunk_roots_u8, digest_many=nm.digest_arrays_many,
+                   many_max_bytes=nm.MANY_MAX_BYTES, plan_many=nm.plan_many, run_many=nm.run_many,
+                   copy_many=_numba_copy(want, seeds))
 
 
 def _numba_copy(want: Words, seeds: Words) -> Callable[[list[tuple[int, int, int, Words]]], tuple[Any, Any]] | None:
@@ -197,23 +204,24 @@ def warmup_cpu() -> None:
     """Compile (or load from numba's cache) every specialisation the CPU digests use: ``digest_u8``
     at a lane tail, a serial and a parallel length, the batched small-string path, planned (its
     arrays read-only) and run again where the strings moved (a kept set's relocated run: the
-    addresses a writable array), and the fused copy+digest (``DigestBatch.add_copy``).
+    addresses a writable array), and the fused copy+digest (``DigestBatch.add_copy``); holding the
+    numba compile lock (:mod:`refit_verify.digest._numba_lock`, at most :data:`WARMUP_WAIT_S`).
 
     Raises:
         ImportError: numba is not installed.
     """
     from refit_verify.digest import _numba as nd
+    from refit_verify.digest import _numba_copy as nc
     from refit_verify.digest import _numba_many as nm
 
-    for n in (0, 13, 8 * (nd.PARALLEL_MIN_LANES + 1)):
-        nd.digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
-    z = torch.zeros(16, dtype=torch.uint8)
-    nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
-    nm.run_many(nm.plan_many([(z.data_ptr(), 13, (0, 0))]), [z.data_ptr()])
-    from refit_verify.digest import _numba_copy as nc
-
-    d = torch.zeros(16, dtype=torch.uint8)
-    nc.copy_digest_arrays([(z.data_ptr() + 1, d.data_ptr(), 13, (0, 0))])
+    with _numba_lock.held(WARMUP_WAIT_S):  # one process at a time compiles into numba's cache
+        for n in (0, 13, 8 * (nd.PARALLEL_MIN_LANES + 1)):
+            nd.digest_u8(torch.zeros(n, dtype=torch.uint8), "uint8", (n,))
+        z = torch.zeros(16, dtype=torch.uint8)
+        nm.digest_words_many([(z.data_ptr(), 13, (0, 0))])
+        nm.run_many(nm.plan_many([(z.data_ptr(), 13, (0, 0))]), [z.data_ptr()])
+        d = torch.zeros(16, dtype=torch.uint8)
+        nc.copy_digest_arrays([(z.data_ptr() + 1, d.data_ptr(), 13, (0, 0))])
 
 
 WARMUP_WAIT_S = 120.0

@@ -15,12 +15,14 @@ Source: the plan's layout, :func:`~refit_verify.digest.kernels.launch._plan_nump
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 
 import numpy as np
 
+from refit_verify.digest import _numba_lock
 from refit_verify.digest import reference as _ref
 from refit_verify.digest.kernels import _mix
 
@@ -145,9 +147,11 @@ def plan(addrs: list[int], sizes: list[int], seeds: list[tuple[int, int]], align
     nb = np.asarray(sizes, dtype=np.int64)
     ds = np.zeros(V, dtype=np.int64) if dsts is None else _bits(dsts)
     sd = _bits([s for pair in seeds for s in pair]).reshape(V, 2) if V else np.zeros((0, 2), dtype=np.int64)
+    first = not getattr(build, "signatures", None)  # this call compiles it, or loads it from numba's cache
     try:
-        out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align,
-                             _ref.CHUNK_LANES, _mix.MID_N)
+        with _numba_lock.held() if first else contextlib.nullcontext():
+            out, P, F, C = build(ad, nb, ds, np.ascontiguousarray(sd[:, 0]), np.ascontiguousarray(sd[:, 1]), align,
+                                 _ref.CHUNK_LANES, _mix.MID_N)
     except Exception:  # noqa: BLE001 - numba could not compile it here (its first call compiles): the numpy plan from now on
         if not getattr(build, "signatures", None):
             with _LOCK:
