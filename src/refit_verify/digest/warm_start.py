@@ -63,7 +63,7 @@ def install() -> bool:
     arranged = False
     if _cpu_starter is None:
         try:
-            th = threading.Thread(target=_start_cpu, name="refit-verify-warmup-start", daemon=True)
+            th = threading.Thread(target=_start, args=(CPU_SETTLE_S, False), name="refit-verify-warmup-start", daemon=True)
             th.start()
             _cpu_starter, arranged = th, True
         except Exception:  # noqa: BLE001 - never in the way of import: the first refit warms up instead
@@ -84,28 +84,9 @@ def _wanted() -> bool:
     return at_import and not engine_process and os.environ.get("REFIT_VERIFY", "").strip().lower() != "off"
 
 
-def _start_cpu() -> None:
-    time.sleep(CPU_SETTLE_S)
-    if not _wanted():
-        return
-    try:
-        from refit_verify.digest import backends
-
-        backends.start_warmup("cpu")
-    except Exception:  # noqa: BLE001 - logged; the first refit starts the warm-up itself
-        logger.warning("refit-verify: the trainer's CPU digest warm-up could not start", exc_info=True)
-
-
-def _cuda_started() -> None:
-    """Called inside torch's CUDA initialisation (its lock held): only starts a thread, never raises."""
-    try:
-        threading.Thread(target=_start, name="refit-verify-warmup-start", daemon=True).start()
-    except Exception:  # noqa: BLE001 - an exception here would fail the trainer's CUDA initialisation
-        pass
-
-
-def _start() -> None:
-    time.sleep(SETTLE_S)
+def _start(settle_s: float, cuda: bool) -> None:
+    """After ``settle_s`` seconds, start the warm-up of the CPU or of the current CUDA device, if wanted."""
+    time.sleep(settle_s)
     if not _wanted():
         return
     try:
@@ -113,6 +94,14 @@ def _start() -> None:
 
         from refit_verify.digest import backends
 
-        backends.start_warmup(torch.device("cuda", torch.cuda.current_device()))
+        backends.start_warmup(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
     except Exception:  # noqa: BLE001 - logged; the first refit starts the warm-up itself
-        logger.warning("refit-verify: the trainer's digest warm-up could not start", exc_info=True)
+        logger.warning("refit-verify: the trainer's %s digest warm-up could not start", "CUDA" if cuda else "CPU", exc_info=True)
+
+
+def _cuda_started() -> None:
+    """Called inside torch's CUDA initialisation (its lock held): only starts a thread, never raises."""
+    try:
+        threading.Thread(target=_start, args=(SETTLE_S, True), name="refit-verify-warmup-start", daemon=True).start()
+    except Exception:  # noqa: BLE001 - an exception here would fail the trainer's CUDA initialisation
+        pass
